@@ -1,0 +1,37 @@
+# `make demo` and `make test` each create .venv when missing and install what they need.
+# torch is pinned for development and CI (pip takes the CPU build on this kind of machine);
+# pyproject keeps a range for users.  An installed torch is never replaced.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.rlx_nb-installed
+TORCH_PIN := torch==2.13.0
+
+.PHONY: demo test lint format bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q $(TORCH_PIN)
+	$(BIN)/python -m pip install -q -e '.[onnx,dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/rlx-nb demo
+
+lint: $(STAMP)
+	$(BIN)/ruff check rlx_nb tests bench
+	$(BIN)/ruff format --check rlx_nb tests bench
+
+format: $(STAMP)
+	$(BIN)/ruff format rlx_nb tests bench
+	$(BIN)/ruff check --fix rlx_nb tests bench
+
+test: lint
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	$(BIN)/python bench/metrics_speed.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -1,0 +1,33 @@
+"""rlx_nb: is this backend's divergence round-off, or a kernel bug — and where?
+
+Run one PyTorch model on the CPU oracle and on every other backend live on
+this machine, and judge each backend's gap against a float64 reference.
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+from rlx_nb.api import backend_divergence, report_backend_divergence
+from rlx_nb.backends import available_backends, register_backend, unregister_backend
+from rlx_nb.compare import OutputRecord, compare
+from rlx_nb.errors import BackendError, InputError, RlxError
+from rlx_nb.report import DivergenceReport
+from rlx_nb.run import RunResults, run
+
+__all__ = [
+    "BackendError",
+    "DivergenceReport",
+    "InputError",
+    "OutputRecord",
+    "RlxError",
+    "RunResults",
+    "__version__",
+    "available_backends",
+    "backend_divergence",
+    "compare",
+    "register_backend",
+    "report_backend_divergence",
+    "run",
+    "unregister_backend",
+]

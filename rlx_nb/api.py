@@ -1,0 +1,108 @@
+"""The two entry points the RLX runtime's diagnostic had, in Python form."""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+
+from rlx_nb.compare import RULES
+from rlx_nb.errors import InputError, RlxError
+from rlx_nb.report import DivergenceReport
+from rlx_nb.run import run
+
+
+def backend_divergence(
+    model: Any,
+    inputs: Any,
+    *,
+    params: Mapping[str, torch.Tensor] | None = None,
+    backends: str | Iterable[str] | None = None,
+    tol_rel: float | None = None,
+    backward: bool = False,
+    loss: Callable[[Any], torch.Tensor] | None = None,
+    label: str | None = None,
+    rule: str = "budget",
+    progress: bool | Callable[[str], None] = False,
+) -> DivergenceReport:
+    """Run ``model`` on the CPU oracle and on every other backend, and judge each one's gap.
+
+    Parameters
+    ----------
+    model : torch.nn.Module or callable
+        Run on a private copy (eval mode, float32, CPU); the original is untouched.
+    inputs : Tensor, tuple or dict
+        Positional arguments (a tensor or a tuple) or keyword arguments (a dict).
+    params : mapping, optional
+        ``name -> tensor`` loaded into the copy before running (the seed's ``set_param``).
+    backends : None, str or list of str
+        ``None`` runs every live default backend; a comma-separated string or a
+        list picks some (opt-in ones such as ``cpu-bf16`` and ``fault:*`` too).
+    tol_rel : float, optional
+        The fixed rule's threshold on ``max_rel``; defaults to 2e-3 for
+        forward outputs and 1e-2 for gradients.
+    backward : bool
+        Also compare gradients w.r.t. parameters and to inputs that require
+        grad, as outputs named ``grad:<name>``.
+    loss : callable, optional
+        ``loss(outputs) -> scalar`` for the backward; defaults to
+        ``sum(out * w)`` over floating outputs with fixed random ``w``.
+    label : str, optional
+        Name in the report lines; defaults to the model's class name.
+    rule : {"budget", "fixed"}
+        The verdict in charge; both are always computed and shown.
+    progress : bool or callable
+        ``True`` prints each backend's name to stderr as it starts; a callable
+        receives the name.
+
+    Returns
+    -------
+    DivergenceReport
+
+    Examples
+    --------
+    >>> import torch, rlx_nb
+    >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+    >>> report = rlx_nb.backend_divergence(model, torch.randn(4, 8), backends=["cpu-nomkldnn"])
+    >>> report.suspects
+    []
+    """
+    if rule not in RULES:
+        raise InputError(f"rule must be one of {', '.join(RULES)}; got {rule!r}")
+    if tol_rel is not None and not (isinstance(tol_rel, (int, float)) and tol_rel > 0):
+        raise InputError(f"tol_rel must be a positive number, got {tol_rel!r}")
+    if loss is not None and not callable(loss):
+        raise InputError(f"loss must be a callable loss(outputs) -> scalar tensor, got {type(loss).__name__}")
+    say = progress if callable(progress) else (_print_progress if progress else None)
+    try:
+        results = run(
+            model, inputs, params=params, backends=backends, backward=backward, loss=loss, label=label, progress=say
+        )
+    except RlxError as exc:
+        raise type(exc)(str(exc)) from None
+    return DivergenceReport.from_results(results, rule=rule, tol_rel=tol_rel)
+
+
+def _print_progress(name: str) -> None:
+    print(f"rlx_nb: running {name} ...", file=sys.stderr, flush=True)
+
+
+def report_backend_divergence(label: str, model: Any, inputs: Any, **kwargs: Any) -> bool:
+    """Print one line per backend to stderr; return True if any backend is SUSPECT.
+
+    A CPU-only node (nothing to compare) prints that and returns False, as
+    the RLX runtime's ``report_backend_divergence`` does.  Keyword arguments
+    go to :func:`backend_divergence`.
+
+    Examples
+    --------
+    >>> import torch, rlx_nb
+    >>> rlx_nb.report_backend_divergence("lin", torch.nn.Linear(2, 2), torch.ones(1, 2), backends=["cpu"])
+    False
+    """
+    report = backend_divergence(model, inputs, label=label, **kwargs)
+    for line in report.lines():
+        print(line, file=sys.stderr)
+    return report.any_suspect

@@ -1,0 +1,147 @@
+"""Eager PyTorch backends: the fp32 oracle, the fp64 reference, oneDNN off, and devices."""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from rlx_nb.backends.registry import ORACLE, REFERENCE, Backend
+from rlx_nb.tree import map_tensors
+
+
+def run_eager(model: Any, inputs: tuple) -> Any:
+    """The oracle: the model as it is, float32 eager on the CPU."""
+    return model(*inputs)
+
+
+def to_float64(x: torch.Tensor) -> torch.Tensor:
+    return x.double() if x.is_floating_point() else x
+
+
+def run_float64(model: Any, inputs: tuple) -> Any:
+    """The reference: the same model with every floating param, buffer and input in float64."""
+    if isinstance(model, torch.nn.Module):
+        model.double()
+    return model(*map_tensors(to_float64, inputs))
+
+
+def run_nomkldnn(model: Any, inputs: tuple) -> Any:
+    """Eager with oneDNN (mkldnn) disabled: other kernels on the same chip."""
+    with warnings.catch_warnings():
+        # torch warns about Intel-GPU TF32 whenever these flags are touched.
+        warnings.filterwarnings("ignore", message="TF32 acceleration on top of oneDNN")
+        with torch.backends.mkldnn.flags(enabled=False):
+            return model(*inputs)
+
+
+def device_reason(device: str) -> str | None:
+    """``None`` when ``device`` (cuda, mps, xpu, cpu) is usable here, else why not."""
+    if device == "cpu":
+        return None
+    if device == "cuda":
+        return None if torch.cuda.is_available() else "no CUDA device (torch.cuda.is_available() is False)"
+    if device == "mps":
+        mps = getattr(torch.backends, "mps", None)
+        return None if mps is not None and mps.is_available() else "no MPS device"
+    if device == "xpu":
+        xpu = getattr(torch, "xpu", None)
+        return None if xpu is not None and xpu.is_available() else "no XPU device"
+    return f"unknown device {device!r}"
+
+
+@contextlib.contextmanager
+def cuda_tf32(enabled: bool) -> Iterator[None]:
+    """Set TF32 for CUDA matmuls and cuDNN convolutions, restoring the previous state."""
+    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = enabled
+    torch.backends.cudnn.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = matmul
+        torch.backends.cudnn.allow_tf32 = cudnn
+
+
+def to_cpu_float(x: torch.Tensor) -> torch.Tensor:
+    return x.float() if x.is_floating_point() and x.dtype != torch.float64 else x
+
+
+def on_device(device: str, *, tf32: bool = False, autocast: torch.dtype | None = None):
+    """A backend fn that runs the model eager on ``device``.
+
+    TF32 is switched off unless ``tf32=True``, so ``cuda`` is a true fp32
+    backend; ``autocast`` runs under ``torch.autocast`` in that dtype and
+    casts floating outputs back to float32.
+    """
+
+    def fn(model: Any, inputs: tuple) -> Any:
+        if isinstance(model, torch.nn.Module):
+            model.to(device)
+        moved = map_tensors(lambda t: t.to(device), inputs)
+        guard = cuda_tf32(tf32) if device == "cuda" else contextlib.nullcontext()
+        cast = torch.autocast(device_type=device, dtype=autocast) if autocast is not None else contextlib.nullcontext()
+        with guard, cast:
+            out = model(*moved)
+        return map_tensors(to_cpu_float, out) if autocast is not None else out
+
+    fn.__name__ = f"run_on_{device}"
+    return fn
+
+
+def _probe(device: str):
+    return lambda: device_reason(device)
+
+
+BACKENDS = [
+    Backend(ORACLE, run_eager, description="torch eager, float32 (the oracle)", builtin=True),
+    Backend(
+        REFERENCE,
+        run_float64,
+        compute_dtype="float64",
+        default=False,
+        description="torch eager, float64 (the reference the verdict uses)",
+        builtin=True,
+    ),
+    Backend("cpu-nomkldnn", run_nomkldnn, description="torch eager with oneDNN disabled", builtin=True),
+    Backend(
+        "cuda",
+        on_device("cuda"),
+        device="cuda",
+        probe=_probe("cuda"),
+        description="torch eager on CUDA, TF32 off",
+        builtin=True,
+    ),
+    Backend(
+        "cuda-tf32",
+        on_device("cuda", tf32=True),
+        device="cuda",
+        compute_dtype="tf32",
+        probe=_probe("cuda"),
+        description="torch eager on CUDA, TF32 matmuls and convolutions",
+        builtin=True,
+    ),
+    Backend(
+        "cuda-bf16",
+        on_device("cuda", autocast=torch.bfloat16),
+        device="cuda",
+        compute_dtype="bfloat16",
+        probe=_probe("cuda"),
+        description="CUDA autocast bfloat16",
+        builtin=True,
+    ),
+    Backend(
+        "mps",
+        on_device("mps"),
+        device="mps",
+        probe=_probe("mps"),
+        description="torch eager on Apple MPS (no float64 there)",
+        builtin=True,
+    ),
+    Backend(
+        "xpu", on_device("xpu"), device="xpu", probe=_probe("xpu"), description="torch eager on Intel XPU", builtin=True
+    ),
+]

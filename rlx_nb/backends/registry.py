@@ -1,0 +1,270 @@
+"""Backend records, the registry, and name resolution with clear errors."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import threading
+from collections.abc import Callable, Iterable
+from typing import Any
+
+from rlx_nb.errors import BackendError
+from rlx_nb.metrics import UNIT_ROUNDOFF
+
+ORACLE = "cpu"
+REFERENCE = "cpu-f64"
+
+BackendFn = Callable[[Any, tuple], Any]
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:+/-]*$")
+
+
+@dataclasses.dataclass(frozen=True)
+class Backend:
+    """One way of executing a model.
+
+    Attributes
+    ----------
+    name : str
+        Registry key, e.g. ``"cpu-inductor"``.
+    fn : callable
+        ``fn(model, inputs) -> outputs``.
+    device : str
+        Device family the backend runs on (``"cpu"``, ``"cuda"``, ``"mps"``, ...).
+    compute_dtype : str
+        The format whose round-off the backend is judged against
+        (``"float32"``, ``"bfloat16"``, ``"float16"``, ``"tf32"``).
+    default : bool
+        Whether ``backends=None`` includes it.  Reduced-precision and
+        fault-injection backends are opt-in.
+    differentiable : bool
+        Whether gradients can flow through ``fn``'s outputs.
+    probe : callable, optional
+        ``probe() -> None`` when live, else a short reason it is not.
+    description : str
+        One line for tables.
+    """
+
+    name: str
+    fn: BackendFn
+    device: str = "cpu"
+    compute_dtype: str = "float32"
+    default: bool = True
+    differentiable: bool = True
+    probe: Callable[[], str | None] | None = None
+    description: str = ""
+    builtin: bool = False
+
+    def unavailable_reason(self) -> str | None:
+        """``None`` when the backend is live on this node, else why it is not."""
+        if self.probe is None:
+            return None
+        try:
+            return self.probe()
+        except Exception as exc:  # a probe must never crash the caller
+            return f"probe failed: {type(exc).__name__}: {exc}"
+
+    @property
+    def live(self) -> bool:
+        return self.unavailable_reason() is None
+
+
+_REGISTRY: dict[str, Backend] = {}
+_LOCK = threading.Lock()
+_BUILTINS_LOADED = False
+
+
+def _ensure_builtins() -> None:
+    global _BUILTINS_LOADED
+    if _BUILTINS_LOADED:
+        return
+    with _LOCK:
+        if _BUILTINS_LOADED:
+            return
+        _BUILTINS_LOADED = True
+        from rlx_nb.backends import compiled, eager, faults, onnx, precision
+
+        for module in (eager, compiled, onnx, precision, faults):
+            for backend in module.BACKENDS:
+                _REGISTRY.setdefault(backend.name, backend)
+
+
+def register_backend(
+    name: str,
+    fn: BackendFn,
+    *,
+    device: str = "cpu",
+    replace: bool = False,
+    compute_dtype: str = "float32",
+    default: bool = True,
+    differentiable: bool = True,
+    probe: Callable[[], str | None] | None = None,
+    description: str = "",
+) -> Backend:
+    """Register a backend under ``name``.
+
+    ``fn(model, inputs) -> outputs`` gets a private deep copy of the model
+    (eval mode, float32, on the CPU) and the inputs as a tuple, and returns
+    outputs shaped like the model's.
+
+    Parameters
+    ----------
+    name : str
+        Letters, digits and ``_ . : + / -``; no spaces or commas.
+    fn : callable
+        The runner.
+    device : str
+        Where it runs; a ``cuda``/``mps``/``xpu`` backend is live only when
+        that device is present (unless ``probe`` says otherwise).
+    replace : bool
+        Allow replacing an existing registration.
+    compute_dtype : str
+        Format it computes in, for the round-off budget: one of
+        ``float32``, ``tf32``, ``float16``, ``bfloat16``, ``float64``.
+    default : bool
+        Include it when ``backend_divergence(..., backends=None)``.
+    differentiable : bool
+        Whether gradients flow through its outputs.
+    probe : callable, optional
+        ``probe() -> None | str``: ``None`` when live, else the reason.
+    description : str
+        One line shown by ``rlx-nb backends``.
+
+    Examples
+    --------
+    >>> import rlx_nb
+    >>> b = rlx_nb.register_backend("doc-eager", lambda m, xs: m(*xs), replace=True)
+    >>> b.name
+    'doc-eager'
+    """
+    _ensure_builtins()
+    if not isinstance(name, str) or not _NAME.match(name) or "," in name:
+        raise BackendError(f"invalid backend name {name!r}: use letters, digits and _ . : + / - (no spaces or commas)")
+    if not callable(fn):
+        raise BackendError(f"backend {name!r}: fn must be callable fn(model, inputs), got {type(fn).__name__}")
+    if compute_dtype not in UNIT_ROUNDOFF:
+        raise BackendError(f"backend {name!r}: compute_dtype {compute_dtype!r} is not one of {sorted(UNIT_ROUNDOFF)}")
+    if name in (ORACLE, REFERENCE):
+        raise BackendError(f"{name!r} is the {'oracle' if name == ORACLE else 'fp64 reference'} and cannot be replaced")
+    if name in _REGISTRY and not replace:
+        raise BackendError(f"backend {name!r} is already registered; pass replace=True to replace it")
+    if probe is None and device != "cpu":
+        probe = _device_probe(device)
+    backend = Backend(
+        name=name,
+        fn=fn,
+        device=device,
+        compute_dtype=compute_dtype,
+        default=default,
+        differentiable=differentiable,
+        probe=probe,
+        description=description,
+    )
+    with _LOCK:
+        _REGISTRY[name] = backend
+    return backend
+
+
+def unregister_backend(name: str) -> None:
+    """Remove a user-registered backend (built-ins cannot be removed)."""
+    backend = get_backend(name)
+    if backend.builtin:
+        raise BackendError(f"{name!r} is built in and cannot be unregistered")
+    with _LOCK:
+        _REGISTRY.pop(name, None)
+
+
+def _device_probe(device: str) -> Callable[[], str | None]:
+    def probe() -> str | None:
+        from rlx_nb.backends.eager import device_reason
+
+        return device_reason(device)
+
+    return probe
+
+
+def get_backend(name: str) -> Backend:
+    """The registered backend called ``name``; a clear error listing the known ones otherwise."""
+    _ensure_builtins()
+    try:
+        return _REGISTRY[name]
+    except (KeyError, TypeError):
+        known = ", ".join(sorted(_REGISTRY))
+        raise BackendError(f"unknown backend {name!r}; registered backends: {known}") from None
+
+
+def available_backends(*, include_optin: bool = False) -> list[str]:
+    """Backends live on this node, the oracle ``cpu`` first.
+
+    The fp64 reference ``cpu-f64`` is not a candidate and is not listed.
+    Opt-in backends (reduced precision, fault injection) are listed only with
+    ``include_optin=True``.
+
+    Examples
+    --------
+    >>> import rlx_nb
+    >>> rlx_nb.available_backends()[0]
+    'cpu'
+    """
+    _ensure_builtins()
+    names = [
+        b.name for b in list(_REGISTRY.values()) if b.name != REFERENCE and (b.default or include_optin) and b.live
+    ]
+    return [ORACLE] + [n for n in names if n != ORACLE]
+
+
+def backend_table() -> list[dict[str, Any]]:
+    """Every registered backend as plain records (``frames.backend_table_frame`` makes a DataFrame)."""
+    _ensure_builtins()
+    rows = []
+    for b in list(_REGISTRY.values()):
+        reason = b.unavailable_reason()
+        rows.append(
+            {
+                "backend": b.name,
+                "live": reason is None,
+                "default": b.default,
+                "device": b.device,
+                "compute_dtype": b.compute_dtype,
+                "differentiable": b.differentiable,
+                "description": b.description,
+                "reason": reason or "",
+            }
+        )
+    return rows
+
+
+def resolve_backends(backends: str | Iterable[str] | None) -> list[Backend]:
+    """Turn the user's ``backends=`` argument into candidate backends (never the oracle or reference).
+
+    ``None`` means every live default backend.  A name that is unknown raises
+    :class:`BackendError` listing the live ones; a known name that is not live
+    here is kept so that its run reports the reason as an error row.
+    """
+    _ensure_builtins()
+    if backends is None:
+        return [get_backend(n) for n in available_backends() if n != ORACLE]
+    if isinstance(backends, str):
+        names = [n.strip() for n in backends.split(",") if n.strip()]
+    else:
+        try:
+            names = list(backends)
+        except TypeError:
+            raise BackendError(
+                f"backends must be None, a name, a comma-separated string or a list of names; got {backends!r}"
+            ) from None
+    if not names:
+        raise BackendError(
+            f"the backend list is empty; pass None for every live backend, or some of: "
+            f"{', '.join(available_backends(include_optin=True))}"
+        )
+    out: list[Backend] = []
+    for n in names:
+        if not isinstance(n, str):
+            raise BackendError(f"backend names must be strings, got {n!r}")
+        if n not in _REGISTRY:
+            raise BackendError(f"unknown backend {n!r}; live here: {', '.join(available_backends(include_optin=True))}")
+        if n in (ORACLE, REFERENCE):
+            continue  # always run as oracle / reference, never as a candidate
+        if n not in [b.name for b in out]:
+            out.append(_REGISTRY[n])
+    return out

@@ -1,0 +1,175 @@
+"""``rlx-nb``: the command line, for CI gates and cluster nodes.
+
+Exit codes: 0 every backend is round-off; 1 some backend is SUSPECT; 2 usage
+error or the target cannot be loaded; 3 no SUSPECT but some requested
+backend failed to run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from rlx_nb.errors import RlxError, TargetError
+
+EXIT_OK, EXIT_SUSPECT, EXIT_USAGE, EXIT_BACKEND_FAILED = 0, 1, 2, 3
+
+
+def load_target(target: str) -> tuple[Any, Any]:
+    """Import ``path/to/file.py:factory`` or ``package.module:factory`` and call ``factory()``.
+
+    ``factory()`` must return ``(model, inputs)``.  Importing the target may
+    register backends.
+    """
+    if ":" not in target:
+        raise TargetError(f"target {target!r} must be 'path/to/file.py:factory' or 'package.module:factory'")
+    where, _, attr = target.rpartition(":")
+    if not where or not attr.isidentifier():
+        raise TargetError(f"target {target!r}: {attr!r} is not a function name")
+    if where.endswith(".py") or "/" in where or "\\" in where:
+        path = Path(where)
+        if not path.is_file():
+            raise TargetError(f"target file {where!r} does not exist")
+        spec = importlib.util.spec_from_file_location(f"rlx_nb_target_{path.stem}", path)
+        if spec is None or spec.loader is None:
+            raise TargetError(f"cannot import {where!r} as a Python file")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = module
+        try:
+            spec.loader.exec_module(module)
+        except Exception as exc:
+            raise TargetError(f"importing {where!r} failed: {type(exc).__name__}: {exc}") from None
+    else:
+        try:
+            module = importlib.import_module(where)
+        except Exception as exc:
+            raise TargetError(f"importing module {where!r} failed: {type(exc).__name__}: {exc}") from None
+    factory = getattr(module, attr, None)
+    if not callable(factory):
+        raise TargetError(f"{where!r} has no callable {attr!r}")
+    try:
+        made = factory()
+    except Exception as exc:
+        raise TargetError(f"{attr}() failed: {type(exc).__name__}: {exc}") from None
+    if not (isinstance(made, (tuple, list)) and len(made) == 2):
+        raise TargetError(f"{attr}() must return (model, inputs); got {type(made).__name__}")
+    return made[0], made[1]
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="rlx-nb",
+        description="Is a backend's divergence from the CPU oracle round-off, or a kernel bug?",
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+    check = sub.add_parser("check", help="run TARGET's model on the backends and gate on the verdict")
+    check.add_argument("target", help="path/to/file.py:factory or package.module:factory; factory() -> (model, inputs)")
+    _common(check)
+    sub.add_parser("backends", help="list every registered backend and whether it is live here")
+    demo = sub.add_parser(
+        "demo",
+        help="run the embedded demo models (forward and backward) on every live backend plus the fault catalogue; "
+        "exits 0 when exactly the faulty backends are SUSPECT",
+    )
+    _common(demo)
+    return p
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--backends", help="comma-separated backend names (default: every live backend)")
+    p.add_argument(
+        "--tol-rel", type=float, help="the fixed rule's max_rel threshold (default 2e-3, 1e-2 for gradients)"
+    )
+    p.add_argument("--backward", action="store_true", help="also compare gradients (demo always does)")
+    p.add_argument("--label", help="label for the report lines")
+    p.add_argument("--rule", choices=["budget", "fixed"], default="budget", help="the verdict in charge")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "backends":
+            return _backends()
+        if args.command == "demo":
+            return _demo(args)
+        return _check(args)
+    except RlxError as exc:
+        print(f"rlx-nb: error: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+
+
+def _backends() -> int:
+    from rlx_nb.backends import backend_table
+
+    for row in backend_table():
+        live = "live" if row["live"] else "absent"
+        opt = "" if row["default"] else " (opt-in)"
+        why = f" — {row['reason']}" if row["reason"] else ""
+        print(f"{row['backend']:24s} {live:6s} {row['compute_dtype']:9s} {row['description']}{opt}{why}")
+    return EXIT_OK
+
+
+def _check(args: argparse.Namespace) -> int:
+    from rlx_nb.api import backend_divergence
+
+    model, inputs = load_target(args.target)
+    report = backend_divergence(
+        model,
+        inputs,
+        backends=args.backends,
+        tol_rel=args.tol_rel,
+        backward=args.backward,
+        label=args.label,
+        rule=args.rule,
+    )
+    for line in report.lines():
+        print(line)
+    return _exit_code([report])
+
+
+def _exit_code(reports: list) -> int:
+    if any(r.any_suspect for r in reports):
+        return EXIT_SUSPECT
+    if any(r.errors for r in reports):
+        return EXIT_BACKEND_FAILED
+    return EXIT_OK
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from rlx_nb import demo
+    from rlx_nb.api import backend_divergence
+    from rlx_nb.backends import available_backends
+
+    backends = args.backends or ",".join([b for b in available_backends() if b != "cpu"] + demo.FAULTS)
+    reports = []
+    for name, factory in demo.MODELS.items():
+        model, inputs = factory()
+        report = backend_divergence(
+            model,
+            inputs,
+            backends=backends,
+            tol_rel=args.tol_rel,
+            backward=True,
+            label=args.label or name,
+            rule=args.rule,
+        )
+        for line in report.lines():
+            print(line, flush=True)
+        reports.append(report)
+    caught = sorted({b for r in reports for b in r.suspects if b in demo.FAULTS})
+    wrong = sorted({b for r in reports for b in r.suspects if b not in demo.FAULTS})
+    missed = sorted(set(demo.FAULTS) & set(backends.split(",")) - set(caught))
+    print(
+        f"demo: faulty backends caught: {', '.join(caught) or 'none'}; "
+        f"missed: {', '.join(missed) or 'none'}; legitimate backends called SUSPECT: {', '.join(wrong) or 'none'}"
+    )
+    return EXIT_SUSPECT if wrong or missed else EXIT_OK
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,325 @@
+"""RunResults -> one divergence record per (backend, output), with both verdicts.
+
+The two rules
+-------------
+``fixed`` (the seed's): SUSPECT when ``max_rel = max |b - o| / (|o| + 1e-6)``
+exceeds ``tol_rel`` (2e-3 for forward outputs, 1e-2 for gradients).
+
+``budget`` (the default): measure the fp32 oracle's own error against the
+float64 reference and judge the backend by how many times that round-off it
+shows.  For each output, with ``r`` the fp64 reference, ``o`` the oracle and
+``b`` the backend::
+
+    floor = FLOOR_UNITS * u32                       (forward outputs)
+    floor = GRAD_FLOOR_UNITS * u32 * sqrt(K)        (gradients)
+    floor_rmse = floor * rms(r)                    floor_max = floor * max|r|
+    budget_rmse = scale * max(rmse(o - r), floor_rmse)
+    budget_max  = scale * max(max|o - r|, floor_max)
+    ratio_rmse  = rmse(b - r) / budget_rmse        ratio_max = max|b - r| / budget_max
+    SUSPECT  if ratio_rmse > RMSE_LIMIT or ratio_max > MAX_LIMIT
+             or NaN/Inf where the oracle has none (or the reverse), or the shape differs
+
+``u32 = 2**-24`` is float32's unit round-off; ``scale`` is the backend's
+compute format's unit round-off over float32's (1 for fp32 backends, 2**13
+for float16 and tf32, 2**16 for bfloat16).  The floor keeps outputs that the
+oracle computes exactly (or nearly) from turning a single-ulp difference into
+a huge ratio.  For the gradient of a parameter, ``K`` is about how many terms the backward sums into each element
+(the owning module's output size over the parameter's leading dimension:
+batch rows for a Linear, N*H*W for a conv or BatchNorm channel), because a
+legitimate backend that sums those terms in another order (Inductor does)
+differs from the oracle by up to ~sqrt(K) ulps where the oracle's pairwise
+sums are unusually exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+import numpy as np
+
+from rlx_nb.metrics import UNIT_ROUNDOFF, pair_stats, reference_stats
+from rlx_nb.run import GRAD_PREFIX, OK, SKIPPED, BackendRun, Leaf, RunResults
+
+ROUNDOFF = "round-off"
+SUSPECT = "SUSPECT"
+VERDICT_ERROR = "error"
+VERDICT_SKIPPED = "skipped"
+
+RULES = ("budget", "fixed")
+TOL_REL_FORWARD = 2e-3
+TOL_REL_BACKWARD = 1e-2
+RMSE_LIMIT = 4.0
+MAX_LIMIT = 8.0
+FLOOR_UNITS = 2.0
+GRAD_FLOOR_UNITS = 4.0
+BETTER_THAN_ORACLE = 0.5
+
+
+@dataclasses.dataclass
+class OutputRecord:
+    """How one backend's output compares with the oracle's and the fp64 reference."""
+
+    backend: str
+    output: str | None
+    output_index: int
+    kind: str
+    verdict: str
+    verdict_fixed: str
+    verdict_budget: str | None
+    reason: str
+    compute_dtype: str
+    shape: tuple[int, ...] | None = None
+    dtype: str = ""
+    numel: int = 0
+    max_abs: float = math.nan
+    max_rel: float = math.nan
+    worst_index: tuple[int, ...] | None = None
+    oracle_value: float = math.nan
+    backend_value: float = math.nan
+    reference_value: float = math.nan
+    mismatched: int = 0
+    mismatched_frac: float = math.nan
+    mean_abs: float = math.nan
+    p99_abs: float = math.nan
+    max_ulp: int = 0
+    nonfinite_mismatch: int = 0
+    oracle_rmse: float = math.nan
+    backend_rmse: float = math.nan
+    oracle_max_err: float = math.nan
+    backend_max_err: float = math.nan
+    ratio_rmse: float = math.nan
+    ratio_max: float = math.nan
+    excess: float = math.nan
+    tol_rel: float = math.nan
+    reduction_length: int = 1
+    note: str = ""
+
+    @property
+    def suspect(self) -> bool:
+        return self.verdict == SUSPECT
+
+
+def compare(results: RunResults, *, tol_rel: float | None = None, rule: str = "budget") -> list[OutputRecord]:
+    """Compare every candidate's outputs with the oracle's; one record per (backend, output).
+
+    A backend that failed gives one ``error`` record (``output`` is None); a
+    backend that cannot differentiate gives ``skipped`` records for the
+    ``grad:`` outputs.
+    """
+    if rule not in RULES:
+        raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
+    records: list[OutputRecord] = []
+    for run in results.candidates.values():
+        records.extend(_compare_run(results, run, tol_rel, rule))
+    return records
+
+
+def _compare_run(results: RunResults, run: BackendRun, tol_rel: float | None, rule: str) -> list[OutputRecord]:
+    if run.status != OK:
+        return [
+            OutputRecord(
+                run.backend, None, -1, "forward", VERDICT_ERROR, VERDICT_ERROR, None, run.message, run.compute_dtype
+            )
+        ]
+    out = []
+    for index, (name, leaf) in enumerate(results.oracle.outputs.items()):
+        kind = "grad" if name.startswith(GRAD_PREFIX) else "forward"
+        tol = tol_rel if tol_rel is not None else (TOL_REL_BACKWARD if kind == "grad" else TOL_REL_FORWARD)
+        base = dict(
+            backend=run.backend,
+            output=name,
+            output_index=index,
+            kind=kind,
+            compute_dtype=run.compute_dtype,
+            tol_rel=tol,
+        )
+        length = results.oracle.reduction_lengths.get(name, 1)
+        if kind == "grad" and run.grad_status != OK:
+            verdict = VERDICT_SKIPPED if run.grad_status == SKIPPED else VERDICT_ERROR
+            out.append(
+                OutputRecord(
+                    verdict=verdict, verdict_fixed=verdict, verdict_budget=None, reason=run.grad_message, **base
+                )
+            )
+            continue
+        got = run.outputs.get(name)
+        ref = results.reference.outputs.get(name) if results.reference.status == OK else None
+        out.append(compare_leaf(leaf, got, ref, rule=rule, reduction_length=length, **base))
+    extra = [n for n in run.outputs if n not in results.oracle.outputs]
+    if extra:
+        out.append(
+            OutputRecord(
+                run.backend,
+                extra[0],
+                len(results.oracle.outputs),
+                "forward",
+                SUSPECT,
+                SUSPECT,
+                SUSPECT,
+                f"outputs the oracle does not have: {', '.join(extra[:5])}",
+                run.compute_dtype,
+            )
+        )
+    return out
+
+
+def compare_leaf(
+    oracle: Leaf,
+    got: Leaf | None,
+    ref: Leaf | None,
+    *,
+    rule: str,
+    backend: str,
+    output: str,
+    output_index: int,
+    kind: str,
+    compute_dtype: str,
+    tol_rel: float,
+    reduction_length: int = 1,
+) -> OutputRecord:
+    """One (backend, output) record from the oracle's, the backend's and the reference's leaf."""
+    rec = OutputRecord(
+        backend,
+        output,
+        output_index,
+        kind,
+        ROUNDOFF,
+        ROUNDOFF,
+        None,
+        "",
+        compute_dtype,
+        shape=oracle.shape,
+        dtype=oracle.dtype,
+        tol_rel=tol_rel,
+        reduction_length=reduction_length,
+    )
+    if got is None:
+        return _suspect(rec, "output missing: the backend's outputs have a different structure")
+    if not oracle.is_array or not got.is_array:
+        same = (not oracle.is_array and not got.is_array) and _equal(oracle.value, got.value)
+        return rec if same else _suspect(rec, f"value {got.value!r:.60} differs from the oracle's {oracle.value!r:.60}")
+    o, b = oracle.value, got.value
+    rec.numel = int(o.size)
+    if o.shape != b.shape:
+        return _suspect(rec, f"shape {b.shape} differs from the oracle's {o.shape}")
+    if got.dtype != oracle.dtype:
+        rec.note = f"dtype {got.dtype} differs from the oracle's {oracle.dtype}"
+    if not (_is_float(o) and _is_float(b)):
+        return _compare_exact(rec, o, b)
+    eo, eb, shape = _float_views(o, b)
+    stats = pair_stats(eo, eb)
+    rec.max_abs, rec.max_rel, rec.mean_abs, rec.p99_abs = stats.max_abs, stats.max_rel, stats.mean_abs, stats.p99_abs
+    rec.mismatched, rec.max_ulp, rec.nonfinite_mismatch = stats.mismatched, stats.max_ulp, stats.nonfinite_mismatch
+    rec.mismatched_frac = stats.mismatched / max(1, stats.numel)
+    r = None
+    if ref is not None and ref.is_array and ref.value.shape == o.shape and _is_float(ref.value):
+        r = ref.value.view(np.float64).reshape(shape) if np.iscomplexobj(ref.value) else ref.value
+    if stats.worst_index >= 0:
+        flat = stats.worst_index
+        rec.worst_index = tuple(int(i) for i in np.unravel_index(flat // (2 if np.iscomplexobj(o) else 1), o.shape))
+        rec.oracle_value, rec.backend_value = float(eo.reshape(-1)[flat]), float(eb.reshape(-1)[flat])
+        if r is not None:
+            rec.reference_value = float(np.asarray(r).reshape(-1)[flat])
+    rec.verdict_fixed = SUSPECT if (stats.max_rel > tol_rel or stats.nonfinite_mismatch) else ROUNDOFF
+    if r is not None:
+        rec.verdict_budget = _budget(rec, eo, eb, r)
+    else:
+        rec.note = _join(rec.note, "no fp64 reference for this output; the budget verdict is unavailable")
+    rec.verdict = rec.verdict_fixed if rule == "fixed" or rec.verdict_budget is None else rec.verdict_budget
+    rec.reason = _reason(rec, rule)
+    return rec
+
+
+def _budget(rec: OutputRecord, o: np.ndarray, b: np.ndarray, r: np.ndarray) -> str:
+    so, sb = reference_stats(o, r), reference_stats(b, r)
+    scale = UNIT_ROUNDOFF.get(rec.compute_dtype, UNIT_ROUNDOFF["float32"]) / UNIT_ROUNDOFF["float32"]
+    scale = max(scale, 1.0)
+    units = GRAD_FLOOR_UNITS * math.sqrt(max(1, rec.reduction_length)) if rec.kind == "grad" else FLOOR_UNITS
+    floor = units * UNIT_ROUNDOFF["float32"]
+    budget_rmse = scale * max(so.rmse, floor * so.ref_rms)
+    budget_max = scale * max(so.max_err, floor * so.ref_max)
+    rec.oracle_rmse, rec.backend_rmse = so.rmse, sb.rmse
+    rec.oracle_max_err, rec.backend_max_err = so.max_err, sb.max_err
+    rec.ratio_rmse = _ratio(sb.rmse, budget_rmse)
+    rec.ratio_max = _ratio(sb.max_err, budget_max)
+    rec.excess = max(rec.ratio_rmse / RMSE_LIMIT, rec.ratio_max / MAX_LIMIT)
+    if so.rmse > floor * so.ref_rms and sb.rmse < BETTER_THAN_ORACLE * so.rmse:
+        rec.note = _join(
+            rec.note,
+            f"the fp32 oracle is further from fp64 than {rec.backend} (RMSE {so.rmse:.2e} vs {sb.rmse:.2e}): "
+            "the gap is the oracle's round-off, not the backend's",
+        )
+    return SUSPECT if rec.excess > 1.0 or rec.nonfinite_mismatch else ROUNDOFF
+
+
+def _reason(rec: OutputRecord, rule: str) -> str:
+    if rec.nonfinite_mismatch:
+        return f"{rec.nonfinite_mismatch} NaN/Inf elements where the oracle has none (or the reverse)"
+    if rule == "budget" and rec.verdict_budget is not None:
+        fmt = "fp32" if rec.compute_dtype == "float32" else rec.compute_dtype
+        worst = max(rec.ratio_rmse, rec.ratio_max)
+        if rec.verdict == SUSPECT:
+            return f"error {worst:.3g}x the {fmt} round-off budget — likely a kernel bug"
+        return f"within {worst:.3g}x the {fmt} round-off budget"
+    if rec.verdict == SUSPECT:
+        return f"max_rel {rec.max_rel:.3e} > tol_rel {rec.tol_rel:.1e} — relative error too large for round-off"
+    return f"max_rel {rec.max_rel:.3e} <= tol_rel {rec.tol_rel:.1e}"
+
+
+def _compare_exact(rec: OutputRecord, o: np.ndarray, b: np.ndarray) -> OutputRecord:
+    diff = o != b
+    rec.mismatched = int(np.count_nonzero(diff))
+    rec.mismatched_frac = rec.mismatched / max(1, o.size)
+    if o.size and np.issubdtype(o.dtype, np.number) and np.issubdtype(b.dtype, np.number):
+        d = np.abs(o.astype(np.float64) - b.astype(np.float64))
+        rec.max_abs = float(d.max())
+        rec.max_rel = float((d / (np.abs(o.astype(np.float64)) + 1e-6)).max())
+    if rec.mismatched:
+        flat = int(np.flatnonzero(diff.reshape(-1))[0])
+        rec.worst_index = tuple(int(i) for i in np.unravel_index(flat, o.shape))
+        return _suspect(
+            rec, f"{rec.mismatched} of {o.size} elements of a {o.dtype} output differ (exact match expected)"
+        )
+    rec.reason = "exact match"
+    return rec
+
+
+def _suspect(rec: OutputRecord, reason: str) -> OutputRecord:
+    rec.verdict = rec.verdict_fixed = rec.verdict_budget = SUSPECT
+    rec.reason = reason
+    return rec
+
+
+def _float_views(o: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
+    # Complex outputs compare as interleaved (real, imag) floats.
+    if np.iscomplexobj(o) or np.iscomplexobj(b):
+        o = np.ascontiguousarray(o.astype(np.complex128 if o.dtype == np.complex128 else np.complex64))
+        b = np.ascontiguousarray(b.astype(o.dtype))
+        return o.view(o.real.dtype), b.view(o.real.dtype), (*o.shape, 2)
+    if o.dtype != b.dtype:
+        wide = np.promote_types(o.dtype, b.dtype)
+        return o.astype(wide), b.astype(wide), o.shape
+    return o, b, o.shape
+
+
+def _is_float(x: np.ndarray) -> bool:
+    return np.issubdtype(x.dtype, np.floating) or np.issubdtype(x.dtype, np.complexfloating)
+
+
+def _equal(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:
+        return False
+
+
+def _ratio(num: float, den: float) -> float:
+    if den > 0:
+        return num / den
+    return 0.0 if num == 0 else math.inf
+
+
+def _join(a: str, b: str) -> str:
+    return f"{a}; {b}" if a else b

@@ -1,0 +1,165 @@
+"""Embedded default models: small, seeded, built in code (nothing downloads).
+
+Each factory returns ``(model, inputs)``.  The families are those measured in
+the design notes — an MLP, a transformer encoder block, a conv net — plus an
+RMSNorm classifier whose output includes a cross-entropy loss, so the
+backward faults of the catalogue (``fault:rmsnorm-backward``,
+``fault:xent-backward``) have something to break.
+
+Examples
+--------
+>>> from rlx_nb import demo
+>>> model, inputs = demo.mlp()
+>>> tuple(model(*inputs).shape)
+(64, 512)
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rlx_nb.backends.faults import CATALOGUE
+
+
+def _seeded(seed: int) -> torch.Generator:
+    torch.manual_seed(seed)
+    return torch.Generator().manual_seed(seed)
+
+
+class MLP(nn.Module):
+    """Linear -> GELU -> Linear."""
+
+    def __init__(self, d_in: int = 512, d_hidden: int = 2048, d_out: int = 512) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(d_in, d_hidden)
+        self.fc2 = nn.Linear(d_hidden, d_out)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(x)))
+
+
+class Attention(nn.Module):
+    """Multi-head self-attention written out, so ``F.softmax`` is a visible op."""
+
+    def __init__(self, d_model: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(d_model, 3 * d_model)
+        self.proj = nn.Linear(d_model, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        scores = q @ k.transpose(-2, -1) / math.sqrt(d // self.heads)
+        attn = F.softmax(scores, dim=-1)
+        return self.proj((attn @ v).transpose(1, 2).reshape(b, t, d))
+
+
+class TransformerBlock(nn.Module):
+    """Pre-norm encoder block: LayerNorm -> attention -> LayerNorm -> MLP, with residuals."""
+
+    def __init__(self, d_model: int = 256, heads: int = 4, d_ff: int = 1024) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(d_model)
+        self.attn = Attention(d_model, heads)
+        self.ln2 = nn.LayerNorm(d_model)
+        self.mlp = MLP(d_model, d_ff, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class ConvNet(nn.Module):
+    """Two Conv+BatchNorm+ReLU stages, global pooling and a linear head."""
+
+    def __init__(self, channels: int = 16, classes: int = 10) -> None:
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, channels, 3, padding=1),
+            nn.BatchNorm2d(channels),
+            nn.ReLU(),
+            nn.Conv2d(channels, 2 * channels, 3, padding=1, stride=2),
+            nn.BatchNorm2d(2 * channels),
+            nn.ReLU(),
+        )
+        self.head = nn.Linear(2 * channels, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.features(x).mean((2, 3)))
+
+
+class RMSNormClassifier(nn.Module):
+    """RMSNorm -> Linear -> GELU -> RMSNorm -> Linear, returning logits and the cross-entropy loss."""
+
+    def __init__(self, d_model: int = 128, classes: int = 32) -> None:
+        super().__init__()
+        self.norm1 = nn.RMSNorm(d_model, eps=1e-6)
+        self.fc1 = nn.Linear(d_model, 2 * d_model)
+        self.norm2 = nn.RMSNorm(2 * d_model, eps=1e-6)
+        self.fc2 = nn.Linear(2 * d_model, classes)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> dict[str, torch.Tensor]:
+        logits = self.fc2(self.norm2(F.gelu(self.fc1(self.norm1(x)))))
+        return {"logits": logits, "loss": F.cross_entropy(logits, target)}
+
+
+def _randomize_norms(model: nn.Module, gen: torch.Generator) -> None:
+    # Trained-looking affine params and BatchNorm statistics instead of 1s and 0s.
+    for m in model.modules():
+        if isinstance(m, (nn.BatchNorm2d, nn.LayerNorm, nn.RMSNorm)):
+            with torch.no_grad():
+                if m.weight is not None:
+                    m.weight.copy_(1 + 0.1 * torch.randn(m.weight.shape, generator=gen))
+                if getattr(m, "bias", None) is not None:
+                    m.bias.copy_(0.1 * torch.randn(m.bias.shape, generator=gen))
+                if isinstance(m, nn.BatchNorm2d):
+                    m.running_mean.copy_(0.1 * torch.randn(m.running_mean.shape, generator=gen))
+                    m.running_var.copy_(0.5 + torch.rand(m.running_var.shape, generator=gen))
+
+
+def mlp(seed: int = 0) -> tuple[nn.Module, tuple[torch.Tensor]]:
+    """MLP 512 -> 2048 -> 512 with GELU, batch 64."""
+    gen = _seeded(seed)
+    return MLP().eval(), (torch.randn(64, 512, generator=gen),)
+
+
+def transformer(seed: int = 0) -> tuple[nn.Module, tuple[torch.Tensor]]:
+    """One pre-norm encoder block (d 256, 4 heads, seq 128, batch 4)."""
+    gen = _seeded(seed)
+    model = TransformerBlock().eval()
+    _randomize_norms(model, gen)
+    return model, (torch.randn(4, 128, 256, generator=gen),)
+
+
+def conv(seed: int = 0) -> tuple[nn.Module, tuple[torch.Tensor]]:
+    """Conv+BN(eval)+ReLU x2, 3x64x64 inputs, batch 8."""
+    gen = _seeded(seed)
+    model = ConvNet().eval()
+    _randomize_norms(model, gen)
+    return model, (torch.randn(8, 3, 64, 64, generator=gen),)
+
+
+def rmsnorm_classifier(seed: int = 0) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    """RMSNorm classifier over 64 samples of width 128, 32 classes; outputs logits and loss."""
+    gen = _seeded(seed)
+    model = RMSNormClassifier().eval()
+    _randomize_norms(model, gen)
+    x = torch.randn(64, 128, generator=gen)
+    target = torch.randint(0, 32, (64,), generator=gen)
+    return model, (x, target)
+
+
+MODELS: dict[str, Callable[..., tuple[nn.Module, tuple]]] = {
+    "mlp": mlp,
+    "transformer": transformer,
+    "conv": conv,
+    "rmsnorm_classifier": rmsnorm_classifier,
+}
+FAULTS: list[str] = list(CATALOGUE)
+"""Names of the fault-injection backends (each a registered, opt-in backend)."""

@@ -1,0 +1,123 @@
+"""The only place that builds DataFrames.  Column names are defined once, here."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import pandas as pd
+
+from rlx_nb.compare import SUSPECT, VERDICT_ERROR, OutputRecord
+
+BACKEND = "backend"
+OUTPUT = "output"
+VERDICT = "verdict"
+EXCESS = "excess"
+
+SUMMARY_COLUMNS = [f.name for f in dataclasses.fields(OutputRecord)]
+BACKEND_COLUMNS = [
+    BACKEND,
+    VERDICT,
+    "verdict_fixed",
+    "verdict_budget",
+    "worst_output",
+    "worst_output_index",
+    "reason",
+    "max_abs",
+    "max_rel",
+    "max_rel_output",
+    "ratio_rmse",
+    "ratio_max",
+    EXCESS,
+    "outputs",
+    "suspect_outputs",
+    "compute_dtype",
+    "seconds",
+    "note",
+]
+ELEMENT_COLUMNS = [
+    "rank",
+    "index",
+    "flat_index",
+    "oracle",
+    "backend",
+    "reference",
+    "abs_err",
+    "rel_err",
+    "ulp_err",
+    "oracle_err_fp64",
+    "backend_err_fp64",
+]
+_VERDICT_ORDER = {SUSPECT: 0, VERDICT_ERROR: 1}
+
+
+def summary_frame(records: Sequence[OutputRecord]) -> pd.DataFrame:
+    """One row per (backend, output), in run order."""
+    rows = [dataclasses.asdict(r) for r in records]
+    frame = pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
+    return frame
+
+
+def worst_record(records: Sequence[OutputRecord]) -> OutputRecord:
+    """The record that decides a backend's verdict: SUSPECT first, then the largest excess / max_rel."""
+
+    def key(r: OutputRecord) -> tuple:
+        excess = r.excess if r.excess == r.excess else -1.0
+        rel = r.max_rel if r.max_rel == r.max_rel else -1.0
+        return (_VERDICT_ORDER.get(r.verdict, 2), -excess, -rel)
+
+    return min(records, key=key)
+
+
+def backends_frame(records: Sequence[OutputRecord], seconds: dict[str, float]) -> pd.DataFrame:
+    """One row per backend: its verdict and worst output, plus the seed's per-backend maxima."""
+    by_backend: dict[str, list[OutputRecord]] = {}
+    for r in records:
+        by_backend.setdefault(r.backend, []).append(r)
+    rows = []
+    for name, recs in by_backend.items():
+        worst = worst_record(recs)
+        rels = [r for r in recs if r.max_rel == r.max_rel]
+        rel_worst = max(rels, key=lambda r: r.max_rel) if rels else None
+        rows.append(
+            {
+                BACKEND: name,
+                VERDICT: worst.verdict,
+                "verdict_fixed": _worst_of(r.verdict_fixed for r in recs),
+                "verdict_budget": _worst_of(r.verdict_budget for r in recs if r.verdict_budget),
+                "worst_output": worst.output,
+                "worst_output_index": worst.output_index,
+                "reason": worst.reason,
+                "max_abs": np.nanmax([r.max_abs for r in recs]) if rels else np.nan,
+                "max_rel": rel_worst.max_rel if rel_worst else np.nan,
+                "max_rel_output": rel_worst.output if rel_worst else None,
+                "ratio_rmse": worst.ratio_rmse,
+                "ratio_max": worst.ratio_max,
+                EXCESS: worst.excess,
+                "outputs": len([r for r in recs if r.output is not None]),
+                "suspect_outputs": sum(r.verdict == SUSPECT for r in recs),
+                "compute_dtype": worst.compute_dtype,
+                "seconds": seconds.get(name, np.nan),
+                "note": "; ".join(sorted({r.note for r in recs if r.note}))[:300],
+            }
+        )
+    return pd.DataFrame(rows, columns=BACKEND_COLUMNS)
+
+
+def _worst_of(verdicts: Any) -> str | None:
+    vs = [v for v in verdicts if v]
+    if not vs:
+        return None
+    return min(vs, key=lambda v: _VERDICT_ORDER.get(v, 2))
+
+
+def elements_frame(rows: dict[str, Any]) -> pd.DataFrame:
+    """The worst elements of one output, worst first (columns: :data:`ELEMENT_COLUMNS`)."""
+    return pd.DataFrame(rows, columns=ELEMENT_COLUMNS)
+
+
+def backend_table_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
+    """The registry as a table: every backend, whether it is live here, and why not."""
+    return pd.DataFrame(rows)

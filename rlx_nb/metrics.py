@@ -1,0 +1,419 @@
+"""Pure-numpy divergence metrics, computed in fixed-size chunks.
+
+Nothing here imports torch, pandas or matplotlib.  Every pass over a pair of
+outputs walks it in chunks of :data:`CHUNK` elements with preallocated
+buffers, so the only full-size allocation is the optional per-element error
+buffer used for the exact p99 (at most one output's size).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+CHUNK = 1 << 16
+REL_EPS = 1e-6
+"""The seed's guard in ``max_rel = |a - b| / (|a| + 1e-6)``."""
+
+# torch.testing.assert_close's default (rtol, atol) per dtype.
+DEFAULT_TOLERANCES: dict[str, tuple[float, float]] = {
+    "float16": (1e-3, 1e-5),
+    "bfloat16": (1.6e-2, 1e-5),
+    "float32": (1.3e-6, 1e-5),
+    "float64": (1e-7, 1e-7),
+}
+
+# Unit round-off (half an ulp at 1.0) of each compute format.
+UNIT_ROUNDOFF: dict[str, float] = {
+    "float64": 2.0**-53,
+    "float32": 2.0**-24,
+    "tf32": 2.0**-11,
+    "float16": 2.0**-11,
+    "bfloat16": 2.0**-8,
+}
+
+_INT_OF_FLOAT = {
+    np.dtype(np.float16): np.int16,
+    np.dtype(np.float32): np.int32,
+    np.dtype(np.float64): np.int64,
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class PairStats:
+    """How far ``actual`` is from ``expected``, element by element.
+
+    Indices are flat (C order) into the arrays; ``-1`` when there is no element.
+    ``max_abs``, ``max_rel`` and the other finite statistics skip elements where
+    either side is NaN or infinite; those are counted in ``nonfinite_mismatch``
+    unless both sides agree (NaN and NaN, or the same infinity).
+    """
+
+    numel: int
+    max_abs: float
+    worst_index: int
+    max_rel: float
+    max_rel_index: int
+    mean_abs: float
+    p99_abs: float
+    mismatched: int
+    max_ulp: int
+    nonfinite_mismatch: int
+
+
+@dataclasses.dataclass(frozen=True)
+class ReferenceStats:
+    """Error of one array against a float64 reference: RMSE and max-abs, plus the reference's scale."""
+
+    rmse: float
+    max_err: float
+    ref_rms: float
+    ref_max: float
+
+
+def default_tolerance(dtype_name: str) -> tuple[float, float]:
+    """``(rtol, atol)`` that ``torch.testing.assert_close`` uses for ``dtype_name``."""
+    return DEFAULT_TOLERANCES.get(dtype_name, DEFAULT_TOLERANCES["float32"])
+
+
+def _ordered_ints(x: np.ndarray, out: np.ndarray) -> np.ndarray:
+    # Map float bit patterns onto int64s ordered like the floats, with -0.0
+    # and +0.0 both at 0, so ULP distance is a plain difference.
+    bits = x.view(_INT_OF_FLOAT[x.dtype])
+    np.copyto(out, bits, casting="unsafe")
+    lowest = np.int64(np.iinfo(bits.dtype).min)
+    np.copyto(out, lowest - out, where=out < 0)
+    return out
+
+
+def _chunk_max_ulp(ec: np.ndarray, ac: np.ndarray, bufs: _Buffers, excluded: np.ndarray | None) -> int:
+    ints = _INT_OF_FLOAT[ec.dtype]
+    m = ec.size
+    ie, ia = ec.view(ints), ac.view(ints)
+    it = bufs.ints[:m].view(ints) if ints is np.int32 else None
+    if it is None:
+        # float16/float64: no fast path needed; do it in int64.
+        da = _ordered_ints(ac, np.empty(m, np.int64))
+        da -= _ordered_ints(ec, np.empty(m, np.int64))
+        np.abs(da, out=da)
+        if excluded is not None:
+            da[excluded] = 0
+        return int(da.max())
+    # Same sign: the distance is the difference of the raw bit patterns, which
+    # fits in int32.  Opposite signs (rare: values straddling zero) go through
+    # the exact int64 path.
+    np.bitwise_xor(ia, ie, out=it)
+    if it.min() < 0:
+        da = _ordered_ints(ac, np.empty(m, np.int64))
+        da -= _ordered_ints(ec, np.empty(m, np.int64))
+        np.abs(da, out=da)
+        if excluded is not None:
+            da[excluded] = 0
+        return int(da.max())
+    np.subtract(ia, ie, out=it)
+    np.abs(it, out=it)
+    if excluded is not None:
+        it[excluded] = 0
+    return int(it.max())
+
+
+@dataclasses.dataclass
+class _Partial:
+    max_abs: float = -1.0
+    worst_index: int = -1
+    max_rel: float = -1.0
+    max_rel_index: int = -1
+    sum_abs: float = 0.0
+    finite: int = 0
+    mismatched: int = 0
+    max_ulp: int = 0
+    nonfinite_mismatch: int = 0
+    above: list = dataclasses.field(default_factory=list)
+    above_count: int = 0
+    at_least: int = 0
+
+
+class _Buffers:
+    def __init__(self, size: int, dtype: np.dtype) -> None:
+        self.d = np.empty(size, dtype)
+        self.t = np.empty(size, dtype)
+        self.u = np.empty(size, dtype)
+        self.mask = np.empty(size, np.bool_)
+        self.ints = np.empty(size, np.int32)
+
+
+@np.errstate(invalid="ignore", over="ignore", divide="ignore")
+def _pair_range(
+    e: np.ndarray,
+    a: np.ndarray,
+    start: int,
+    stop: int,
+    rtol: float,
+    atol: float,
+    floor: float | None,
+    work_dtype: np.dtype,
+    cap: int,
+) -> _Partial:
+    part = _Partial()
+    bufs = _Buffers(min(CHUNK, stop - start), work_dtype)
+    exact_ulp = e.dtype in _INT_OF_FLOAT and e.dtype == a.dtype
+    for s in range(start, stop, CHUNK):
+        ec, ac = e[s : s + CHUNK], a[s : s + CHUNK]
+        m = ec.size
+        d = np.subtract(ac, ec, out=bufs.d[:m], dtype=work_dtype)
+        np.abs(d, out=d)
+        total = float(d.sum())
+        finite = m
+        excluded = None
+        if not math.isfinite(total):
+            # Slow path, only for chunks holding NaN/Inf: agreeing patterns are
+            # not mismatches, disagreeing ones are counted, and both are left
+            # out of the finite statistics.
+            both_finite = np.isfinite(ec) & np.isfinite(ac)
+            agree = (ec == ac) | (np.isnan(ec) & np.isnan(ac))
+            part.nonfinite_mismatch += int(np.count_nonzero(~both_finite & ~agree))
+            excluded = ~both_finite
+            d[excluded] = 0
+            finite = m - int(np.count_nonzero(excluded))
+            total = float(d.sum(dtype=np.float64))
+        part.sum_abs += total
+        part.finite += finite
+        i = int(d.argmax())
+        dmax = float(d[i])
+        if dmax > part.max_abs:
+            part.max_abs, part.worst_index = dmax, s + i
+        if floor is not None and dmax >= floor:
+            # Candidates for the exact p99: everything above a sampled floor,
+            # and how many equal it (errors are often whole ulps, so ties are common).
+            part.at_least += int(np.count_nonzero(np.greater_equal(d, floor, out=bufs.mask[:m])))
+            sel = np.greater(d, floor, out=bufs.mask[:m])
+            part.above_count += int(np.count_nonzero(sel))
+            if part.above_count <= cap:
+                part.above.append(d[sel])
+        t = np.abs(ec, out=bufs.t[:m], dtype=work_dtype)
+        if excluded is not None:
+            t[excluded] = 0
+        if dmax > atol:
+            # Only chunks whose worst error exceeds atol can hold mismatches.
+            u = np.multiply(t, rtol, out=bufs.u[:m])
+            u += atol
+            part.mismatched += int(np.count_nonzero(np.greater(d, u, out=bufs.mask[:m])))
+        t += REL_EPS
+        np.divide(d, t, out=t)
+        j = int(t.argmax())
+        if t[j] > part.max_rel:
+            part.max_rel, part.max_rel_index = float(t[j]), s + j
+        if exact_ulp and dmax > 0:
+            part.max_ulp = max(part.max_ulp, _chunk_max_ulp(ec, ac, bufs, excluded))
+    return part
+
+
+def _workers(n: int) -> int:
+    return max(1, min(os.cpu_count() or 1, n // (8 * CHUNK)))
+
+
+def _p99_floor(e: np.ndarray, a: np.ndarray, work: np.dtype) -> float:
+    # A value below the true p99 with overwhelming probability: the 97th
+    # percentile of a strided sample of the errors.  If it turns out not to be
+    # below, pair_stats falls back to a full pass.
+    step = max(1, e.size // 65536)
+    d = np.abs(np.subtract(a[::step], e[::step], dtype=work))
+    d = d[np.isfinite(d)]
+    if d.size < 100:
+        return -1.0
+    return float(np.partition(d, int(0.97 * d.size))[int(0.97 * d.size)])
+
+
+def _exact_p99(e: np.ndarray, a: np.ndarray, work: np.dtype) -> float:
+    d = np.abs(np.subtract(a, e, dtype=work))
+    d[~np.isfinite(d)] = 0
+    k = _p99_rank(d.size)
+    return float(np.partition(d, k)[k])
+
+
+def _p99_rank(n: int) -> int:
+    # numpy's "nearest lower" rank of the 99th percentile of n values, 0-based.
+    return max(0, math.ceil(0.99 * n) - 1)
+
+
+@np.errstate(invalid="ignore", over="ignore", divide="ignore")
+def pair_stats(
+    expected: np.ndarray,
+    actual: np.ndarray,
+    *,
+    rtol: float | None = None,
+    atol: float | None = None,
+    p99: bool = True,
+) -> PairStats:
+    """Compare two floating arrays of the same shape, element by element.
+
+    Parameters
+    ----------
+    expected, actual : numpy.ndarray
+        The oracle's and the candidate's output.  Same shape; float16, float32
+        or float64.  Work is done in float32 (float64 for float64 inputs).
+    rtol, atol : float, optional
+        Mismatch tolerances; default to ``torch.testing.assert_close``'s for
+        the dtype.
+    p99 : bool
+        Also compute the exact 99th percentile (rank ``ceil(0.99 n) - 1`` of
+        the sorted errors) of the absolute error.
+
+    Examples
+    --------
+    >>> s = pair_stats(np.array([1.0, 2.0], np.float32), np.array([1.0, 2.5], np.float32))
+    >>> s.max_abs, s.worst_index, s.mismatched
+    (0.5, 1, 1)
+    """
+    if expected.shape != actual.shape:
+        raise ValueError(f"shapes differ: {expected.shape} vs {actual.shape}")
+    e = np.ascontiguousarray(expected).reshape(-1)
+    a = np.ascontiguousarray(actual).reshape(-1)
+    work = np.dtype(np.float64) if np.float64 in (e.dtype, a.dtype) else np.dtype(np.float32)
+    d_rtol, d_atol = default_tolerance(str(e.dtype))
+    rtol = d_rtol if rtol is None else rtol
+    atol = d_atol if atol is None else atol
+    n = e.size
+    if n == 0:
+        return PairStats(0, 0.0, -1, 0.0, -1, 0.0, 0.0, 0, 0, 0)
+    floor = _p99_floor(e, a, work) if p99 else None
+    cap = max(1, n // 20)  # keep at most 5% of the errors as p99 candidates
+    workers = _workers(n)
+    cuts = [k * n // workers // CHUNK * CHUNK for k in range(workers)] + [n]
+    args = [(e, a, cuts[k], cuts[k + 1], rtol, atol, floor, work, cap) for k in range(workers)]
+    if workers == 1:
+        parts = [_pair_range(*args[0])]
+    else:
+        with ThreadPoolExecutor(workers) as pool:
+            parts = list(pool.map(lambda x: _pair_range(*x), args))
+    total = _Partial()
+    for p in parts:
+        if p.max_abs > total.max_abs:
+            total.max_abs, total.worst_index = p.max_abs, p.worst_index
+        if p.max_rel > total.max_rel:
+            total.max_rel, total.max_rel_index = p.max_rel, p.max_rel_index
+        total.sum_abs += p.sum_abs
+        total.finite += p.finite
+        total.mismatched += p.mismatched
+        total.max_ulp = max(total.max_ulp, p.max_ulp)
+        total.nonfinite_mismatch += p.nonfinite_mismatch
+        total.above_count += p.above_count
+        total.at_least += p.at_least
+        total.above.extend(p.above)
+    p99_abs = 0.0
+    if p99:
+        k = _p99_rank(n)
+        need = n - k  # elements at ranks k..n-1
+        if need <= total.above_count <= cap:
+            above = np.concatenate(total.above)
+            r = above.size - need
+            p99_abs = float(np.partition(above, r)[r])
+        elif total.above_count < need <= total.at_least:
+            p99_abs = float(floor)  # the p99 rank falls among the ties at the floor
+        else:
+            p99_abs = _exact_p99(e, a, work)
+    mean = total.sum_abs / total.finite if total.finite else 0.0
+    return PairStats(
+        numel=n,
+        max_abs=max(total.max_abs, 0.0),
+        worst_index=total.worst_index,
+        max_rel=max(total.max_rel, 0.0),
+        max_rel_index=total.max_rel_index,
+        mean_abs=mean,
+        p99_abs=p99_abs,
+        mismatched=total.mismatched + total.nonfinite_mismatch,
+        max_ulp=total.max_ulp,
+        nonfinite_mismatch=total.nonfinite_mismatch,
+    )
+
+
+@np.errstate(invalid="ignore", over="ignore")
+def reference_stats(x: np.ndarray, reference: np.ndarray) -> ReferenceStats:
+    """RMSE and max-abs error of ``x`` against a float64 ``reference``, chunked.
+
+    Non-finite elements (in either) are skipped; the reference's RMS and max
+    magnitude give the scale for absolute floors.
+
+    Examples
+    --------
+    >>> r = reference_stats(np.float32([1, 2]), np.float64([1, 2.5]))
+    >>> round(r.max_err, 3), round(r.rmse, 3)
+    (0.5, 0.354)
+    """
+    xf = np.ascontiguousarray(x).reshape(-1)
+    rf = np.ascontiguousarray(reference).reshape(-1)
+    if xf.shape != rf.shape:
+        raise ValueError(f"shapes differ: {x.shape} vs {reference.shape}")
+    sq = mx = rsq = rmx = 0.0
+    count = 0
+    buf = np.empty(min(CHUNK, xf.size), np.float64)
+    for s in range(0, xf.size, CHUNK):
+        xc, rc = xf[s : s + CHUNK], rf[s : s + CHUNK]
+        d = np.subtract(xc, rc, out=buf[: xc.size], dtype=np.float64)
+        ok = None
+        if not np.isfinite(d).all() or not np.isfinite(rc).all():
+            ok = np.isfinite(d) & np.isfinite(rc)
+            d, rc = d[ok], rc[ok]
+        count += d.size
+        if d.size:
+            sq += float(np.dot(d, d))
+            mx = max(mx, float(np.abs(d).max()))
+            rsq += float(np.dot(rc, rc))
+            rmx = max(rmx, float(np.abs(rc).max()))
+    if count == 0:
+        return ReferenceStats(0.0, 0.0, 0.0, 0.0)
+    return ReferenceStats(math.sqrt(sq / count), mx, math.sqrt(rsq / count), rmx)
+
+
+@np.errstate(invalid="ignore", over="ignore")
+def top_k(expected: np.ndarray, actual: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+    """Flat indices and absolute errors of the ``k`` worst elements, worst first.
+
+    O(n) time and O(k + CHUNK) memory: each chunk's candidates are merged
+    into a running top-k.  NaN/Inf disagreements rank above every finite error.
+    """
+    e = np.ascontiguousarray(expected).reshape(-1)
+    a = np.ascontiguousarray(actual).reshape(-1)
+    work = np.float64 if np.float64 in (e.dtype, a.dtype) else np.float32
+    best_i = np.empty(0, np.int64)
+    best_v = np.empty(0, np.float64)
+    for s in range(0, e.size, CHUNK):
+        d = np.abs(np.subtract(a[s : s + CHUNK], e[s : s + CHUNK], dtype=work)).astype(np.float64)
+        nonfinite = ~np.isfinite(d)
+        if nonfinite.any():
+            ec, ac = e[s : s + CHUNK], a[s : s + CHUNK]
+            agree = (ec == ac) | (np.isnan(ec) & np.isnan(ac))
+            d[nonfinite] = np.where(agree[nonfinite], 0.0, np.inf)
+        if d.size > k:
+            idx = np.argpartition(d, d.size - k)[d.size - k :]
+        else:
+            idx = np.arange(d.size)
+        best_i = np.concatenate([best_i, idx + s])
+        best_v = np.concatenate([best_v, d[idx]])
+        if best_v.size > k:
+            keep = np.argpartition(best_v, best_v.size - k)[best_v.size - k :]
+            best_i, best_v = best_i[keep], best_v[keep]
+    order = np.lexsort((best_i, -best_v))
+    return best_i[order], best_v[order]
+
+
+def ulp_distance(expected: np.ndarray, actual: np.ndarray) -> np.ndarray:
+    """Element-wise distance in units in the last place of ``expected``'s dtype (int64)."""
+    e = np.asarray(expected)
+    a = np.asarray(actual, dtype=e.dtype)
+    if e.dtype not in _INT_OF_FLOAT:
+        raise ValueError(f"ULP distance needs float16/32/64, got {e.dtype}")
+    ie = _ordered_ints(e.reshape(-1), np.empty(e.size, np.int64))
+    ia = _ordered_ints(a.reshape(-1), np.empty(a.size, np.int64))
+    return np.abs(ia - ie).reshape(e.shape)
+
+
+@np.errstate(invalid="ignore", over="ignore", divide="ignore")
+def rel_error(expected: np.ndarray, actual: np.ndarray) -> np.ndarray:
+    """The seed's element-wise ``|a - e| / (|e| + 1e-6)``, in float64."""
+    e = np.asarray(expected, np.float64)
+    return np.abs(np.asarray(actual, np.float64) - e) / (np.abs(e) + REL_EPS)

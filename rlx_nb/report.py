@@ -1,0 +1,213 @@
+"""DivergenceReport: the frames, the seed's text lines, and the notebook view."""
+
+from __future__ import annotations
+
+import functools
+import html
+import math
+
+import numpy as np
+import pandas as pd
+
+from rlx_nb.backends import ORACLE
+from rlx_nb.compare import SUSPECT, VERDICT_ERROR, VERDICT_SKIPPED, OutputRecord, compare
+from rlx_nb.errors import InputError
+from rlx_nb.frames import backends_frame, elements_frame, summary_frame, worst_record
+from rlx_nb.metrics import rel_error, top_k, ulp_distance
+from rlx_nb.run import RunResults
+
+
+class DivergenceReport:
+    """Every candidate backend compared with the CPU oracle and the fp64 reference.
+
+    Attributes
+    ----------
+    results : RunResults
+        The raw outputs (numpy) of every run; kept once, shared by every view.
+    records : list of OutputRecord
+        One per (backend, output).
+    rule : str
+        The verdict in charge: ``"budget"`` (default) or ``"fixed"``.
+
+    Examples
+    --------
+    >>> import torch, rlx_nb
+    >>> report = rlx_nb.backend_divergence(torch.nn.Linear(4, 2), torch.ones(3, 4), backends=["cpu-nomkldnn"])
+    >>> report.any_suspect
+    False
+    """
+
+    def __init__(self, results: RunResults, records: list[OutputRecord], *, rule: str, tol_rel: float | None):
+        self.results = results
+        self.records = records
+        self.rule = rule
+        self.tol_rel = tol_rel
+
+    @classmethod
+    def from_results(cls, results: RunResults, *, rule: str = "budget", tol_rel: float | None = None):
+        """Compare ``results`` and wrap them in a report."""
+        return cls(results, compare(results, tol_rel=tol_rel, rule=rule), rule=rule, tol_rel=tol_rel)
+
+    @property
+    def label(self) -> str:
+        return self.results.label
+
+    @functools.cached_property
+    def summary(self) -> pd.DataFrame:
+        """One row per (backend, output): every metric, both verdicts and the reason."""
+        return summary_frame(self.records)
+
+    @functools.cached_property
+    def backends(self) -> pd.DataFrame:
+        """One row per backend: its verdict, its worst output and the seed's maxima."""
+        seconds = {name: run.seconds for name, run in self.results.candidates.items()}
+        return backends_frame(self.records, seconds)
+
+    @property
+    def suspects(self) -> list[str]:
+        """Names of the backends whose verdict is SUSPECT."""
+        return [b for b in self.results.candidates if any(r.backend == b and r.suspect for r in self.records)]
+
+    @property
+    def any_suspect(self) -> bool:
+        return bool(self.suspects)
+
+    @property
+    def errors(self) -> list[str]:
+        """Names of the backends that failed to run (verdict ``error``)."""
+        return [
+            b
+            for b in self.results.candidates
+            if any(r.backend == b and r.verdict == VERDICT_ERROR and r.output is None for r in self.records)
+        ]
+
+    def record(self, backend: str, output: str | None = None) -> OutputRecord:
+        """The record of one (backend, output); ``output=None`` picks the backend's worst."""
+        recs = [r for r in self.records if r.backend == backend]
+        if not recs:
+            raise InputError(f"no backend {backend!r} in this report; it has: {', '.join(self.results.candidates)}")
+        if output is None:
+            return worst_record(recs)
+        for r in recs:
+            if r.output == output:
+                return r
+        names = ", ".join(str(r.output) for r in recs)
+        raise InputError(f"no output {output!r} for backend {backend!r}; outputs: {names}")
+
+    def arrays(self, backend: str, output: str | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """``(oracle, backend, fp64 reference)`` arrays of one output (reference may be None)."""
+        rec = self.record(backend, output)
+        if rec.output is None:
+            raise InputError(f"backend {backend!r} did not run: {rec.reason}")
+        got = self.results.candidates[backend].outputs.get(rec.output)
+        if got is None or not got.is_array:
+            raise InputError(f"{backend!r} has no array output {rec.output!r}")
+        ref = self.results.reference.outputs.get(rec.output)
+        return (
+            self.results.oracle.outputs[rec.output].value,
+            got.value,
+            ref.value if ref is not None and ref.is_array else None,
+        )
+
+    def elements(self, backend: str, output: str | None = None, *, top: int = 20) -> pd.DataFrame:
+        """The ``top`` worst elements (by absolute error) of one output, worst first.
+
+        O(n) time and O(top) memory over the output.  ``output=None`` picks
+        the backend's worst output.
+
+        Examples
+        --------
+        >>> import torch, rlx_nb
+        >>> r = rlx_nb.backend_divergence(torch.nn.Linear(4, 2), torch.ones(3, 4), backends=["cpu-nomkldnn"])
+        >>> list(r.elements("cpu-nomkldnn", top=2).columns[:3])
+        ['rank', 'index', 'flat_index']
+        """
+        if not isinstance(top, int) or top < 1:
+            raise InputError(f"top must be a positive integer, got {top!r}")
+        o, b, r = self.arrays(backend, output)
+        if o.shape != b.shape:
+            raise InputError(f"{backend!r} output shape {b.shape} differs from the oracle's {o.shape}")
+        if not np.issubdtype(o.dtype, np.floating):
+            o, b = o.astype(np.float64), b.astype(np.float64)
+        idx, err = top_k(o, b, top)
+        of, bf = o.reshape(-1)[idx], b.reshape(-1)[idx]
+        rf = r.reshape(-1)[idx].astype(np.float64) if r is not None else np.full(idx.size, np.nan)
+        ulp = ulp_distance(of, bf.astype(of.dtype)) if of.dtype in (np.float16, np.float32, np.float64) else None
+        rows = {
+            "rank": np.arange(idx.size),
+            "index": [tuple(int(v) for v in np.unravel_index(i, o.shape)) for i in idx],
+            "flat_index": idx,
+            "oracle": of,
+            "backend": bf,
+            "reference": rf,
+            "abs_err": err,
+            "rel_err": rel_error(of, bf),
+            "ulp_err": ulp if ulp is not None else np.zeros(idx.size, np.int64),
+            "oracle_err_fp64": of.astype(np.float64) - rf,
+            "backend_err_fp64": bf.astype(np.float64) - rf,
+        }
+        return elements_frame(rows)
+
+    def lines(self) -> list[str]:
+        """The seed's report lines, one per backend."""
+        label = self.label
+        if not self.results.candidates:
+            return [f"[{label}] backend divergence: CPU-only node — nothing to compare"]
+        out = []
+        for name in self.results.candidates:
+            recs = [r for r in self.records if r.backend == name]
+            out.append(_line(label, name, recs))
+        return out
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
+
+    def __repr__(self) -> str:
+        n = len(self.results.candidates)
+        return f"<DivergenceReport {self.label!r}: {n} backend(s) vs {ORACLE}, suspects={self.suspects}>"
+
+    def _repr_html_(self) -> str:
+        frame = self.backends[
+            ["backend", "verdict", "worst_output", "max_abs", "max_rel", "ratio_rmse", "ratio_max", "reason"]
+        ]
+        styled = (
+            frame.style.format(
+                {"max_abs": "{:.3e}", "max_rel": "{:.3e}", "ratio_rmse": "{:.3g}", "ratio_max": "{:.3g}"}, na_rep="—"
+            )
+            .map(_verdict_css, subset=["verdict"])
+            .hide(axis="index")
+        )
+        head = (
+            f"<p><b>{html.escape(self.label)}</b>: {len(self.results.candidates)} backend(s) vs the "
+            f"<code>{ORACLE}</code> oracle, judged by the <i>{self.rule}</i> rule. "
+            f"Suspects: <b>{html.escape(', '.join(self.suspects) or 'none')}</b>.</p>"
+        )
+        return head + styled.to_html()
+
+
+def _verdict_css(v: str) -> str:
+    if v == SUSPECT:
+        return "color: #b00020; font-weight: bold"
+    if v in (VERDICT_ERROR, VERDICT_SKIPPED):
+        return "color: #8a6d00"
+    return "color: #1b5e20"
+
+
+def _line(label: str, name: str, recs: list[OutputRecord]) -> str:
+    worst = worst_record(recs)
+    if worst.verdict == VERDICT_ERROR and worst.output is None:
+        return f"[{label}] {name:>6} vs cpu: ERROR — {worst.reason}"
+    arrays = [r for r in recs if r.max_rel == r.max_rel]
+    max_abs = max((r.max_abs for r in arrays), default=math.nan)
+    rel = max(arrays, key=lambda r: r.max_rel) if arrays else worst
+    where = f"(output #{rel.output_index} {rel.output})"
+    if worst.verdict == SUSPECT:
+        tail = f"SUSPECT ({worst.reason})"
+        if worst.output != rel.output:
+            tail = f"SUSPECT (output #{worst.output_index} {worst.output}: {worst.reason})"
+    else:
+        skipped = [r for r in recs if r.verdict in (VERDICT_SKIPPED, VERDICT_ERROR)]
+        tail = "round-off (explainable)"
+        if skipped:
+            tail += f"; {len(skipped)} output(s) {skipped[0].verdict}: {skipped[0].reason}"
+    return f"[{label}] {name:>6} vs cpu: max_abs={max_abs:.3e} max_rel={rel.max_rel:.3e} {where} — {tail}"

@@ -1,0 +1,392 @@
+"""Run one model on the oracle, the fp64 reference and candidate backends.
+
+The result, :class:`RunResults`, holds only plain numpy outputs and
+metadata, so it can be saved, loaded or gathered before any comparison runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import platform
+import time
+import traceback
+import zlib
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from rlx_nb.backends import ORACLE, REFERENCE, Backend, get_backend, resolve_backends
+from rlx_nb.errors import InputError
+from rlx_nb.tree import flatten, map_tensors
+
+OK, ERROR, SKIPPED = "ok", "error", "skipped"
+GRAD_PREFIX = "grad:"
+
+
+@dataclasses.dataclass
+class Leaf:
+    """One named output of one run: a numpy array (or a plain value) and the torch dtype it came as."""
+
+    value: Any
+    dtype: str
+    shape: tuple[int, ...] | None
+
+    @property
+    def is_array(self) -> bool:
+        return isinstance(self.value, np.ndarray)
+
+
+@dataclasses.dataclass
+class BackendRun:
+    """Everything one backend produced: named outputs (and ``grad:`` outputs), status, timing."""
+
+    backend: str
+    status: str
+    outputs: dict[str, Leaf]
+    message: str = ""
+    seconds: float = 0.0
+    grad_status: str | None = None
+    grad_message: str = ""
+    compute_dtype: str = "float32"
+    reduction_lengths: dict[str, int] = dataclasses.field(default_factory=dict)
+    """For ``grad:<param>`` outputs: about how many terms the backward sums into each element."""
+
+
+@dataclasses.dataclass
+class RunResults:
+    """The oracle, the fp64 reference and each candidate's outputs, plus the environment."""
+
+    label: str
+    oracle: BackendRun
+    reference: BackendRun
+    candidates: dict[str, BackendRun]
+    backward: bool
+    environment: dict[str, Any]
+
+    @property
+    def output_names(self) -> list[str]:
+        return list(self.oracle.outputs)
+
+
+class _CallableModule(torch.nn.Module):
+    # Lets a plain callable travel through the same copy/eval/float path as a Module.
+    def __init__(self, fn: Callable) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+
+class _KeywordModule(torch.nn.Module):
+    # Dict inputs become positional, so every backend sees fn(model, tuple).
+    def __init__(self, model: torch.nn.Module, keys: list[str]) -> None:
+        super().__init__()
+        self.model = model
+        self.keys = keys
+
+    def forward(self, *args: Any) -> Any:
+        return self.model(**dict(zip(self.keys, args, strict=False)))
+
+
+def normalize_inputs(inputs: Any) -> tuple[tuple, list[str] | None]:
+    """``(positional tuple, keyword names or None)`` from a tensor, tuple/list or dict."""
+    if isinstance(inputs, torch.Tensor):
+        return (inputs,), None
+    if isinstance(inputs, Mapping):
+        bad = [k for k in inputs if not isinstance(k, str)]
+        if bad:
+            raise InputError(f"dict inputs need string keys (argument names); got {bad[0]!r}")
+        return tuple(inputs.values()), list(inputs)
+    if isinstance(inputs, (tuple, list)):
+        return tuple(inputs), None
+    raise InputError(
+        f"inputs must be a tensor, a tuple/list of arguments or a dict of keyword arguments; "
+        f"got {type(inputs).__name__}"
+    )
+
+
+def prepare_model(model: Any, params: Mapping[str, torch.Tensor] | None, keys: list[str] | None) -> torch.nn.Module:
+    """A private copy of ``model``: eval mode, floating params/buffers in float32, on the CPU, params loaded."""
+    if isinstance(model, torch.nn.Module):
+        base = copy.deepcopy(model)
+    elif callable(model):
+        base = _CallableModule(model)
+    else:
+        raise InputError(f"model must be a torch.nn.Module or a callable; got {type(model).__name__}")
+    base = base.to("cpu")
+    for t in list(base.parameters()) + list(base.buffers()):
+        if t.is_floating_point() and t.dtype != torch.float32:
+            t.data = t.data.float()
+    base.eval()
+    if params:
+        _load_params(base, params)
+    if keys is not None:
+        base = _KeywordModule(base, keys)
+    return base
+
+
+def _load_params(module: torch.nn.Module, params: Mapping[str, torch.Tensor]) -> None:
+    state = dict(module.named_parameters())
+    state.update(dict(module.named_buffers()))
+    for name, value in params.items():
+        if name not in state:
+            known = ", ".join(list(state)[:12]) + (" ..." if len(state) > 12 else "")
+            raise InputError(f"params: unknown name {name!r}; the model has: {known}")
+        if not isinstance(value, (torch.Tensor, np.ndarray)):
+            raise InputError(f"params[{name!r}] must be a tensor or numpy array, got {type(value).__name__}")
+        value = torch.as_tensor(value)
+        target = state[name]
+        if tuple(value.shape) != tuple(target.shape):
+            raise InputError(
+                f"params[{name!r}] has shape {tuple(value.shape)}; the model's {name} has {tuple(target.shape)}"
+            )
+        with torch.no_grad():
+            target.copy_(value.to(target.dtype))
+
+
+def _to_leaf(value: Any) -> Leaf:
+    if isinstance(value, torch.Tensor):
+        t = value.detach().to("cpu")
+        dtype = str(t.dtype).removeprefix("torch.")
+        if t.dtype == torch.bfloat16:
+            t = t.float()  # numpy has no bfloat16; the dtype name keeps the truth
+        arr = np.ascontiguousarray(t.resolve_conj().resolve_neg().numpy())
+        return Leaf(arr, dtype, tuple(arr.shape))
+    return Leaf(value, type(value).__name__, None)
+
+
+def _clone_inputs(args: tuple) -> tuple:
+    return map_tensors(lambda t: t.detach().clone().requires_grad_(t.requires_grad), args)
+
+
+@functools.lru_cache(maxsize=256)
+def loss_weight(name: str, shape: tuple[int, ...]) -> np.ndarray:
+    """Fixed random weights for one output: the default loss is ``sum(out * w)`` over outputs.
+
+    Random weights (not a plain sum) keep gradients generic: the sum of a
+    softmax is constant, so its gradient would be zero.  Seeded by the
+    output's name, so every backend and every node uses the same weights.
+    """
+    w = np.random.default_rng(zlib.crc32(name.encode())).standard_normal(shape)
+    w.setflags(write=False)
+    return w
+
+
+def _default_loss(out: Any) -> torch.Tensor | None:
+    total = None
+    for name, leaf in flatten(out):
+        if not isinstance(leaf, torch.Tensor) or not leaf.requires_grad or not leaf.is_floating_point():
+            continue
+        w = torch.tensor(loss_weight(name, tuple(leaf.shape)), dtype=leaf.dtype, device=leaf.device)
+        term = (leaf * w).sum()
+        total = term if total is None else total + term.to(total.dtype)
+    return total
+
+
+def execute(
+    backend: Backend,
+    base: torch.nn.Module,
+    args: tuple,
+    *,
+    backward: bool,
+    loss: Callable[[Any], torch.Tensor] | None,
+    grad_inputs: list[int],
+    input_names: list[str],
+    measure_reductions: bool = False,
+) -> BackendRun:
+    """Run one backend on a fresh copy of the model and inputs; never raises for a backend failure."""
+    reason = backend.unavailable_reason()
+    if reason is not None:
+        return BackendRun(backend.name, ERROR, {}, f"not available here: {reason}", compute_dtype=backend.compute_dtype)
+    model = copy.deepcopy(base)
+    fresh = _clone_inputs(args)
+    start = time.perf_counter()
+    sizes = {} if (backward and measure_reductions) else None
+    hooks = _record_output_sizes(model, sizes) if sizes is not None else []
+    try:
+        if backward:
+            for p in model.parameters():
+                if p.is_floating_point():
+                    p.requires_grad_(True)
+            with torch.enable_grad():
+                out = backend.fn(model, fresh)
+        else:
+            with torch.no_grad():
+                out = backend.fn(model, fresh)
+        outputs = {name: _to_leaf(v) for name, v in flatten(out)}
+        _remove(hooks)
+    except Exception as exc:
+        _remove(hooks)
+        return BackendRun(
+            backend.name,
+            ERROR,
+            {},
+            _describe(exc),
+            time.perf_counter() - start,
+            compute_dtype=backend.compute_dtype,
+        )
+    run = BackendRun(backend.name, OK, outputs, seconds=0.0, compute_dtype=backend.compute_dtype)
+    if sizes is not None:
+        run.reduction_lengths = _reduction_lengths(model, sizes)
+    if backward:
+        _backward(run, backend, model, out, fresh, loss, grad_inputs, input_names)
+    run.seconds = time.perf_counter() - start
+    return run
+
+
+def _backward(run, backend, model, out, fresh, loss, grad_inputs, input_names) -> None:
+    if not backend.differentiable:
+        run.grad_status, run.grad_message = SKIPPED, f"{backend.name} cannot differentiate (forward only)"
+        return
+    try:
+        value = loss(out) if loss is not None else _default_loss(out)
+        if value is None or not isinstance(value, torch.Tensor) or not value.requires_grad:
+            run.grad_status = SKIPPED
+            run.grad_message = f"{backend.name}'s outputs carry no gradient"
+            return
+        if value.numel() != 1:
+            raise ValueError(f"loss must be a scalar tensor, got shape {tuple(value.shape)}")
+        value.backward()
+    except Exception as exc:
+        run.grad_status, run.grad_message = ERROR, _describe(exc)
+        return
+    for name, p in _named_params(model):
+        if p.grad is not None:
+            run.outputs[GRAD_PREFIX + name] = _to_leaf(p.grad)
+    for i in grad_inputs:
+        g = fresh[i].grad
+        if g is not None:
+            run.outputs[GRAD_PREFIX + input_names[i]] = _to_leaf(g)
+    run.grad_status = OK
+
+
+def _record_output_sizes(model: torch.nn.Module, sizes: dict[str, int]) -> list:
+    # Each module's output size (its first tensor output), for the reduction lengths below.
+    def hook(name):
+        def fn(module, args, out):
+            leaves = [v for _, v in flatten(out) if isinstance(v, torch.Tensor)]
+            if leaves:
+                sizes[name] = max(sizes.get(name, 0), leaves[0].numel())
+
+        return fn
+
+    return [m.register_forward_hook(hook(n)) for n, m in model.named_modules()]
+
+
+def _remove(hooks: list) -> None:
+    for h in hooks:
+        h.remove()
+
+
+def _reduction_lengths(model: torch.nn.Module, sizes: dict[str, int]) -> dict[str, int]:
+    # A parameter's gradient sums one term per use: about (module output size)
+    # / (its leading dimension) terms per element -- batch rows for a Linear,
+    # N*H*W for a conv or BatchNorm channel, tokens for a LayerNorm.
+    lengths = {}
+    for mod_name, module in model.named_modules():
+        out = sizes.get(mod_name)
+        if not out:
+            continue
+        for p_name, p in module.named_parameters(recurse=False):
+            full = _user_name(model, f"{mod_name}.{p_name}" if mod_name else p_name)
+            lead = p.shape[0] if p.dim() else 1
+            lengths[GRAD_PREFIX + full] = max(1, out // max(1, lead))
+    return lengths
+
+
+def _user_name(model: torch.nn.Module, name: str) -> str:
+    # Strip our wrappers' prefixes so names match the user's model.
+    if isinstance(model, _KeywordModule) and name.startswith("model."):
+        return name[len("model.") :]
+    if isinstance(model, _CallableModule) and name.startswith("fn."):
+        return name[len("fn.") :]
+    return name
+
+
+def _named_params(model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
+    for name, p in model.named_parameters():
+        yield _user_name(model, name), p
+
+
+def _describe(exc: BaseException) -> str:
+    msg = str(exc).strip().splitlines()
+    first = msg[0] if msg else ""
+    where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+    loc = f" (at {where.name})" if where else ""
+    return f"{type(exc).__name__}: {first}"[:500] + loc
+
+
+def environment() -> dict[str, Any]:
+    """Where this run happened: host, versions, devices."""
+    from rlx_nb import __version__
+
+    env: dict[str, Any] = {
+        "host": platform.node(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "numpy": np.__version__,
+        "rlx_nb": __version__,
+        "cuda": torch.version.cuda,
+        "threads": torch.get_num_threads(),
+    }
+    if torch.cuda.is_available():
+        env["devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return env
+
+
+def run(
+    model: Any,
+    inputs: Any,
+    *,
+    params: Mapping[str, torch.Tensor] | None = None,
+    backends: str | Iterable[str] | None = None,
+    backward: bool = False,
+    loss: Callable[[Any], torch.Tensor] | None = None,
+    label: str | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> RunResults:
+    """Run ``model`` on the oracle, the fp64 reference and each candidate backend.
+
+    Returns numpy outputs only; :func:`rlx_nb.compare` turns them into a report.
+    The oracle must run: if the model fails on it, that is the user's error
+    and raises :class:`~rlx_nb.InputError` with the model's message.
+    """
+    candidates = resolve_backends(backends)
+    args, keys = normalize_inputs(inputs)
+    base = prepare_model(model, params, keys)
+    input_names = keys or [f"input[{i}]" for i in range(len(args))]
+    grad_inputs = [i for i, x in enumerate(args) if isinstance(x, torch.Tensor) and x.requires_grad]
+    if grad_inputs and not backward:
+        args = map_tensors(lambda t: t.detach(), args)
+    common = dict(backward=backward, loss=loss, grad_inputs=grad_inputs, input_names=input_names)
+
+    say = progress or (lambda _: None)
+    say(ORACLE)
+    oracle = execute(get_backend(ORACLE), base, args, measure_reductions=True, **common)
+    if oracle.status != OK:
+        raise InputError(f"the model fails on the CPU oracle, so nothing can be compared: {oracle.message}")
+    if backward and oracle.grad_status != OK:
+        raise InputError(f"backward=True but the oracle's backward did not run: {oracle.grad_message}")
+    say(REFERENCE)
+    reference = execute(get_backend(REFERENCE), base, args, **common)
+    runs = {}
+    for backend in candidates:
+        say(backend.name)
+        runs[backend.name] = execute(backend, base, args, **common)
+    return RunResults(
+        label=label or _default_label(model),
+        oracle=oracle,
+        reference=reference,
+        candidates=runs,
+        backward=backward,
+        environment=environment(),
+    )
+
+
+def _default_label(model: Any) -> str:
+    return type(model).__name__ if isinstance(model, torch.nn.Module) else getattr(model, "__name__", "model")

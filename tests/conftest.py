@@ -1,0 +1,48 @@
+"""Shared fixtures: seeded RNG, the live candidate backends, cached demo reports.
+
+``RLX_NB_TEST_BACKENDS`` (comma-separated) picks the candidate backends the
+verdict tests run; by default every live default backend.  A backend that is
+not live here is skipped, never failed.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+import rlx_nb
+from rlx_nb import demo
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    return np.random.default_rng(1234)
+
+
+def candidate_backends() -> list[str]:
+    live = [b for b in rlx_nb.available_backends() if b != "cpu"]
+    wanted = os.environ.get("RLX_NB_TEST_BACKENDS")
+    if not wanted:
+        return live
+    return [b.strip() for b in wanted.split(",") if b.strip()]
+
+
+def require_live(name: str) -> None:
+    if name not in rlx_nb.available_backends(include_optin=True):
+        pytest.skip(f"backend {name} is not live here")
+
+
+_REPORTS: dict[tuple, rlx_nb.DivergenceReport] = {}
+
+
+def demo_report(family: str, backends: tuple[str, ...], *, backward: bool = True) -> rlx_nb.DivergenceReport:
+    """One report per (family, backends, backward), shared across tests (compiles are slow)."""
+    key = (family, backends, backward)
+    if key not in _REPORTS:
+        model, inputs = demo.MODELS[family]()
+        _REPORTS[key] = rlx_nb.backend_divergence(
+            model, inputs, backends=list(backends), backward=backward, label=family
+        )
+    return _REPORTS[key]

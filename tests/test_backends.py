@@ -1,0 +1,84 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rlx_nb
+from rlx_nb.backends import get_backend, resolve_backends
+
+
+def test_available_backends_cpu_first_and_no_reference():
+    names = rlx_nb.available_backends()
+    assert names[0] == "cpu"
+    assert "cpu-f64" not in names
+    assert "cpu-bf16" not in names  # opt-in
+    assert "cpu-bf16" in rlx_nb.available_backends(include_optin=True)
+
+
+def test_absent_devices_are_values_not_crashes():
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present")
+    cuda = get_backend("cuda")
+    assert not cuda.live
+    assert "CUDA" in cuda.unavailable_reason()
+    assert "cuda" not in rlx_nb.available_backends()
+
+
+def test_register_twice_is_an_error_unless_replace():
+    rlx_nb.register_backend("test-twice", lambda m, xs: m(*xs), replace=True)
+    with pytest.raises(rlx_nb.RlxError, match="already registered"):
+        rlx_nb.register_backend("test-twice", lambda m, xs: m(*xs))
+    rlx_nb.register_backend("test-twice", lambda m, xs: m(*xs), replace=True)
+    rlx_nb.unregister_backend("test-twice")
+
+
+@pytest.mark.parametrize("name", ["", "has space", "a,b", None])
+def test_invalid_names(name):
+    with pytest.raises(rlx_nb.RlxError, match="invalid backend name"):
+        rlx_nb.register_backend(name, lambda m, xs: m(*xs))
+
+
+def test_the_oracle_cannot_be_replaced():
+    with pytest.raises(rlx_nb.RlxError, match="oracle"):
+        rlx_nb.register_backend("cpu", lambda m, xs: m(*xs), replace=True)
+
+
+def test_registered_fn_gets_private_eval_float32_cpu_copy():
+    seen = {}
+
+    def fn(model, inputs):
+        seen["training"] = model.training
+        seen["dtype"] = next(model.parameters()).dtype
+        seen["inputs"] = inputs
+        with torch.no_grad():
+            next(model.parameters()).add_(1.0)  # must not leak into the user's model
+        return model(*inputs)
+
+    rlx_nb.register_backend("test-copy", fn, replace=True)
+    model = torch.nn.Linear(3, 2).double().train()
+    before = model.weight.detach().clone()
+    report = rlx_nb.backend_divergence(model, torch.ones(2, 3), backends=["test-copy"])
+    assert seen["training"] is False
+    assert seen["dtype"] == torch.float32
+    assert isinstance(seen["inputs"], tuple)
+    assert torch.equal(model.weight, before) and model.training
+    assert report.suspects == ["test-copy"]  # it really did compute something else
+    rlx_nb.unregister_backend("test-copy")
+
+
+def test_unknown_and_empty_backend_lists():
+    with pytest.raises(rlx_nb.RlxError, match="unknown backend 'nope'; live here: cpu"):
+        resolve_backends(["nope"])
+    with pytest.raises(rlx_nb.RlxError, match="empty"):
+        resolve_backends([])
+    with pytest.raises(rlx_nb.RlxError, match="empty"):
+        resolve_backends(" , ")
+    assert [b.name for b in resolve_backends("cpu,cpu-nomkldnn,cpu-nomkldnn")] == ["cpu-nomkldnn"]
+
+
+def test_backend_table_lists_everything():
+    from rlx_nb.backends import backend_table
+
+    rows = {r["backend"]: r for r in backend_table()}
+    assert {"cpu", "cpu-f64", "cpu-inductor", "onnxruntime", "cpu-bf16", "cuda"} <= set(rows)
+    assert rows["cpu"]["live"]

@@ -1,0 +1,96 @@
+"""The ``rlx-nb`` command, run as a subprocess exactly as CI gates would."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+TARGET = textwrap.dedent(
+    """
+    import torch
+    import rlx_nb
+
+    def good():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Softmax(-1)), torch.randn(4, 8)
+
+    def broken_backend(model, inputs):
+        raise RuntimeError("unsupported op")
+
+    rlx_nb.register_backend("target-broken", broken_backend)
+    """
+)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "rlx_nb.cli", *args], capture_output=True, text=True, timeout=300)
+
+
+@pytest.fixture
+def target(tmp_path):
+    path = tmp_path / "my_models.py"
+    path.write_text(TARGET)
+    return f"{path}:good"
+
+
+def test_check_roundoff_exits_0(target):
+    p = _cli("check", target, "--backends", "cpu-nomkldnn", "--label", "L")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith("[L] cpu-nomkldnn vs cpu: max_abs=")
+    assert "round-off (explainable)" in p.stdout
+
+
+def test_check_suspect_exits_1(target):
+    p = _cli("check", target, "--backends", "cpu-nomkldnn,fault:softmax-row")
+    assert p.returncode == 1, p.stderr
+    assert "fault:softmax-row vs cpu" in p.stdout and "SUSPECT" in p.stdout
+
+
+def test_backend_registered_by_target_failing_exits_3(target):
+    p = _cli("check", target, "--backends", "cpu-nomkldnn,target-broken")
+    assert p.returncode == 3, p.stderr
+    assert "target-broken vs cpu: ERROR — RuntimeError: unsupported op" in p.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["check", "no_such_file.py:build"], "does not exist"),
+        (["check", "json:loads_nothing"], "has no callable 'loads_nothing'"),
+        (["check", "missing_colon"], "must be 'path/to/file.py:factory'"),
+    ],
+)
+def test_bad_targets_exit_2_with_one_line(args, message):
+    p = _cli(*args)
+    assert p.returncode == 2
+    assert message in p.stderr
+    assert "Traceback" not in p.stderr and len(p.stderr.strip().splitlines()) == 1
+
+
+def test_unknown_backend_exits_2(target):
+    p = _cli("check", target, "--backends", "warp-drive")
+    assert p.returncode == 2
+    assert "unknown backend 'warp-drive'; live here: cpu" in p.stderr
+
+
+def test_backends_lists_live_and_absent():
+    p = _cli("backends")
+    assert p.returncode == 0
+    lines = {line.split()[0]: line for line in p.stdout.splitlines()}
+    assert "live" in lines["cpu"]
+    assert "fault:softmax-row" in lines and "opt-in" in lines["fault:softmax-row"]
+
+
+@pytest.mark.slow
+def test_demo_catches_every_fault_and_nothing_else():
+    p = _cli(
+        "demo",
+        "--backends",
+        "cpu-nomkldnn,fault:softmax-row,fault:layernorm-eps,fault:rmsnorm-backward,fault:xent-backward",
+    )
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "missed: none; legitimate backends called SUSPECT: none" in p.stdout
+    assert "[transformer] fault:softmax-row vs cpu" in p.stdout

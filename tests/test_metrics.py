@@ -1,0 +1,106 @@
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+from rlx_nb import metrics
+from rlx_nb.metrics import pair_stats, reference_stats, top_k, ulp_distance
+
+
+def _reference(e: np.ndarray, a: np.ndarray, rtol: float, atol: float) -> dict:
+    """A straightforward float64 implementation of the same statistics."""
+    e64, a64 = e.astype(np.float64).ravel(), a.astype(np.float64).ravel()
+    both = np.isfinite(e64) & np.isfinite(a64)
+    agree = (e64 == a64) | (np.isnan(e64) & np.isnan(a64))
+    d = np.where(both, np.abs(a64 - e64), 0.0)
+    rel = d / (np.abs(np.where(both, e64, 0)) + 1e-6)
+    mism = np.count_nonzero(both & (d > atol + rtol * np.abs(np.where(both, e64, 0))))
+    ulps = np.where(both, ulp_distance(e.ravel(), a.ravel()), 0)
+    k = max(0, math.ceil(0.99 * d.size) - 1)
+    return {
+        "max_abs": d.max(),
+        "worst": int(d.argmax()),
+        "max_rel": rel.max(),
+        "mismatched": int(mism + np.count_nonzero(~both & ~agree)),
+        "nonfinite": int(np.count_nonzero(~both & ~agree)),
+        "max_ulp": int(ulps.max()),
+        "p99": np.sort(d)[k],
+        "mean": d[both].mean() if both.any() else 0.0,
+    }
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 1000, 300_001])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64, np.float16])
+def test_pair_stats_matches_reference(rng, n, dtype):
+    e = rng.standard_normal(n).astype(dtype)
+    a = (e + rng.standard_normal(n) * 1e-3 * (rng.random(n) < 0.3)).astype(dtype)
+    s = pair_stats(e, a)
+    rtol, atol = metrics.default_tolerance(np.dtype(dtype).name)
+    ref = _reference(e, a, rtol, atol)
+    assert s.max_abs == pytest.approx(ref["max_abs"], rel=1e-6)
+    if ref["max_abs"] > 0:
+        assert s.worst_index == ref["worst"]
+    assert s.max_rel == pytest.approx(ref["max_rel"], rel=1e-5)
+    assert s.mismatched == ref["mismatched"]
+    assert s.max_ulp == ref["max_ulp"]
+    assert s.p99_abs == pytest.approx(ref["p99"], rel=1e-6)
+    assert s.mean_abs == pytest.approx(ref["mean"], rel=1e-4)
+
+
+def test_nan_and_inf_patterns():
+    e = np.array([1.0, np.nan, np.inf, -np.inf, 2.0, np.nan, 3.0], np.float32)
+    a = np.array([1.0, np.nan, np.inf, np.inf, np.nan, 1.0, 3.5], np.float32)
+    s = pair_stats(e, a)
+    # NaN in both and equal infinities agree; -inf vs inf, number vs NaN, NaN vs number do not.
+    assert s.nonfinite_mismatch == 3
+    assert s.mismatched == 4  # the three plus 3.0 vs 3.5
+    assert s.max_abs == pytest.approx(0.5)
+    assert s.worst_index == 6
+
+
+def test_ulp_distance_across_zero_and_signed_zero():
+    e = np.array([0.0, -0.0, np.float32(1e-45), 1.0], np.float32)
+    a = np.array([-0.0, 0.0, np.float32(-1e-45), np.nextafter(np.float32(1), np.float32(2))], np.float32)
+    assert ulp_distance(e, a).tolist() == [0, 0, 2, 1]
+    assert pair_stats(e, a).max_ulp == 2
+
+
+def test_opposite_signs_large_values_use_exact_path():
+    e = np.full(70_000, 3.0e38, np.float32)
+    a = -e
+    assert pair_stats(e, a, p99=False).max_ulp == int(ulp_distance(e[:1], a[:1])[0])
+
+
+def test_empty_and_shape_mismatch():
+    s = pair_stats(np.zeros(0, np.float32), np.zeros(0, np.float32))
+    assert s.numel == 0 and s.worst_index == -1
+    with pytest.raises(ValueError, match="shapes differ"):
+        pair_stats(np.zeros(3, np.float32), np.zeros(4, np.float32))
+
+
+def test_p99_fallback_when_sample_floor_is_too_high():
+    # A sample that misses the only large errors must still give the exact p99.
+    e = np.zeros(1_000_000, np.float32)
+    a = e.copy()
+    a[-20_000:] = np.linspace(1, 2, 20_000, dtype=np.float32)
+    s = pair_stats(e, a)
+    k = math.ceil(0.99 * e.size) - 1
+    assert s.p99_abs == np.sort(np.abs(a - e))[k]
+
+
+def test_reference_stats():
+    r = reference_stats(np.float32([1, 2, 3]), np.float64([1, 2, 4]))
+    assert r.max_err == 1.0
+    assert r.rmse == pytest.approx(math.sqrt(1 / 3))
+    assert r.ref_max == 4.0
+
+
+def test_top_k_is_worst_first_and_exact(rng):
+    e = rng.standard_normal(500_000).astype(np.float32)
+    a = e + rng.standard_normal(e.size).astype(np.float32) * 1e-4
+    idx, err = top_k(e, a, 25)
+    brute = np.argsort(-np.abs(a - e), kind="stable")[:25]
+    assert set(idx.tolist()) == set(brute.tolist())
+    assert np.all(np.diff(err) <= 0)

@@ -1,0 +1,79 @@
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import torch
+
+import rlx_nb
+from rlx_nb.frames import BACKEND_COLUMNS, ELEMENT_COLUMNS, SUMMARY_COLUMNS
+
+LINE = re.compile(
+    r"^\[(?P<label>[^\]]+)\] +(?P<backend>\S+) vs cpu: max_abs=\d\.\d{3}e[+-]\d\d max_rel=\d\.\d{3}e[+-]\d\d "
+    r"\(output #\d+ \S+\) — (round-off \(explainable\)|SUSPECT \(.+\))"
+)
+
+
+def _report():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Softmax(-1))
+    return rlx_nb.backend_divergence(
+        model, torch.randn(8, 16), backends=["cpu-nomkldnn", "fault:softmax-row"], label="tiny"
+    )
+
+
+def test_frames_have_their_columns():
+    r = _report()
+    assert list(r.summary.columns) == SUMMARY_COLUMNS
+    assert list(r.backends.columns) == BACKEND_COLUMNS
+    assert r.backends["backend"].tolist() == ["cpu-nomkldnn", "fault:softmax-row"]
+    assert r.suspects == ["fault:softmax-row"] and r.any_suspect
+
+
+def test_text_lines_follow_the_seed_format():
+    lines = str(_report()).splitlines()
+    assert len(lines) == 2
+    for line in lines:
+        assert LINE.match(line), line
+    assert lines[0].endswith("round-off (explainable)")
+    assert "SUSPECT" in lines[1] and "likely a kernel bug" in lines[1]
+
+
+def test_elements_are_the_worst_with_values():
+    r = _report()
+    frame = r.elements("fault:softmax-row", top=5)
+    assert list(frame.columns) == ELEMENT_COLUMNS
+    o, b, _ref = r.arrays("fault:softmax-row")
+    err = np.abs(b.astype(np.float64) - o)
+    assert frame["abs_err"].iloc[0] == err.max()
+    assert frame["index"].iloc[0] == np.unravel_index(err.argmax(), o.shape)
+    assert frame["index"].iloc[0][0] == 0  # the faulty row
+    assert frame["reference"].notna().all()
+
+
+def test_html_repr_marks_suspects():
+    html = _report()._repr_html_()
+    assert "<table" in html and "fault:softmax-row" in html and "SUSPECT" in html
+
+
+def test_cpu_only_node_prints_and_returns_false(capsys):
+    assert rlx_nb.report_backend_divergence("node", torch.nn.Linear(2, 2), torch.ones(1, 2), backends="cpu") is False
+    assert "CPU-only node — nothing to compare" in capsys.readouterr().err
+
+
+def test_report_backend_divergence_returns_true_on_suspect(capsys):
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Softmax(-1))
+    assert rlx_nb.report_backend_divergence("s", model, torch.randn(3, 4), backends=["fault:softmax-row"])
+    assert "SUSPECT" in capsys.readouterr().err
+
+
+def test_unknown_backend_or_output_in_report():
+    r = _report()
+    import pytest
+
+    with pytest.raises(rlx_nb.RlxError, match="no backend 'x'"):
+        r.elements("x")
+    with pytest.raises(rlx_nb.RlxError, match="no output 'y'"):
+        r.elements("cpu-nomkldnn", "y")
+    with pytest.raises(rlx_nb.RlxError, match="top must be"):
+        r.elements("cpu-nomkldnn", top=0)

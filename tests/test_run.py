@@ -1,0 +1,107 @@
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import rlx_nb
+from rlx_nb.run import run
+from rlx_nb.tree import flatten
+
+
+class Nested(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x, *, scale=1.0):
+        y = self.lin(x) * scale
+        return {"logits": y, "hidden": [y.relu(), {"attn": y.sigmoid()}], "steps": 3}
+
+
+def test_flatten_names():
+    names = [n for n, _ in flatten({"logits": 1, "hidden": [2, {"attn": 3}]})]
+    assert names == ["logits", "hidden[0]", "hidden[1].attn"]
+    assert [n for n, _ in flatten((torch.zeros(1), torch.zeros(1)))] == ["out[0]", "out[1]"]
+    assert [n for n, _ in flatten(torch.zeros(1))] == ["out"]
+
+
+def test_nested_outputs_and_dict_inputs():
+    report = rlx_nb.backend_divergence(Nested(), {"x": torch.randn(2, 4), "scale": 2.0}, backends=["cpu-nomkldnn"])
+    assert report.summary["output"].tolist() == ["logits", "hidden[0]", "hidden[1].attn", "steps"]
+    assert not report.any_suspect
+    steps = report.record("cpu-nomkldnn", "steps")
+    assert steps.reason == "" or "differs" not in steps.reason
+
+
+def test_plain_callable_model():
+    w = torch.randn(4, 4)
+    report = rlx_nb.backend_divergence(lambda x: torch.tanh(x @ w), torch.randn(3, 4), backends=["cpu-nomkldnn"])
+    assert report.summary["verdict"].tolist() == ["round-off"]
+
+
+def test_params_are_loaded_and_checked():
+    model = torch.nn.Linear(2, 2)
+    res = run(
+        model,
+        torch.ones(1, 2),
+        params={"bias": torch.tensor([5.0, 6.0]), "weight": torch.zeros(2, 2)},
+        backends=["cpu"],
+    )
+    np.testing.assert_array_equal(res.oracle.outputs["out"].value, [[5.0, 6.0]])
+    with pytest.raises(rlx_nb.InputError, match="unknown name 'nope'; the model has: weight, bias"):
+        run(model, torch.ones(1, 2), params={"nope": torch.zeros(1)})
+    with pytest.raises(rlx_nb.InputError, match=r"params\['bias'\] has shape \(3,\); the model's bias has \(2,\)"):
+        run(model, torch.ones(1, 2), params={"bias": torch.zeros(3)})
+
+
+def test_inputs_the_model_rejects_are_a_clear_error():
+    with pytest.raises(rlx_nb.InputError, match=r"fails on the CPU oracle.*RuntimeError"):
+        rlx_nb.backend_divergence(torch.nn.Linear(3, 2), torch.ones(2, 5))
+    with pytest.raises(rlx_nb.InputError, match="inputs must be a tensor"):
+        rlx_nb.backend_divergence(torch.nn.Linear(3, 2), "text")
+    with pytest.raises(rlx_nb.InputError, match="model must be"):
+        rlx_nb.backend_divergence(42, torch.ones(1))
+
+
+def test_failing_backend_is_an_error_row_and_others_survive():
+    def broken(model, inputs):
+        raise RuntimeError("kernel exploded")
+
+    rlx_nb.register_backend("test-broken", broken, replace=True)
+    report = rlx_nb.backend_divergence(
+        torch.nn.Linear(3, 2), torch.ones(2, 3), backends=["test-broken", "cpu-nomkldnn"]
+    )
+    rows = report.backends.set_index("backend")
+    assert rows.loc["test-broken", "verdict"] == "error"
+    assert "kernel exploded" in rows.loc["test-broken", "reason"]
+    assert rows.loc["cpu-nomkldnn", "verdict"] == "round-off"
+    assert report.errors == ["test-broken"] and not report.any_suspect
+    rlx_nb.unregister_backend("test-broken")
+
+
+def test_backward_compares_param_and_input_grads():
+    x = torch.randn(4, 3, requires_grad=True)
+    report = rlx_nb.backend_divergence(torch.nn.Linear(3, 2), x, backends=["cpu-nomkldnn"], backward=True)
+    assert report.summary["output"].tolist() == ["out", "grad:weight", "grad:bias", "grad:input[0]"]
+    assert set(report.summary["kind"]) == {"forward", "grad"}
+    assert not report.any_suspect
+
+
+def test_custom_loss():
+    report = rlx_nb.backend_divergence(
+        torch.nn.Linear(3, 2),
+        torch.randn(4, 3),
+        backends=["cpu-nomkldnn"],
+        backward=True,
+        loss=lambda out: out.pow(2).mean(),
+    )
+    assert "grad:weight" in report.summary["output"].tolist()
+
+
+def test_user_model_and_inputs_untouched():
+    model = torch.nn.BatchNorm1d(3).train()
+    x = torch.randn(5, 3)
+    x0, mean0 = x.clone(), model.running_mean.clone()
+    rlx_nb.backend_divergence(model, x, backends=["cpu-nomkldnn"])
+    assert torch.equal(x, x0) and torch.equal(model.running_mean, mean0) and model.training

@@ -1,0 +1,145 @@
+"""The verdict on real backends and on the fault catalogue (compiles and exports: the slow part)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import rlx_nb
+from rlx_nb import demo
+from rlx_nb.compare import ROUNDOFF, SUSPECT
+from tests.conftest import candidate_backends, demo_report, require_live
+
+LEGIT = ("cpu-nomkldnn", "cpu-inductor", "onnxruntime")
+FAMILIES = ("mlp", "transformer", "conv")
+
+
+def _legit_live() -> tuple[str, ...]:
+    wanted = set(candidate_backends())
+    return tuple(b for b in LEGIT if b in wanted and b in rlx_nb.available_backends())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", FAMILIES)
+def test_legitimate_backends_are_roundoff_forward_and_backward(family):
+    backends = _legit_live()
+    if not backends:
+        pytest.skip("no legitimate candidate backend is live")
+    report = demo_report(family, backends)
+    rows = report.backends.set_index("backend")
+    for b in backends:
+        assert rows.loc[b, "verdict"] == ROUNDOFF, (b, rows.loc[b, "reason"])
+    if "onnxruntime" in backends:
+        grads = report.summary.query("backend == 'onnxruntime' and kind == 'grad'")
+        assert len(grads) and set(grads["verdict"]) == {"skipped"}
+
+
+@pytest.mark.slow
+def test_the_fixed_rule_misfires_where_the_budget_does_not():
+    # Why the budget exists: seed-style max_rel of a legitimate backend exceeds 2e-3 (outputs near zero).
+    report = demo_report("mlp", _legit_live() or ("cpu-nomkldnn",))
+    fwd = report.summary.query("kind == 'forward'")
+    assert (fwd["verdict_fixed"] == SUSPECT).any()
+    assert (fwd["verdict_budget"] == ROUNDOFF).all()
+    report_fixed = rlx_nb.DivergenceReport.from_results(report.results, rule="fixed")
+    assert report_fixed.any_suspect and not report.any_suspect
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_autocast_is_judged_against_a_bf16_budget(family):
+    require_live("cpu-bf16")
+    report = demo_report(family, ("cpu-bf16",), backward=False)
+    rec = report.record("cpu-bf16")
+    assert rec.verdict == ROUNDOFF, rec.reason
+    assert rec.verdict_fixed == SUSPECT  # the fixed rule calls it a bug
+    assert "bfloat16 round-off budget" in rec.reason
+
+
+@pytest.mark.parametrize(
+    ("fault", "family", "output"),
+    [
+        ("fault:softmax-row", "transformer", "out"),
+        ("fault:layernorm-eps", "transformer", "out"),
+        ("fault:rmsnorm-backward", "rmsnorm_classifier", "grad:"),
+        ("fault:xent-backward", "rmsnorm_classifier", "grad:"),
+    ],
+)
+def test_every_catalogue_fault_is_suspect(fault, family, output):
+    report = demo_report(family, (fault,))
+    assert report.suspects == [fault]
+    worst = report.record(fault)
+    assert worst.output.startswith(output)
+    if output == "grad:":  # a backward fault leaves the forward alone
+        assert (report.summary.query("kind == 'forward'")["verdict"] == ROUNDOFF).all()
+
+
+def test_catalogue_is_registered_and_documented():
+    from rlx_nb.backends import get_backend
+
+    assert len(demo.FAULTS) >= 4
+    for name in demo.FAULTS:
+        b = get_backend(name)
+        assert b.description and not b.default
+
+
+def test_a_backend_better_than_the_oracle_gets_an_oracle_note():
+    # fp64 computation rounded to fp32: closer to the reference than the fp32 oracle.
+    def fp64_then_round(model, inputs):
+        model.double()
+        return model(*[x.double() for x in inputs]).float()
+
+    rlx_nb.register_backend("test-fp64-round", fp64_then_round, replace=True)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.Tanh(), torch.nn.Linear(256, 256))
+    report = rlx_nb.backend_divergence(model, torch.randn(64, 256), backends=["test-fp64-round"])
+    rec = report.record("test-fp64-round")
+    assert rec.verdict == ROUNDOFF
+    assert "oracle is further from fp64" in rec.note
+    rlx_nb.unregister_backend("test-fp64-round")
+
+
+def test_nan_where_oracle_has_numbers_is_suspect_under_both_rules():
+    def nan_one(model, inputs):
+        out = model(*inputs).clone()
+        out[0, 0] = float("nan")
+        return out
+
+    rlx_nb.register_backend("test-nan", nan_one, replace=True)
+    report = rlx_nb.backend_divergence(torch.nn.Linear(4, 4), torch.randn(2, 4), backends=["test-nan"])
+    rec = report.record("test-nan")
+    assert rec.verdict == rec.verdict_fixed == SUSPECT and rec.nonfinite_mismatch == 1
+    rlx_nb.unregister_backend("test-nan")
+
+
+def test_shape_mismatch_and_integer_outputs():
+    rlx_nb.register_backend("test-shape", lambda m, xs: m(*xs)[:1], replace=True)
+    rlx_nb.register_backend("test-argmax", lambda m, xs: (m(*xs) + 1e-3 * torch.arange(4.0)).argmax(-1), replace=True)
+    model = torch.nn.Linear(4, 4)
+    report = rlx_nb.backend_divergence(model, torch.randn(3, 4), backends=["test-shape"])
+    assert "shape" in report.record("test-shape").reason and report.any_suspect
+
+    class Argmax(torch.nn.Module):
+        def forward(self, x):
+            return x.argmax(-1)
+
+    x = torch.tensor([[0.0, 1.0, 0.9995, 0.0]])
+    r2 = rlx_nb.backend_divergence(Argmax(), x, backends=["test-argmax"])
+    rec = r2.record("test-argmax")
+    assert rec.dtype == "int64" and rec.verdict == SUSPECT and rec.mismatched == 1
+    for n in ("test-shape", "test-argmax"):
+        rlx_nb.unregister_backend(n)
+
+
+def test_reduced_precision_scale_uses_the_format():
+    from rlx_nb.compare import compare_leaf
+    from rlx_nb.run import Leaf
+
+    rng = np.random.default_rng(0)
+    ref = rng.standard_normal(10_000)
+    o = ref.astype(np.float32)
+    b = (ref * (1 + rng.standard_normal(ref.size) * 2**-9)).astype(np.float32)  # ~bf16-sized error
+    leaf = lambda a: Leaf(a, str(a.dtype), a.shape)  # noqa: E731
+    kw = dict(rule="budget", backend="x", output="y", output_index=0, kind="forward", tol_rel=2e-3)
+    assert compare_leaf(leaf(o), leaf(b), leaf(ref), compute_dtype="float32", **kw).verdict == SUSPECT
+    assert compare_leaf(leaf(o), leaf(b), leaf(ref), compute_dtype="bfloat16", **kw).verdict == ROUNDOFF
