@@ -7,13 +7,13 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.rlx_nb-installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: demo test lint format bench clean
+.PHONY: demo test lint format bench notebooks clean
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q $(TORCH_PIN)
-	$(BIN)/python -m pip install -q -e '.[onnx,dev]'
+	$(BIN)/python -m pip install -q -e '.[onnx,notebook,browser,dev]'
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -32,6 +32,9 @@ test: lint
 
 bench: $(STAMP)
 	$(BIN)/python bench/metrics_speed.py
+
+notebooks: $(STAMP)
+	$(BIN)/python notebooks/build_notebooks.py
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache

@@ -15,6 +15,14 @@ from rlx_nb.errors import BackendError, InputError, RlxError
 from rlx_nb.report import DivergenceReport
 from rlx_nb.run import RunResults, run
 
+
+def explore(report, **kwargs):
+    """The widget explorer for ``report`` (needs ipywidgets); see :func:`rlx_nb.widgets.explore`."""
+    from rlx_nb.widgets import explore as _explore
+
+    return _explore(report, **kwargs)
+
+
 __all__ = [
     "BackendError",
     "DivergenceReport",
@@ -26,6 +34,7 @@ __all__ = [
     "available_backends",
     "backend_divergence",
     "compare",
+    "explore",
     "register_backend",
     "report_backend_divergence",
     "run",

@@ -91,6 +91,8 @@ class OutputRecord:
     backend_max_err: float = math.nan
     ratio_rmse: float = math.nan
     ratio_max: float = math.nan
+    budget_rmse: float = math.nan
+    budget_max: float = math.nan
     excess: float = math.nan
     tol_rel: float = math.nan
     reduction_length: int = 1
@@ -242,6 +244,7 @@ def _budget(rec: OutputRecord, o: np.ndarray, b: np.ndarray, r: np.ndarray) -> s
     budget_max = scale * max(so.max_err, floor * so.ref_max)
     rec.oracle_rmse, rec.backend_rmse = so.rmse, sb.rmse
     rec.oracle_max_err, rec.backend_max_err = so.max_err, sb.max_err
+    rec.budget_rmse, rec.budget_max = budget_rmse, budget_max
     rec.ratio_rmse = _ratio(sb.rmse, budget_rmse)
     rec.ratio_max = _ratio(sb.max_err, budget_max)
     rec.excess = max(rec.ratio_rmse / RMSE_LIMIT, rec.ratio_max / MAX_LIMIT)

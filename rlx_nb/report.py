@@ -48,6 +48,14 @@ class DivergenceReport:
         """Compare ``results`` and wrap them in a report."""
         return cls(results, compare(results, tol_rel=tol_rel, rule=rule), rule=rule, tol_rel=tol_rel)
 
+    @functools.cached_property
+    def plot(self):
+        """Plots of this report: ``report.plot.heatmap(backend, output)``, ``.histogram``, ``.scatter``,
+        ``.tolerance_curve`` (see :class:`rlx_nb.plotting.ReportPlotter`)."""
+        from rlx_nb.plotting import ReportPlotter
+
+        return ReportPlotter(self)
+
     @property
     def label(self) -> str:
         return self.results.label

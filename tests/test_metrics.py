@@ -104,3 +104,12 @@ def test_top_k_is_worst_first_and_exact(rng):
     brute = np.argsort(-np.abs(a - e), kind="stable")[:25]
     assert set(idx.tolist()) == set(brute.tolist())
     assert np.all(np.diff(err) <= 0)
+
+
+def test_top_k_ties_go_to_the_lowest_index_like_pair_stats():
+    e = np.zeros(300_000, np.float32)
+    a = e.copy()
+    a[[299_999, 150_000, 7, 70_000]] = 1.0
+    idx, _ = top_k(e, a, 2)
+    assert idx.tolist() == [7, 70_000]
+    assert pair_stats(e, a).worst_index == 7

@@ -1,0 +1,123 @@
+"""Write the walkthrough notebooks from their cells and execute them so they are committed with outputs.
+
+python notebooks/build_notebooks.py          # all
+python notebooks/build_notebooks.py 01       # those whose name starts with 01
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import nbformat
+from nbclient import NotebookClient
+
+HERE = Path(__file__).parent
+
+FIND_THE_SUSPECT = [
+    (
+        "md",
+        """# 01 · Find the suspect
+
+A model gives different numbers on some backend than on the CPU. Is that floating-point round-off, or a kernel bug — and where?
+
+This notebook runs the demo transformer block on **every backend live on this machine** plus one deliberately faulty backend from the catalogue (`fault:softmax-row`: a softmax whose normaliser is wrong on one row), reads the report, walks from the suspect backend to its worst output and the offending element, and contrasts it with a legitimate backend whose differences are round-off.""",
+    ),
+    (
+        "code",
+        """import rlx_nb
+from rlx_nb import demo
+
+model, inputs = demo.transformer()          # one pre-norm encoder block, seeded, random weights
+live = [b for b in rlx_nb.available_backends() if b != "cpu"]
+print("live candidate backends:", live)
+report = rlx_nb.backend_divergence(model, inputs, backends=live + ["fault:softmax-row"], label="transformer")
+report""",
+    ),
+    (
+        "md",
+        """Each backend is judged against a **float64 reference**: the fp32 oracle's own error against fp64 is the round-off *budget*, and a backend is SUSPECT when its error is many times that budget. The seed's fixed rule (`max_rel > 2e-3`) is computed too — `verdict_fixed` — and it gets legitimate backends wrong, because outputs near zero blow the relative error up:""",
+    ),
+    (
+        "code",
+        """report.backends[["backend", "verdict", "verdict_fixed", "worst_output", "max_rel", "ratio_rmse", "ratio_max", "reason"]]""",
+    ),
+    ("md", """## The suspect and its worst output"""),
+    (
+        "code",
+        """suspect = report.suspects[0]
+rec = report.record(suspect)          # the backend's worst output
+print(f"{suspect}: output {rec.output!r} — {rec.reason}")
+print(f"worst element {rec.worst_index}: oracle {rec.oracle_value:.7g}, backend {rec.backend_value:.7g}, fp64 {rec.reference_value:.10g}")""",
+    ),
+    (
+        "md",
+        """The heatmap shows the error of every element divided by the round-off budget (`metric="budget"`): 1 is the oracle's own round-off. The whole (4, 128, 256) output folds to 2-D with batch × token on the rows and features on the columns, max-pooled so no outlier can vanish; the worst element is marked:""",
+    ),
+    ("code", """ax = report.plot.heatmap(suspect, rec.output, metric="budget")"""),
+    (
+        "md",
+        """Zoom into batch 0 (`select={0: 0}` fixes axis 0): the whole of token 0 is red — tens to hundreds of times the round-off budget — and everything else is grey, at the oracle's own round-off.""",
+    ),
+    ("code", """ax = report.plot.heatmap(suspect, rec.output, metric="budget", select={0: 0})"""),
+    ("code", """report.elements(suspect, rec.output, top=8)"""),
+    (
+        "md",
+        """Every one of the worst elements is in batch 0, token 0 — the row whose softmax normaliser is off. That is where to look: the attention softmax of the first query.
+
+## A legitimate backend, for contrast
+
+`cpu-nomkldnn` (eager with oneDNN off) computes the same model with other kernels. Its differences are scattered, within the oracle's own round-off, and nowhere concentrated:""",
+    ),
+    (
+        "code",
+        """legit = "cpu-nomkldnn"
+print(report.record(legit).reason)
+ax = report.plot.heatmap(legit, "out", metric="budget")""",
+    ),
+    (
+        "code",
+        """import matplotlib.pyplot as plt
+
+fig, axes = plt.subplots(1, 3, figsize=(16, 4.2), layout="constrained")
+report.plot.histogram("out", ax=axes[0])
+report.plot.scatter(suspect, "out", ax=axes[1])
+report.plot.tolerance_curve("out", ax=axes[2]);""",
+    ),
+    (
+        "md",
+        """Left: the faulty backend's errors sit far right of the budget limit (dashed), the legitimate ones well left of it. Middle: the suspect's errors against the oracle's magnitude — the dashed line is the seed's `max_rel = 2e-3`. Right: how many elements fail a relative tolerance as it varies: the legitimate backends fail many elements at tight tolerances too, which is why a fixed tolerance cannot separate them.
+
+## Explore
+
+The explorer puts it together: pick a backend (suspects first), an output (worst first), a metric; see the heatmap and histogram; pick an element from the worst list or type an index to inspect its values and neighbourhood. With `%matplotlib widget` (ipympl), click the heatmap to select.""",
+    ),
+    (
+        "code",
+        """explorer = rlx_nb.explore(report)
+explorer""",
+    ),
+]
+
+NOTEBOOKS = {"01_find_the_suspect.ipynb": FIND_THE_SUSPECT}
+
+
+def build(name: str, cells: list[tuple[str, str]]) -> Path:
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.cells = [
+        nbformat.v4.new_markdown_cell(src) if kind == "md" else nbformat.v4.new_code_cell(src) for kind, src in cells
+    ]
+    NotebookClient(
+        nb, timeout=900, kernel_name="python3", store_widget_state=True, resources={"metadata": {"path": str(HERE)}}
+    ).execute()
+    path = HERE / name
+    nbformat.write(nb, path)
+    return path
+
+
+if __name__ == "__main__":
+    prefix = sys.argv[1] if len(sys.argv) > 1 else ""
+    for name, cells in NOTEBOOKS.items():
+        if name.startswith(prefix):
+            print("built", build(name, cells))

@@ -1,0 +1,375 @@
+"""Matplotlib views: arrays or a report in, an ``Axes`` out.  Never ``plt.show()``.
+
+Every function takes ``ax=None`` (a new figure is made) and returns the Axes
+it drew on.  Error maps are max-pooled to the axes' pixel size first (see
+:mod:`rlx_nb.maps`), so a single-element outlier never disappears.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from rlx_nb.compare import MAX_LIMIT
+from rlx_nb.errors import InputError
+from rlx_nb.maps import METRICS, block_argmax, error_map, make_fold, scatter_sample
+from rlx_nb.metrics import error_histogram, tolerance_curve
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
+    from rlx_nb.report import DivergenceReport
+
+METRIC_LABELS = {
+    "abs": "|backend - oracle|",
+    "rel": "|backend - oracle| / (|oracle| + 1e-6)",
+    "ulp": "ULP distance",
+    "budget": "|backend - fp64| / round-off budget",
+}
+
+
+def _pyplot():
+    try:
+        import matplotlib.pyplot as plt
+    except ImportError:  # pragma: no cover - depends on the environment
+        raise InputError("plotting needs matplotlib: pip install 'rlx_nb[notebook]'") from None
+    return plt
+
+
+def _axes(ax: Axes | None, figsize: tuple[float, float] = (6.0, 4.5)) -> Axes:
+    if ax is not None:
+        return ax
+    fig = _pyplot().figure(figsize=figsize, layout="constrained")
+    return fig.add_subplot()
+
+
+def _pixel_budget(ax: Axes, max_pixels: int | None) -> int:
+    # The axes' size in device pixels: finer data would be resampled away on screen.
+    bbox = ax.get_window_extent()
+    fit = int(max(16, min(bbox.width, bbox.height)))
+    return max(1, min(max_pixels, fit) if max_pixels else fit)
+
+
+def plot_heatmap(
+    oracle: np.ndarray,
+    backend: np.ndarray,
+    reference: np.ndarray | None = None,
+    *,
+    metric: str = "abs",
+    budget: float | None = None,
+    fold: tuple[Sequence[int], Sequence[int]] | None = None,
+    select: dict[int, int] | None = None,
+    ax: Axes | None = None,
+    max_pixels: int | None = None,
+    title: str | None = None,
+    cmap: str | None = None,
+    mark_worst: bool = True,
+    worst: Sequence[int] | None = None,
+) -> Axes:
+    """Per-element error map of one output on a log colour scale, the worst element marked.
+
+    Parameters
+    ----------
+    oracle, backend : numpy.ndarray
+        The two outputs (same shape, any rank; see :mod:`rlx_nb.maps` for folding).
+    reference : numpy.ndarray, optional
+        The fp64 reference; needed for ``metric="budget"``.
+    metric : {"abs", "rel", "ulp", "budget"}
+        ``budget`` divides the backend's error against fp64 by the output's
+        round-off budget, so 1 is the oracle's own round-off and red stands out.
+    budget : float, optional
+        The output's RMSE budget (``OutputRecord.budget_rmse``) for ``metric="budget"``.
+    fold, select
+        The folding rule for N-D outputs (:func:`rlx_nb.maps.make_fold`).
+    max_pixels : int, optional
+        Cap on the pooled map's side; by default the axes' size in pixels.
+    worst : tuple of int, optional
+        The element to mark (e.g. the report's ``worst_index``); by default
+        the worst element of the worst pooled block.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> o = np.zeros((64, 64), np.float32); b = o.copy(); b[3, 5] = 1e-3
+    >>> ax = plot_heatmap(o, b)
+    >>> round(float(ax.images[0].get_array().max()), 6)
+    0.001
+    >>> import matplotlib.pyplot as plt; plt.close(ax.figure)
+    """
+    if metric not in METRICS:
+        raise InputError(f"metric must be one of {', '.join(METRICS)}; got {metric!r}")
+    from matplotlib.colors import LogNorm
+
+    ax = _axes(ax)
+    try:
+        folded = make_fold(oracle.shape, fold, select)
+        data, factors, folded = error_map(
+            oracle,
+            backend,
+            reference,
+            metric=metric,
+            budget=budget,
+            fold=folded,
+            max_pixels=_pixel_budget(ax, max_pixels),
+        )
+    except ValueError as exc:
+        raise InputError(str(exc)) from None
+    finite = data[np.isfinite(data) & (data > 0)]
+    if metric == "budget":
+        vmax = max(10.0, float(finite.max()) if finite.size else 10.0)
+        norm, cmap = LogNorm(1.0 / vmax, vmax), cmap or "coolwarm"
+    else:
+        vmax = float(finite.max()) if finite.size else 1.0
+        norm, cmap = (
+            LogNorm(max(vmax * 1e-6, float(finite.min()) if finite.size else vmax * 1e-6), vmax),
+            cmap or "magma",
+        )
+    shown = np.ma.masked_less_equal(np.where(np.isinf(data), vmax, data), 0.0)
+    image = ax.imshow(shown, norm=norm, cmap=cmap, interpolation="nearest", aspect="auto")
+    image.rlx_pooled = data  # the exact pooled values, infinities included
+    image.rlx_factors = factors
+    image.rlx_fold = folded
+    colorbar = ax.figure.colorbar(image, ax=ax)
+    colorbar.set_label(METRIC_LABELS[metric])
+    h, w = folded.grid
+    ax.set_xlabel(f"cols: {w}" + (f" (pooled x{factors[1]})" if factors[1] > 1 else ""))
+    ax.set_ylabel(f"rows: {h}" + (f" (pooled x{factors[0]})" if factors[0] > 1 else ""))
+    cell = folded.cell(worst) if worst is not None else None
+    if mark_worst and data.size and np.nanmax(data) > 0:
+        if cell is not None:
+            index = tuple(int(i) for i in worst)
+            by, bx = cell[0] // factors[0], cell[1] // factors[1]
+        else:
+            by, bx = np.unravel_index(int(np.nanargmax(np.where(np.isnan(data), -1, data))), data.shape)
+            index = block_argmax(oracle, backend, folded, (int(by), int(bx)), factors)
+        ax.plot(
+            [bx],
+            [by],
+            marker="s",
+            markersize=12,
+            markerfacecolor="none",
+            markeredgecolor="cyan",
+            markeredgewidth=2,
+            label="worst",
+        )
+        # Keep the label inside the axes: below/left of the marker when it sits near the top/right edge.
+        dy = 14 if by < data.shape[0] * 0.15 else -14
+        dx, ha = (-8, "right") if bx > data.shape[1] * 0.6 else (8, "left")
+        ax.annotate(
+            f"worst {index}",
+            (bx, by),
+            xytext=(dx, -dy),
+            textcoords="offset points",
+            color="cyan",
+            fontsize=9,
+            fontweight="bold",
+            ha=ha,
+            va="center",
+            bbox={"boxstyle": "round", "fc": "black", "alpha": 0.6, "lw": 0},
+        )
+        ax.rlx_worst_index = index
+    ax.set_title(title or f"{METRIC_LABELS[metric]}  [{folded.describe()}]", fontsize=9)
+    return ax
+
+
+def plot_histogram(
+    pairs: Mapping[str, tuple[np.ndarray, np.ndarray]],
+    *,
+    metric: str = "abs",
+    lines: Mapping[str, float] | None = None,
+    bins: int = 60,
+    ax: Axes | None = None,
+    title: str | None = None,
+) -> Axes:
+    """Log-binned histogram of element errors, one step line per backend, with tolerance/budget lines.
+
+    ``pairs`` maps a backend name to ``(oracle, backend)`` arrays of one
+    output; ``lines`` maps a name to an error value drawn as a dashed
+    vertical line in that backend's colour (e.g. the largest error the
+    budget allows).  ``metric`` is ``abs`` or ``rel``.
+    """
+    if metric not in ("abs", "rel"):
+        raise InputError(f"the histogram's metric must be 'abs' or 'rel'; got {metric!r}")
+    if not pairs:
+        raise InputError("plot_histogram needs at least one (oracle, backend) pair")
+    ax = _axes(ax)
+    hi = 0.0
+    lo = math.inf
+    for o, b in pairs.values():
+        with np.errstate(invalid="ignore", over="ignore"):
+            d = np.abs(b.astype(np.float64).reshape(-1) - o.reshape(-1))
+            if metric == "rel":
+                d /= np.abs(o.reshape(-1).astype(np.float64)) + 1e-6
+        d = d[np.isfinite(d) & (d > 0)]
+        if d.size:
+            hi, lo = max(hi, float(d.max())), min(lo, float(d.min()))
+    if hi == 0.0:
+        hi, lo = 1.0, 1e-12
+    lo = max(lo, hi * 1e-12)
+    edges = np.logspace(math.log10(lo) - 0.01, math.log10(hi) + 0.01, bins + 1)
+    colors = {}
+    for name, (o, b) in pairs.items():
+        counts, zeros, nonfinite = error_histogram(o, b, edges, relative=metric == "rel")
+        extra = ", ".join(
+            s for s in (f"{zeros} exact" if zeros else "", f"{nonfinite} NaN/Inf" if nonfinite else "") if s
+        )
+        artist = ax.stairs(counts, edges, label=name + (f" ({extra})" if extra else ""), linewidth=1.5)
+        colors[name] = artist.get_edgecolor()
+    drawn: dict[float, list[str]] = {}
+    for name, value in (lines or {}).items():
+        if value and math.isfinite(value) and value > 0:
+            drawn.setdefault(float(value), []).append(name)
+    for value, names in drawn.items():
+        # One line per distinct limit; shared limits (same output, same format) are drawn once.
+        color = colors.get(names[0], "black") if len(names) == 1 else "black"
+        who = names[0] if len(names) == 1 else "limit"
+        ax.axvline(value, linestyle="--", color=color, label=f"{who} {value:.2e}")
+    ax.set_xscale("log")
+    ax.set_yscale("symlog", linthresh=1)
+    ax.set_xlabel(METRIC_LABELS[metric])
+    ax.set_ylabel("elements")
+    ax.legend(fontsize=8)
+    ax.set_title(title or "error histogram", fontsize=9)
+    return ax
+
+
+def plot_scatter(
+    oracle: np.ndarray,
+    backend: np.ndarray,
+    *,
+    tol_rel: float = 2e-3,
+    ax: Axes | None = None,
+    max_points: int = 20_000,
+    title: str | None = None,
+) -> Axes:
+    """Absolute error against the oracle's magnitude (log-log), with the seed's ``max_rel`` boundary.
+
+    Errors near zero sit at the left: above the dashed line they fail a
+    relative tolerance although they are tiny in absolute terms.  A sample of
+    ``max_points`` elements plus the worst 200 is drawn.
+    """
+    ax = _axes(ax)
+    mag, err = scatter_sample(oracle, backend, max_points=max_points)
+    keep = err > 0
+    floor = float(mag[mag > 0].min()) if (mag > 0).any() else 1e-12
+    ax.scatter(np.maximum(mag[keep], floor), err[keep], s=4, alpha=0.5, label=f"{int(keep.sum())} differing elements")
+    xs = np.logspace(math.log10(floor), math.log10(max(float(mag.max()), floor * 10)), 50)
+    ax.plot(xs, tol_rel * (xs + 1e-6), "--", color="crimson", label=f"max_rel = {tol_rel:g}")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("|oracle|")
+    ax.set_ylabel("|backend - oracle|")
+    ax.legend(fontsize=8)
+    ax.set_title(title or "error vs magnitude", fontsize=9)
+    return ax
+
+
+def plot_tolerance_curve(
+    pairs: Mapping[str, tuple[np.ndarray, np.ndarray]],
+    *,
+    rtols: np.ndarray | None = None,
+    mark: float | None = 2e-3,
+    ax: Axes | None = None,
+    title: str | None = None,
+) -> Axes:
+    """Fraction of elements failing a relative tolerance, as the tolerance varies, per backend."""
+    ax = _axes(ax)
+    rtols = np.logspace(-9, 1, 81) if rtols is None else np.asarray(rtols)
+    for name, (o, b) in pairs.items():
+        ax.plot(rtols, tolerance_curve(o, b, rtols), label=name)
+    if mark:
+        ax.axvline(mark, linestyle="--", color="grey", label=f"tol_rel {mark:g}")
+    ax.set_xscale("log")
+    ax.set_ylim(-0.02, 1.02)
+    ax.set_xlabel("relative tolerance")
+    ax.set_ylabel("fraction of elements failing")
+    ax.legend(fontsize=8)
+    ax.set_title(title or "tolerance curve", fontsize=9)
+    return ax
+
+
+class ReportPlotter:
+    """``report.plot``: the plot functions fed from a report (backend and output by name).
+
+    ``backend=None`` picks the first suspect (else the first backend);
+    ``output=None`` picks that backend's worst output.
+    """
+
+    def __init__(self, report: DivergenceReport) -> None:
+        self._report = report
+
+    def _pick(self, backend: str | None, output: str | None) -> tuple[str, str]:
+        r = self._report
+        names = [b for b in r.results.candidates if b not in r.errors]
+        if not names:
+            raise InputError("no backend in this report produced outputs to plot")
+        backend = backend or (r.suspects[0] if r.suspects else names[0])
+        rec = r.record(backend, output)
+        if rec.output is None:
+            raise InputError(f"backend {backend!r} did not run: {rec.reason}")
+        return backend, rec.output
+
+    def heatmap(self, backend: str | None = None, output: str | None = None, *, metric: str = "abs", **kwargs: Any):
+        """:func:`plot_heatmap` of one (backend, output)."""
+        backend, output = self._pick(backend, output)
+        o, b, ref = self._report.arrays(backend, output)
+        rec = self._report.record(backend, output)
+        kwargs.setdefault("title", f"{backend} · {output} · {METRIC_LABELS.get(metric, metric)}")
+        if metric == "abs" and rec.worst_index is not None:
+            kwargs.setdefault("worst", rec.worst_index)
+        return plot_heatmap(o, b, ref, metric=metric, budget=rec.budget_rmse, **kwargs)
+
+    def _pairs(self, output: str | None, backends: Sequence[str] | None) -> tuple[str, dict]:
+        r = self._report
+        _, output = self._pick(backends[0] if backends else None, output)
+        names = list(backends) if backends else [b for b in r.results.candidates if b not in r.errors]
+        pairs = {}
+        for name in names:
+            rec = r.record(name, output)
+            if rec.output is not None and rec.shape is not None and rec.verdict != "skipped":
+                try:
+                    o, b, _ = r.arrays(name, output)
+                except InputError:
+                    continue
+                if o.shape == b.shape and np.issubdtype(o.dtype, np.floating):
+                    pairs[name] = (o, b)
+        return output, pairs
+
+    def histogram(
+        self, output: str | None = None, backends: Sequence[str] | None = None, *, metric: str = "abs", **kwargs: Any
+    ):
+        """:func:`plot_histogram` of one output across backends; the dashed line is each backend's
+        largest absolute error the max-based budget allows (``metric="abs"``) or ``tol_rel`` (``"rel"``)."""
+        output, pairs = self._pairs(output, backends)
+        lines = {}
+        for name in pairs:
+            rec = self._report.record(name, output)
+            lines[name] = rec.tol_rel if metric == "rel" else MAX_LIMIT * rec.budget_max
+        kwargs.setdefault("title", f"{output}: error histogram")
+        return plot_histogram(pairs, metric=metric, lines=lines, **kwargs)
+
+    def scatter(self, backend: str | None = None, output: str | None = None, **kwargs: Any):
+        """:func:`plot_scatter` of one (backend, output)."""
+        backend, output = self._pick(backend, output)
+        o, b, _ = self._report.arrays(backend, output)
+        kwargs.setdefault("tol_rel", self._report.record(backend, output).tol_rel)
+        kwargs.setdefault("title", f"{backend} · {output}: error vs magnitude")
+        return plot_scatter(o, b, **kwargs)
+
+    def tolerance_curve(self, output: str | None = None, backends: Sequence[str] | None = None, **kwargs: Any):
+        """:func:`plot_tolerance_curve` of one output across backends."""
+        output, pairs = self._pairs(output, backends)
+        kwargs.setdefault("title", f"{output}: fraction failing vs tol_rel")
+        return plot_tolerance_curve(pairs, **kwargs)
+
+
+__all__ = [
+    "ReportPlotter",
+    "plot_heatmap",
+    "plot_histogram",
+    "plot_scatter",
+    "plot_tolerance_curve",
+]

@@ -1,0 +1,305 @@
+"""The ipywidgets explorer: from a suspect backend down to the offending element.
+
+It composes the report's frames and :mod:`rlx_nb.plotting`; it computes no
+metric itself.  Without ipympl the plots are static PNG images; under
+``%matplotlib widget`` (ipympl) the heatmap is a live canvas and a click on it
+selects the worst element of the clicked block.
+"""
+
+from __future__ import annotations
+
+import html
+import io
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from rlx_nb.compare import SUSPECT
+from rlx_nb.errors import InputError
+from rlx_nb.maps import block_argmax, neighbourhood
+from rlx_nb.metrics import REL_EPS, ulp_distance
+
+if TYPE_CHECKING:
+    from rlx_nb.report import DivergenceReport
+
+try:
+    import ipywidgets as W
+except ImportError:  # pragma: no cover - depends on the environment
+    W = None
+
+METRIC_OPTIONS = [("abs", "abs"), ("rel", "rel"), ("ULP", "ulp"), ("x budget", "budget")]
+
+
+def _require_widgets() -> None:
+    if W is None:
+        raise InputError("the explorer needs ipywidgets: pip install 'rlx_nb[notebook]'")
+
+
+def _ipympl_active() -> bool:
+    import matplotlib
+
+    backend = matplotlib.get_backend().lower()
+    return "ipympl" in backend or backend.endswith("widget")
+
+
+def _png(fig) -> bytes:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=80)
+    return buf.getvalue()
+
+
+def _show_png(out, png: bytes) -> None:
+    # Works with and without a kernel (``with out:`` captures nothing headless).
+    from IPython.display import Image
+
+    out.outputs = ()
+    out.append_display_data(Image(png))
+
+
+def explore(report: DivergenceReport, *, top: int = 20, interactive: bool | None = None) -> Explorer:
+    """An explorer widget for ``report``: pickers, heatmap, histogram, worst elements, inspector.
+
+    Parameters
+    ----------
+    report : DivergenceReport
+    top : int
+        How many worst elements the table and picker list.
+    interactive : bool, optional
+        Use live ipympl canvases (click to select).  Default: when the
+        ``%matplotlib widget`` backend is active.
+
+    Examples
+    --------
+    >>> import torch, rlx_nb
+    >>> r = rlx_nb.backend_divergence(torch.nn.Linear(4, 4), torch.randn(3, 4), backends=["cpu-nomkldnn"])
+    >>> ex = rlx_nb.explore(r)
+    >>> ex.backend_picker.value
+    'cpu-nomkldnn'
+    """
+    _require_widgets()
+    return Explorer(report, top=top, interactive=_ipympl_active() if interactive is None else interactive)
+
+
+class Explorer(W.VBox if W is not None else object):
+    """The explorer layout; its child widgets are attributes so tests and users can drive them."""
+
+    def __init__(self, report: DivergenceReport, *, top: int = 20, interactive: bool = False) -> None:
+        _require_widgets()
+        self.report = report
+        self.top = top
+        self.interactive = interactive
+        self.selected_index: tuple[int, ...] | None = None
+        self.heatmap_data: np.ndarray | None = None
+        self.histogram_data: list[np.ndarray] = []
+        self._heatmap_ax = None
+        self._busy = False
+        backends = [b for b in report.results.candidates if b not in report.errors]
+        if not backends:
+            raise InputError("nothing to explore: no candidate backend in this report produced outputs")
+        ordered = [b for b in backends if b in report.suspects] + [b for b in backends if b not in report.suspects]
+        self.backend_picker = W.Dropdown(
+            options=[(f"⚠ {b} (SUSPECT)" if b in report.suspects else b, b) for b in ordered],
+            description="backend",
+        )
+        self.output_picker = W.Dropdown(description="output")
+        self.metric_toggle = W.ToggleButtons(options=METRIC_OPTIONS, value="abs", description="metric")
+        self.heatmap_out = W.Output(layout=W.Layout(width="50%"))
+        self.histogram_out = W.Output(layout=W.Layout(width="50%"))
+        self.element_picker = W.Select(description="worst", rows=10, layout=W.Layout(width="340px"))
+        self.index_box = W.Text(description="index", placeholder="e.g. 0, 3, 17", continuous_update=False)
+        self.table = W.HTML()
+        self.inspector = W.HTML()
+        self.status = W.HTML()
+        self._canvas_box = W.Box(layout=W.Layout(width="50%"))
+        heat = self._canvas_box if interactive else self.heatmap_out
+        super().__init__(
+            [
+                W.HBox([self.backend_picker, self.output_picker]),
+                self.metric_toggle,
+                self.status,
+                W.HBox([heat, self.histogram_out]),
+                W.HBox([W.VBox([self.element_picker, self.index_box]), self.inspector]),
+                self.table,
+            ]
+        )
+        self.backend_picker.observe(self._on_backend, names="value")
+        self.output_picker.observe(self._on_output, names="value")
+        self.metric_toggle.observe(lambda _: self._draw_heatmap(), names="value")
+        self.element_picker.observe(self._on_element, names="value")
+        self.index_box.observe(self._on_index, names="value")
+        self._on_backend(None)
+
+    # -- state changes -------------------------------------------------------------------------
+
+    def _outputs_worst_first(self, backend: str) -> list[tuple[str, str]]:
+        recs = [
+            r
+            for r in self.report.records
+            if r.backend == backend
+            and r.output is not None
+            and r.shape is not None
+            and r.verdict not in ("skipped", "error")
+            and r.numel > 0
+        ]
+        recs.sort(
+            key=lambda r: (
+                r.verdict != SUSPECT,
+                -(r.excess if r.excess == r.excess else -1),
+                -(r.max_rel if r.max_rel == r.max_rel else -1),
+            )
+        )
+        return [(f"⚠ {r.output}" if r.verdict == SUSPECT else r.output, r.output) for r in recs]
+
+    def _on_backend(self, _change: Any) -> None:
+        options = self._outputs_worst_first(self.backend_picker.value)
+        self._busy = True
+        self.output_picker.options = options
+        self.output_picker.value = options[0][1] if options else None
+        self._busy = False
+        self._on_output(None)
+
+    def _on_output(self, _change: Any) -> None:
+        if self._busy:
+            return
+        backend, output = self.backend_picker.value, self.output_picker.value
+        if output is None:
+            self.status.value = f"<i>{html.escape(backend)} has no array outputs to show</i>"
+            return
+        rec = self.report.record(backend, output)
+        self.status.value = (
+            f"<b>{html.escape(backend)}</b> · <code>{html.escape(output)}</code>: "
+            f"<span style='color:{'#b00020' if rec.verdict == SUSPECT else '#1b5e20'}'><b>{rec.verdict}</b></span> — "
+            f"{html.escape(rec.reason)}"
+        )
+        has_ref = rec.budget_rmse == rec.budget_rmse
+        self.metric_toggle.options = METRIC_OPTIONS if has_ref else METRIC_OPTIONS[:3]
+        frame = self.report.elements(backend, output, top=self.top)
+        self._elements = frame
+        self.table.value = frame.to_html(index=False, float_format=lambda v: f"{v:.4g}", classes="rlx-elements")
+        self._busy = True
+        self.element_picker.options = [
+            (f"#{r.rank} {tuple(r.index)} abs={r.abs_err:.2e}", tuple(r.index)) for r in frame.itertuples()
+        ]
+        self.element_picker.value = None
+        self._busy = False
+        self._draw_heatmap()
+        self._draw_histogram()
+        if len(frame):
+            self.select(tuple(frame["index"].iloc[0]))
+
+    def _on_element(self, change: Any) -> None:
+        if not self._busy and change["new"] is not None:
+            self.select(change["new"])
+
+    def _on_index(self, change: Any) -> None:
+        text = change["new"].strip().strip("()[]")
+        if not text:
+            return
+        try:
+            index = tuple(int(p) for p in text.replace(" ", ",").split(",") if p)
+            self.select(index)
+        except (ValueError, InputError) as exc:
+            self.inspector.value = f"<span style='color:#b00020'>{html.escape(str(exc))}</span>"
+
+    # -- drawing -------------------------------------------------------------------------------
+
+    def _arrays(self):
+        return self.report.arrays(self.backend_picker.value, self.output_picker.value)
+
+    def _new_axes(self, width: float = 5.5, height: float = 4.2):
+        if self.interactive:
+            import matplotlib.pyplot as plt
+
+            with plt.ioff():
+                fig = plt.figure(figsize=(width, height), layout="constrained")
+            return fig.add_subplot()
+        from matplotlib.figure import Figure
+
+        return Figure(figsize=(width, height), layout="constrained").add_subplot()
+
+    def _draw_heatmap(self) -> None:
+        if self.output_picker.value is None:
+            return
+        ax = self._new_axes()
+        self.report.plot.heatmap(
+            self.backend_picker.value, self.output_picker.value, metric=self.metric_toggle.value, ax=ax, max_pixels=400
+        )
+        image = ax.images[0]
+        self.heatmap_data = image.rlx_pooled
+        if self.interactive and self._heatmap_ax is not None:
+            import matplotlib.pyplot as plt
+
+            plt.close(self._heatmap_ax.figure)
+        self._heatmap_ax = ax
+        if self.interactive:
+            canvas = ax.figure.canvas
+            canvas.mpl_connect("button_press_event", self._on_click)
+            self._canvas_box.children = (canvas,)
+        else:
+            _show_png(self.heatmap_out, _png(ax.figure))
+
+    def _draw_histogram(self) -> None:
+        # Always a static image: nothing to click on in a histogram.
+        from matplotlib.figure import Figure
+
+        ax = Figure(figsize=(5.5, 4.2), layout="constrained").add_subplot()
+        self.report.plot.histogram(self.output_picker.value, ax=ax)
+        self.histogram_data = [artist.get_data().values for artist in ax.patches]
+        _show_png(self.histogram_out, _png(ax.figure))
+
+    def _on_click(self, event: Any) -> None:
+        if event.inaxes is not self._heatmap_ax or event.xdata is None:
+            return
+        image = self._heatmap_ax.images[0]
+        o, b, _ = self._arrays()
+        block = (round(event.ydata), round(event.xdata))
+        self.select(block_argmax(o, b, image.rlx_fold, block, image.rlx_factors))
+
+    # -- the element inspector -----------------------------------------------------------------
+
+    def select(self, index: tuple[int, ...]) -> None:
+        """Show one element (by its index in the output) in the inspector."""
+        o, b, r = self._arrays()
+        index = tuple(int(i) for i in index)
+        if len(index) != o.ndim or any(not (0 <= i < n) for i, n in zip(index, o.shape, strict=True)):
+            raise InputError(f"index {index} is not inside the output's shape {o.shape}")
+        self.selected_index = index
+        ov, bv = o[index], b[index]
+        rv = float(r[index]) if r is not None else float("nan")
+        with np.errstate(invalid="ignore", over="ignore"):
+            abs_err = abs(float(bv) - float(ov))
+            rel_err = abs_err / (abs(float(ov)) + REL_EPS)
+        ulp = int(ulp_distance(np.asarray([ov]), np.asarray([bv]))[0]) if o.dtype.kind == "f" else 0
+        image = self._heatmap_ax.images[0] if self._heatmap_ax is not None else None
+        rows = [
+            ("index", str(index)),
+            ("oracle (cpu fp32)", f"{float(ov):.9g}"),
+            (f"backend ({html.escape(self.backend_picker.value)})", f"{float(bv):.9g}"),
+            ("fp64 reference", f"{rv:.12g}"),
+            ("abs error", f"{abs_err:.3e}"),
+            ("rel error (seed)", f"{rel_err:.3e}"),
+            ("ULP distance", str(ulp)),
+            ("oracle - fp64", f"{float(ov) - rv:.3e}"),
+            ("backend - fp64", f"{float(bv) - rv:.3e}"),
+        ]
+        body = "".join(f"<tr><th style='text-align:left'>{k}</th><td>{v}</td></tr>" for k, v in rows)
+        hood = ""
+        if image is not None and o.dtype.kind == "f":
+            with np.errstate(invalid="ignore", over="ignore"):
+                err = np.abs(b.astype(np.float64) - o)
+            try:
+                window, _, _ = neighbourhood(err, image.rlx_fold, index)
+                cells = "".join(
+                    "<tr>"
+                    + "".join(
+                        f"<td style='padding:2px 6px;{'font-weight:bold;background:#fde0dc' if (i, j) == (2, 2) else ''}'>"
+                        f"{'' if v != v else f'{v:.1e}'}</td>"
+                        for j, v in enumerate(row)
+                    )
+                    + "</tr>"
+                    for i, row in enumerate(window)
+                )
+                hood = f"<p><b>neighbourhood</b> (abs error, folded grid)</p><table>{cells}</table>"
+            except ValueError:
+                hood = ""
+        self.inspector.value = f"<table>{body}</table>{hood}"

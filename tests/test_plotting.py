@@ -1,0 +1,136 @@
+"""Plots checked through their artists (image data, markers, lines), never pixels."""
+
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt
+import numpy as np
+import pytest
+import torch
+
+import rlx_nb
+from rlx_nb.maps import error_map, make_fold
+from rlx_nb.plotting import plot_heatmap, plot_histogram, plot_scatter, plot_tolerance_curve
+
+
+@pytest.fixture(autouse=True)
+def _close_figures():
+    yield
+    plt.close("all")
+
+
+def test_every_planted_outlier_survives_pooling(rng):
+    n = 4096
+    o = rng.standard_normal((n, n), dtype=np.float32)
+    b = o + rng.standard_normal((n, n), dtype=np.float32) * np.float32(1e-7)
+    rows, cols = rng.choice(n, 20, replace=False), rng.choice(n, 20, replace=False)
+    b[rows, cols] += np.float32(1.0)
+    fig = plt.figure(figsize=(8, 8), dpi=100)  # an 800-px figure
+    ax = plot_heatmap(o, b, ax=fig.add_subplot())
+    image = ax.images[0]
+    data = image.get_array()
+    fy, fx = image.rlx_factors
+    assert data.shape[0] <= 800 and data.shape[1] <= 800 and fy > 1
+    for r, c in zip(rows, cols, strict=True):
+        assert data[r // fy, c // fx] >= 0.99, (r, c)
+    # Averaging to a 512-px image instead (what resampling a plain imshow does) loses them.
+    averaged = np.abs(b - o).reshape(512, 8, 512, 8).mean(axis=(1, 3))
+    assert averaged.max() < 0.1
+
+
+def test_worst_element_is_marked_and_labelled():
+    o = np.zeros((2, 3, 8, 8), np.float32)
+    b = o.copy()
+    b[1, 2, 5, 6] = 0.5
+    ax = plot_heatmap(o, b)
+    assert ax.rlx_worst_index == (1, 2, 5, 6)
+    (marker,) = [line for line in ax.lines if line.get_label() == "worst"]
+    fold = ax.images[0].rlx_fold
+    row, col = fold.cell((1, 2, 5, 6))
+    assert marker.get_xdata()[0] == col and marker.get_ydata()[0] == row
+    assert any("(1, 2, 5, 6)" in t.get_text() for t in ax.texts)
+
+
+def test_fold_rules_round_trip():
+    shape = (2, 3, 4, 5)
+    for fold in [None, ((0, 2), (1, 3)), ((3,), (0, 1, 2))]:
+        f = make_fold(shape, fold)
+        x = np.arange(np.prod(shape)).reshape(shape)
+        grid = f.to_2d(x)
+        for idx in [(0, 0, 0, 0), (1, 2, 3, 4), (1, 0, 2, 3)]:
+            r, c = f.cell(idx)
+            assert grid[r, c] == x[idx]
+            assert f.index(r, c) == idx
+    f = make_fold(shape, select={0: 1, 2: 3})
+    assert f.grid == (3, 5) and f.index(2, 4) == (1, 2, 3, 4) and f.cell((0, 0, 0, 0)) is None
+    with pytest.raises(ValueError, match="must use each of the 4 axes"):
+        make_fold(shape, ((0, 1), (2,)))
+    with pytest.raises(ValueError, match="out of range"):
+        make_fold(shape, select={0: 5})
+
+
+def test_one_d_and_scalar_outputs_draw():
+    ax = plot_heatmap(np.zeros(10, np.float32), np.arange(10, dtype=np.float32))
+    assert ax.images[0].rlx_pooled.shape == (3, 4)  # wrapped into rows of ceil(sqrt(10))
+    assert ax.rlx_worst_index == (9,)
+    ax = plot_heatmap(np.float32(1.0).reshape(()), np.float32(2.0).reshape(()))
+    assert ax.images[0].rlx_pooled.shape == (1, 1)
+
+
+def test_budget_metric_centres_one():
+    rng = np.random.default_rng(0)
+    r = rng.standard_normal((32, 32))
+    o = r.astype(np.float32)
+    b = o.copy()
+    b[4, 4] += 1e-3
+    ax = plot_heatmap(o, b, r, metric="budget", budget=1e-7)
+    norm = ax.images[0].norm
+    assert norm.vmin == pytest.approx(1 / norm.vmax)
+    assert ax.images[0].rlx_pooled[4, 4] == pytest.approx(1e-3 / 1e-7, rel=1e-2)
+
+
+def test_nan_disagreement_is_infinite_on_the_map():
+    o = np.ones((4, 4), np.float32)
+    b = o.copy()
+    b[2, 1] = np.nan
+    pooled, _, _ = error_map(o, b)
+    assert np.isinf(pooled[2, 1])
+
+
+def test_histogram_lines_and_bins():
+    rng = np.random.default_rng(0)
+    o = rng.standard_normal(10_000).astype(np.float32)
+    pairs = {"a": (o, o + np.float32(1e-6)), "b": (o, o + np.float32(1e-3))}
+    ax = plot_histogram(pairs, lines={"a": 1e-5, "b": 1e-5})
+    stairs = [p for p in ax.patches]
+    assert len(stairs) == 2
+    edges = stairs[0].get_data().edges
+    assert np.allclose(np.diff(np.log10(edges)), np.diff(np.log10(edges))[0])  # log-spaced
+    assert [v.get_xdata()[0] for v in ax.lines] == [1e-5]  # one shared limit line
+    assert sum(stairs[1].get_data().values) == 10_000
+
+
+def test_scatter_and_tolerance_curve():
+    o = np.array([1e-7, 1.0, 2.0, 3.0], np.float32)
+    b = o + np.float32(1e-6)
+    ax = plot_scatter(o, b, tol_rel=2e-3)
+    assert ax.collections[0].get_offsets().shape[0] == 4
+    ax = plot_tolerance_curve({"x": (o, b)}, rtols=np.array([1e-9, 1e-2, 10]))
+    assert ax.lines[0].get_ydata().tolist() == [1.0, 0.25, 0.0]
+
+
+def test_report_plot_accessor():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Softmax(-1))
+    report = rlx_nb.backend_divergence(model, torch.randn(8, 16), backends=["cpu-nomkldnn", "fault:softmax-row"])
+    ax = report.plot.heatmap()  # the suspect, its worst output
+    assert "fault:softmax-row" in ax.get_title()
+    assert ax.rlx_worst_index[0] == 0
+    assert len(report.plot.histogram().patches) == 2
+    assert report.plot.scatter("cpu-nomkldnn").collections
+    assert len(report.plot.tolerance_curve().lines) == 3
+    with pytest.raises(rlx_nb.RlxError, match="metric must be"):
+        report.plot.heatmap(metric="nope")

@@ -1,0 +1,94 @@
+"""The explorer, driven headless through its widgets' traits."""
+
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import pytest
+import torch
+
+import rlx_nb
+from rlx_nb import demo
+
+
+@pytest.fixture(scope="module")
+def report():
+    model, inputs = demo.transformer()
+    return rlx_nb.backend_divergence(model, inputs, backends=["cpu-nomkldnn", "fault:softmax-row"], backward=True)
+
+
+def test_suspects_first_and_marked(report):
+    ex = rlx_nb.explore(report)
+    labels = [label for label, _ in ex.backend_picker.options]
+    assert labels[0] == "⚠ fault:softmax-row (SUSPECT)"
+    assert ex.backend_picker.value == "fault:softmax-row"
+    # worst output first, marked
+    assert ex.output_picker.options[0][0].startswith("⚠ ")
+    assert ex.selected_index == report.elements("fault:softmax-row", ex.output_picker.value, top=1)["index"][0]
+
+
+def test_changing_backend_updates_outputs_plots_and_table(report):
+    ex = rlx_nb.explore(report)
+    before_outputs = ex.output_picker.options
+    before_map = ex.heatmap_data.copy()
+    before_table = ex.table.value
+    before_png = ex.heatmap_out.outputs[0]["data"]["image/png"]
+    ex.backend_picker.set_state({"index": 1})  # the path a frontend update takes
+    assert ex.backend_picker.value == "cpu-nomkldnn"
+    assert ex.output_picker.options != before_outputs
+    assert not any(label.startswith("⚠") for label, _ in ex.output_picker.options)
+    assert (ex.heatmap_data.shape != before_map.shape) or (ex.heatmap_data != before_map).any()
+    assert ex.table.value != before_table
+    assert ex.heatmap_out.outputs[0]["data"]["image/png"] != before_png
+    assert "backend (cpu-nomkldnn)" in ex.inspector.value
+    assert ex.selected_index == report.record("cpu-nomkldnn", ex.output_picker.value).worst_index
+
+
+def test_metric_toggle_redraws(report):
+    ex = rlx_nb.explore(report)
+    ex.output_picker.value = "out"
+    abs_map = ex.heatmap_data.copy()
+    ex.metric_toggle.value = "budget"
+    assert ex.heatmap_data.max() > 10  # the faulty row, tens of budgets
+    assert ex.heatmap_data.max() != abs_map.max()
+
+
+def test_element_inspector_from_picker_and_typed_index(report):
+    ex = rlx_nb.explore(report)
+    ex.output_picker.value = "out"
+    second = ex.element_picker.options[1][1]
+    ex.element_picker.value = second
+    assert ex.selected_index == second
+    assert "fp64 reference" in ex.inspector.value and "neighbourhood" in ex.inspector.value
+    ex.index_box.value = "1, 2, 3"
+    assert ex.selected_index == (1, 2, 3)
+    o, _, _ = report.arrays(ex.backend_picker.value, "out")
+    assert f"{float(o[1, 2, 3]):.9g}" in ex.inspector.value
+    ex.index_box.value = "9, 9, 9"
+    assert "is not inside the output" in ex.inspector.value
+
+
+def test_click_selects_the_worst_element_of_the_block(report):
+    ex = rlx_nb.explore(report)
+    ex.output_picker.value = "out"
+    ax = ex._heatmap_ax
+
+    class Click:
+        inaxes = ax
+        xdata, ydata = 117.0 / ax.images[0].rlx_factors[1], 0.0
+
+    ex._on_click(Click())
+    assert ex.selected_index[:2] == (0, 0)
+
+
+def test_explore_needs_a_backend_that_ran():
+    def broken(model, inputs):
+        raise RuntimeError("no")
+
+    rlx_nb.register_backend("test-widget-broken", broken, replace=True)
+    r = rlx_nb.backend_divergence(torch.nn.Linear(2, 2), torch.ones(1, 2), backends=["test-widget-broken"])
+    with pytest.raises(rlx_nb.RlxError, match="nothing to explore"):
+        rlx_nb.explore(r)
+    rlx_nb.unregister_backend("test-widget-broken")
