@@ -99,7 +99,56 @@ explorer""",
     ),
 ]
 
-NOTEBOOKS = {"01_find_the_suspect.ipynb": FIND_THE_SUSPECT}
+LOCALIZE = [
+    ("md", """# 02 · Localize the operator
+
+Knowing that `logits` diverge on a backend is half an answer. This notebook goes from the report to the **module and the torch function where the error is born**, and writes a standalone reproduction.
+
+The model is a 3-block transformer classifier (`demo.layered`). The faulty backend `fault:softmax-row` has a softmax whose normaliser is wrong on one row — confined here to block 1 (`fault_layer=1`), so we know the answer to find."""),
+    ("code", """import matplotlib.pyplot as plt
+import rlx_nb
+from rlx_nb import demo
+
+model, inputs = demo.layered(fault_layer=1)
+live = [b for b in rlx_nb.available_backends() if b != "cpu"]
+report = rlx_nb.backend_divergence(model, inputs, backends=live + ["fault:softmax-row"], label="layered")
+print(report)"""),
+    ("md", """## Localize
+
+`report.localize()` takes the first suspect. Each module runs **alone** on the backend, fed the oracle's own inputs to that module: its *local* error is what it introduces, judged by the same round-off budget as the report. Only modules beyond budget are descended into (top-level blocks first), so the number of backend preparations — compiles, for a compiled backend — grows with depth, not with the number of modules. Below the culprit module, each torch function its forward calls is checked the same way."""),
+    ("code", """loc = report.localize()
+print("culprit:", loc.culprit)
+print("backend preparations:", loc.preparations)
+loc.frame[["name", "kind", "verdict", "local_excess", "propagated_excess", "amplification"]]"""),
+    ("md", """For an eager backend the full run's activations are compared too (*propagated*): block 1 introduces the error (its bar crosses the budget line), block 2 only carries it (its local bar is low, its propagated point is high)."""),
+    ("code", """ax = loc.plot()"""),
+    ("md", """The culprit op's output, run alone on the faulty backend, as an error heatmap in multiples of the round-off budget: the bad row is the first query of the first (batch, head) pair."""),
+    ("code", """name = loc.frame.query("kind == 'op' and verdict == 'SUSPECT'")["name"].iloc[0]
+ax = loc.plot_heatmap(name, metric="budget", fold=((0, 1, 2), (3,)))"""),
+    ("md", """## A standalone reproduction
+
+`loc.repro(path)` writes the culprit's inputs (`inputs.npz`, loaded without pickle), the call (`case.json`) and a short script that runs it on the oracle and the backend and prints the verdict."""),
+    ("code", """import subprocess, sys, tempfile, pathlib
+
+where = pathlib.Path(tempfile.mkdtemp()) / "repro"
+script = loc.repro(where)
+print(script.read_text())
+run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
+print("exit", run.returncode)
+print(run.stdout)"""),
+    ("md", """## The same, for a legitimate backend
+
+A legitimate backend has no culprit: every module is within its round-off budget."""),
+    ("code", """legit = rlx_nb.localize(model, inputs, backend="cpu-nomkldnn")
+print("culprit:", legit.culprit)
+legit.frame[["name", "verdict", "local_excess"]]"""),
+    ("md", """## In the explorer
+
+`rlx_nb.explore(report, localization=loc)` adds the per-module bars and a module picker that shows the picked module's output heatmap."""),
+    ("code", """rlx_nb.explore(report, localization=loc)"""),
+]
+
+NOTEBOOKS = {"01_find_the_suspect.ipynb": FIND_THE_SUSPECT, "02_localize_the_operator.ipynb": LOCALIZE}
 
 
 def build(name: str, cells: list[tuple[str, str]]) -> Path:

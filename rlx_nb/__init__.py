@@ -12,6 +12,7 @@ from rlx_nb.api import backend_divergence, report_backend_divergence
 from rlx_nb.backends import available_backends, register_backend, unregister_backend
 from rlx_nb.compare import OutputRecord, compare
 from rlx_nb.errors import BackendError, InputError, RlxError
+from rlx_nb.localize import Localization, localize
 from rlx_nb.report import DivergenceReport
 from rlx_nb.run import RunResults, run
 
@@ -27,6 +28,7 @@ __all__ = [
     "BackendError",
     "DivergenceReport",
     "InputError",
+    "Localization",
     "OutputRecord",
     "RlxError",
     "RunResults",
@@ -35,6 +37,7 @@ __all__ = [
     "backend_divergence",
     "compare",
     "explore",
+    "localize",
     "register_backend",
     "report_backend_divergence",
     "run",

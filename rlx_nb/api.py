@@ -82,7 +82,9 @@ def backend_divergence(
         )
     except RlxError as exc:
         raise type(exc)(str(exc)) from None
-    return DivergenceReport.from_results(results, rule=rule, tol_rel=tol_rel)
+    report = DivergenceReport.from_results(results, rule=rule, tol_rel=tol_rel)
+    report._source = (model, inputs, params)
+    return report
 
 
 def _print_progress(name: str) -> None:

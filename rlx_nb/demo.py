@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rlx_nb.backends.faults import CATALOGUE
+from rlx_nb.backends.faults import CATALOGUE, FAULT_FREE
 
 
 def _seeded(seed: int) -> torch.Generator:
@@ -109,6 +109,32 @@ class RMSNormClassifier(nn.Module):
         return {"logits": logits, "loss": F.cross_entropy(logits, target)}
 
 
+class Block(TransformerBlock):
+    """A pre-norm encoder block whose norms are LayerNorm or RMSNorm."""
+
+    def __init__(self, d_model: int, heads: int, norm: str) -> None:
+        super().__init__(d_model, heads, 2 * d_model)
+        if norm == "rms":
+            self.ln1, self.ln2 = nn.RMSNorm(d_model, eps=1e-6), nn.RMSNorm(d_model, eps=1e-6)
+
+
+class Layered(nn.Module):
+    """A stack of encoder blocks, mean pooling, a linear head and a cross-entropy loss."""
+
+    def __init__(
+        self, n_layers: int = 3, d_model: int = 64, heads: int = 4, classes: int = 16, norm: str = "layer"
+    ) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(d_model, heads, norm) for _ in range(n_layers))
+        self.head = nn.Linear(d_model, classes)
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> dict[str, torch.Tensor]:
+        for block in self.blocks:
+            x = block(x)
+        logits = self.head(x.mean(1))
+        return {"logits": logits, "loss": F.cross_entropy(logits, target)}
+
+
 def _randomize_norms(model: nn.Module, gen: torch.Generator) -> None:
     # Trained-looking affine params and BatchNorm statistics instead of 1s and 0s.
     for m in model.modules():
@@ -152,6 +178,32 @@ def rmsnorm_classifier(seed: int = 0) -> tuple[nn.Module, tuple[torch.Tensor, to
     _randomize_norms(model, gen)
     x = torch.randn(64, 128, generator=gen)
     target = torch.randint(0, 32, (64,), generator=gen)
+    return model, (x, target)
+
+
+def layered(
+    seed: int = 0, *, n_layers: int = 3, norm: str = "layer", fault_layer: int | str | None = None
+) -> tuple[nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    """A stack of ``n_layers`` encoder blocks (d 64, 4 heads, seq 32, batch 8) returning logits and loss.
+
+    ``norm`` is ``"layer"`` or ``"rms"``.  ``fault_layer`` confines the fault
+    catalogue's backends to one place, so localization has a known answer:
+    an int keeps faults in that block only; ``"head"`` keeps them out of
+    every block (the loss in the top-level forward stays faulty).
+    """
+    if norm not in ("layer", "rms"):
+        raise ValueError(f"norm must be 'layer' or 'rms', got {norm!r}")
+    gen = _seeded(seed)
+    model = Layered(n_layers, norm=norm).eval()
+    _randomize_norms(model, gen)
+    if fault_layer is not None:
+        if fault_layer != "head" and not (isinstance(fault_layer, int) and 0 <= fault_layer < n_layers):
+            raise ValueError(f"fault_layer must be 'head' or a block index below {n_layers}, got {fault_layer!r}")
+        for i, block in enumerate(model.blocks):
+            if i != fault_layer:
+                setattr(block, FAULT_FREE, True)
+    x = torch.randn(8, 32, 64, generator=gen)
+    target = torch.randint(0, 16, (8,), generator=gen)
     return model, (x, target)
 
 

@@ -291,6 +291,39 @@ def plot_tolerance_curve(
     return ax
 
 
+def plot_localization(frame, *, ax: Axes | None = None, title: str | None = None) -> Axes:
+    """Local (bars) and propagated (line) error per module in execution order, in multiples of the budget.
+
+    ``frame`` is :attr:`rlx_nb.localize.Localization.frame`.  The y axis is
+    the verdict's ``excess`` (1 is the limit between round-off and SUSPECT):
+    a module whose own bar crosses 1 introduces the error; one whose line
+    crosses 1 but whose bar does not only carries it along.
+    """
+    ax = _axes(ax, figsize=(max(6.0, 0.35 * len(frame) + 2), 4.5))
+    x = np.arange(len(frame))
+    local = frame["local_excess"].to_numpy(dtype=float)
+    colors = ["#b00020" if v == "SUSPECT" else "#4c72b0" for v in frame["verdict"]]
+    floor = 1e-3
+    bars = ax.bar(x, np.where(np.isfinite(local) & (local > floor), local, floor), color=colors, label="local")
+    bars.set_label("local (module alone, oracle's inputs)")
+    prop = frame["propagated_excess"].to_numpy(dtype=float)
+    if np.isfinite(prop).any():
+        ax.plot(
+            x,
+            np.where(np.isfinite(prop), np.maximum(prop, floor), np.nan),
+            "o-",
+            color="black",
+            label="propagated (full run)",
+        )
+    ax.axhline(1.0, linestyle="--", color="grey", label="budget limit")
+    ax.set_yscale("log")
+    ax.set_xticks(x, [f"{n}" for n in frame["name"]], rotation=60, ha="right", fontsize=7)
+    ax.set_ylabel("x round-off budget (excess)")
+    ax.legend(fontsize=8)
+    ax.set_title(title or "where the error is born", fontsize=9)
+    return ax
+
+
 class ReportPlotter:
     """``report.plot``: the plot functions fed from a report (backend and output by name).
 
@@ -370,6 +403,7 @@ __all__ = [
     "ReportPlotter",
     "plot_heatmap",
     "plot_histogram",
+    "plot_localization",
     "plot_scatter",
     "plot_tolerance_curve",
 ]

@@ -42,6 +42,25 @@ class DivergenceReport:
         self.records = records
         self.rule = rule
         self.tol_rel = tol_rel
+        self._source: tuple | None = None  # (model, inputs, params) when built by backend_divergence
+
+    def localize(self, backend: str | None = None, *, backward: bool | None = None, **kwargs):
+        """:func:`rlx_nb.localize` this report's model on ``backend`` (default: the first suspect).
+
+        ``backward=None`` localizes the backward when the backend's worst output is a ``grad:`` output.
+        """
+        from rlx_nb.localize import localize
+
+        if self._source is None:
+            raise InputError("this report does not hold its model (it was loaded or merged); call rlx_nb.localize")
+        if backend is None:
+            if not self.suspects:
+                raise InputError("no SUSPECT backend to localize; name one: report.localize('cpu-inductor')")
+            backend = self.suspects[0]
+        if backward is None:
+            backward = (self.record(backend).output or "").startswith("grad:")
+        model, inputs, params = self._source
+        return localize(model, inputs, backend=backend, params=params, backward=backward, **kwargs)
 
     @classmethod
     def from_results(cls, results: RunResults, *, rule: str = "budget", tol_rel: float | None = None):

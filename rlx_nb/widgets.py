@@ -56,7 +56,9 @@ def _show_png(out, png: bytes) -> None:
     out.append_display_data(Image(png))
 
 
-def explore(report: DivergenceReport, *, top: int = 20, interactive: bool | None = None) -> Explorer:
+def explore(
+    report: DivergenceReport, *, top: int = 20, interactive: bool | None = None, localization: Any = None
+) -> Explorer:
     """An explorer widget for ``report``: pickers, heatmap, histogram, worst elements, inspector.
 
     Parameters
@@ -67,6 +69,9 @@ def explore(report: DivergenceReport, *, top: int = 20, interactive: bool | None
     interactive : bool, optional
         Use live ipympl canvases (click to select).  Default: when the
         ``%matplotlib widget`` backend is active.
+    localization : Localization, optional
+        Adds the localization view: per-module local/propagated bars and a
+        module picker that shows the picked module's output heatmap.
 
     Examples
     --------
@@ -77,7 +82,10 @@ def explore(report: DivergenceReport, *, top: int = 20, interactive: bool | None
     'cpu-nomkldnn'
     """
     _require_widgets()
-    return Explorer(report, top=top, interactive=_ipympl_active() if interactive is None else interactive)
+    explorer = Explorer(report, top=top, interactive=_ipympl_active() if interactive is None else interactive)
+    if localization is not None:
+        explorer.add_localization(localization)
+    return explorer
 
 
 class Explorer(W.VBox if W is not None else object):
@@ -254,6 +262,54 @@ class Explorer(W.VBox if W is not None else object):
         o, b, _ = self._arrays()
         block = (round(event.ydata), round(event.xdata))
         self.select(block_argmax(o, b, image.rlx_fold, block, image.rlx_factors))
+
+    # -- the localization view -----------------------------------------------------------------
+
+    def add_localization(self, loc: Any) -> None:
+        """Append the localization view for ``loc`` (a :class:`rlx_nb.localize.Localization`)."""
+        from matplotlib.figure import Figure
+
+        self.localization = loc
+        self.localization_bars = W.Output()
+        ax = Figure(figsize=(9, 4), layout="constrained").add_subplot()
+        loc.plot(ax=ax)
+        _show_png(self.localization_bars, _png(ax.figure))
+        names = [n for n in loc.frame["name"] if n in loc._checks]
+        self.module_picker = W.Dropdown(
+            options=[
+                (f"⚠ {n}" if n in loc.frame.query("verdict == 'SUSPECT'")["name"].tolist() else n, n) for n in names
+            ],
+            description="module",
+        )
+        self.module_heatmap = W.Output()
+        self.module_heatmap_data: np.ndarray | None = None
+        self.module_picker.observe(lambda _: self._draw_module(), names="value")
+        culprit = loc.culprit
+        head = W.HTML(
+            f"<h4>Localization on {html.escape(loc.backend)}: culprit "
+            f"<code>{html.escape(culprit or 'none')}</code> ({loc.preparations} preparations)</h4>"
+        )
+        self.children = (*self.children, head, self.localization_bars, self.module_picker, self.module_heatmap)
+        suspects = [n for n in names if n in loc.frame.query("verdict == 'SUSPECT'")["name"].tolist()]
+        if suspects:
+            self.module_picker.value = suspects[-1]
+        self._draw_module()
+
+    def _draw_module(self) -> None:
+        from matplotlib.figure import Figure
+
+        name = self.module_picker.value
+        if name is None:
+            return
+        ax = Figure(figsize=(6, 4), layout="constrained").add_subplot()
+        try:
+            self.localization.plot_heatmap(name, ax=ax, max_pixels=300)
+        except InputError as exc:
+            self.module_heatmap.outputs = ()
+            self.module_heatmap.append_display_data(W.HTML(html.escape(str(exc))))
+            return
+        self.module_heatmap_data = ax.images[0].rlx_pooled
+        _show_png(self.module_heatmap, _png(ax.figure))
 
     # -- the element inspector -----------------------------------------------------------------
 

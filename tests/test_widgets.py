@@ -92,3 +92,15 @@ def test_explore_needs_a_backend_that_ran():
     with pytest.raises(rlx_nb.RlxError, match="nothing to explore"):
         rlx_nb.explore(r)
     rlx_nb.unregister_backend("test-widget-broken")
+
+
+def test_localization_view_picks_modules_and_draws_their_heatmaps():
+    model, inputs = demo.layered(fault_layer=1)
+    report = rlx_nb.backend_divergence(model, inputs, backends=["fault:softmax-row"])
+    loc = report.localize()
+    ex = rlx_nb.explore(report, localization=loc)
+    assert ex.localization_bars.outputs[0]["data"]["image/png"]
+    assert ex.module_picker.value == "blocks.1.attn :: F.softmax"  # the culprit shown first
+    culprit_map = ex.module_heatmap_data.copy()
+    ex.module_picker.value = "blocks.0"
+    assert ex.module_heatmap_data.max() < culprit_map.max()

@@ -97,7 +97,7 @@ def _probe(device: str):
 
 
 BACKENDS = [
-    Backend(ORACLE, run_eager, description="torch eager, float32 (the oracle)", builtin=True),
+    Backend(ORACLE, run_eager, description="torch eager, float32 (the oracle)", builtin=True, hookable=True),
     Backend(
         REFERENCE,
         run_float64,
@@ -105,8 +105,9 @@ BACKENDS = [
         default=False,
         description="torch eager, float64 (the reference the verdict uses)",
         builtin=True,
+        hookable=True,
     ),
-    Backend("cpu-nomkldnn", run_nomkldnn, description="torch eager with oneDNN disabled", builtin=True),
+    Backend("cpu-nomkldnn", run_nomkldnn, description="torch eager with oneDNN disabled", builtin=True, hookable=True),
     Backend(
         "cuda",
         on_device("cuda"),
@@ -114,6 +115,7 @@ BACKENDS = [
         probe=_probe("cuda"),
         description="torch eager on CUDA, TF32 off",
         builtin=True,
+        hookable=True,
     ),
     Backend(
         "cuda-tf32",
@@ -123,6 +125,7 @@ BACKENDS = [
         probe=_probe("cuda"),
         description="torch eager on CUDA, TF32 matmuls and convolutions",
         builtin=True,
+        hookable=True,
     ),
     Backend(
         "cuda-bf16",
@@ -132,6 +135,7 @@ BACKENDS = [
         probe=_probe("cuda"),
         description="CUDA autocast bfloat16",
         builtin=True,
+        hookable=True,
     ),
     Backend(
         "mps",
@@ -140,8 +144,15 @@ BACKENDS = [
         probe=_probe("mps"),
         description="torch eager on Apple MPS (no float64 there)",
         builtin=True,
+        hookable=True,
     ),
     Backend(
-        "xpu", on_device("xpu"), device="xpu", probe=_probe("xpu"), description="torch eager on Intel XPU", builtin=True
+        "xpu",
+        on_device("xpu"),
+        device="xpu",
+        probe=_probe("xpu"),
+        description="torch eager on Intel XPU",
+        builtin=True,
+        hookable=True,
     ),
 ]

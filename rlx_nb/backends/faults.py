@@ -29,17 +29,30 @@ from torch.overrides import TorchFunctionMode
 
 from rlx_nb.backends.registry import Backend
 
+FAULT_FREE = "_rlx_fault_free"
+"""Attribute that exempts a module (and everything it calls) from an injected fault.
+
+Set it on every module but the one you want faulty: ``rlx_nb.demo.layered``
+does, so a fault lives in one chosen layer, and :func:`rlx_nb.localize`
+can be checked against a known answer.  It survives deep copies, so a
+submodule run on its own keeps its exemption.
+"""
+
 
 class SubstituteFunctions(TorchFunctionMode):
-    """Run a model with some torch functions replaced (the handler runs with the mode off)."""
+    """Run a model with some torch functions replaced (the handler runs with the mode off).
+
+    While ``suspended`` is non-zero (inside a fault-free module) calls pass through unchanged.
+    """
 
     def __init__(self, replacements: dict[Callable, Callable]) -> None:
         super().__init__()
         self.replacements = replacements
+        self.suspended = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        impl = self.replacements.get(func)
+        impl = None if self.suspended else self.replacements.get(func)
         if impl is not None:
             return impl(*args, **kwargs)
         return func(*args, **kwargs)
@@ -175,17 +188,33 @@ CATALOGUE: dict[str, Fault] = {
 }
 
 
+def _bump(mode: SubstituteFunctions, by: int) -> None:
+    mode.suspended += by
+
+
 def fault_fn(fault: Fault) -> Callable[[Any, tuple], Any]:
     """The backend function that runs a model eagerly with ``fault`` injected."""
 
     def fn(model: Any, inputs: tuple) -> Any:
-        with SubstituteFunctions(fault.replacements()):
-            return model(*inputs)
+        mode = SubstituteFunctions(fault.replacements())
+        handles = []
+        if isinstance(model, torch.nn.Module):
+            for m in model.modules():
+                if getattr(m, FAULT_FREE, False):
+                    handles.append(m.register_forward_pre_hook(lambda *_: _bump(mode, 1)))
+                    handles.append(m.register_forward_hook(lambda *_: _bump(mode, -1)))
+        try:
+            with mode:
+                return model(*inputs)
+        finally:
+            for h in handles:
+                h.remove()
 
     fn.__name__ = "run_" + fault.name.replace(":", "_").replace("-", "_")
     return fn
 
 
 BACKENDS = [
-    Backend(f.name, fault_fn(f), default=False, description=f.description, builtin=True) for f in CATALOGUE.values()
+    Backend(f.name, fault_fn(f), default=False, description=f.description, builtin=True, hookable=True)
+    for f in CATALOGUE.values()
 ]

@@ -15,6 +15,7 @@ BACKENDS = [
         default=False,
         description="CPU autocast bfloat16 (judged against a bfloat16 budget)",
         builtin=True,
+        hookable=True,
     ),
     Backend(
         "cpu-fp16",
@@ -23,5 +24,6 @@ BACKENDS = [
         default=False,
         description="CPU autocast float16 (judged against a float16 budget; slow on most CPUs)",
         builtin=True,
+        hookable=True,
     ),
 ]

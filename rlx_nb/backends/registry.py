@@ -42,6 +42,11 @@ class Backend:
         ``probe() -> None`` when live, else a short reason it is not.
     description : str
         One line for tables.
+    hookable : bool
+        Whether module forward hooks observe the backend's own computation
+        (true for eager backends; false for compiled or exported ones, whose
+        hooks fire, if at all, while tracing).  Localization reports the
+        propagated error only for hookable backends.
     """
 
     name: str
@@ -53,6 +58,7 @@ class Backend:
     probe: Callable[[], str | None] | None = None
     description: str = ""
     builtin: bool = False
+    hookable: bool = False
 
     def unavailable_reason(self) -> str | None:
         """``None`` when the backend is live on this node, else why it is not."""
@@ -99,6 +105,7 @@ def register_backend(
     differentiable: bool = True,
     probe: Callable[[], str | None] | None = None,
     description: str = "",
+    hookable: bool = False,
 ) -> Backend:
     """Register a backend under ``name``.
 
@@ -128,6 +135,9 @@ def register_backend(
         ``probe() -> None | str``: ``None`` when live, else the reason.
     description : str
         One line shown by ``rlx-nb backends``.
+    hookable : bool
+        Set it when ``fn`` runs the model's own ``forward`` eagerly, so
+        :func:`rlx_nb.localize` can also compare full-run activations.
 
     Examples
     --------
@@ -158,6 +168,7 @@ def register_backend(
         differentiable=differentiable,
         probe=probe,
         description=description,
+        hookable=hookable,
     )
     with _LOCK:
         _REGISTRY[name] = backend

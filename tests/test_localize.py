@@ -1,0 +1,115 @@
+"""Localization: each catalogue fault, placed in a chosen layer, is found there — and nothing else is."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import matplotlib.pyplot as plt
+import pytest
+
+import rlx_nb
+from rlx_nb import demo
+from rlx_nb.localize import capture_calls
+from rlx_nb.run import normalize_inputs, prepare_model
+
+
+@pytest.mark.parametrize(
+    ("fault", "placement", "backward", "culprit"),
+    [
+        ("fault:softmax-row", dict(fault_layer=1), False, "blocks.1.attn :: F.softmax"),
+        ("fault:softmax-row", dict(fault_layer=2), False, "blocks.2.attn :: F.softmax"),
+        ("fault:layernorm-eps", dict(fault_layer=2), False, "blocks.2.ln1 :: F.layer_norm"),
+        ("fault:layernorm-eps", dict(fault_layer=0), False, "blocks.0.ln1 :: F.layer_norm"),
+        ("fault:rmsnorm-backward", dict(fault_layer=1, norm="rms"), True, "blocks.1.ln1 :: F.rms_norm"),
+        ("fault:xent-backward", dict(fault_layer="head"), True, "<root> :: F.cross_entropy"),
+    ],
+)
+def test_each_fault_is_found_where_it_was_placed(fault, placement, backward, culprit):
+    model, inputs = demo.layered(**placement)
+    loc = rlx_nb.localize(model, inputs, backend=fault, backward=backward)
+    assert loc.culprit == culprit
+    suspects = loc.frame.query("verdict == 'SUSPECT' and kind == 'module'")["name"].tolist()
+    # Only the faulty path is suspect: no sibling block is blamed.
+    layer = placement.get("fault_layer")
+    if isinstance(layer, int):
+        assert all(s == "<root>" or s.startswith(f"blocks.{layer}") for s in suspects), suspects
+
+
+def test_hierarchical_descent_counts_preparations():
+    model, inputs = demo.layered(fault_layer=1)
+    loc = rlx_nb.localize(model, inputs, backend="fault:softmax-row")
+    # 4 top-level calls (3 blocks, head) + 4 children of blocks.1 + 2 children of its attention
+    # + the attention's own ops (matmul, divide, softmax: stop at the first suspect).
+    assert loc.preparations == 4 + 4 + 2 + 3
+    args, _ = normalize_inputs(inputs)
+    every_module = len(capture_calls(prepare_model(model, None, None), args))
+    assert loc.preparations - 3 < every_module  # fewer module preparations than modules
+    assert loc.frame["kind"].tolist().count("op") == 3
+
+
+def test_legitimate_backend_has_no_culprit():
+    model, inputs = demo.layered()
+    for backend in ("cpu-nomkldnn", "onnxruntime"):
+        if backend not in rlx_nb.available_backends():
+            continue
+        loc = rlx_nb.localize(model, inputs, backend=backend)
+        assert loc.culprit is None, (backend, loc.frame)
+        assert (loc.frame["verdict"] == "round-off").all()
+
+
+def test_propagated_error_and_amplification_for_eager_backends():
+    model, inputs = demo.layered(fault_layer=0)
+    loc = rlx_nb.localize(model, inputs, backend="fault:softmax-row")
+    rows = loc.frame.set_index("name")
+    # The fault is born in blocks.0 and carried by the clean blocks after it.
+    assert rows.loc["blocks.0", "local_excess"] > 1
+    assert rows.loc["blocks.1", "local_excess"] <= 1
+    assert rows.loc["blocks.1", "propagated_excess"] > 1
+    assert rows.loc["blocks.1", "amplification"] > 1
+
+
+def test_compiled_backends_report_local_only():
+    if "onnxruntime" not in rlx_nb.available_backends():
+        pytest.skip("onnxruntime not installed")
+    model, inputs = demo.layered()
+    loc = rlx_nb.localize(model, inputs, backend="onnxruntime")
+    assert loc.frame["propagated_excess"].isna().all()
+    assert loc.frame["local_excess"].notna().all()
+
+
+def test_from_a_report_and_the_plot():
+    model, inputs = demo.layered(fault_layer=1, norm="rms")
+    report = rlx_nb.backend_divergence(model, inputs, backends=["fault:rmsnorm-backward"], backward=True)
+    loc = report.localize()  # the first suspect; its worst output is a gradient, so the backward
+    assert loc.backward and loc.culprit == "blocks.1.ln1 :: F.rms_norm"
+    ax = loc.plot()
+    assert len(ax.patches) == len(loc.frame)
+    assert any(line.get_ydata()[0] == 1.0 for line in ax.lines)  # the budget line
+    plt.close("all")
+
+
+def test_repro_script_runs_and_shows_suspect(tmp_path):
+    model, inputs = demo.layered(fault_layer=1)
+    loc = rlx_nb.localize(model, inputs, backend="fault:softmax-row")
+    script = loc.repro(tmp_path / "repro")
+    assert {p.name for p in (tmp_path / "repro").iterdir()} == {"repro.py", "case.json", "inputs.npz"}
+    assert b"pickle" not in (tmp_path / "repro" / "case.json").read_bytes()
+    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 1, p.stderr
+    assert "fault:softmax-row vs cpu" in p.stdout and "SUSPECT" in p.stdout
+
+
+def test_no_culprit_no_repro_and_bad_backend():
+    model, inputs = demo.layered()
+    loc = rlx_nb.localize(model, inputs, backend="cpu-nomkldnn", propagated=False)
+    with pytest.raises(rlx_nb.RlxError, match="nothing is beyond round-off"):
+        loc.repro("unused")
+    with pytest.raises(rlx_nb.RlxError, match="unknown backend"):
+        rlx_nb.localize(model, inputs, backend="nope")
+    with pytest.raises(rlx_nb.RlxError, match="the oracle"):
+        rlx_nb.localize(model, inputs, backend="cpu")
