@@ -148,7 +148,69 @@ legit.frame[["name", "verdict", "local_excess"]]"""),
     ("code", """rlx_nb.explore(report, localization=loc)"""),
 ]
 
-NOTEBOOKS = {"01_find_the_suspect.ipynb": FIND_THE_SUSPECT, "02_localize_the_operator.ipynb": LOCALIZE}
+ROUNDOFF_OR_BUG = [
+    ("md", """# 03 · Round-off or bug?
+
+The whole value of rlx_nb is telling explainable floating-point round-off from a real kernel bug. This notebook shows, on the detection benchmark's data (`bench/results/detection.csv`, written by `python bench/detection.py`), why a fixed tolerance cannot do it and how the fp64-calibrated budget does."""),
+    ("code", """import pathlib
+import matplotlib.pyplot as plt
+import numpy as np
+import pandas as pd
+import rlx_nb
+from rlx_nb import demo
+
+df = pd.read_csv(pathlib.Path("..") / "bench" / "results" / "detection.csv")
+rules = ["rlx_nb", "seed_max_rel", "assert_close", "dynamo_same", "polygraphy"]
+legit, detectable = df[df.legit], df[df.detectable]
+pd.DataFrame({
+    "false positives (legitimate backends)": legit[rules].mean(),
+    "caught (faults > 10x oracle round-off)": detectable[rules].mean(),
+}).style.format("{:.0%}")"""),
+    ("md", """## Why a fixed tolerance fails, 1: outputs near zero
+
+The seed's rule divides by `|oracle| + 1e-6`. A legitimate backend — here eager with oneDNN off — differs from the oracle by a few ulps everywhere; where the output is near zero, that is a large *relative* error. Every legitimate fp32 backend crosses `max_rel = 2e-3` somewhere:"""),
+    ("code", """model, inputs = demo.mlp()
+report = rlx_nb.backend_divergence(model, inputs, backends=["cpu-nomkldnn", "onnxruntime", "fault:softmax-row", "fault:linear-bias-channel"])
+report.backends[["backend", "verdict", "verdict_fixed", "max_rel", "ratio_rmse", "ratio_max"]]"""),
+    ("code", """fig, axes = plt.subplots(1, 2, figsize=(13, 4.2), layout="constrained")
+report.plot.scatter("cpu-nomkldnn", "out", ax=axes[0])
+report.plot.scatter("fault:linear-bias-channel", "out", ax=axes[1]);"""),
+    ("md", """Left, legitimate: the points above the dashed `max_rel` line are all at tiny `|oracle|` — tiny absolute errors. Right, a dropped bias on one output channel: a column of large errors at ordinary magnitudes.
+
+## Why a fixed tolerance fails, 2: reduced precision
+
+`cpu-bf16` (autocast) is a legitimate backend that computes in bfloat16; against fp32 tolerances it always fails. rlx_nb scales the budget to the backend's compute format (2^16 for bfloat16):"""),
+    ("code", """bf16 = rlx_nb.backend_divergence(model, inputs, backends=["cpu-bf16", "cpu-fp16"])
+bf16.summary[["backend", "compute_dtype", "max_rel", "verdict_fixed", "ratio_rmse", "ratio_max", "verdict", "reason"]]"""),
+    ("md", """## How the budget decides
+
+Each case's *excess* is its worst output's error against fp64, in multiples of the budget limit (1 = the boundary). Legitimate backends sit left of 1, faults right of it — with faults at mild severities crossing over as their error approaches round-off, which is where no rule can see them:"""),
+    ("code", """fig, ax = plt.subplots(figsize=(9, 4), layout="constrained")
+bins = np.logspace(-3, 7, 61)
+ax.hist(df[df.legit].excess.clip(1e-3, 1e7), bins=bins, alpha=0.7, label="legitimate backends")
+ax.hist(df[~df.legit & df.fired].excess.clip(1e-3, 1e7), bins=bins, alpha=0.7, label="faults (fired)")
+ax.axvline(1.0, color="black", linestyle="--", label="SUSPECT above")
+ax.set_xscale("log"); ax.set_xlabel("excess (x budget limit)"); ax.set_ylabel("cases"); ax.legend();"""),
+    ("md", """And the fixed rule on the same cases: legitimate and faulty overlap across the `2e-3` line."""),
+    ("code", """fig, ax = plt.subplots(figsize=(9, 4), layout="constrained")
+bins = np.logspace(-9, 4, 53)
+ax.hist(df[df.legit].max_rel.clip(1e-9, 1e4), bins=bins, alpha=0.7, label="legitimate backends")
+ax.hist(df[~df.legit & df.fired].max_rel.clip(1e-9, 1e4), bins=bins, alpha=0.7, label="faults (fired)")
+ax.axvline(2e-3, color="black", linestyle="--", label="seed tol_rel 2e-3")
+ax.set_xscale("log"); ax.set_xlabel("max_rel (seed)"); ax.set_ylabel("cases"); ax.legend();"""),
+    ("code", """# Per family: false-positive rate / true-positive rate for each rule
+rows = {}
+for fam, g in df.groupby("family"):
+    l, d = g[g.legit], g[g.detectable]
+    rows[fam] = {r: f"{l[r].mean():.0%} / {d[r].mean():.0%}" if len(d) else f"{l[r].mean():.0%} / -" for r in rules}
+pd.DataFrame(rows).T"""),
+]
+
+NOTEBOOKS = {
+    "01_find_the_suspect.ipynb": FIND_THE_SUSPECT,
+    "02_localize_the_operator.ipynb": LOCALIZE,
+    "03_roundoff_or_bug.ipynb": ROUNDOFF_OR_BUG,
+}
 
 
 def build(name: str, cells: list[tuple[str, str]]) -> Path:

@@ -135,6 +135,36 @@ class Layered(nn.Module):
         return {"logits": logits, "loss": F.cross_entropy(logits, target)}
 
 
+class Recurrent(nn.Module):
+    """A two-layer GRU over a sequence, LayerNorm, and a linear head on the last step."""
+
+    def __init__(self, d_in: int = 32, hidden: int = 64, classes: int = 10) -> None:
+        super().__init__()
+        self.gru = nn.GRU(d_in, hidden, num_layers=2, batch_first=True)
+        self.norm = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out, _ = self.gru(x)
+        return self.head(self.norm(out).mean(1))
+
+
+class NormHeavy(nn.Module):
+    """Alternating Linear, LayerNorm, GroupNorm and RMSNorm layers with GELU."""
+
+    def __init__(self, d: int = 128, depth: int = 4) -> None:
+        super().__init__()
+        layers: list[nn.Module] = []
+        for i in range(depth):
+            layers.append(nn.Linear(d, d))
+            layers.append([nn.LayerNorm(d), nn.GroupNorm(8, d), nn.RMSNorm(d, eps=1e-6)][i % 3])
+            layers.append(nn.GELU())
+        self.layers = nn.Sequential(*layers)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(x)
+
+
 def _randomize_norms(model: nn.Module, gen: torch.Generator) -> None:
     # Trained-looking affine params and BatchNorm statistics instead of 1s and 0s.
     for m in model.modules():
@@ -179,6 +209,70 @@ def rmsnorm_classifier(seed: int = 0) -> tuple[nn.Module, tuple[torch.Tensor, to
     x = torch.randn(64, 128, generator=gen)
     target = torch.randint(0, 32, (64,), generator=gen)
     return model, (x, target)
+
+
+def recurrent(seed: int = 0) -> tuple[nn.Module, tuple[torch.Tensor]]:
+    """GRU(32 -> 64, 2 layers) over 24 steps, batch 16."""
+    gen = _seeded(seed)
+    model = Recurrent().eval()
+    _randomize_norms(model, gen)
+    return model, (torch.randn(16, 24, 32, generator=gen),)
+
+
+def norm_heavy(seed: int = 0) -> tuple[nn.Module, tuple[torch.Tensor]]:
+    """Linear + LayerNorm/GroupNorm/RMSNorm + GELU, 4 deep, width 128, batch 64."""
+    gen = _seeded(seed)
+    model = NormHeavy().eval()
+    for m in model.modules():
+        if isinstance(m, nn.GroupNorm):
+            with torch.no_grad():
+                m.weight.copy_(1 + 0.1 * torch.randn(m.weight.shape, generator=gen))
+                m.bias.copy_(0.1 * torch.randn(m.bias.shape, generator=gen))
+    _randomize_norms(model, gen)
+    return model, (torch.randn(64, 128, generator=gen),)
+
+
+def gpt2(seed: int = 0) -> tuple[nn.Module, dict[str, torch.Tensor]]:
+    """A Hugging Face GPT-2 (2 layers, width 64, 4 heads, vocab 128) with random weights, eager attention.
+
+    Built from a config, nothing downloads.  Needs ``transformers``; outputs ``logits`` and ``loss``.
+    """
+    try:
+        import transformers
+        from transformers import GPT2Config, GPT2LMHeadModel
+    except ImportError:
+        raise ImportError("the gpt2 demo needs transformers: pip install 'rlx_nb[bench]'") from None
+    transformers.logging.set_verbosity_error()
+    gen = _seeded(seed)
+    config = GPT2Config(
+        n_layer=2,
+        n_embd=64,
+        n_head=4,
+        vocab_size=128,
+        n_positions=64,
+        use_cache=False,
+        attn_implementation="eager",
+        resid_pdrop=0.0,
+        embd_pdrop=0.0,
+        attn_pdrop=0.0,
+        bos_token_id=0,
+        eos_token_id=0,
+        loss_type="ForCausalLM",
+    )
+    model = GPT2LMHeadModel(config).eval()
+    ids = torch.randint(0, 128, (4, 32), generator=gen)
+    return _HFLoss(model), {"input_ids": ids, "labels": ids.clone()}
+
+
+class _HFLoss(nn.Module):
+    # Keep only the tensors (logits, loss) of a Hugging Face output.
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor) -> dict[str, torch.Tensor]:
+        out = self.model(input_ids=input_ids, labels=labels)
+        return {"logits": out.logits, "loss": out.loss}
 
 
 def layered(

@@ -1,24 +1,34 @@
 """The fault catalogue: eager backends with one deliberately wrong kernel each.
 
-Each fault is a real kind of kernel bug, injected by swapping one function
-(``F.softmax``, ``F.layer_norm``, ``F.rms_norm``, ``F.cross_entropy``) for a
-faulty version through a ``TorchFunctionMode`` while the model runs eagerly
-on the CPU.  They are opt-in backends (not in the default set), registered as
-``fault:<kind>``, for notebooks, tests and benchmarks: a correct verdict calls
-every one of them SUSPECT.
+Each fault is a real kind of kernel bug, injected by swapping one torch
+function for a faulty version through a ``TorchFunctionMode`` while the model
+runs eagerly on the CPU.  They are opt-in backends (not in the default set),
+registered as ``fault:<kind>`` at their default severity; any other severity
+is ``fault_backend(kind, severity)`` (registered as ``fault:<kind>@<severity>``).
+A correct verdict calls each SUSPECT once its error exceeds round-off.
 
-=========================  ==========================================================
-name                       bug
-=========================  ==========================================================
-``fault:softmax-row``      softmax normaliser ×(1+1e-3) on the first row only
-``fault:layernorm-eps``    LayerNorm divides by ``sqrt(var) + eps``, not ``sqrt(var + eps)``
-``fault:rmsnorm-backward`` RMSNorm forward right, backward drops the normaliser's own term
-``fault:xent-backward``    cross-entropy forward right, backward's softmax sums all classes but the last
-=========================  ==========================================================
+===============================  ==================================================================  =========
+name                             bug (``s`` is the severity)                                         default s
+===============================  ==================================================================  =========
+``fault:softmax-row``            softmax normaliser x(1+s) on the first row only                     1e-3
+``fault:attention-scale``        softmax input scaled by (1+s): a wrong attention scale              1e-3
+``fault:layernorm-eps``          LayerNorm divides by ``sqrt(var) + s*eps`` (eps outside the sqrt)   1
+``fault:layernorm-unbiased``     LayerNorm variance x(1 + s/(N-1)): s=1 is the unbiased N-1 form     1
+``fault:linear-bias-channel``    Linear drops a fraction s of the bias on output channel 0           1
+``fault:mean-off-by-one``        mean over the last reduced axis leaves out a fraction s of its      1
+                                 last element (s=1: an off-by-one in the reduction)
+``fault:gelu-approx``            exact GELU blended a fraction s toward the tanh approximation       1
+``fault:linear-lowp-accum``      Linear with operands rounded to bfloat16 (s=1) or float16 (s=0.5)   1
+``fault:layernorm-backward``     LayerNorm backward drops a fraction s of the mean-gradient term     1
+``fault:rmsnorm-backward``       RMSNorm backward drops a fraction s of the normaliser's own term    1
+``fault:xent-backward``          cross-entropy backward: a fraction s of the last class's exp is     1
+                                 left out of the softmax normaliser (s=1: off by one)
+===============================  ==================================================================  =========
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 from collections.abc import Callable
 from typing import Any
@@ -38,6 +48,9 @@ can be checked against a known answer.  It survives deep copies, so a
 submodule run on its own keeps its exemption.
 """
 
+HITS: collections.Counter = collections.Counter()
+"""How many times each fault's faulty function actually ran (benchmarks check a fault fired)."""
+
 
 class SubstituteFunctions(TorchFunctionMode):
     """Run a model with some torch functions replaced (the handler runs with the mode off).
@@ -45,51 +58,169 @@ class SubstituteFunctions(TorchFunctionMode):
     While ``suspended`` is non-zero (inside a fault-free module) calls pass through unchanged.
     """
 
-    def __init__(self, replacements: dict[Callable, Callable]) -> None:
+    def __init__(self, replacements: dict[Callable, Callable], name: str = "") -> None:
         super().__init__()
         self.replacements = replacements
         self.suspended = 0
+        self.name = name
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         impl = None if self.suspended else self.replacements.get(func)
         if impl is not None:
-            return impl(*args, **kwargs)
+            out = impl(*args, **kwargs)
+            if out is not NotImplemented:
+                HITS[self.name] += 1
+                return out
         return func(*args, **kwargs)
 
 
-def _softmax_row(severity: float):
+# -- forward faults -------------------------------------------------------------------------------
+
+
+def _softmax_row(s: float):
     def softmax(x: torch.Tensor, dim: int | None = None, *args: Any, **kwargs: Any) -> torch.Tensor:
-        dtype = kwargs.get("dtype")
-        y = F.softmax(x, dim=dim, dtype=dtype)
+        y = F.softmax(x, dim=dim, dtype=kwargs.get("dtype"))
         scale = torch.ones_like(y).movedim(dim, -1)
         flat = scale.reshape(-1, scale.shape[-1])
-        flat[0] = 1.0 / (1.0 + severity)  # the first row's normaliser is off
+        flat[0] = 1.0 / (1.0 + s)  # the first row's normaliser is off
         return y * flat.reshape(scale.shape).movedim(-1, dim)
 
-    return softmax
+    return _softmax_targets(softmax)
 
 
-def _layernorm_eps():
+def _attention_scale(s: float):
+    def softmax(x: torch.Tensor, dim: int | None = None, *args: Any, **kwargs: Any) -> torch.Tensor:
+        return F.softmax(x * (1.0 + s), dim=dim, dtype=kwargs.get("dtype"))
+
+    return _softmax_targets(softmax)
+
+
+def _softmax_targets(impl: Callable) -> dict[Callable, Callable]:
+    return {F.softmax: impl, torch.softmax: impl, torch.Tensor.softmax: impl}
+
+
+def _layer_norm_with(var_scale: float, eps_outside: float | None):
     def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
         dims = tuple(range(-len(normalized_shape), 0))
         mean = x.mean(dims, keepdim=True)
-        var = x.var(dims, keepdim=True, unbiased=False)
-        y = (x - mean) / (var.sqrt() + eps)  # the bug: eps outside the square root
+        var = x.var(dims, keepdim=True, unbiased=False) * var_scale
+        if eps_outside is not None:
+            y = (x - mean) / (var.sqrt() + eps_outside * eps)  # the bug: eps outside the square root
+        else:
+            y = (x - mean) / torch.sqrt(var + eps)
         if weight is not None:
             y = y * weight
         if bias is not None:
             y = y + bias
         return y
 
-    return layer_norm
+    return {F.layer_norm: layer_norm, torch.layer_norm: layer_norm}
+
+
+def _layernorm_eps(s: float):
+    return _layer_norm_with(1.0, s)
+
+
+def _layernorm_unbiased(s: float):
+    def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
+        n = 1
+        for d in normalized_shape:
+            n *= d
+        return _layer_norm_with(1.0 + s / max(1, n - 1), None)[F.layer_norm](x, normalized_shape, weight, bias, eps)
+
+    return {F.layer_norm: layer_norm, torch.layer_norm: layer_norm}
+
+
+def _linear_bias_channel(s: float):
+    def linear(x, weight, bias=None):
+        if bias is None:
+            return NotImplemented
+        b = bias.clone()
+        b[0] = bias[0] * (1.0 - s)  # the bug: channel 0 loses (part of) its bias
+        return F.linear(x, weight, b)
+
+    return {F.linear: linear}
+
+
+def _mean_off_by_one(s: float):
+    def mean(x, dim=None, keepdim=False, *, dtype=None):
+        if dim is None or not x.is_floating_point():
+            return NotImplemented
+        dims = (dim,) if isinstance(dim, int) else tuple(dim)
+        last = dims[-1] % x.dim()
+        n = 1
+        for d in dims:
+            n *= x.shape[d]
+        weights = torch.ones(x.shape[last], dtype=x.dtype)
+        weights[-1] = 1.0 - s  # the bug: the reduction stops one element short
+        shape = [1] * x.dim()
+        shape[last] = x.shape[last]
+        return (x * weights.view(shape)).sum(dims, keepdim=keepdim) / n
+
+    return {torch.mean: mean, torch.Tensor.mean: mean}
+
+
+def _gelu_approx(s: float):
+    def gelu(x, approximate="none"):
+        if approximate != "none":
+            return NotImplemented
+        return (1 - s) * F.gelu(x) + s * F.gelu(x, approximate="tanh")
+
+    return {F.gelu: gelu}
+
+
+def _linear_lowp_accum(s: float):
+    dtype = torch.bfloat16 if s >= 1 else torch.float16
+
+    def linear(x, weight, bias=None):
+        out = F.linear(x.to(dtype), weight.to(dtype)).to(x.dtype)
+        return out + bias if bias is not None else out
+
+    return {F.linear: linear}
+
+
+# -- backward faults ------------------------------------------------------------------------------
+
+
+class _LayerNormWrongBackward(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps, s):
+        mean = x.mean(-1, keepdim=True)
+        rstd = torch.rsqrt(x.var(-1, keepdim=True, unbiased=False) + eps)
+        xhat = (x - mean) * rstd
+        ctx.save_for_backward(xhat, rstd, weight)
+        ctx.s = s
+        y = xhat * weight if weight is not None else xhat
+        return y + bias if bias is not None else y
+
+    @staticmethod
+    def backward(ctx, grad):
+        xhat, rstd, weight = ctx.saved_tensors
+        g = grad * weight if weight is not None else grad
+        # The bug: a fraction s of the mean(g) term is dropped.
+        grad_x = rstd * (g - (1 - ctx.s) * g.mean(-1, keepdim=True) - xhat * (g * xhat).mean(-1, keepdim=True))
+        red = tuple(range(grad.dim() - 1))
+        grad_w = (grad * xhat).sum(red) if weight is not None else None
+        grad_b = grad.sum(red) if weight is not None else None
+        return grad_x, grad_w, grad_b, None, None
+
+
+def _layernorm_backward(s: float):
+    def layer_norm(x, normalized_shape, weight=None, bias=None, eps=1e-5):
+        if len(normalized_shape) != 1:
+            return NotImplemented
+        return _LayerNormWrongBackward.apply(x, weight, bias, eps, s)
+
+    return {F.layer_norm: layer_norm, torch.layer_norm: layer_norm}
 
 
 class _RmsNormWrongBackward(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, eps):
+    def forward(ctx, x, weight, eps, s):
         rstd = torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
         ctx.save_for_backward(x, weight, rstd)
+        ctx.s = s
         y = x * rstd
         return y * weight if weight is not None else y
 
@@ -97,66 +228,67 @@ class _RmsNormWrongBackward(torch.autograd.Function):
     def backward(ctx, grad):
         x, weight, rstd = ctx.saved_tensors
         gw = grad * weight if weight is not None else grad
-        # The bug: only the direct term; the normaliser's own derivative
+        # The bug: a fraction s of the normaliser's own derivative
         # (- x * rstd^3 * mean(gw * x)) is dropped.
-        grad_x = gw * rstd
-        grad_w = None
-        if weight is not None:
-            grad_w = (grad * x * rstd).reshape(-1, x.shape[-1]).sum(0)
-        return grad_x, grad_w, None
+        grad_x = gw * rstd - (1 - ctx.s) * x * rstd.pow(3) * (gw * x).mean(-1, keepdim=True)
+        grad_w = (grad * x * rstd).reshape(-1, x.shape[-1]).sum(0) if weight is not None else None
+        return grad_x, grad_w, None, None
 
 
-def _rmsnorm_backward():
+def _rmsnorm_backward(s: float):
     def rms_norm(x, normalized_shape, weight=None, eps=None):
         eps = torch.finfo(x.dtype).eps if eps is None else eps
-        return _RmsNormWrongBackward.apply(x, weight, eps)
+        return _RmsNormWrongBackward.apply(x, weight, eps, s)
 
-    return rms_norm
+    return {F.rms_norm: rms_norm, torch.rms_norm: rms_norm}
 
 
 class _CrossEntropyWrongBackward(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, logits, target):
+    def forward(ctx, logits, target, s, ignore_index):
         ctx.save_for_backward(logits, target)
-        return F.cross_entropy(logits, target)
+        ctx.s, ctx.ignore_index = s, ignore_index
+        return F.cross_entropy(logits, target, ignore_index=ignore_index)
 
     @staticmethod
     def backward(ctx, grad):
         logits, target = ctx.saved_tensors
-        shifted = logits - logits.max(-1, keepdim=True).values
-        e = shifted.exp()
-        # The bug: an off-by-one in the normaliser's reduction (last class left out).
-        p = e / e[..., :-1].sum(-1, keepdim=True)
-        p = p - F.one_hot(target, logits.shape[-1]).to(p.dtype)
-        return grad * p / logits.shape[0], None
+        valid = target != ctx.ignore_index
+        e = (logits - logits.max(-1, keepdim=True).values).exp()
+        # The bug: an off-by-one in the normaliser's reduction (the last class left out, a fraction s of it).
+        p = e / (e.sum(-1, keepdim=True) - ctx.s * e[..., -1:])
+        p = p - F.one_hot(target.clamp(min=0), logits.shape[-1]).to(p.dtype)
+        p = p * valid.unsqueeze(-1).to(p.dtype)
+        return grad * p / valid.sum().clamp(min=1), None, None, None
 
 
-def _xent_backward():
+def _xent_backward(s: float):
     def cross_entropy(logits, target, *args, **kwargs):
-        if (
-            logits.dim() != 2
-            or target.dtype not in (torch.int64, torch.int32)
-            or args
-            or any(kwargs.get(k) not in (None, "mean", -100, 0.0) for k in kwargs)
-        ):
-            return F.cross_entropy(logits, target, *args, **kwargs)
-        return _CrossEntropyWrongBackward.apply(logits, target)
+        plain = all(
+            kwargs.get(k, d) == d
+            for k, d in (("weight", None), ("reduction", "mean"), ("ignore_index", -100), ("label_smoothing", 0.0))
+        )
+        if logits.dim() != 2 or target.dtype not in (torch.int64, torch.int32) or args or not plain:
+            return NotImplemented
+        return _CrossEntropyWrongBackward.apply(logits, target, s, kwargs.get("ignore_index", -100))
 
-    return cross_entropy
+    return {F.cross_entropy: cross_entropy}
+
+
+# -- the catalogue ---------------------------------------------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
 class Fault:
-    """One catalogue entry: which functions it replaces and what bug it is."""
+    """One catalogue entry: what it replaces at a severity, and what bug it is."""
 
     name: str
     description: str
-    replacements: Callable[[], dict[Callable, Callable]]
+    replacements: Callable[[float], dict[Callable, Callable]]
+    default_severity: float
+    severities: tuple[float, ...]
+    """Severities the detection benchmark sweeps, mildest first."""
     backward_only: bool = False
-
-
-def _softmax_targets(impl: Callable) -> dict[Callable, Callable]:
-    return {F.softmax: impl, torch.softmax: impl, torch.Tensor.softmax: impl}
 
 
 CATALOGUE: dict[str, Fault] = {
@@ -164,24 +296,78 @@ CATALOGUE: dict[str, Fault] = {
     for f in [
         Fault(
             "fault:softmax-row",
-            "softmax normaliser x(1+1e-3) on the first row only",
-            lambda: _softmax_targets(_softmax_row(1e-3)),
+            "softmax normaliser x(1+s) on the first row only",
+            _softmax_row,
+            1e-3,
+            (1e-6, 1e-5, 1e-4, 1e-3),
+        ),
+        Fault(
+            "fault:attention-scale",
+            "softmax input scaled by (1+s): wrong attention scale",
+            _attention_scale,
+            1e-3,
+            (1e-6, 1e-5, 1e-4, 1e-3),
         ),
         Fault(
             "fault:layernorm-eps",
             "LayerNorm divides by sqrt(var)+eps instead of sqrt(var+eps)",
-            lambda: {F.layer_norm: _layernorm_eps(), torch.layer_norm: _layernorm_eps()},
+            _layernorm_eps,
+            1.0,
+            (0.1, 1.0, 10.0),
+        ),
+        Fault(
+            "fault:layernorm-unbiased",
+            "LayerNorm with the unbiased (N-1) variance",
+            _layernorm_unbiased,
+            1.0,
+            (1e-3, 1e-2, 1e-1, 1.0),
+        ),
+        Fault(
+            "fault:linear-bias-channel",
+            "Linear drops the bias of output channel 0",
+            _linear_bias_channel,
+            1.0,
+            (1e-5, 1e-4, 1e-3, 1.0),
+        ),
+        Fault(
+            "fault:mean-off-by-one",
+            "mean over an axis leaves out its last element",
+            _mean_off_by_one,
+            1.0,
+            (1e-5, 1e-3, 1.0),
+        ),
+        Fault(
+            "fault:gelu-approx", "exact GELU swapped for the tanh approximation", _gelu_approx, 1.0, (1e-3, 1e-2, 1.0)
+        ),
+        Fault(
+            "fault:linear-lowp-accum",
+            "Linear computed from bfloat16 operands (fp16 at s<1)",
+            _linear_lowp_accum,
+            1.0,
+            (0.5, 1.0),
+        ),
+        Fault(
+            "fault:layernorm-backward",
+            "LayerNorm backward drops the mean-gradient term",
+            _layernorm_backward,
+            1.0,
+            (1e-3, 1e-2, 1.0),
+            True,
         ),
         Fault(
             "fault:rmsnorm-backward",
             "RMSNorm backward drops the normaliser's own derivative",
-            lambda: {F.rms_norm: _rmsnorm_backward(), torch.rms_norm: _rmsnorm_backward()},
+            _rmsnorm_backward,
+            1.0,
+            (1e-3, 1e-2, 1.0),
             True,
         ),
         Fault(
             "fault:xent-backward",
             "cross-entropy backward: softmax normaliser sums all classes but the last",
-            lambda: {F.cross_entropy: _xent_backward()},
+            _xent_backward,
+            1.0,
+            (1e-3, 1e-1, 1.0),
             True,
         ),
     ]
@@ -192,11 +378,13 @@ def _bump(mode: SubstituteFunctions, by: int) -> None:
     mode.suspended += by
 
 
-def fault_fn(fault: Fault) -> Callable[[Any, tuple], Any]:
-    """The backend function that runs a model eagerly with ``fault`` injected."""
+def fault_fn(fault: Fault, severity: float | None = None) -> Callable[[Any, tuple], Any]:
+    """The backend function that runs a model eagerly with ``fault`` injected at ``severity``."""
+    s = fault.default_severity if severity is None else severity
+    label = fault.name if severity is None else f"{fault.name}@{s:g}"
 
     def fn(model: Any, inputs: tuple) -> Any:
-        mode = SubstituteFunctions(fault.replacements())
+        mode = SubstituteFunctions(fault.replacements(s), label)
         handles = []
         if isinstance(model, torch.nn.Module):
             for m in model.modules():
@@ -210,11 +398,25 @@ def fault_fn(fault: Fault) -> Callable[[Any, tuple], Any]:
             for h in handles:
                 h.remove()
 
-    fn.__name__ = "run_" + fault.name.replace(":", "_").replace("-", "_")
+    fn.__name__ = "run_" + label.replace(":", "_").replace("-", "_").replace("@", "_at_").replace(".", "_")
     return fn
 
 
-BACKENDS = [
-    Backend(f.name, fault_fn(f), default=False, description=f.description, builtin=True, hookable=True)
-    for f in CATALOGUE.values()
-]
+def fault_backend(kind: str, severity: float | None = None) -> Backend:
+    """A fault backend at ``severity`` (registered under ``fault:<kind>@<severity>`` by the caller).
+
+    Examples
+    --------
+    >>> fault_backend("fault:softmax-row", 1e-5).name
+    'fault:softmax-row@1e-05'
+    """
+    fault = CATALOGUE.get(kind) or CATALOGUE.get(f"fault:{kind}")
+    if fault is None:
+        raise ValueError(f"unknown fault {kind!r}; the catalogue has: {', '.join(CATALOGUE)}")
+    name = fault.name if severity is None else f"{fault.name}@{severity:g}"
+    return Backend(
+        name, fault_fn(fault, severity), default=False, description=fault.description, builtin=True, hookable=True
+    )
+
+
+BACKENDS = [fault_backend(name) for name in CATALOGUE]
