@@ -206,10 +206,71 @@ for fam, g in df.groupby("family"):
 pd.DataFrame(rows).T"""),
 ]
 
+CLUSTER = [
+    ("md", """# 04 · Across machines
+
+The diagnostic exists because a heterogeneous cluster — CUDA boxes, Macs with MPS, CPU-only nodes — gives different numbers than one machine. Each node runs the same model on the same inputs on its own live backends; rank 0 gathers everything and judges it against **one** oracle (its CPU fp32) and **one** fp64 reference.
+
+Here three local processes stand in for three nodes (`torchrun`, gloo on 127.0.0.1). Node 2 has a "vendor runtime" the others lack — with a softmax bug. Results travel as the safe report format's bytes, never pickled objects."""),
+    ("code", '''import os, pathlib, socket, subprocess, sys, tempfile, textwrap
+import rlx_nb
+
+work = pathlib.Path(tempfile.mkdtemp())
+(work / "job.py").write_text(textwrap.dedent("""
+    import os
+    import rlx_nb
+    from rlx_nb import demo
+    from rlx_nb.backends import get_backend
+    from rlx_nb.distributed import gather_report
+
+    rank = int(os.environ["RANK"])
+    backends = ["cpu-nomkldnn"]
+    if rank == 2:  # a runtime only node 2 has
+        rlx_nb.register_backend("vendor-npu", get_backend("fault:softmax-row").fn)
+        backends.append("vendor-npu")
+    model, inputs = demo.transformer()
+    report = gather_report(model, inputs, backends=backends, label="cluster")
+    if rank == 0:
+        report.save(os.environ["OUT"] + "/merged.rlxnb")
+"""))
+with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=3", "--master-addr=127.0.0.1",
+                       f"--master-port={port}", str(work / "job.py")], env={**os.environ, "OUT": str(work)},
+                      capture_output=True, text=True)
+print("torchrun exit code:", done.returncode)
+print(sorted(p.name for p in work.iterdir()))'''),
+    ("md", """## The cross-node table
+
+Every backend is named by its node. `nodeK/cpu` is node K's own CPU oracle compared with node 0's: identical hardware here, so identical numbers; on a real cluster this row shows how far two CPU builds drift."""),
+    ("code", """report = rlx_nb.load_report(work / "merged.rlxnb")   # arrays stay on disk until used
+report"""),
+    ("code", """report.backends[["backend", "verdict", "worst_output", "max_abs", "max_rel", "ratio_rmse", "ratio_max", "reason"]]"""),
+    ("md", """## Drill into the suspect node"""),
+    ("code", """suspect = report.suspects[0]
+rec = report.record(suspect)
+print(suspect, "—", rec.output, "—", rec.reason)
+ax = report.plot.heatmap(suspect, rec.output, metric="budget", select={0: 0})"""),
+    ("code", """report.elements(suspect, rec.output, top=5)"""),
+    ("md", """## Without torchrun: files from each node
+
+Each node runs `rlx-nb check TARGET --save DIR` and any machine merges the files: `rlx-nb merge DIR/*.rlxnb`, or in Python `rlx_nb.merge_reports([...])`. Inputs must be identical: a node whose input fingerprint differs is refused, naming the node."""),
+    ("code", """from rlx_nb import demo
+
+model, inputs = demo.transformer()
+for node, backends in {"mac-mini": ["cpu-nomkldnn"], "gpu-box": ["cpu-nomkldnn", "fault:layernorm-eps"]}.items():
+    rlx_nb.backend_divergence(model, inputs, backends=backends).save(work / "files" / f"{node}.rlxnb")
+merged = rlx_nb.merge_reports(sorted((work / "files").glob("*.rlxnb")))
+print(merged)"""),
+    ("code", """rlx_nb.explore(report)"""),
+]
+
 NOTEBOOKS = {
     "01_find_the_suspect.ipynb": FIND_THE_SUSPECT,
     "02_localize_the_operator.ipynb": LOCALIZE,
     "03_roundoff_or_bug.ipynb": ROUNDOFF_OR_BUG,
+    "04_cluster.ipynb": CLUSTER,
 }
 
 

@@ -13,7 +13,9 @@ from rlx_nb.backends import available_backends, register_backend, unregister_bac
 from rlx_nb.compare import OutputRecord, compare
 from rlx_nb.errors import BackendError, InputError, RlxError
 from rlx_nb.localize import Localization, localize
-from rlx_nb.report import DivergenceReport
+from rlx_nb.merge import merge_reports
+from rlx_nb.persist import ReportFormatError
+from rlx_nb.report import DivergenceReport, load_report
 from rlx_nb.run import RunResults, run
 
 
@@ -30,6 +32,7 @@ __all__ = [
     "InputError",
     "Localization",
     "OutputRecord",
+    "ReportFormatError",
     "RlxError",
     "RunResults",
     "__version__",
@@ -37,7 +40,9 @@ __all__ = [
     "backend_divergence",
     "compare",
     "explore",
+    "load_report",
     "localize",
+    "merge_reports",
     "register_backend",
     "report_backend_divergence",
     "run",

@@ -70,6 +70,12 @@ def _parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="run TARGET's model on the backends and gate on the verdict")
     check.add_argument("target", help="path/to/file.py:factory or package.module:factory; factory() -> (model, inputs)")
     _common(check)
+    check.add_argument("--save", metavar="DIR", help="also save the report to DIR/<node>.rlxnb (for rlx-nb merge)")
+    check.add_argument("--node", help="node name for --save (default: this host's name)")
+    merge = sub.add_parser("merge", help="merge reports saved by several nodes; judge all against one oracle")
+    merge.add_argument("files", nargs="+", help="reports saved with --save (.rlxnb)")
+    merge.add_argument("--oracle", help="node whose CPU oracle and fp64 reference to use (default: the first file)")
+    merge.add_argument("--label", help="label for the report lines")
     sub.add_parser("backends", help="list every registered backend and whether it is live here")
     demo = sub.add_parser(
         "demo",
@@ -97,6 +103,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _backends()
         if args.command == "demo":
             return _demo(args)
+        if args.command == "merge":
+            return _merge(args)
         return _check(args)
     except RlxError as exc:
         print(f"rlx-nb: error: {exc}", file=sys.stderr)
@@ -127,6 +135,23 @@ def _check(args: argparse.Namespace) -> int:
         label=args.label,
         rule=args.rule,
     )
+    for line in report.lines():
+        print(line)
+    if args.save:
+        import socket
+
+        node = args.node or socket.gethostname()
+        path = report.save(Path(args.save) / f"{node}.rlxnb")
+        print(f"saved {path}")
+    return _exit_code([report])
+
+
+def _merge(args: argparse.Namespace) -> int:
+    from rlx_nb.merge import merge_reports
+
+    report = merge_reports(args.files, oracle=args.oracle)
+    if args.label:
+        report.results.label = args.label
     for line in report.lines():
         print(line)
     return _exit_code([report])

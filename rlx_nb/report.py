@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import html
 import math
+from pathlib import Path
 
 import numpy as np
 import pandas as pd
@@ -66,6 +67,15 @@ class DivergenceReport:
     def from_results(cls, results: RunResults, *, rule: str = "budget", tol_rel: float | None = None):
         """Compare ``results`` and wrap them in a report."""
         return cls(results, compare(results, tol_rel=tol_rel, rule=rule), rule=rule, tol_rel=tol_rel)
+
+    def save(self, path) -> Path:
+        """Save the outputs of every run, the fp64 reference, fingerprints and environment (no pickle).
+
+        See :mod:`rlx_nb.persist` for the format; :func:`rlx_nb.load_report` reads it back exactly.
+        """
+        from rlx_nb.persist import save_results
+
+        return save_results(self.results, path, rule=self.rule, tol_rel=self.tol_rel, records=self.records)
 
     @functools.cached_property
     def plot(self):
@@ -238,3 +248,21 @@ def _line(label: str, name: str, recs: list[OutputRecord]) -> str:
         if skipped:
             tail += f"; {len(skipped)} output(s) {skipped[0].verdict}: {skipped[0].reason}"
     return f"[{label}] {name:>6} vs cpu: max_abs={max_abs:.3e} max_rel={rel.max_rel:.3e} {where} — {tail}"
+
+
+def load_report(path) -> DivergenceReport:
+    """Read a report saved by :meth:`DivergenceReport.save`; arrays are read lazily, on first use.
+
+    Raises :class:`rlx_nb.persist.ReportFormatError` (an :class:`RlxError`) for anything that is not
+    a readable report of this version; never unpickles or executes anything.
+    """
+    from rlx_nb.persist import load_results, records_from_meta
+
+    results, meta = load_results(path)
+    rule = meta.get("rule") if meta.get("rule") in ("budget", "fixed") else "budget"
+    tol = meta.get("tol_rel")
+    tol = float(tol) if tol is not None else None
+    records = records_from_meta(meta, path)
+    if records is None:
+        return DivergenceReport.from_results(results, rule=rule, tol_rel=tol)
+    return DivergenceReport(results, records, rule=rule, tol_rel=tol)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import hashlib
 import platform
 import time
 import traceback
@@ -27,17 +28,39 @@ OK, ERROR, SKIPPED = "ok", "error", "skipped"
 GRAD_PREFIX = "grad:"
 
 
-@dataclasses.dataclass
 class Leaf:
-    """One named output of one run: a numpy array (or a plain value) and the torch dtype it came as."""
+    """One named output of one run: a numpy array (or a plain value) and the torch dtype it came as.
 
-    value: Any
-    dtype: str
-    shape: tuple[int, ...] | None
+    ``value`` may be loaded lazily (a report read from disk reads an array on first access).
+    """
+
+    __slots__ = ("_loader", "_value", "dtype", "shape")
+
+    def __init__(
+        self,
+        value: Any = None,
+        dtype: str = "",
+        shape: tuple[int, ...] | None = None,
+        loader: Callable[[], Any] | None = None,
+    ) -> None:
+        self._value, self._loader, self.dtype, self.shape = value, loader, dtype, shape
+
+    @property
+    def value(self) -> Any:
+        if self._loader is not None:
+            self._value, self._loader = self._loader(), None
+        return self._value
+
+    @property
+    def loaded(self) -> bool:
+        return self._loader is None
 
     @property
     def is_array(self) -> bool:
-        return isinstance(self.value, np.ndarray)
+        return self.shape is not None
+
+    def __repr__(self) -> str:
+        return f"Leaf(dtype={self.dtype!r}, shape={self.shape!r}, loaded={self.loaded})"
 
 
 @dataclasses.dataclass
@@ -66,6 +89,8 @@ class RunResults:
     candidates: dict[str, BackendRun]
     backward: bool
     environment: dict[str, Any]
+    fingerprints: dict[str, str] = dataclasses.field(default_factory=dict)
+    """``inputs`` and ``model``: sha256 of the tensors' dtypes, shapes and bytes (nodes must agree on inputs)."""
 
     @property
     def output_names(self) -> list[str]:
@@ -385,7 +410,22 @@ def run(
         candidates=runs,
         backward=backward,
         environment=environment(),
+        fingerprints={"inputs": fingerprint(args), "model": fingerprint(dict(base.state_dict()))},
     )
+
+
+def fingerprint(obj: Any) -> str:
+    """sha256 over every tensor leaf's name, dtype, shape and bytes (and plain leaves' reprs)."""
+    h = hashlib.sha256()
+    for name, leaf in flatten(obj):
+        h.update(name.encode())
+        if isinstance(leaf, torch.Tensor):
+            t = leaf.detach().to("cpu").contiguous()
+            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        else:
+            h.update(repr(leaf).encode())
+    return h.hexdigest()[:32]
 
 
 def _default_label(model: Any) -> str:

@@ -34,6 +34,8 @@ def require_live(name: str) -> None:
         pytest.skip(f"backend {name} is not live here")
 
 
+collect_ignore = ["_torchrun_job.py"]  # run by torchrun, not imported by pytest
+
 _REPORTS: dict[tuple, rlx_nb.DivergenceReport] = {}
 
 

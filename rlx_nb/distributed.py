@@ -1,0 +1,142 @@
+"""Gather every node's results on rank 0 with torch.distributed, and compare them against one oracle.
+
+Each rank runs the model on its own live backends and serialises its results in the safe report
+format (:mod:`rlx_nb.persist`); the bytes travel as a uint8 tensor, point to point, to rank 0 —
+never as pickled objects.  Rank 0 merges them (:func:`rlx_nb.merge.merge_results`): every backend is
+named ``<node>/<backend>`` and judged against rank 0's CPU oracle and fp64 reference.  A rank whose
+run fails sends its error; a rank that dies or times out becomes a ``<node>/*`` error row; the
+other ranks' results are kept.
+
+Run it under ``torchrun`` (gloo or nccl)::
+
+    torchrun --nproc-per-node=3 my_check.py     # my_check.py calls rlx_nb.distributed.gather_report(...)
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import os
+import socket
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from rlx_nb.errors import InputError
+from rlx_nb.merge import merge_results
+from rlx_nb.persist import load_results, save_results
+from rlx_nb.run import run
+
+
+def node_name(rank: int) -> str:
+    """``$RLX_NB_NODE`` if set, else ``node<rank>``."""
+    return os.environ.get("RLX_NB_NODE") or f"node{rank}"
+
+
+def _to_bytes(results) -> bytes:
+    buf = io.BytesIO()
+    buf.write(b"R")  # the payload's kind byte, so the tensor needs no second copy
+    save_results(results, _Offset(buf))
+    return buf.getbuffer()
+
+
+class _Offset(io.RawIOBase):
+    # A writable view of a BytesIO past its first byte: zipfile's offsets stay relative to the zip.
+    def __init__(self, inner: io.BytesIO) -> None:
+        self.inner = inner
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        return self.inner.write(b)
+
+    def tell(self) -> int:
+        return self.inner.tell() - 1
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        return self.inner.seek(pos + 1 if whence == 0 else pos, whence) - 1
+
+    def flush(self) -> None:
+        pass
+
+
+def _payload(kind: bytes, body) -> torch.Tensor:
+    if kind == b"R":  # body already starts with the kind byte
+        return torch.frombuffer(body, dtype=torch.uint8)
+    return torch.frombuffer(bytearray(kind + bytes(body)), dtype=torch.uint8)
+
+
+def gather_report(
+    model: Any,
+    inputs: Any,
+    *,
+    backends: str | Iterable[str] | None = None,
+    backward: bool = False,
+    label: str | None = None,
+    timeout_s: float = 600.0,
+    rule: str = "budget",
+):
+    """Run on every rank, gather on rank 0; returns the merged report on rank 0 and None elsewhere.
+
+    The process group is initialised from torchrun's environment (gloo unless one exists already).
+    ``timeout_s`` bounds how long rank 0 waits for each other rank.
+    """
+    from rlx_nb.report import DivergenceReport
+
+    own_group = not dist.is_initialized()
+    if own_group:
+        if "RANK" not in os.environ:
+            raise InputError("gather_report runs under torchrun (RANK/WORLD_SIZE unset); use merge_reports for files")
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    try:
+        try:
+            results = run(model, inputs, backends=backends, backward=backward, label=label)
+            results.environment["node"] = node_name(rank)
+            results.environment["host"] = socket.gethostname()
+            body = _payload(b"R", _to_bytes(results))
+        except Exception as exc:  # this rank's failure travels as a message, not a crash
+            body = _payload(b"E", f"{type(exc).__name__}: {exc}".encode())
+            results = None
+        if rank != 0:
+            dist.send(torch.tensor([body.numel()], dtype=torch.int64), dst=0)
+            dist.send(body, dst=0)
+            return None
+        nodes: list[tuple[str, Any]] = [(node_name(0), results if results is not None else bytes(body[1:]).decode())]
+        for src in range(1, world):
+            nodes.append((f"node{src}", _receive(src, timeout_s)))
+        named = []
+        for name, item in nodes:
+            if isinstance(item, (bytes, bytearray, memoryview)):
+                res, _ = load_results(item)
+                named.append((str(res.environment.get("node", name)), res))
+            else:
+                named.append((name, item))
+        return DivergenceReport.from_results(merge_results(named, oracle=named[0][0]), rule=rule)
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+
+
+def _receive(src: int, timeout_s: float) -> bytes | str:
+    # bytes of a saved report, or the text of an error (the rank's own, or why nothing arrived).
+    size = torch.zeros(1, dtype=torch.int64)
+    try:
+        dist.irecv(size, src=src).wait(datetime.timedelta(seconds=timeout_s))
+        body = torch.empty(int(size.item()), dtype=torch.uint8)
+        dist.irecv(body, src=src).wait(datetime.timedelta(seconds=timeout_s))
+    except Exception as exc:
+        return f"no results from rank {src}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    raw = memoryview(body.numpy())
+    if raw[:1] == b"E":
+        return bytes(raw[1:]).decode(errors="replace")
+    return raw[1:]
+
+
+__all__ = ["gather_report", "node_name"]

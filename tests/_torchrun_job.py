@@ -1,0 +1,31 @@
+"""One rank of the torchrun test (not collected by pytest): gather every node's results on rank 0.
+
+Environment: OUT (directory for rank 0's merged report), FAULT_RANK (the rank that registers a
+faulty vendor backend), DIE_RANK (a rank that joins the group and then exits without sending).
+"""
+
+import os
+import sys
+
+import torch.distributed as dist
+
+import rlx_nb
+from rlx_nb import demo
+from rlx_nb.backends import get_backend
+from rlx_nb.distributed import gather_report
+
+rank = int(os.environ["RANK"])
+backends = ["cpu-nomkldnn"]
+if rank == int(os.environ.get("FAULT_RANK", "-1")):
+    # A vendor runtime present on this node only, with a softmax bug.
+    rlx_nb.register_backend("vendor-npu", get_backend("fault:softmax-row").fn)
+    backends.append("vendor-npu")
+if rank == int(os.environ.get("DIE_RANK", "-1")):
+    dist.init_process_group("gloo")
+    os._exit(0)  # gone without a word
+model, inputs = demo.transformer()
+report = gather_report(model, inputs, backends=backends, timeout_s=60)
+if rank == 0:
+    path = report.save(os.path.join(os.environ["OUT"], "merged.rlxnb"))
+    print("\n".join(report.lines()))
+    sys.stdout.flush()

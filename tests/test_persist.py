@@ -1,0 +1,185 @@
+"""Save/load (exact, lazy, safe), merging nodes' files, and gathering with torchrun."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import shutil
+import socket
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+import rlx_nb
+from rlx_nb import demo
+from rlx_nb.persist import ReportFormatError
+
+
+@pytest.fixture(scope="module")
+def report():
+    model, inputs = demo.transformer()
+    return rlx_nb.backend_divergence(model, inputs, backends=["cpu-nomkldnn", "fault:softmax-row"], backward=True)
+
+
+def test_round_trip_is_exact_and_lazy(report, tmp_path):
+    path = report.save(tmp_path / "node0")
+    assert path.suffix == ".rlxnb"
+    loaded = rlx_nb.load_report(path)
+    leaves = [
+        leaf
+        for run in [loaded.results.oracle, *loaded.results.candidates.values()]
+        for leaf in run.outputs.values()
+        if leaf.is_array
+    ]
+    assert not any(leaf.loaded for leaf in leaves)  # nothing read yet
+    assert loaded.summary.equals(report.summary) and str(loaded) == str(report)
+    for name, leaf in report.results.candidates["fault:softmax-row"].outputs.items():
+        got = loaded.results.candidates["fault:softmax-row"].outputs[name].value
+        np.testing.assert_array_equal(got, leaf.value)
+        assert got.dtype == leaf.value.dtype
+    assert loaded.results.fingerprints == report.results.fingerprints
+    assert loaded.results.environment["torch"] == torch.__version__
+    with zipfile.ZipFile(path) as zf:
+        assert all(n == "meta.json" or n.endswith(".npy") for n in zf.namelist())
+
+
+def _pickle_bomb(path: Path) -> None:
+    class Bomb:
+        def __reduce__(self):
+            return (os.system, (f"touch {path.parent / 'PWNED'}",))
+
+    path.write_bytes(pickle.dumps(Bomb()))
+
+
+def test_bad_files_raise_a_clear_error_and_never_execute(report, tmp_path):
+    good = report.save(tmp_path / "good").read_bytes()
+    cases = {
+        "missing.rlxnb": None,
+        "truncated.rlxnb": good[: len(good) // 2],
+        "garbage.rlxnb": b"\x00" * 1000,
+        "empty.rlxnb": b"",
+    }
+    for name, data in cases.items():
+        if data is not None:
+            (tmp_path / name).write_bytes(data)
+        with pytest.raises(ReportFormatError, match="cannot load report"):
+            rlx_nb.load_report(tmp_path / name)
+    bomb = tmp_path / "bomb.rlxnb"
+    _pickle_bomb(bomb)
+    with pytest.raises(rlx_nb.RlxError, match="not an rlx_nb report"):
+        rlx_nb.load_report(bomb)
+    # A pickled object array inside an otherwise valid report.
+    inner = tmp_path / "inner.rlxnb"
+    shutil.copy(tmp_path / "good.rlxnb", inner)
+    with zipfile.ZipFile(tmp_path / "good.rlxnb") as src, zipfile.ZipFile(inner, "w") as dst:
+        for item in src.namelist():
+            data = src.read(item)
+            if item == "arrays/0.npy":
+                buf = __import__("io").BytesIO()
+                np.save(buf, np.array([Bomb_()], dtype=object), allow_pickle=True)
+                data = buf.getvalue()
+            dst.writestr(item, data)
+    loaded = rlx_nb.load_report(inner)  # metadata is fine; the array is refused when read
+    with pytest.raises(ReportFormatError, match="refusing to unpickle"):
+        _ = loaded.results.oracle.outputs["out"].value
+    assert not (tmp_path / "PWNED").exists()
+
+
+class Bomb_:
+    def __reduce__(self):
+        return (os.system, ("touch /nonexistent-dir/PWNED",))
+
+
+def test_wrong_version_is_refused(report, tmp_path):
+    path = report.save(tmp_path / "v")
+    with zipfile.ZipFile(path) as zf:
+        items = {n: zf.read(n) for n in zf.namelist()}
+    items["meta.json"] = items["meta.json"].replace(b'"version": 1', b'"version": 99')
+    with zipfile.ZipFile(path, "w") as zf:
+        for n, d in items.items():
+            zf.writestr(n, d)
+    with pytest.raises(ReportFormatError, match="version 99 is not supported"):
+        rlx_nb.load_report(path)
+
+
+def test_merge_from_files_names_nodes_and_checks_inputs(report, tmp_path):
+    a = report.save(tmp_path / "node-a")
+    b = report.save(tmp_path / "node-b")
+    merged = rlx_nb.merge_reports([a, b])
+    assert list(merged.results.candidates) == [
+        "node-a/cpu-nomkldnn",
+        "node-a/fault:softmax-row",
+        "node-b/cpu",
+        "node-b/cpu-nomkldnn",
+        "node-b/fault:softmax-row",
+    ]
+    assert merged.suspects == ["node-a/fault:softmax-row", "node-b/fault:softmax-row"]
+    model, _ = demo.transformer()
+    other = rlx_nb.backend_divergence(model, torch.randn(4, 128, 256), backends=["cpu-nomkldnn"])
+    c = other.save(tmp_path / "node-c")
+    with pytest.raises(rlx_nb.RlxError, match="node 'node-c' ran on different inputs"):
+        rlx_nb.merge_reports([a, c])
+
+
+def test_cli_check_save_then_merge(tmp_path):
+    target = tmp_path / "t.py"
+    target.write_text(
+        "import torch\ndef build():\n    torch.manual_seed(0)\n"
+        "    return torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Softmax(-1)), torch.randn(4, 8)\n"
+    )
+    run = lambda *a: subprocess.run([sys.executable, "-m", "rlx_nb.cli", *a], capture_output=True, text=True)  # noqa: E731
+    p1 = run("check", f"{target}:build", "--backends", "cpu-nomkldnn", "--save", str(tmp_path), "--node", "n1")
+    p2 = run("check", f"{target}:build", "--backends", "fault:softmax-row", "--save", str(tmp_path), "--node", "n2")
+    assert p1.returncode == 0 and p2.returncode == 1, p1.stderr + p2.stderr
+    p = run("merge", str(tmp_path / "n1.rlxnb"), str(tmp_path / "n2.rlxnb"))
+    assert p.returncode == 1
+    assert "n2/fault:softmax-row vs cpu" in p.stdout and "SUSPECT" in p.stdout
+    assert "n2/cpu vs cpu" in p.stdout
+
+
+def _torchrun(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    job = Path(__file__).parent / "_torchrun_job.py"
+    environ = dict(os.environ, OUT=str(tmp_path), OMP_NUM_THREADS="1", **env)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nproc-per-node=3",
+            "--master-addr=127.0.0.1",
+            f"--master-port={port}",
+            str(job),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env=environ,
+    )
+
+
+@pytest.mark.slow
+def test_torchrun_gather_names_the_faulty_node(tmp_path):
+    p = _torchrun(tmp_path, FAULT_RANK="2")
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    merged = rlx_nb.load_report(tmp_path / "merged.rlxnb")
+    assert merged.suspects == ["node2/vendor-npu"]
+    assert {"node1/cpu", "node2/cpu", "node0/cpu-nomkldnn", "node1/cpu-nomkldnn"} <= set(merged.results.candidates)
+    assert "node2/vendor-npu vs cpu" in p.stdout
+
+
+@pytest.mark.slow
+def test_torchrun_a_rank_that_dies_is_an_error_row(tmp_path):
+    p = _torchrun(tmp_path, FAULT_RANK="2", DIE_RANK="1")
+    assert (tmp_path / "merged.rlxnb").exists(), p.stdout[-2000:] + p.stderr[-4000:]
+    merged = rlx_nb.load_report(tmp_path / "merged.rlxnb")
+    assert "node1/*" in merged.errors
+    assert merged.suspects == ["node2/vendor-npu"]  # the others are kept
+    assert "node2/cpu-nomkldnn" in merged.results.candidates
