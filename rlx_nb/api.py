@@ -26,6 +26,8 @@ def backend_divergence(
     label: str | None = None,
     rule: str = "budget",
     progress: bool | Callable[[str], None] = False,
+    timeout_s: float | None = 600.0,
+    check_determinism: bool = True,
 ) -> DivergenceReport:
     """Run ``model`` on the CPU oracle and on every other backend, and judge each one's gap.
 
@@ -55,7 +57,14 @@ def backend_divergence(
         The verdict in charge; both are always computed and shown.
     progress : bool or callable
         ``True`` prints each backend's name to stderr as it starts; a callable
-        receives the name.
+        receives the name.  A progress bar appears anyway once the candidates
+        take more than two seconds.
+    timeout_s : float or None
+        Per-backend limit (default 600 s); a backend still running then is an
+        ``error`` row and the others keep going.  ``None``: no limit.
+    check_determinism : bool
+        Run the oracle twice; outputs that differ are the model's own
+        nondeterminism and get the verdict ``nondeterministic``, not SUSPECT.
 
     Returns
     -------
@@ -73,12 +82,23 @@ def backend_divergence(
         raise InputError(f"rule must be one of {', '.join(RULES)}; got {rule!r}")
     if tol_rel is not None and not (isinstance(tol_rel, (int, float)) and tol_rel > 0):
         raise InputError(f"tol_rel must be a positive number, got {tol_rel!r}")
+    if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
+        raise InputError(f"timeout_s must be a positive number of seconds or None, got {timeout_s!r}")
     if loss is not None and not callable(loss):
         raise InputError(f"loss must be a callable loss(outputs) -> scalar tensor, got {type(loss).__name__}")
     say = progress if callable(progress) else (_print_progress if progress else None)
     try:
         results = run(
-            model, inputs, params=params, backends=backends, backward=backward, loss=loss, label=label, progress=say
+            model,
+            inputs,
+            params=params,
+            backends=backends,
+            backward=backward,
+            loss=loss,
+            label=label,
+            progress=say,
+            timeout_s=timeout_s,
+            check_determinism=check_determinism,
         )
     except RlxError as exc:
         raise type(exc)(str(exc)) from None

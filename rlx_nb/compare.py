@@ -46,6 +46,7 @@ ROUNDOFF = "round-off"
 SUSPECT = "SUSPECT"
 VERDICT_ERROR = "error"
 VERDICT_SKIPPED = "skipped"
+NONDETERMINISTIC = "nondeterministic"
 
 RULES = ("budget", "fixed")
 TOL_REL_FORWARD = 2e-3
@@ -113,8 +114,17 @@ def compare(results: RunResults, *, tol_rel: float | None = None, rule: str = "b
     if rule not in RULES:
         raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
     records: list[OutputRecord] = []
+    unstable = results.environment.get("nondeterministic") or {}
     for run in results.candidates.values():
-        records.extend(_compare_run(results, run, tol_rel, rule))
+        for rec in _compare_run(results, run, tol_rel, rule):
+            if rec.output in unstable and rec.verdict not in (VERDICT_ERROR, VERDICT_SKIPPED):
+                rec.verdict = NONDETERMINISTIC
+                rec.reason = (
+                    f"the model itself is nondeterministic: two oracle runs differ by up to {unstable[rec.output]:.3g} "
+                    "on this output, so no backend can be judged on it; put the model in eval mode (dropout), "
+                    "seed any RNG used inside forward, or enable torch.use_deterministic_algorithms"
+                )
+            records.append(rec)
     return records
 
 

@@ -90,35 +90,32 @@ def _ordered_ints(x: np.ndarray, out: np.ndarray) -> np.ndarray:
     return out
 
 
+def _ulp_gap(ia: np.ndarray, ie: np.ndarray) -> np.ndarray:
+    # |ia - ie| for ordered int64 keys, exact in uint64 (float64 values of opposite signs can be
+    # more than 2**63 ulps apart, which int64 arithmetic would wrap).
+    hi, lo = np.maximum(ia, ie).view(np.uint64), np.minimum(ia, ie).view(np.uint64)
+    return hi - lo
+
+
 def _chunk_max_ulp(ec: np.ndarray, ac: np.ndarray, bufs: _Buffers, excluded: np.ndarray | None) -> int:
     ints = _INT_OF_FLOAT[ec.dtype]
     m = ec.size
     ie, ia = ec.view(ints), ac.view(ints)
-    it = bufs.ints[:m].view(ints) if ints is np.int32 else None
-    if it is None:
-        # float16/float64: no fast path needed; do it in int64.
-        da = _ordered_ints(ac, np.empty(m, np.int64))
-        da -= _ordered_ints(ec, np.empty(m, np.int64))
-        np.abs(da, out=da)
-        if excluded is not None:
-            da[excluded] = 0
-        return int(da.max())
-    # Same sign: the distance is the difference of the raw bit patterns, which
-    # fits in int32.  Opposite signs (rare: values straddling zero) go through
-    # the exact int64 path.
-    np.bitwise_xor(ia, ie, out=it)
-    if it.min() < 0:
-        da = _ordered_ints(ac, np.empty(m, np.int64))
-        da -= _ordered_ints(ec, np.empty(m, np.int64))
-        np.abs(da, out=da)
-        if excluded is not None:
-            da[excluded] = 0
-        return int(da.max())
-    np.subtract(ia, ie, out=it)
-    np.abs(it, out=it)
+    if ints is np.int32:
+        # Same sign: the distance is the difference of the raw bit patterns, which fits in int32.
+        # Opposite signs (rare: values straddling zero) take the exact path below.
+        it = bufs.ints[:m]
+        np.bitwise_xor(ia, ie, out=it)
+        if it.min() >= 0:
+            np.subtract(ia, ie, out=it)
+            np.abs(it, out=it)
+            if excluded is not None:
+                it[excluded] = 0
+            return int(it.max())
+    gap = _ulp_gap(_ordered_ints(ac, np.empty(m, np.int64)), _ordered_ints(ec, np.empty(m, np.int64)))
     if excluded is not None:
-        it[excluded] = 0
-    return int(it.max())
+        gap[excluded] = 0
+    return int(gap.max())
 
 
 @dataclasses.dataclass
@@ -135,6 +132,7 @@ class _Partial:
     above: list = dataclasses.field(default_factory=list)
     above_count: int = 0
     at_least: int = 0
+    chunk_max: list = dataclasses.field(default_factory=list)
 
 
 class _Buffers:
@@ -184,6 +182,7 @@ def _pair_range(
         part.finite += finite
         i = int(d.argmax())
         dmax = float(d[i])
+        part.chunk_max.append((s, dmax))
         if dmax > part.max_abs:
             part.max_abs, part.worst_index = dmax, s + i
         if floor is not None and dmax >= floor:
@@ -210,6 +209,22 @@ def _pair_range(
         if exact_ulp and dmax > 0:
             part.max_ulp = max(part.max_ulp, _chunk_max_ulp(ec, ac, bufs, excluded))
     return part
+
+
+def _exact_worst(e: np.ndarray, a: np.ndarray, total: _Partial) -> tuple[float, int]:
+    # Float32 differences can tie where the exact ones do not (rounding is monotonic, so the true
+    # worst element is among the ties): redo only the chunks that reached the maximum, in float64.
+    best, where = -1.0, -1
+    for s, v in sorted(total.chunk_max):
+        if v != total.max_abs:
+            continue
+        ec, ac = e[s : s + CHUNK].astype(np.float64), a[s : s + CHUNK].astype(np.float64)
+        d = np.abs(ac - ec)
+        d[~(np.isfinite(ec) & np.isfinite(ac))] = -1.0
+        i = int(d.argmax())
+        if d[i] > best:
+            best, where = float(d[i]), s + i
+    return (best, where) if where >= 0 else (total.max_abs, total.worst_index)
 
 
 def _workers(n: int) -> int:
@@ -304,6 +319,9 @@ def pair_stats(
         total.above_count += p.above_count
         total.at_least += p.at_least
         total.above.extend(p.above)
+        total.chunk_max.extend(p.chunk_max)
+    if work != np.float64 and total.max_abs > 0:
+        total.max_abs, total.worst_index = _exact_worst(e, a, total)
     p99_abs = 0.0
     if p99:
         k = _p99_rank(n)
@@ -411,14 +429,14 @@ def _k_largest(d: np.ndarray, k: int) -> np.ndarray:
 
 
 def ulp_distance(expected: np.ndarray, actual: np.ndarray) -> np.ndarray:
-    """Element-wise distance in units in the last place of ``expected``'s dtype (int64)."""
+    """Element-wise distance in units in the last place of ``expected``'s dtype (uint64: exact for float64 too)."""
     e = np.asarray(expected)
     a = np.asarray(actual, dtype=e.dtype)
     if e.dtype not in _INT_OF_FLOAT:
         raise ValueError(f"ULP distance needs float16/32/64, got {e.dtype}")
     ie = _ordered_ints(e.reshape(-1), np.empty(e.size, np.int64))
     ia = _ordered_ints(a.reshape(-1), np.empty(a.size, np.int64))
-    return np.abs(ia - ie).reshape(e.shape)
+    return _ulp_gap(ia, ie).reshape(e.shape)
 
 
 @np.errstate(invalid="ignore", over="ignore", divide="ignore")

@@ -129,8 +129,8 @@ def load_results(source: str | Path | bytes | memoryview) -> tuple[RunResults, d
         zf = zipfile.ZipFile(io.BytesIO(source) if in_memory else source)
     except FileNotFoundError:
         raise _fail(where, "no such file") from None
-    except (zipfile.BadZipFile, OSError, ValueError, EOFError) as exc:
-        raise _fail(where, f"not an rlx_nb report (not a readable zip: {exc})") from None
+    except Exception as exc:  # BadZipFile, OSError, NotImplementedError (bogus zip versions), ...
+        raise _fail(where, f"not an rlx_nb report (not a readable zip: {type(exc).__name__}: {exc})") from None
     try:
         info = zf.getinfo("meta.json")
         if info.file_size > _MAX_META:
@@ -160,7 +160,7 @@ def load_results(source: str | Path | bytes | memoryview) -> tuple[RunResults, d
         )
     except ReportFormatError:
         raise
-    except (KeyError, TypeError, ValueError, AttributeError) as exc:
+    except Exception as exc:
         raise _fail(where, f"meta.json is malformed ({type(exc).__name__}: {exc})") from None
     return results, meta
 
@@ -230,5 +230,5 @@ def records_from_meta(meta: dict, where: Any = "<report>") -> list | None:
                     r[key] = tuple(int(i) for i in r[key])
             out.append(OutputRecord(**r))
         return out
-    except (TypeError, ValueError) as exc:
-        raise _fail(where, f"saved records are malformed ({exc})") from None
+    except Exception as exc:
+        raise _fail(where, f"saved records are malformed ({type(exc).__name__}: {exc})") from None

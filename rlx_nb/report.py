@@ -11,7 +11,7 @@ import numpy as np
 import pandas as pd
 
 from rlx_nb.backends import ORACLE
-from rlx_nb.compare import SUSPECT, VERDICT_ERROR, VERDICT_SKIPPED, OutputRecord, compare
+from rlx_nb.compare import NONDETERMINISTIC, SUSPECT, VERDICT_ERROR, VERDICT_SKIPPED, OutputRecord, compare
 from rlx_nb.errors import InputError
 from rlx_nb.frames import backends_frame, elements_frame, summary_frame, worst_record
 from rlx_nb.metrics import rel_error, top_k, ulp_distance
@@ -146,6 +146,7 @@ class DivergenceReport:
             ref.value if ref is not None and ref.is_array else None,
         )
 
+    @np.errstate(invalid="ignore", over="ignore")
     def elements(self, backend: str, output: str | None = None, *, top: int = 20) -> pd.DataFrame:
         """The ``top`` worst elements (by absolute error) of one output, worst first.
 
@@ -164,7 +165,11 @@ class DivergenceReport:
         o, b, r = self.arrays(backend, output)
         if o.shape != b.shape:
             raise InputError(f"{backend!r} output shape {b.shape} differs from the oracle's {o.shape}")
-        if not np.issubdtype(o.dtype, np.floating):
+        if np.iscomplexobj(o) or np.iscomplexobj(b):
+            # Complex outputs are compared as interleaved (real, imag): the last index doubles.
+            o, b = (np.ascontiguousarray(v.astype(np.complex128)).view(np.float64) for v in (o, b))
+            r = np.ascontiguousarray(r.astype(np.complex128)).view(np.float64) if r is not None else None
+        elif not np.issubdtype(o.dtype, np.floating):
             o, b = o.astype(np.float64), b.astype(np.float64)
         idx, err = top_k(o, b, top)
         of, bf = o.reshape(-1)[idx], b.reshape(-1)[idx]
@@ -243,7 +248,7 @@ def _line(label: str, name: str, recs: list[OutputRecord]) -> str:
         if worst.output != rel.output:
             tail = f"SUSPECT (output #{worst.output_index} {worst.output}: {worst.reason})"
     else:
-        skipped = [r for r in recs if r.verdict in (VERDICT_SKIPPED, VERDICT_ERROR)]
+        skipped = [r for r in recs if r.verdict in (VERDICT_SKIPPED, VERDICT_ERROR, NONDETERMINISTIC)]
         tail = "round-off (explainable)"
         if skipped:
             tail += f"; {len(skipped)} output(s) {skipped[0].verdict}: {skipped[0].reason}"
@@ -256,12 +261,15 @@ def load_report(path) -> DivergenceReport:
     Raises :class:`rlx_nb.persist.ReportFormatError` (an :class:`RlxError`) for anything that is not
     a readable report of this version; never unpickles or executes anything.
     """
-    from rlx_nb.persist import load_results, records_from_meta
+    from rlx_nb.persist import ReportFormatError, load_results, records_from_meta
 
     results, meta = load_results(path)
     rule = meta.get("rule") if meta.get("rule") in ("budget", "fixed") else "budget"
     tol = meta.get("tol_rel")
-    tol = float(tol) if tol is not None else None
+    try:
+        tol = float(tol) if tol is not None else None
+    except (TypeError, ValueError):
+        raise ReportFormatError(f"cannot load report {str(path)!r}: tol_rel {tol!r} is not a number") from None
     records = records_from_meta(meta, path)
     if records is None:
         return DivergenceReport.from_results(results, rule=rule, tol_rel=tol)

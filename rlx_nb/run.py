@@ -11,6 +11,7 @@ import dataclasses
 import functools
 import hashlib
 import platform
+import threading
 import time
 import traceback
 import zlib
@@ -223,11 +224,54 @@ def execute(
     grad_inputs: list[int],
     input_names: list[str],
     measure_reductions: bool = False,
+    timeout_s: float | None = None,
 ) -> BackendRun:
-    """Run one backend on a fresh copy of the model and inputs; never raises for a backend failure."""
+    """Run one backend on a fresh copy of the model and inputs; never raises for a backend failure.
+
+    With ``timeout_s``, the backend runs in a worker thread; one still running after that long
+    becomes an error row and its thread is abandoned (Python cannot kill a thread).
+    """
     reason = backend.unavailable_reason()
     if reason is not None:
         return BackendRun(backend.name, ERROR, {}, f"not available here: {reason}", compute_dtype=backend.compute_dtype)
+    kwargs = dict(
+        backward=backward,
+        loss=loss,
+        grad_inputs=grad_inputs,
+        input_names=input_names,
+        measure_reductions=measure_reductions,
+    )
+    if timeout_s is None:
+        return _execute(backend, base, args, **kwargs)
+    box: list[BackendRun] = []
+    worker = threading.Thread(
+        target=lambda: box.append(_execute(backend, base, args, **kwargs)), daemon=True, name=f"rlx_nb:{backend.name}"
+    )
+    worker.start()
+    worker.join(timeout_s)
+    if worker.is_alive() or not box:
+        return BackendRun(
+            backend.name,
+            ERROR,
+            {},
+            f"timed out after {timeout_s:g} s (raise timeout_s if it is only slow); its thread was abandoned",
+            float(timeout_s),
+            compute_dtype=backend.compute_dtype,
+        )
+    return box[0]
+
+
+def _execute(
+    backend: Backend,
+    base: torch.nn.Module,
+    args: tuple,
+    *,
+    backward: bool,
+    loss: Callable[[Any], torch.Tensor] | None,
+    grad_inputs: list[int],
+    input_names: list[str],
+    measure_reductions: bool,
+) -> BackendRun:
     model = copy.deepcopy(base)
     fresh = _clone_inputs(args)
     start = time.perf_counter()
@@ -374,12 +418,18 @@ def run(
     loss: Callable[[Any], torch.Tensor] | None = None,
     label: str | None = None,
     progress: Callable[[str], None] | None = None,
+    timeout_s: float | None = 600.0,
+    check_determinism: bool = True,
 ) -> RunResults:
     """Run ``model`` on the oracle, the fp64 reference and each candidate backend.
 
     Returns numpy outputs only; :func:`rlx_nb.compare` turns them into a report.
     The oracle must run: if the model fails on it, that is the user's error
-    and raises :class:`~rlx_nb.InputError` with the model's message.
+    and raises :class:`~rlx_nb.InputError` with the model's message.  Candidates (and the fp64
+    reference) that run longer than ``timeout_s`` become error rows.  With ``check_determinism``
+    the oracle runs twice; outputs that differ between the two runs are the model's own
+    nondeterminism and are recorded in ``environment["nondeterministic"]`` (the comparison then
+    says so instead of blaming a backend).
     """
     candidates = resolve_backends(backends)
     args, keys = normalize_inputs(inputs)
@@ -397,20 +447,62 @@ def run(
         raise InputError(f"the model fails on the CPU oracle, so nothing can be compared: {oracle.message}")
     if backward and oracle.grad_status != OK:
         raise InputError(f"backward=True but the oracle's backward did not run: {oracle.grad_message}")
+    unstable = (
+        _nondeterministic(oracle, execute(get_backend(ORACLE), base, args, **common)) if check_determinism else {}
+    )
     say(REFERENCE)
-    reference = execute(get_backend(REFERENCE), base, args, **common)
+    reference = execute(get_backend(REFERENCE), base, args, timeout_s=timeout_s, **common)
     runs = {}
-    for backend in candidates:
+    for backend in _progress(candidates, progress):
         say(backend.name)
-        runs[backend.name] = execute(backend, base, args, **common)
+        runs[backend.name] = execute(backend, base, args, timeout_s=timeout_s, **common)
     return RunResults(
         label=label or _default_label(model),
         oracle=oracle,
         reference=reference,
         candidates=runs,
         backward=backward,
-        environment=environment(),
+        environment={
+            **environment(),
+            "nondeterministic": unstable,
+            "model_was_training": bool(getattr(model, "training", False)),
+        },
         fingerprints={"inputs": fingerprint(args), "model": fingerprint(dict(base.state_dict()))},
+    )
+
+
+def _nondeterministic(first: BackendRun, second: BackendRun) -> dict[str, float]:
+    # Outputs whose two oracle runs differ (NaN in both counts as equal), with the largest difference.
+    unstable = {}
+    for name, leaf in first.outputs.items():
+        other = second.outputs.get(name)
+        if other is None or not leaf.is_array:
+            continue
+        a, b = leaf.value, other.value
+        if a.shape != b.shape:
+            unstable[name] = float("inf")
+            continue
+        same = (a == b) | ((a != a) & (b != b)) if a.dtype.kind in "fc" else a == b
+        if not np.all(same):
+            with np.errstate(invalid="ignore", over="ignore"):
+                diff = np.abs(a.astype(np.float64) - b.astype(np.float64)) if a.dtype.kind != "b" else (a != b)
+            unstable[name] = float(np.nanmax(diff)) if diff.size else 0.0
+    return unstable
+
+
+def _progress(items: list, progress: Callable[[str], None] | None):
+    # A notebook-aware bar that appears only when the candidates take more than a couple of seconds.
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return items
+    return tqdm(
+        items,
+        desc="rlx_nb backends",
+        unit="backend",
+        delay=2.0,
+        leave=False,
+        disable=progress is False or len(items) < 2,
     )
 
 

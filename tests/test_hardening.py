@@ -1,0 +1,175 @@
+"""Odd outputs, misbehaving backends and models, bad inputs: nothing crashes, nothing is lost or misattributed."""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+import torch
+
+import rlx_nb
+from rlx_nb.compare import NONDETERMINISTIC, ROUNDOFF, SUSPECT
+
+
+def _with_backend(name, fn, model, inputs, **kwargs):
+    rlx_nb.register_backend(name, fn, replace=True)
+    try:
+        return rlx_nb.backend_divergence(model, inputs, backends=[name, "cpu-nomkldnn"], **kwargs)
+    finally:
+        rlx_nb.unregister_backend(name)
+
+
+class Returns(torch.nn.Module):
+    """A model whose output is made by ``make(x)``."""
+
+    def __init__(self, make):
+        super().__init__()
+        self.make = make
+
+    def forward(self, x):
+        return self.make(x)
+
+
+OUTPUT_CASES = {
+    "zero-dim": lambda x: x.sum(),
+    "empty": lambda x: x[:0],
+    "int": lambda x: (x * 100).long(),
+    "bool": lambda x: x > 0,
+    "float16": lambda x: x.half(),
+    "bfloat16": lambda x: x.bfloat16(),
+    "float64": lambda x: x.double() * 3,
+    "complex": lambda x: torch.complex(x, -x),
+    "strided": lambda x: x.t()[::2],
+    "negative-zero": lambda x: x * 0 - 0.0,
+    "subnormal": lambda x: x * 1e-40,
+    "nan-and-inf": lambda x: torch.where(x > 0.5, torch.full_like(x, float("nan")), x / (x > 0).float()),
+}
+
+
+@pytest.mark.parametrize("case", sorted(OUTPUT_CASES))
+def test_odd_outputs_are_compared_not_crashed_on(case):
+    torch.manual_seed(0)
+    report = rlx_nb.backend_divergence(Returns(OUTPUT_CASES[case]), torch.randn(6, 4), backends=["cpu-nomkldnn"])
+    rec = report.record("cpu-nomkldnn")
+    assert rec.verdict == ROUNDOFF, rec.reason  # the same eager kernels: identical, including NaN/Inf patterns
+    assert report.elements("cpu-nomkldnn", top=3) is not None
+    assert str(report)
+
+
+def test_nan_where_the_oracle_has_a_number_is_a_mismatch_nan_in_both_is_not():
+    make = lambda x: torch.where(x > 0, torch.full_like(x, float("nan")), x)  # noqa: E731
+    report = _with_backend(
+        "test-nan-one",
+        lambda m, xs: torch.nan_to_num(m(*xs), nan=1.0).index_fill(0, torch.tensor([0]), float("nan")),
+        Returns(make),
+        torch.randn(5, 3),
+    )
+    rec = report.record("test-nan-one")
+    assert rec.verdict == SUSPECT and rec.nonfinite_mismatch > 0
+    assert report.record("cpu-nomkldnn").nonfinite_mismatch == 0
+
+
+def test_structure_or_shape_differences():
+    model = torch.nn.Linear(3, 3)
+    r = _with_backend("test-tuple", lambda m, xs: (m(*xs), m(*xs)), model, torch.randn(2, 3))
+    assert r.record("test-tuple").verdict == SUSPECT  # extra/missing outputs
+    r = _with_backend("test-shape", lambda m, xs: m(*xs).T, model, torch.randn(2, 3))
+    assert "shape" in r.record("test-shape").reason
+    assert r.record("cpu-nomkldnn").verdict == ROUNDOFF
+
+
+def test_misbehaving_backends_are_rows_and_others_survive():
+    model, x = torch.nn.Linear(4, 4), torch.randn(3, 4)
+
+    def hangs(m, xs):
+        time.sleep(30)
+        return m(*xs)
+
+    def exhausts_memory(m, xs):
+        return torch.empty(1 << 50)  # a real allocation failure, not a simulated one
+
+    def raises(m, xs):
+        raise ValueError("unsupported dtype in kernel")
+
+    for name, fn in [
+        ("test-hang", hangs),
+        ("test-oom", exhausts_memory),
+        ("test-raise", raises),
+        ("test-nan-all", lambda m, xs: m(*xs) * float("nan")),
+    ]:
+        rlx_nb.register_backend(name, fn, replace=True)
+    start = time.perf_counter()
+    report = rlx_nb.backend_divergence(
+        model, x, backends=["test-hang", "test-oom", "test-raise", "test-nan-all", "cpu-nomkldnn"], timeout_s=2
+    )
+    assert time.perf_counter() - start < 20
+    rows = report.backends.set_index("backend")
+    assert "timed out after 2 s" in rows.loc["test-hang", "reason"]
+    assert rows.loc["test-oom", "verdict"] == "error" and "RuntimeError" in rows.loc["test-oom", "reason"]
+    assert "unsupported dtype in kernel" in rows.loc["test-raise", "reason"]
+    assert rows.loc["test-nan-all", "verdict"] == SUSPECT
+    assert rows.loc["cpu-nomkldnn", "verdict"] == ROUNDOFF
+    for name in ["test-hang", "test-oom", "test-raise", "test-nan-all"]:
+        rlx_nb.unregister_backend(name)
+
+
+def test_nondeterministic_model_is_not_blamed_on_a_backend():
+    class Noisy(torch.nn.Module):
+        def forward(self, x):
+            return x + torch.randn_like(x) * 1e-3  # randomness inside forward
+
+    report = rlx_nb.backend_divergence(Noisy(), torch.randn(4, 4), backends=["cpu-nomkldnn"])
+    rec = report.record("cpu-nomkldnn")
+    assert rec.verdict == NONDETERMINISTIC and not report.any_suspect
+    assert "seed" in rec.reason and "eval" in rec.reason
+
+
+def test_training_mode_dropout_is_compared_in_eval_mode_and_said_so():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Dropout(0.5)).train()
+    report = rlx_nb.backend_divergence(model, torch.randn(8, 4), backends=["cpu-nomkldnn"])
+    assert not report.any_suspect
+    assert report.results.environment["model_was_training"] is True
+    assert model.training  # the user's model is untouched
+
+
+def test_models_that_mutate_inputs_or_buffers_get_fresh_copies():
+    class Mutates(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("calls", torch.zeros(1))
+
+        def forward(self, x):
+            self.calls += 1
+            x.mul_(2)
+            return x + self.calls
+
+    x = torch.ones(3)
+    report = rlx_nb.backend_divergence(Mutates(), x, backends=["cpu-nomkldnn"])
+    assert report.record("cpu-nomkldnn").verdict == ROUNDOFF
+    assert torch.equal(x, torch.ones(3))
+
+
+def test_inputs_of_odd_kinds():
+    class Mixed(torch.nn.Module):
+        def forward(self, x, scale, mode):
+            return x * scale if mode == "mul" else x + scale
+
+    x = torch.randn(3, requires_grad=True)  # requires grad without backward=True: compared detached
+    report = rlx_nb.backend_divergence(Mixed(), (x, 2, "mul"), backends=["cpu-nomkldnn"])
+    assert report.record("cpu-nomkldnn").verdict == ROUNDOFF
+    with pytest.raises(rlx_nb.InputError, match="fails on the CPU oracle"):
+        rlx_nb.backend_divergence(torch.nn.Linear(3, 3), torch.ones(2, 3, dtype=torch.float64))
+    with pytest.raises(rlx_nb.InputError, match="fails on the CPU oracle"):
+        rlx_nb.backend_divergence(torch.nn.Linear(3, 3), torch.ones(2, 3, device="meta"))
+    with pytest.raises(rlx_nb.InputError, match="timeout_s must be a positive number"):
+        rlx_nb.backend_divergence(torch.nn.Linear(3, 3), torch.ones(2, 3), timeout_s=0)
+
+
+def test_huge_output_is_fine():
+    report = rlx_nb.backend_divergence(
+        Returns(lambda x: x.expand(4000, 4000) * 1.5), torch.randn(1, 4000), backends=["cpu-nomkldnn"]
+    )
+    rec = report.record("cpu-nomkldnn")
+    assert rec.numel == 16_000_000 and rec.verdict == ROUNDOFF
+    assert np.isfinite(rec.p99_abs)
