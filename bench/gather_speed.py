@@ -10,7 +10,6 @@ them back on rank 0 (the arrays stay lazy until used).
 from __future__ import annotations
 
 import os
-import socket
 import statistics
 import subprocess
 import sys
@@ -77,9 +76,9 @@ if __name__ == "__main__":
     if "RANK" in os.environ:
         _worker()
     else:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
+        from rlx_nb.distributed import free_local_port
+
+        port = free_local_port()
         sys.exit(
             subprocess.call(
                 [

@@ -212,8 +212,9 @@ CLUSTER = [
 The diagnostic exists because a heterogeneous cluster — CUDA boxes, Macs with MPS, CPU-only nodes — gives different numbers than one machine. Each node runs the same model on the same inputs on its own live backends; rank 0 gathers everything and judges it against **one** oracle (its CPU fp32) and **one** fp64 reference.
 
 Here three local processes stand in for three nodes (`torchrun`, gloo on 127.0.0.1). Node 2 has a "vendor runtime" the others lack — with a softmax bug. Results travel as the safe report format's bytes, never pickled objects."""),
-    ("code", '''import os, pathlib, socket, subprocess, sys, tempfile, textwrap
+    ("code", '''import os, pathlib, subprocess, sys, tempfile, textwrap
 import rlx_nb
+from rlx_nb.distributed import free_local_port
 
 work = pathlib.Path(tempfile.mkdtemp())
 (work / "job.py").write_text(textwrap.dedent("""
@@ -233,9 +234,7 @@ work = pathlib.Path(tempfile.mkdtemp())
     if rank == 0:
         report.save(os.environ["OUT"] + "/merged.rlxnb")
 """))
-with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
+port = free_local_port()
 done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node=3", "--master-addr=127.0.0.1",
                        f"--master-port={port}", str(work / "job.py")], env={**os.environ, "OUT": str(work)},
                       capture_output=True, text=True)
@@ -266,11 +265,52 @@ print(merged)"""),
     ("code", """rlx_nb.explore(report)"""),
 ]
 
+PRECISION = [
+    ("md", """# 05 · Effective precision
+
+A very common "kernel bug" report is no bug at all but a precision mode switched on behind the user's back: TF32 matmuls on Ampere and later GPUs (pytorch/pytorch#58434, #61890), MPS fast math (pytorch/pytorch#84936), autocast, or a runtime's own default — OpenVINO's CPU plugin runs bfloat16 by default on CPUs with bfloat16 support.
+
+For every (backend, output) rlx_nb reads the **effective mantissa bits**: the backend's error against fp64 placed on a scale calibrated on this very model — the fp32 oracle is 24 bits, and two runs with matmul/convolution operands rounded to 11 and 8 bits mark those points — next to the format the backend claims."""),
+    ("code", """import matplotlib.pyplot as plt
+import rlx_nb
+from rlx_nb import demo
+
+model, inputs = demo.mlp()
+backends = [b for b in ["cpu-nomkldnn", "onnxruntime", "openvino", "openvino-default", "cpu-tf32-emulated",
+                        "cpu-fp16", "cpu-bf16"] if b in rlx_nb.available_backends(include_optin=True)]
+report = rlx_nb.backend_divergence(model, inputs, backends=backends)
+report.summary[["backend", "compute_dtype", "effective_bits", "closest_format", "verdict", "reason"]]"""),
+    ("code", """ax = report.plot.effective_bits()"""),
+    ("md", """## The OpenVINO default
+
+`openvino` compiles with `INFERENCE_PRECISION_HINT=f32`; `openvino-default` with the plugin's own defaults, and is judged as the fp32 it claims to be. On a CPU with bfloat16 support the default is bfloat16 and the reading says so (on the machine where the design notes were measured: max_abs 3.1e-3, ~9,400x the fp32 round-off); on one without it, the default is fp32 and both read as fp32. What did the plugin choose here?"""),
+    ("code", """if "openvino" in rlx_nb.available_backends():
+    from rlx_nb.backends.openvino import openvino_default_precision
+    print("OpenVINO CPU plugin default precision on this machine:", openvino_default_precision())
+    print(report.record("openvino-default").reason)
+else:
+    print("openvino is not installed here: pip install 'rlx_nb[openvino]'")"""),
+    ("md", """## Which switch causes the drift? The sweep
+
+`rlx_nb.precision_sweep` runs the model under each precision switch present on this machine — every setting judged as the fp32 it claims — and reads its effective bits. A switch that silently lowers precision shows as SUSPECT with "behaves like …" in the reason."""),
+    ("code", """sweep = rlx_nb.precision_sweep(model, inputs)
+sweep"""),
+    ("code", """from rlx_nb.plotting import plot_effective_bits
+
+ax = plot_effective_bits(dict(zip(sweep.setting, sweep.effective_bits)), title="precision sweep: effective bits per setting")"""),
+    ("md", """A backend that claims fp32 but computes like TF32 is still SUSPECT — its numbers are not fp32 numbers — but the verdict names the likely cause instead of a kernel bug:"""),
+    ("code", """from rlx_nb.backends import get_backend
+
+rlx_nb.register_backend("vendor-gpu", get_backend("cpu-tf32-emulated").fn, replace=True)  # claims fp32
+print(rlx_nb.backend_divergence(model, inputs, backends=["vendor-gpu"]))"""),
+]
+
 NOTEBOOKS = {
     "01_find_the_suspect.ipynb": FIND_THE_SUSPECT,
     "02_localize_the_operator.ipynb": LOCALIZE,
     "03_roundoff_or_bug.ipynb": ROUNDOFF_OR_BUG,
     "04_cluster.ipynb": CLUSTER,
+    "05_precision.ipynb": PRECISION,
 }
 
 

@@ -15,6 +15,7 @@ from rlx_nb.errors import BackendError, InputError, RlxError
 from rlx_nb.localize import Localization, localize
 from rlx_nb.merge import merge_reports
 from rlx_nb.persist import ReportFormatError
+from rlx_nb.precision import precision_sweep
 from rlx_nb.report import DivergenceReport, load_report
 from rlx_nb.run import RunResults, run
 
@@ -43,6 +44,7 @@ __all__ = [
     "load_report",
     "localize",
     "merge_reports",
+    "precision_sweep",
     "register_backend",
     "report_backend_divergence",
     "run",

@@ -34,6 +34,7 @@ sums are unusually exact.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 from typing import Any
 
@@ -97,6 +98,8 @@ class OutputRecord:
     excess: float = math.nan
     tol_rel: float = math.nan
     reduction_length: int = 1
+    effective_bits: float = math.nan
+    closest_format: str = ""
     note: str = ""
 
     @property
@@ -148,6 +151,7 @@ def _compare_run(results: RunResults, run: BackendRun, tol_rel: float | None, ru
             tol_rel=tol,
         )
         length = results.oracle.reduction_lengths.get(name, 1)
+        anchor_leaves = {b: a.outputs.get(name) for b, a in results.anchors.items()}
         if kind == "grad" and run.grad_status != OK:
             verdict = VERDICT_SKIPPED if run.grad_status == SKIPPED else VERDICT_ERROR
             out.append(
@@ -158,7 +162,12 @@ def _compare_run(results: RunResults, run: BackendRun, tol_rel: float | None, ru
             continue
         got = run.outputs.get(name)
         ref = results.reference.outputs.get(name) if results.reference.status == OK else None
-        out.append(compare_leaf(leaf, got, ref, rule=rule, reduction_length=length, **base))
+        rec = compare_leaf(leaf, got, ref, rule=rule, reduction_length=length, **base)
+        if ref is not None and rec.backend_rmse == rec.backend_rmse:
+            _effective_precision(rec, anchor_leaves, ref)
+            if rec.verdict == SUSPECT and not rec.nonfinite_mismatch:
+                rec.reason = _reason(rec, rule)
+        out.append(rec)
     extra = [n for n in run.outputs if n not in results.oracle.outputs]
     if extra:
         out.append(
@@ -267,6 +276,41 @@ def _budget(rec: OutputRecord, o: np.ndarray, b: np.ndarray, r: np.ndarray) -> s
     return SUSPECT if rec.excess > 1.0 or rec.nonfinite_mismatch else ROUNDOFF
 
 
+FORMAT_BITS = {"fp32": 24, "tf32/fp16": 11, "bf16": 8}
+
+
+def _effective_precision(rec: OutputRecord, anchors: dict, ref: Leaf) -> None:
+    # Effective mantissa bits, read on a per-output scale calibrated on this model: the oracle is 24
+    # bits, and runs with matmul/conv operands rounded to 11 and 8 bits mark those points, so the
+    # output's own accumulation length and conditioning do not shift the reading.
+    points = [(24.0, rec.oracle_rmse)]
+    for bits, leaf in sorted(anchors.items(), reverse=True):
+        if leaf is None or not leaf.is_array or leaf.value.shape != ref.value.shape:
+            continue
+        points.append((float(bits), reference_stats(leaf.value, ref.value).rmse))
+    logs = [(b, math.log2(e)) for b, e in points if e > 0]
+    err = rec.backend_rmse
+    if not logs or logs[0][0] != 24.0 or err <= rec.oracle_rmse or err <= 0:
+        rec.effective_bits = 24.0 if err <= rec.oracle_rmse else math.nan
+    else:
+        y = math.log2(err)
+        monotone = all(logs[i][1] < logs[i + 1][1] for i in range(len(logs) - 1))
+        bits = math.nan
+        if monotone and len(logs) > 1:
+            for (b1, y1), (b2, y2) in itertools.pairwise(logs):
+                if y <= y2:
+                    bits = b1 + (y - y1) * (b2 - b1) / (y2 - y1)
+                    break
+            else:
+                (b1, y1), (b2, y2) = logs[-2], logs[-1]
+                bits = b2 + (y - y2) * (b2 - b1) / (y2 - y1)
+        else:  # no usable scale: one bit per doubling of the oracle's error
+            bits = 24.0 - (y - logs[0][1])
+        rec.effective_bits = max(0.0, min(24.0, bits))
+    if rec.effective_bits == rec.effective_bits:
+        rec.closest_format = min(FORMAT_BITS, key=lambda f: abs(FORMAT_BITS[f] - rec.effective_bits))
+
+
 def _reason(rec: OutputRecord, rule: str) -> str:
     if rec.nonfinite_mismatch:
         return f"{rec.nonfinite_mismatch} NaN/Inf elements where the oracle has none (or the reverse)"
@@ -274,6 +318,14 @@ def _reason(rec: OutputRecord, rule: str) -> str:
         fmt = "fp32" if rec.compute_dtype == "float32" else rec.compute_dtype
         worst = max(rec.ratio_rmse, rec.ratio_max)
         if rec.verdict == SUSPECT:
+            spread = rec.ratio_max <= 8 * max(rec.ratio_rmse, 1e-300)
+            if rec.compute_dtype == "float32" and rec.effective_bits <= 16 and spread:
+                return (
+                    f"behaves like {rec.closest_format}: about {rec.effective_bits:.0f} effective bits while it "
+                    f"claims fp32 (error {worst:.3g}x the fp32 budget, spread over the output); a reduced-precision "
+                    "mode such as TF32, autocast or a runtime precision hint is likely on — or a systematic "
+                    "kernel error of that size"
+                )
             return f"error {worst:.3g}x the {fmt} round-off budget — likely a kernel bug"
         return f"within {worst:.3g}x the {fmt} round-off budget"
     if rec.verdict == SUSPECT:

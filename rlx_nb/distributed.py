@@ -30,6 +30,13 @@ from rlx_nb.persist import load_results, save_results
 from rlx_nb.run import run
 
 
+def free_local_port() -> int:
+    """A TCP port free on 127.0.0.1 right now (for a torchrun master or a local server)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def node_name(rank: int) -> str:
     """``$RLX_NB_NODE`` if set, else ``node<rank>``."""
     return os.environ.get("RLX_NB_NODE") or f"node{rank}"
@@ -139,4 +146,4 @@ def _receive(src: int, timeout_s: float) -> bytes | str:
     return raw[1:]
 
 
-__all__ = ["gather_report", "node_name"]
+__all__ = ["free_local_port", "gather_report", "node_name"]

@@ -111,6 +111,7 @@ def save_results(
                 "oracle": write_run(results.oracle),
                 "reference": write_run(results.reference),
                 "candidates": {name: write_run(run) for name, run in results.candidates.items()},
+                "anchors": {str(bits): write_run(run) for bits, run in results.anchors.items()},
             },
         }
         zf.writestr("meta.json", json.dumps(meta))
@@ -157,6 +158,7 @@ def load_results(source: str | Path | bytes | memoryview) -> tuple[RunResults, d
             backward=bool(meta["backward"]),
             environment=dict(meta.get("environment") or {}),
             fingerprints=dict(meta.get("fingerprints") or {}),
+            anchors={int(k): _read_run(zf, names, v, where) for k, v in (runs.get("anchors") or {}).items()},
         )
     except ReportFormatError:
         raise

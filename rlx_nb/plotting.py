@@ -324,6 +324,29 @@ def plot_localization(frame, *, ax: Axes | None = None, title: str | None = None
     return ax
 
 
+def plot_effective_bits(bits: Mapping[str, float], *, ax: Axes | None = None, title: str | None = None) -> Axes:
+    """Bars of effective mantissa bits per backend (or setting), with the standard formats marked.
+
+    ``bits`` maps a name to its effective bits (e.g. ``OutputRecord.effective_bits``, or the
+    ``effective_bits`` column of :func:`rlx_nb.precision_sweep`).
+    """
+    ax = _axes(ax, figsize=(max(6.0, 0.8 * len(bits) + 2), 4.2))
+    names = list(bits)
+    values = [float(bits[n]) for n in names]
+    colors = ["#4c72b0" if v >= 20 else "#dd8452" if v >= 9.5 else "#b00020" for v in values]
+    ax.bar(np.arange(len(names)), values, color=colors)
+    for level, label in ((24, "fp32 (24)"), (11, "tf32 / fp16 (11)"), (8, "bf16 (8)")):
+        ax.axhline(level, linestyle="--", color="grey", linewidth=1)
+        ax.annotate(
+            label, (len(names) - 0.5, level), xytext=(4, 2), textcoords="offset points", fontsize=8, color="grey"
+        )
+    ax.set_xticks(np.arange(len(names)), names, rotation=30, ha="right", fontsize=8)
+    ax.set_ylim(0, 26)
+    ax.set_ylabel("effective mantissa bits")
+    ax.set_title(title or "effective precision", fontsize=9)
+    return ax
+
+
 class ReportPlotter:
     """``report.plot``: the plot functions fed from a report (backend and output by name).
 
@@ -392,6 +415,16 @@ class ReportPlotter:
         kwargs.setdefault("title", f"{backend} · {output}: error vs magnitude")
         return plot_scatter(o, b, **kwargs)
 
+    def effective_bits(self, output: str | None = None, **kwargs: Any):
+        """:func:`plot_effective_bits` of each backend's worst (lowest) reading, or of one output."""
+        bits: dict[str, float] = {}
+        for rec in self._report.records:
+            if (output is None or rec.output == output) and rec.effective_bits == rec.effective_bits:
+                bits[rec.backend] = min(bits.get(rec.backend, 99.0), rec.effective_bits)
+        if not bits:
+            raise InputError("no effective-precision readings in this report (no fp64 reference?)")
+        return plot_effective_bits(bits, **kwargs)
+
     def tolerance_curve(self, output: str | None = None, backends: Sequence[str] | None = None, **kwargs: Any):
         """:func:`plot_tolerance_curve` of one output across backends."""
         output, pairs = self._pairs(output, backends)
@@ -401,6 +434,7 @@ class ReportPlotter:
 
 __all__ = [
     "ReportPlotter",
+    "plot_effective_bits",
     "plot_heatmap",
     "plot_histogram",
     "plot_localization",

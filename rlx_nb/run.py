@@ -26,6 +26,7 @@ from rlx_nb.errors import InputError
 from rlx_nb.tree import flatten, map_tensors
 
 OK, ERROR, SKIPPED = "ok", "error", "skipped"
+ANCHOR_BITS = (8, 11)
 GRAD_PREFIX = "grad:"
 
 
@@ -92,6 +93,8 @@ class RunResults:
     environment: dict[str, Any]
     fingerprints: dict[str, str] = dataclasses.field(default_factory=dict)
     """``inputs`` and ``model``: sha256 of the tensors' dtypes, shapes and bytes (nodes must agree on inputs)."""
+    anchors: dict[int, BackendRun] = dataclasses.field(default_factory=dict)
+    """Runs with matmul/conv operands rounded to 8 and 11 bits: the effective-precision scale."""
 
     @property
     def output_names(self) -> list[str]:
@@ -420,6 +423,7 @@ def run(
     progress: Callable[[str], None] | None = None,
     timeout_s: float | None = 600.0,
     check_determinism: bool = True,
+    effective_precision: bool = True,
 ) -> RunResults:
     """Run ``model`` on the oracle, the fp64 reference and each candidate backend.
 
@@ -452,6 +456,13 @@ def run(
     )
     say(REFERENCE)
     reference = execute(get_backend(REFERENCE), base, args, timeout_s=timeout_s, **common)
+    anchors = {}
+    if effective_precision:
+        from rlx_nb.backends.emulated import emulate
+
+        for bits in ANCHOR_BITS:
+            anchor = Backend(f"anchor:{bits}", emulate(bits), hookable=True)
+            anchors[bits] = execute(anchor, base, args, timeout_s=timeout_s, **common)
     runs = {}
     for backend in _progress(candidates, progress):
         say(backend.name)
@@ -468,6 +479,7 @@ def run(
             "model_was_training": bool(getattr(model, "training", False)),
         },
         fingerprints={"inputs": fingerprint(args), "model": fingerprint(dict(base.state_dict()))},
+        anchors={b: a for b, a in anchors.items() if a.status == OK},
     )
 
 

@@ -12,7 +12,6 @@ import os
 import re
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from rlx_nb.distributed import free_local_port
+
 playwright_api = pytest.importorskip("playwright.sync_api")
 pytest.importorskip("jupyterlab")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -28,12 +29,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(CHROMIUM is None, reason="chr
 
 NOTEBOOK = Path(__file__).parent.parent / "notebooks" / "01_find_the_suspect.ipynb"
 TIMEOUT_MS = 120_000
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_http(url: str, deadline: float) -> None:
@@ -61,7 +56,7 @@ def lab(tmp_path):
     (settings / "@jupyterlab" / "notebook-extension" / "tracker.jupyterlab-settings").write_text(
         json.dumps({"windowingMode": "none"})
     )
-    port, token = _free_port(), secrets.token_hex(16)
+    port, token = free_local_port(), secrets.token_hex(16)
     env = dict(
         os.environ,
         JUPYTER_RUNTIME_DIR=str(tmp_path / "runtime"),

@@ -5,7 +5,6 @@ from __future__ import annotations
 import os
 import pickle
 import shutil
-import socket
 import subprocess
 import sys
 import zipfile
@@ -17,6 +16,7 @@ import torch
 
 import rlx_nb
 from rlx_nb import demo
+from rlx_nb.distributed import free_local_port
 from rlx_nb.persist import ReportFormatError
 
 
@@ -145,9 +145,7 @@ def test_cli_check_save_then_merge(tmp_path):
 def _torchrun(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
     job = Path(__file__).parent / "_torchrun_job.py"
     environ = dict(os.environ, OUT=str(tmp_path), OMP_NUM_THREADS="1", **env)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_local_port()
     return subprocess.run(
         [
             sys.executable,

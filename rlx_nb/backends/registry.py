@@ -87,9 +87,9 @@ def _ensure_builtins() -> None:
         if _BUILTINS_LOADED:
             return
         _BUILTINS_LOADED = True
-        from rlx_nb.backends import compiled, eager, faults, onnx, precision
+        from rlx_nb.backends import compiled, eager, emulated, faults, onnx, openvino, precision
 
-        for module in (eager, compiled, onnx, precision, faults):
+        for module in (eager, compiled, onnx, openvino, precision, emulated, faults):
             for backend in module.BACKENDS:
                 _REGISTRY.setdefault(backend.name, backend)
 

@@ -1,0 +1,93 @@
+"""Reduced-precision emulation on the CPU: matmul and convolution operands rounded to fewer mantissa bits.
+
+``cpu-tf32-emulated`` rounds the operands of every matmul, linear, batched matmul and convolution to
+TF32's 10 stored mantissa bits (11 bits of precision, round to nearest even) and computes in float32,
+which is what TF32 tensor cores do on Ampere and later GPUs — so the TF32 story can be shown and
+tested without a GPU (``cuda-tf32`` is the real one).  The same mechanism at 8 and 11 bits gives
+the anchors the effective-precision estimate is calibrated on.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from rlx_nb.backends.registry import Backend
+
+
+def round_mantissa(x: torch.Tensor, bits: int) -> torch.Tensor:
+    """Round a float32 tensor to ``bits`` bits of precision (implicit bit included), nearest even.
+
+    Examples
+    --------
+    >>> round_mantissa(torch.tensor([1.0 + 2**-12]), 11).item()
+    1.0
+    """
+    if not x.is_floating_point() or bits >= 24:
+        return x
+    x32 = x.float().contiguous()
+    drop = 24 - bits
+    i = x32.view(torch.int32)
+    half = (1 << (drop - 1)) - 1
+    lsb = (i >> drop) & 1
+    rounded = ((i + half + lsb) >> drop) << drop
+    finite = torch.isfinite(x32)
+    return torch.where(finite, rounded.view(torch.float32), x32).to(x.dtype)
+
+
+_TARGETS: tuple[Callable, ...] = (
+    F.linear,
+    torch.matmul,
+    torch.Tensor.matmul,
+    torch.Tensor.__matmul__,
+    torch.bmm,
+    torch.Tensor.bmm,
+    F.conv1d,
+    F.conv2d,
+    F.conv3d,
+    torch.addmm,
+    torch.baddbmm,
+)
+
+
+class RoundMatmulOperands(TorchFunctionMode):
+    """Round the tensor operands of matmuls and convolutions to ``bits`` before they run."""
+
+    def __init__(self, bits: int) -> None:
+        super().__init__()
+        self.bits = bits
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in _TARGETS:
+            args = tuple(round_mantissa(a, self.bits) if isinstance(a, torch.Tensor) else a for a in args)
+            kwargs = {k: round_mantissa(v, self.bits) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+        return func(*args, **kwargs)
+
+
+def emulate(bits: int) -> Callable[[Any, tuple], Any]:
+    """A backend fn running the model eagerly with matmul/conv operands rounded to ``bits``."""
+
+    def fn(model: Any, inputs: tuple) -> Any:
+        with RoundMatmulOperands(bits):
+            return model(*inputs)
+
+    fn.__name__ = f"run_with_{bits}_bit_operands"
+    return fn
+
+
+BACKENDS = [
+    Backend(
+        "cpu-tf32-emulated",
+        emulate(11),
+        compute_dtype="tf32",
+        default=False,
+        builtin=True,
+        hookable=True,
+        description="eager CPU with matmul/conv operands rounded to TF32 (10-bit mantissa)",
+    ),
+]

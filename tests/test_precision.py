@@ -1,0 +1,88 @@
+"""Effective precision: reduced-precision modes are recognised as their format; fp32 backends read as fp32."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rlx_nb
+from rlx_nb import demo
+from rlx_nb.backends import get_backend
+from rlx_nb.backends.emulated import round_mantissa
+from rlx_nb.compare import ROUNDOFF, SUSPECT
+from tests.conftest import demo_report
+
+FORMATS = {"cpu-bf16": ("bf16", 8), "cpu-fp16": ("tf32/fp16", 11), "cpu-tf32-emulated": ("tf32/fp16", 11)}
+
+
+@pytest.mark.parametrize("family", ["mlp", "transformer", "conv"])
+def test_reduced_precision_backends_read_as_their_format(family):
+    report = demo_report(family, tuple(FORMATS), backward=False)
+    for backend, (fmt, bits) in FORMATS.items():
+        rec = report.record(backend, "out")
+        assert abs(rec.effective_bits - bits) <= 2, (backend, rec.effective_bits)
+        assert rec.closest_format == fmt
+        assert rec.verdict == ROUNDOFF  # judged against their own format's budget
+
+
+@pytest.mark.parametrize("family", ["mlp", "transformer", "conv"])
+def test_fp32_backends_read_as_fp32(family):
+    backends = tuple(b for b in ("cpu-nomkldnn", "onnxruntime", "openvino") if b in rlx_nb.available_backends())
+    report = demo_report(family, backends, backward=False)
+    for backend in backends:
+        rec = report.record(backend, "out")
+        assert rec.closest_format == "fp32" and rec.effective_bits > 20, (backend, rec.effective_bits)
+
+
+def test_a_backend_claiming_fp32_but_computing_tf32_is_described_as_such():
+    rlx_nb.register_backend("test-secret-tf32", get_backend("cpu-tf32-emulated").fn, replace=True)
+    model, inputs = demo.mlp()
+    report = rlx_nb.backend_divergence(model, inputs, backends=["test-secret-tf32", "fault:softmax-row"])
+    rec = report.record("test-secret-tf32")
+    assert rec.verdict == SUSPECT  # the engine's verdict holds
+    assert "behaves like tf32/fp16: about 11 effective bits while it claims fp32" in rec.reason
+    rlx_nb.unregister_backend("test-secret-tf32")
+
+
+def test_a_concentrated_bug_is_not_called_reduced_precision():
+    model, inputs = demo.transformer()
+    report = rlx_nb.backend_divergence(model, inputs, backends=["fault:softmax-row"])
+    rec = report.record("fault:softmax-row")
+    assert rec.verdict == SUSPECT and "likely a kernel bug" in rec.reason and "behaves like" not in rec.reason
+
+
+def test_openvino_is_reported_honestly_on_this_machine():
+    if "openvino" not in rlx_nb.available_backends():
+        pytest.skip("openvino not installed")
+    from rlx_nb.backends.openvino import openvino_default_precision
+
+    model, inputs = demo.mlp()
+    report = rlx_nb.backend_divergence(model, inputs, backends=["openvino", "openvino-default"])
+    f32 = report.record("openvino")
+    assert f32.verdict == ROUNDOFF and f32.closest_format == "fp32"
+    default = report.record("openvino-default")
+    chosen = openvino_default_precision()  # what the plugin itself says it runs at by default here
+    if "bf16" in chosen:
+        assert default.closest_format == "bf16" and "behaves like bf16" in default.reason
+    else:
+        assert chosen in ("float32", "f32") and default.closest_format == "fp32" and default.verdict == ROUNDOFF
+
+
+def test_precision_sweep_names_the_switch():
+    frame = rlx_nb.precision_sweep(
+        torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64)), torch.randn(32, 64)
+    )
+    rows = frame.set_index("setting")
+    assert rows.loc["fp32", "closest_format"] == "fp32" and rows.loc["fp32", "verdict"] == ROUNDOFF
+    assert rows.loc["tf32 (emulated)", "closest_format"] == "tf32/fp16"
+    assert rows.loc["autocast bf16", "closest_format"] == "bf16" and rows.loc["autocast bf16", "verdict"] == SUSPECT
+    assert "behaves like bf16" in rows.loc["autocast bf16", "reason"]
+    assert {"setting", "switch", "effective_bits", "closest_format", "verdict", "reason"} == set(frame.columns)
+
+
+def test_round_mantissa():
+    x = torch.tensor([1 + 2**-11, 1 + 3 * 2**-12, -2.5, float("inf"), float("nan"), 0.0])
+    out = round_mantissa(x, 11)
+    assert out[:3].tolist() == [1.0, 1 + 2**-10, -2.5]
+    assert torch.isinf(out[3]) and torch.isnan(out[4]) and out[5] == 0
+    assert round_mantissa(x, 24) is x  # 24 bits is float32 itself: nothing to round
