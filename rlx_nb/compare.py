@@ -287,7 +287,12 @@ def _effective_precision(rec: OutputRecord, anchors: dict, ref: Leaf) -> None:
     for bits, leaf in sorted(anchors.items(), reverse=True):
         if leaf is None or not leaf.is_array or leaf.value.shape != ref.value.shape:
             continue
-        points.append((float(bits), reference_stats(leaf.value, ref.value).rmse))
+        a, r = (
+            np.ascontiguousarray(v).view(v.real.dtype) if np.iscomplexobj(v) else v for v in (leaf.value, ref.value)
+        )
+        if a.dtype.kind != "f" or r.dtype.kind != "f":
+            continue
+        points.append((float(bits), reference_stats(a, r).rmse))
     logs = [(b, math.log2(e)) for b, e in points if e > 0]
     err = rec.backend_rmse
     if not logs or logs[0][0] != 24.0 or err <= rec.oracle_rmse or err <= 0:
@@ -311,6 +316,14 @@ def _effective_precision(rec: OutputRecord, anchors: dict, ref: Leaf) -> None:
         rec.closest_format = min(FORMAT_BITS, key=lambda f: abs(FORMAT_BITS[f] - rec.effective_bits))
 
 
+def _looks_like_reduced_precision(rec: OutputRecord) -> bool:
+    # A precision mode shows in the forward outputs, spread over every element (not concentrated like a
+    # one-row bug), at about a standard narrower format's bits; a gradient-only or off-format drift is a bug.
+    spread = rec.ratio_max <= 8 * max(rec.ratio_rmse, 1e-300)
+    near = min(abs(rec.effective_bits - b) for b in (FORMAT_BITS["tf32/fp16"], FORMAT_BITS["bf16"])) <= 1.0
+    return rec.compute_dtype == "float32" and rec.kind == "forward" and spread and near
+
+
 def _reason(rec: OutputRecord, rule: str) -> str:
     if rec.nonfinite_mismatch:
         return f"{rec.nonfinite_mismatch} NaN/Inf elements where the oracle has none (or the reverse)"
@@ -318,8 +331,7 @@ def _reason(rec: OutputRecord, rule: str) -> str:
         fmt = "fp32" if rec.compute_dtype == "float32" else rec.compute_dtype
         worst = max(rec.ratio_rmse, rec.ratio_max)
         if rec.verdict == SUSPECT:
-            spread = rec.ratio_max <= 8 * max(rec.ratio_rmse, 1e-300)
-            if rec.compute_dtype == "float32" and rec.effective_bits <= 16 and spread:
+            if _looks_like_reduced_precision(rec):
                 return (
                     f"behaves like {rec.closest_format}: about {rec.effective_bits:.0f} effective bits while it "
                     f"claims fp32 (error {worst:.3g}x the fp32 budget, spread over the output); a reduced-precision "
