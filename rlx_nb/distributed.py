@@ -111,13 +111,14 @@ def gather_report(
         except Exception as exc:  # this rank's failure travels as a message, not a crash
             body = _payload(b"E", f"{type(exc).__name__}: {exc}".encode())
             results = None
+        device = _wire_device()
         if rank != 0:
-            dist.send(torch.tensor([body.numel()], dtype=torch.int64), dst=0)
-            dist.send(body, dst=0)
+            dist.send(torch.tensor([body.numel()], dtype=torch.int64, device=device), dst=0)
+            dist.send(body.to(device), dst=0)
             return None
         nodes: list[tuple[str, Any]] = [(node_name(0), results if results is not None else bytes(body[1:]).decode())]
         for src in range(1, world):
-            nodes.append((f"node{src}", _receive(src, timeout_s)))
+            nodes.append((f"node{src}", _receive(src, timeout_s, device)))
         named = []
         for name, item in nodes:
             if isinstance(item, (bytes, bytearray, memoryview)):
@@ -131,13 +132,19 @@ def gather_report(
             dist.destroy_process_group()
 
 
-def _receive(src: int, timeout_s: float) -> bytes | str:
+def _wire_device() -> str:
+    # NCCL moves CUDA tensors only; gloo moves CPU tensors.
+    return f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
+
+
+def _receive(src: int, timeout_s: float, device: str = "cpu") -> bytes | str | memoryview:
     # bytes of a saved report, or the text of an error (the rank's own, or why nothing arrived).
-    size = torch.zeros(1, dtype=torch.int64)
+    size = torch.zeros(1, dtype=torch.int64, device=device)
     try:
         dist.irecv(size, src=src).wait(datetime.timedelta(seconds=timeout_s))
-        body = torch.empty(int(size.item()), dtype=torch.uint8)
+        body = torch.empty(int(size.item()), dtype=torch.uint8, device=device)
         dist.irecv(body, src=src).wait(datetime.timedelta(seconds=timeout_s))
+        body = body.cpu()
     except Exception as exc:
         return f"no results from rank {src}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     raw = memoryview(body.numpy())

@@ -197,10 +197,9 @@ def _pair_range(
         if excluded is not None:
             t[excluded] = 0
         if dmax > atol:
-            # Only chunks whose worst error exceeds atol can hold mismatches.
-            u = np.multiply(t, rtol, out=bufs.u[:m])
-            u += atol
-            part.mismatched += int(np.count_nonzero(np.greater(d, u, out=bufs.mask[:m])))
+            # Only elements whose error exceeds atol can mismatch: find those, then test them exactly.
+            over = np.flatnonzero(np.greater(d, atol, out=bufs.mask[:m]))
+            part.mismatched += int(np.count_nonzero(d[over] > atol + rtol * t[over]))
         t += REL_EPS
         np.divide(d, t, out=t)
         j = int(t.argmax())
