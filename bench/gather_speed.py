@@ -76,20 +76,6 @@ if __name__ == "__main__":
     if "RANK" in os.environ:
         _worker()
     else:
-        from rlx_nb.distributed import free_local_port
+        from rlx_nb.distributed import local_torchrun
 
-        port = free_local_port()
-        sys.exit(
-            subprocess.call(
-                [
-                    sys.executable,
-                    "-m",
-                    "torch.distributed.run",
-                    "--nproc-per-node=3",
-                    "--master-addr=127.0.0.1",
-                    f"--master-port={port}",
-                    __file__,
-                ],
-                env=dict(os.environ, OMP_NUM_THREADS="1"),
-            )
-        )
+        sys.exit(subprocess.call(local_torchrun(__file__, 3), env=dict(os.environ, OMP_NUM_THREADS="1")))

@@ -18,6 +18,7 @@ import datetime
 import io
 import os
 import socket
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -35,6 +36,19 @@ def free_local_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def local_torchrun(script: str, nproc: int) -> list[str]:
+    """The command that runs ``script`` as ``nproc`` local torchrun processes on 127.0.0.1 (a free port)."""
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        f"--nproc-per-node={nproc}",
+        "--master-addr=127.0.0.1",
+        f"--master-port={free_local_port()}",
+        str(script),
+    ]
 
 
 def node_name(rank: int) -> str:
@@ -153,4 +167,4 @@ def _receive(src: int, timeout_s: float, device: str = "cpu") -> bytes | str | m
     return raw[1:]
 
 
-__all__ = ["free_local_port", "gather_report", "node_name"]
+__all__ = ["free_local_port", "gather_report", "local_torchrun", "node_name"]

@@ -16,7 +16,7 @@ import torch
 
 import rlx_nb
 from rlx_nb import demo
-from rlx_nb.distributed import free_local_port
+from rlx_nb.distributed import local_torchrun
 from rlx_nb.persist import ReportFormatError
 
 
@@ -145,17 +145,8 @@ def test_cli_check_save_then_merge(tmp_path):
 def _torchrun(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
     job = Path(__file__).parent / "_torchrun_job.py"
     environ = dict(os.environ, OUT=str(tmp_path), OMP_NUM_THREADS="1", **env)
-    port = free_local_port()
     return subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "torch.distributed.run",
-            "--nproc-per-node=3",
-            "--master-addr=127.0.0.1",
-            f"--master-port={port}",
-            str(job),
-        ],
+        local_torchrun(str(job), 3),
         capture_output=True,
         text=True,
         timeout=600,
