@@ -118,6 +118,25 @@ def elements_frame(rows: dict[str, Any]) -> pd.DataFrame:
     return pd.DataFrame(rows, columns=ELEMENT_COLUMNS)
 
 
+def element_table(oracle: np.ndarray, backend: np.ndarray, reference: np.ndarray | None) -> pd.DataFrame:
+    """Every element of one output, compact dtypes (see ``DivergenceReport.element_frame``)."""
+    from rlx_nb.metrics import REL_EPS, ulp_distance
+
+    o, b = oracle.reshape(-1), backend.reshape(-1)
+    columns: dict[str, np.ndarray] = {}
+    for axis, idx in enumerate(np.unravel_index(np.arange(o.size), oracle.shape)):
+        columns[f"i{axis}"] = idx.astype(np.min_scalar_type(max(oracle.shape[axis] - 1, 0)))
+    columns["oracle"], columns["backend"] = o, b
+    columns["reference"] = (
+        reference.reshape(-1).astype(np.float64) if reference is not None else np.full(o.size, np.nan)
+    )
+    d = np.abs(b.astype(np.float64) - o)
+    columns["abs_err"] = d.astype(np.float32)
+    columns["rel_err"] = (d / (np.abs(o.astype(np.float64)) + REL_EPS)).astype(np.float32)
+    columns["ulp_err"] = np.minimum(ulp_distance(o, b.astype(o.dtype)), np.iinfo(np.uint32).max).astype(np.uint32)
+    return pd.DataFrame(columns)
+
+
 def backend_table_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     """The registry as a table: every backend, whether it is live here, and why not."""
     return pd.DataFrame(rows)

@@ -13,7 +13,7 @@ import pandas as pd
 from rlx_nb.backends import ORACLE
 from rlx_nb.compare import NONDETERMINISTIC, SUSPECT, VERDICT_ERROR, VERDICT_SKIPPED, OutputRecord, compare
 from rlx_nb.errors import InputError
-from rlx_nb.frames import backends_frame, elements_frame, summary_frame, worst_record
+from rlx_nb.frames import backends_frame, element_table, elements_frame, summary_frame, worst_record
 from rlx_nb.metrics import rel_error, top_k, ulp_distance
 from rlx_nb.run import RunResults
 
@@ -189,6 +189,29 @@ class DivergenceReport:
             "backend_err_fp64": bf.astype(np.float64) - rf,
         }
         return elements_frame(rows)
+
+    @np.errstate(invalid="ignore", over="ignore", divide="ignore")
+    def element_frame(self, backend: str, output: str | None = None, *, max_bytes: float = 5e8) -> pd.DataFrame:
+        """Every element of one output as a frame, with compact dtypes — only on explicit request.
+
+        Columns: one index column per axis (the smallest integer type that fits), ``oracle``,
+        ``backend`` (the output's float type), ``reference`` (float64), ``abs_err``, ``rel_err``
+        (float32) and ``ulp_err`` (uint32, saturated).  Anything above ``max_bytes`` (500 MB by
+        default) is refused with its size; :meth:`elements` gives the worst ``top`` rows in O(top) memory.
+        """
+        o, b, r = self.arrays(backend, output)
+        if o.shape != b.shape or o.dtype.kind not in "f":
+            raise InputError(f"a per-element frame needs a real floating output of one shape; got {o.dtype} {o.shape}")
+        width = 8 + 4 + 4 + 4 + sum(np.dtype(np.min_scalar_type(max(n - 1, 0))).itemsize for n in o.shape)
+        width += 2 * o.dtype.itemsize
+        size = o.size * width
+        if size > max_bytes:
+            raise InputError(
+                f"a per-element frame of {o.size:,} rows would take about {size / 1e9:.2f} GB "
+                f"(max_bytes={max_bytes:.3g}); use report.elements(..., top=k) for the worst elements, "
+                "or pass a larger max_bytes"
+            )
+        return element_table(o, b, r)
 
     def lines(self) -> list[str]:
         """The seed's report lines, one per backend."""

@@ -77,3 +77,18 @@ def test_unknown_backend_or_output_in_report():
         r.elements("cpu-nomkldnn", "y")
     with pytest.raises(rlx_nb.RlxError, match="top must be"):
         r.elements("cpu-nomkldnn", top=0)
+
+
+def test_element_frame_is_compact_and_refuses_huge_requests():
+    r = _report()
+    frame = r.element_frame("fault:softmax-row")
+    o, b, _ = r.arrays("fault:softmax-row")
+    assert len(frame) == o.size
+    assert (
+        frame["i0"].dtype == np.uint8 and frame["abs_err"].dtype == np.float32 and frame["ulp_err"].dtype == np.uint32
+    )
+    assert frame["abs_err"].max() == np.float32(np.abs(b.astype(np.float64) - o).max())
+    import pytest
+
+    with pytest.raises(rlx_nb.RlxError, match=r"would take about .* GB \(max_bytes=100\)"):
+        r.element_frame("fault:softmax-row", max_bytes=100)
