@@ -425,9 +425,9 @@ class _State:
         results = run(adapter, inputs, backends=[self.backend], backward=self.backward)
         records = compare(results)
         if self.backward:
-            records = [r for r in records if (r.output or "").startswith(GRAD_PREFIX) or r.output is None]
-        if not records:
-            records = compare(results)
+            # Judge the module's backward; keep the forward records only if it produced no gradients.
+            grads = [r for r in records if (r.output or "").startswith(GRAD_PREFIX) or r.output is None]
+            records = grads or records
         worst = worst_record(records)
         return _Check(worst, worst.verdict == SUSPECT, results)
 

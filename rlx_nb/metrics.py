@@ -139,7 +139,6 @@ class _Buffers:
     def __init__(self, size: int, dtype: np.dtype) -> None:
         self.d = np.empty(size, dtype)
         self.t = np.empty(size, dtype)
-        self.u = np.empty(size, dtype)
         self.mask = np.empty(size, np.bool_)
         self.ints = np.empty(size, np.int32)
 
