@@ -2,9 +2,9 @@
 
 Anchors: bare ``np.max(np.abs(a - b))`` and ``torch.testing.assert_close``'s
 failure path.  Targets: within 3x of the former, >= 10x faster than the latter
-at 5e7 elements.  Writes ``bench/results/metrics_speed.md``.
+at 5e7 and 1e8 elements (issues #2 and #7).  Writes ``bench/results/metrics_speed.md``.
 
-    python bench/metrics_speed.py [--sizes 1e6,1e7,5e7] [--repeat 5]
+    python bench/metrics_speed.py [--sizes 1e6,1e7,5e7,1e8] [--repeat 5]
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def _assert_close_fails(a: torch.Tensor, b: torch.Tensor) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--sizes", default="1e6,1e7,5e7")
+    parser.add_argument("--sizes", default="1e6,1e7,5e7,1e8")
     parser.add_argument("--repeat", type=int, default=5)
     args = parser.parse_args()
     rows = []

@@ -7,6 +7,7 @@ not live here is skipped, never failed.
 
 from __future__ import annotations
 
+import contextlib
 import os
 
 import numpy as np
@@ -32,6 +33,33 @@ def candidate_backends() -> list[str]:
 def require_live(name: str) -> None:
     if name not in rlx_nb.available_backends(include_optin=True):
         pytest.skip(f"backend {name} is not live here")
+
+
+@contextlib.contextmanager
+def numpy_metrics():
+    """Run :func:`rlx_nb.metrics.pair_stats` on its numpy path (as without numba) inside the block."""
+    from rlx_nb import _fused
+
+    saved = _fused.kernel
+    _fused.kernel = lambda: None
+    try:
+        yield
+    finally:
+        _fused.kernel = saved
+
+
+@pytest.fixture(params=["fused", "numpy"])
+def metrics_path(request):
+    """Each metric test twice: the numba kernel and the numpy fallback must agree with the reference."""
+    if request.param == "fused":
+        from rlx_nb import _fused
+
+        if _fused.kernel() is None:
+            pytest.skip("numba is not installed")
+        yield "fused"
+    else:
+        with numpy_metrics():
+            yield "numpy"
 
 
 collect_ignore = ["_torchrun_job.py"]  # run by torchrun, not imported by pytest

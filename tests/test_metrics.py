@@ -8,6 +8,8 @@ import pytest
 from rlx_nb import metrics
 from rlx_nb.metrics import pair_stats, reference_stats, top_k, ulp_distance
 
+pytestmark = pytest.mark.usefixtures("metrics_path")
+
 
 def _reference(e: np.ndarray, a: np.ndarray, rtol: float, atol: float) -> dict:
     """A straightforward float64 implementation of the same statistics."""
@@ -88,6 +90,28 @@ def test_p99_fallback_when_sample_floor_is_too_high():
     s = pair_stats(e, a)
     k = math.ceil(0.99 * e.size) - 1
     assert s.p99_abs == np.sort(np.abs(a - e))[k]
+
+
+def test_parallel_ranges_with_errors_in_one_half_nonfinite_and_ties(rng):
+    # Two worker ranges: every large error sits in the second (its p99 candidates overflow its
+    # share), NaN/Inf land in both, and the largest error appears twice, once in each range.
+    n = 1_200_001
+    e = rng.standard_normal(n).astype(np.float32)
+    a = e.copy()
+    a[n // 2 :] += (rng.standard_normal(n - n // 2) * 1e-3).astype(np.float32)
+    a[[5, n - 7]] = e[[5, n - 7]] + np.float32(8.0)
+    e[[10, n - 10]] = np.nan
+    a[[11, n - 11]] = np.inf
+    s = pair_stats(e, a)
+    rtol, atol = metrics.default_tolerance("float32")
+    ref = _reference(e, a, rtol, atol)
+    assert s.max_abs == pytest.approx(ref["max_abs"], rel=1e-6)
+    assert s.worst_index == ref["worst"]
+    assert s.max_rel == pytest.approx(ref["max_rel"], rel=1e-5)
+    assert s.mismatched == ref["mismatched"] and s.nonfinite_mismatch == ref["nonfinite"] == 4
+    assert s.max_ulp == ref["max_ulp"]
+    assert s.p99_abs == pytest.approx(ref["p99"], rel=1e-6)
+    assert s.mean_abs == pytest.approx(ref["mean"], rel=1e-4)
 
 
 def test_reference_stats():

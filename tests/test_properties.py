@@ -15,6 +15,7 @@ from hypothesis.extra import numpy as hnp
 
 import rlx_nb
 from rlx_nb.metrics import default_tolerance, pair_stats
+from tests.conftest import numpy_metrics
 
 SPECIALS = [0.0, -0.0, np.inf, -np.inf, np.nan, 1e-45, -1e-45, 1e-40, 3.4e38, -3.4e38, 1.0, -1.0]
 
@@ -68,8 +69,13 @@ def pairs(draw):
 @given(pairs())
 def test_pair_stats_matches_a_float64_reference(pair):
     e, a = pair
-    s = pair_stats(e, a)
     ref = _reference(e, a)
+    with numpy_metrics():
+        _check_against_reference(pair_stats(e, a), ref, e)  # the fallback without numba
+    _check_against_reference(pair_stats(e, a), ref, e)  # the numba kernel for float32 pairs
+
+
+def _check_against_reference(s, ref: dict, e: np.ndarray) -> None:
     assert s.mismatched == ref["mismatched"]
     assert s.nonfinite_mismatch == ref["nonfinite"]
     assert s.max_ulp == ref["max_ulp"]

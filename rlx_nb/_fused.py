@@ -1,0 +1,147 @@
+"""One fused pass over a float32 pair for :func:`rlx_nb.metrics.pair_stats` (numba).
+
+The numpy path in :mod:`rlx_nb.metrics` makes ~20 passes over each chunk; this
+kernel reads every element once, in blocks that stay in L1: a vectorised loop
+forms each error (in float64, so the worst index needs no refinement and the
+tolerances apply exactly like the float64 reference in the tests) and updates
+the sums, counts and ULP maximum, and counts the elements that beat the running
+largest absolute and relative errors (a comparison with a multiplication, no
+division: float max reductions and divisions do not vectorise well).  Only
+blocks that hold a new maximum, a non-finite value, or p99 candidates are
+looked at again, one element at a time.  The kernel releases the GIL, so
+:func:`pair_stats` runs one range per core in threads.
+
+:func:`kernel` imports numba and loads the compiled kernel (cached on disk by
+numba) on first use, so ``import rlx_nb`` does not pay for it.  It returns
+``None`` when numba is missing or ``RLX_NB_NO_NUMBA=1``; the numpy path is
+then used and gives the same statistics.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+
+import numpy as np
+
+BLOCK = 2048
+"""Elements per block; ``above`` needs this much room past its capacity."""
+
+# Fields of the tuple returned by the kernel, in order.
+FIELDS = (
+    "max_abs",
+    "worst_index",
+    "max_rel",
+    "max_rel_index",
+    "sum_abs",
+    "finite",
+    "mismatched",
+    "max_ulp",
+    "nonfinite_mismatch",
+    "above_count",
+    "at_least",
+)
+
+
+def _f32_range(e, a, ei, ai, start, stop, rtol, atol, rel_eps, floor, above):  # pragma: no cover - compiled
+    # e, a: float32; ei, ai: the same memory as int32; above: float64, room for capacity + BLOCK.
+    dbuf = np.empty(BLOCK, np.float64)
+    lowest = np.int64(-2147483648)
+    cap = above.size - BLOCK
+    max_abs = -1.0
+    worst = -1
+    max_rel = -1.0
+    rel_at = -1
+    total = 0.0
+    bad = 0
+    mism = 0
+    max_ulp = np.int64(0)
+    nonfinite = 0
+    n_above = 0
+    at_least = 0
+    for s in range(start, stop, BLOCK):
+        m = min(BLOCK, stop - s)
+        # Thresholds for this block, a hair below the running maxima so that rounding in the
+        # multiplication cannot hide an element whose exact ratio beats them.
+        abs_bar = max_abs
+        rel_bar = max_rel * (1.0 - 1e-12)
+        b_sum = 0.0
+        b_bad = 0
+        b_mism = 0
+        b_ulp = np.int64(0)
+        b_above = 0
+        b_at_least = 0
+        b_abs_hit = 0
+        b_rel_hit = 0
+        for j in range(m):  # vectorised: no branches, no division, only selects
+            x = np.float64(e[s + j])
+            y = np.float64(a[s + j])
+            d = abs(y - x)
+            ok = d < math.inf  # false when either side is NaN or infinite
+            d = d if ok else 0.0
+            ax = abs(x) if ok else 0.0
+            b_bad += 0 if ok else 1
+            dbuf[j] = d
+            b_sum += d
+            b_mism += 1 if d > atol + rtol * ax else 0
+            b_above += 1 if d > floor else 0
+            b_at_least += 1 if d >= floor else 0
+            b_abs_hit += 1 if d > abs_bar else 0
+            b_rel_hit += 1 if d > 0.0 and d >= rel_bar * (ax + rel_eps) else 0
+            # ULP distance: float bits mapped to ordered integers, -0.0 and +0.0 both at 0.
+            ke = np.int64(ei[s + j])
+            ka = np.int64(ai[s + j])
+            ke = lowest - ke if ke < 0 else ke
+            ka = lowest - ka if ka < 0 else ka
+            g = ka - ke
+            g = g if g >= 0 else -g
+            g = g if ok else 0
+            b_ulp = g if g > b_ulp else b_ulp
+        total += b_sum
+        mism += b_mism
+        at_least += b_at_least
+        max_ulp = b_ulp if b_ulp > max_ulp else max_ulp
+        if b_abs_hit:  # a new largest error in this block (rare once the maximum has settled)
+            for j in range(m):
+                if dbuf[j] > max_abs:  # strictly greater: ties keep the lowest index
+                    max_abs = dbuf[j]
+                    worst = s + j
+        if b_rel_hit:  # the seed's relative error, with the division done only here
+            for j in range(m):
+                x = np.float64(e[s + j])
+                r = dbuf[j] / (abs(x) + rel_eps)  # non-finite pairs have d == 0: r is 0 or NaN
+                if r > max_rel:
+                    max_rel = r
+                    rel_at = s + j
+        if b_above:
+            if n_above <= cap:
+                for j in range(m):  # a few percent are taken: cheaper than a branch-free compaction
+                    if dbuf[j] > floor:
+                        above[n_above] = dbuf[j]
+                        n_above += 1
+            else:
+                n_above += b_above
+        if b_bad:
+            bad += b_bad
+            for j in range(m):
+                x = e[s + j]
+                y = a[s + j]
+                if not (np.isfinite(x) and np.isfinite(y)) and not (x == y or (np.isnan(x) and np.isnan(y))):
+                    nonfinite += 1
+    if rel_at < 0 and worst >= 0:  # every error is zero: like argmax, the first element
+        max_rel, rel_at = 0.0, worst
+    finite = (stop - start) - bad
+    return (max_abs, worst, max_rel, rel_at, total, finite, mism, max_ulp, nonfinite, n_above, at_least)
+
+
+@functools.cache
+def kernel():
+    """The compiled :func:`_f32_range`, or ``None`` without numba (or with ``RLX_NB_NO_NUMBA=1``)."""
+    if os.environ.get("RLX_NB_NO_NUMBA"):
+        return None
+    try:
+        import numba
+    except ImportError:  # pragma: no cover - numba is a dependency; this is for platforms it lacks
+        return None
+    return numba.njit(nogil=True, cache=True, error_model="numpy", fastmath={"reassoc", "contract"})(_f32_range)
