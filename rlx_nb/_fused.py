@@ -135,6 +135,50 @@ def _f32_range(e, a, ei, ai, start, stop, rtol, atol, rel_eps, floor, above):  #
     return (max_abs, worst, max_rel, rel_at, total, finite, mism, max_ulp, nonfinite, n_above, at_least)
 
 
+def _reference_range(x, ref, start, stop):  # pragma: no cover - compiled
+    # Squared-error sum, largest error, the reference's squared sum and largest magnitude, and the
+    # count, over elements where both are finite (x: float32 or float64; ref: float64).
+    sq = 0.0
+    mx = 0.0
+    rsq = 0.0
+    rmx = 0.0
+    count = 0
+    for i in range(start, stop):
+        r = ref[i]
+        d = np.float64(x[i]) - r
+        ok = abs(d) < math.inf and abs(r) < math.inf
+        d = d if ok else 0.0
+        r = r if ok else 0.0
+        count += 1 if ok else 0
+        sq += d * d
+        rsq += r * r
+        mx = max(mx, abs(d))
+        rmx = max(rmx, abs(r))
+    return sq, mx, rsq, rmx, count
+
+
+def _pool_rows(o, b, r0, r1, fy, fx, rel, rel_eps, pooled):  # pragma: no cover - compiled
+    # Max-pool |b - o| (or the seed's relative error) of rows r0..r1 of two 2-D float32 arrays into
+    # pooled[row // fy, col // fx]; NaN/Inf disagreements are +inf, agreeing NaN/Inf are 0.
+    w = o.shape[1]
+    for i in range(r0, r1):
+        pi = i // fy
+        for c0 in range(0, w, fx):
+            m = pooled[pi, c0 // fx]
+            for j in range(c0, min(w, c0 + fx)):
+                x = np.float64(o[i, j])
+                y = np.float64(b[i, j])
+                d = abs(y - x)
+                if not d < math.inf:
+                    same = x == y or (np.isnan(x) and np.isnan(y))
+                    d = 0.0 if same else math.inf
+                elif rel:
+                    d = d / (abs(x) + rel_eps)
+                if d > m:
+                    m = d
+            pooled[pi, c0 // fx] = m
+
+
 @functools.cache
 def kernel():
     """The compiled :func:`_f32_range`, or ``None`` without numba (or with ``RLX_NB_NO_NUMBA=1``)."""
@@ -145,3 +189,20 @@ def kernel():
     except ImportError:  # pragma: no cover - numba is a dependency; this is for platforms it lacks
         return None
     return numba.njit(nogil=True, cache=True, error_model="numpy", fastmath={"reassoc", "contract"})(_f32_range)
+
+
+def reference_kernel():
+    """The compiled :func:`_reference_range`, or ``None`` like :func:`kernel`."""
+    return None if kernel() is None else _compiled("_reference_range")
+
+
+def pool_kernel():
+    """The compiled :func:`_pool_rows`, or ``None`` like :func:`kernel`."""
+    return None if kernel() is None else _compiled("_pool_rows")
+
+
+@functools.cache
+def _compiled(name: str):
+    import numba
+
+    return numba.njit(nogil=True, cache=True, error_model="numpy", fastmath={"reassoc", "contract"})(globals()[name])

@@ -28,6 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from rlx_nb import _fused
 from rlx_nb.metrics import REL_EPS, ulp_distance
 
 METRICS = ("abs", "rel", "ulp", "budget")
@@ -195,7 +196,12 @@ def error_map(
     pooled = np.zeros((ph, pw), np.float64)
     band = max(fy, (max(1, BAND_ELEMENTS // max(1, w)) // fy) * fy)
 
+    fused = _fused.pool_kernel() if metric in ("abs", "rel") and o2.dtype == b2.dtype == np.float32 else None
+
     def pool_band(r0: int) -> None:
+        if fused is not None:  # one compiled pass (errors formed in float64), no temporaries
+            fused(o2, b2, r0, min(h, r0 + band), fy, fx, metric == "rel", REL_EPS, pooled)
+            return
         sl = slice(r0, min(h, r0 + band))
         e = _element_error(o2[sl], b2[sl], r2[sl] if r2 is not None else None, metric, budget or 1.0)
         if not np.isfinite(e.max()):  # NaN propagates through max: one cheap check per band

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from torch.overrides import TorchFunctionMode
 
 from rlx_nb.backends import ORACLE, REFERENCE, Backend, get_backend, resolve_backends
 from rlx_nb.errors import InputError
@@ -193,6 +194,37 @@ def _clone_inputs(args: tuple) -> tuple:
     return map_tensors(lambda t: t.detach().clone().requires_grad_(t.requires_grad), args)
 
 
+def _fresh_leaves(args: tuple) -> tuple:
+    # New leaf tensors over the same storage: each run gets its own .grad without a copy.
+    return map_tensors(lambda t: t.detach().requires_grad_(t.requires_grad), args)
+
+
+class _PrivateInputs:
+    """One private copy of the user's inputs, shared by the runs and renewed only when a run changed it.
+
+    Copying large inputs for every run costs a copy's time and memory each; instead the runs share
+    one copy and tensor version counters (bumped by every in-place op, also through detached views)
+    tell when a model wrote into its inputs, and the next run then gets a new copy.  The user's own
+    tensors are never handed to a model.
+    """
+
+    def __init__(self, user_args: tuple) -> None:
+        self.user_args = user_args
+        self._renew()
+
+    def _renew(self) -> None:
+        self.args = _clone_inputs(self.user_args)
+        self.versions = self._versions()
+
+    def _versions(self) -> list[int]:
+        return [t._version for _, t in flatten(self.args) if isinstance(t, torch.Tensor)]
+
+    def after(self, run: BackendRun) -> None:
+        # A run that failed or timed out (its thread may still be running) also gets a new copy.
+        if run.status != OK or self._versions() != self.versions:
+            self._renew()
+
+
 @functools.lru_cache(maxsize=256)
 def loss_weight(name: str, shape: tuple[int, ...]) -> np.ndarray:
     """Fixed random weights for one output: the default loss is ``sum(out * w)`` over outputs.
@@ -228,11 +260,14 @@ def execute(
     input_names: list[str],
     measure_reductions: bool = False,
     timeout_s: float | None = None,
+    copy_inputs: bool = True,
 ) -> BackendRun:
     """Run one backend on a fresh copy of the model and inputs; never raises for a backend failure.
 
     With ``timeout_s``, the backend runs in a worker thread; one still running after that long
     becomes an error row and its thread is abandoned (Python cannot kill a thread).
+    ``copy_inputs=False`` hands the run new leaf tensors over ``args``' storage instead of copies
+    (:func:`run` does so with its :class:`_PrivateInputs`).
     """
     reason = backend.unavailable_reason()
     if reason is not None:
@@ -243,6 +278,7 @@ def execute(
         grad_inputs=grad_inputs,
         input_names=input_names,
         measure_reductions=measure_reductions,
+        copy_inputs=copy_inputs,
     )
     if timeout_s is None:
         return _execute(backend, base, args, **kwargs)
@@ -274,9 +310,10 @@ def _execute(
     grad_inputs: list[int],
     input_names: list[str],
     measure_reductions: bool,
+    copy_inputs: bool,
 ) -> BackendRun:
     model = copy.deepcopy(base)
-    fresh = _clone_inputs(args)
+    fresh = _clone_inputs(args) if copy_inputs else _fresh_leaves(args)
     start = time.perf_counter()
     sizes = {} if (backward and measure_reductions) else None
     hooks = _record_output_sizes(model, sizes) if sizes is not None else []
@@ -445,28 +482,40 @@ def run(
     common = dict(backward=backward, loss=loss, grad_inputs=grad_inputs, input_names=input_names)
 
     say = progress or (lambda _: None)
+    inputs_ = _PrivateInputs(args)
+
+    def go(backend: Backend, **kw: Any) -> BackendRun:
+        result = execute(backend, base, inputs_.args, copy_inputs=False, **common, **kw)
+        inputs_.after(result)
+        return result
+
     say(ORACLE)
-    oracle = execute(get_backend(ORACLE), base, args, measure_reductions=True, **common)
+    oracle = go(get_backend(ORACLE), measure_reductions=True)
     if oracle.status != OK:
         raise InputError(f"the model fails on the CPU oracle, so nothing can be compared: {oracle.message}")
     if backward and oracle.grad_status != OK:
         raise InputError(f"backward=True but the oracle's backward did not run: {oracle.grad_message}")
-    unstable = (
-        _nondeterministic(oracle, execute(get_backend(ORACLE), base, args, **common)) if check_determinism else {}
-    )
+    # The oracle's second run also counts matmuls/convolutions: without any, the precision anchors
+    # (which round their operands) would only repeat the oracle, so they are not run.
+    counter = _CountMatmuls()
+    if check_determinism:
+        with counter:
+            unstable = _nondeterministic(oracle, go(get_backend(ORACLE)))
+    else:
+        unstable, counter.calls = {}, None
     say(REFERENCE)
-    reference = execute(get_backend(REFERENCE), base, args, timeout_s=timeout_s, **common)
+    reference = go(get_backend(REFERENCE), timeout_s=timeout_s)
     anchors = {}
-    if effective_precision:
+    if effective_precision and counter.calls != 0:
         from rlx_nb.backends.emulated import emulate
 
         for bits in ANCHOR_BITS:
             anchor = Backend(f"anchor:{bits}", emulate(bits), hookable=True)
-            anchors[bits] = execute(anchor, base, args, timeout_s=timeout_s, **common)
+            anchors[bits] = go(anchor, timeout_s=timeout_s)
     runs = {}
     for backend in _progress(candidates, progress):
         say(backend.name)
-        runs[backend.name] = execute(backend, base, args, timeout_s=timeout_s, **common)
+        runs[backend.name] = go(backend, timeout_s=timeout_s)
     return RunResults(
         label=label or _default_label(model),
         oracle=oracle,
@@ -483,6 +532,19 @@ def run(
     )
 
 
+class _CountMatmuls(TorchFunctionMode):
+    """Counts the calls the precision anchors would round the operands of; changes nothing."""
+
+    calls: int | None = 0
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        from rlx_nb.backends.emulated import TARGETS
+
+        if func in TARGETS:
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
 def _nondeterministic(first: BackendRun, second: BackendRun) -> dict[str, float]:
     # Outputs whose two oracle runs differ (NaN in both counts as equal), with the largest difference.
     unstable = {}
@@ -494,12 +556,23 @@ def _nondeterministic(first: BackendRun, second: BackendRun) -> dict[str, float]
         if a.shape != b.shape:
             unstable[name] = float("inf")
             continue
+        if a.dtype == b.dtype and a.dtype.kind in "biufc" and _same_bits(a, b):
+            continue  # the common case, one pass: bit for bit the same
         same = (a == b) | ((a != a) & (b != b)) if a.dtype.kind in "fc" else a == b
         if not np.all(same):
             with np.errstate(invalid="ignore", over="ignore"):
                 diff = np.abs(a.astype(np.float64) - b.astype(np.float64)) if a.dtype.kind != "b" else (a != b)
             unstable[name] = float(np.nanmax(diff)) if diff.size else 0.0
     return unstable
+
+
+def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    # Byte-wise equality without copies (Leaf arrays are C-contiguous), in 4 MB slices so the
+    # temporary comparison stays small.
+    x = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+    y = np.ascontiguousarray(b).reshape(-1).view(np.uint8)
+    step = 1 << 22
+    return all(np.array_equal(x[s : s + step], y[s : s + step]) for s in range(0, x.size, step))
 
 
 def _progress(items: list, progress: Callable[[str], None] | None):
@@ -526,7 +599,8 @@ def fingerprint(obj: Any) -> str:
         if isinstance(leaf, torch.Tensor):
             t = leaf.detach().to("cpu").contiguous()
             h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+            if t.numel():
+                h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))  # no copy of the bytes
         else:
             h.update(repr(leaf).encode())
     return h.hexdigest()[:32]

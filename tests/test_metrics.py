@@ -121,6 +121,22 @@ def test_reference_stats():
     assert r.ref_max == 4.0
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_reference_stats_large_with_nonfinite(rng, dtype):
+    n = 1_100_003  # large enough for the fused kernel and two ranges
+    ref = rng.standard_normal(n) * 3
+    x = (ref + rng.standard_normal(n) * 1e-6).astype(dtype)
+    x[[3, n - 2]] = np.nan
+    ref[[7, n - 9]] = np.inf
+    ok = np.isfinite(x) & np.isfinite(ref)
+    d = x[ok].astype(np.float64) - ref[ok]
+    r = reference_stats(x, ref)
+    assert r.rmse == pytest.approx(math.sqrt(np.mean(d * d)), rel=1e-9)
+    assert r.max_err == np.abs(d).max()
+    assert r.ref_rms == pytest.approx(math.sqrt(np.mean(ref[ok] ** 2)), rel=1e-9)
+    assert r.ref_max == np.abs(ref[ok]).max()
+
+
 def test_top_k_is_worst_first_and_exact(rng):
     e = rng.standard_normal(500_000).astype(np.float32)
     a = e + rng.standard_normal(e.size).astype(np.float32) * 1e-4

@@ -41,6 +41,26 @@ def test_every_planted_outlier_survives_pooling(rng):
     assert averaged.max() < 0.1
 
 
+@pytest.mark.parametrize("metric", ["abs", "rel"])
+def test_pooled_error_map_matches_brute_force(rng, metric, metrics_path):
+    # A ragged grid (blocks do not divide it), NaN/Inf that agree and that do not; both the numba
+    # kernel and the numpy path against a brute-force max over every block.
+    h, w = 1_537, 1_031
+    o = rng.standard_normal((h, w), dtype=np.float32)
+    b = o + (rng.standard_normal((h, w)) * 1e-4).astype(np.float32)
+    o[5, 7] = b[5, 7] = np.nan  # agree: 0
+    o[900, 1000], b[900, 1000] = np.inf, 1.0  # disagree: inf
+    pooled, (fy, fx), _ = error_map(o, b, metric=metric, max_pixels=100)
+    with np.errstate(invalid="ignore", over="ignore"):
+        e = np.abs(b.astype(np.float64) - o)
+        if metric == "rel":
+            e = e / (np.abs(o.astype(np.float64)) + 1e-6)
+    e[5, 7], e[900, 1000] = 0.0, np.inf
+    ph, pw = -(-h // fy), -(-w // fx)
+    want = np.array([[e[i * fy : (i + 1) * fy, j * fx : (j + 1) * fx].max() for j in range(pw)] for i in range(ph)])
+    np.testing.assert_allclose(pooled, want, rtol=1e-6)
+
+
 def test_worst_element_is_marked_and_labelled():
     o = np.zeros((2, 3, 8, 8), np.float32)
     b = o.copy()

@@ -39,7 +39,7 @@ def round_mantissa(x: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.where(finite, rounded.view(torch.float32), x32).to(x.dtype)
 
 
-_TARGETS: tuple[Callable, ...] = (
+TARGETS: tuple[Callable, ...] = (
     F.linear,
     torch.matmul,
     torch.Tensor.matmul,
@@ -63,7 +63,7 @@ class RoundMatmulOperands(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func in _TARGETS:
+        if func in TARGETS:
             args = tuple(round_mantissa(a, self.bits) if isinstance(a, torch.Tensor) else a for a in args)
             kwargs = {k: round_mantissa(v, self.bits) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
         return func(*args, **kwargs)

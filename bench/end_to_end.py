@@ -1,0 +1,151 @@
+"""End to end: ``backend_divergence`` with one candidate vs ``torch.testing.assert_close`` on the same pair.
+
+Issue #7's target: on a 5e7-element output, the whole call (oracle run and its determinism rerun,
+fp64 reference, candidate, metrics, verdict) in at most half the time ``assert_close`` alone takes
+to fail on the (oracle, candidate) pair, with the process's peak memory at most 2.5 GB.  The
+table also shows how the cost grows from 1e5 to 1e8 elements.
+
+Each row runs in a fresh process (so peak RSS is that call's, torch's own ~0.3 GB included).  The
+candidate is a real-world variant, GELU's tanh approximation (what many fused kernels compute),
+registered here as ``bench:tanh-gelu``; it differs from exact GELU by up to ~5e-4, so
+``assert_close`` fails and takes its failure path.
+
+    python bench/end_to_end.py [--sizes 1e5,1e6,1e7,5e7,1e8] [--models gelu,layernorm-gelu]
+
+Writes ``bench/results/end_to_end.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+WIDTH = 1024
+
+
+def _tanh_gelu(model, inputs):
+    import torch
+
+    for m in model.modules():
+        if isinstance(m, torch.nn.GELU):
+            m.approximate = "tanh"
+    return model(*inputs)
+
+
+def _model(kind: str):
+    import torch
+
+    torch.manual_seed(0)
+    if kind == "gelu":
+        return torch.nn.GELU()
+    if kind == "layernorm-gelu":
+        ln = torch.nn.LayerNorm(WIDTH)
+        with torch.no_grad():
+            ln.weight.normal_(1.0, 0.1)
+            ln.bias.normal_(0.0, 0.1)
+        return torch.nn.Sequential(ln, torch.nn.GELU())
+    raise SystemExit(f"unknown model {kind!r}; known: gelu, layernorm-gelu")
+
+
+def _child(kind: str, n: int) -> None:
+    import torch
+
+    import rlx_nb
+
+    rlx_nb.register_backend("bench:tanh-gelu", _tanh_gelu, default=False, replace=True)
+    model = _model(kind)
+    x = torch.randn(max(1, n // WIDTH), WIDTH)
+    rlx_nb.backend_divergence(model, torch.randn(2, WIDTH), backends=["bench:tanh-gelu"])  # warm-ups
+    try:
+        torch.testing.assert_close(torch.zeros(2), torch.ones(2))
+    except AssertionError:
+        pass
+    t0 = time.perf_counter()
+    report = rlx_nb.backend_divergence(model, x, backends=["bench:tanh-gelu"])
+    t_rlx = time.perf_counter() - t0
+    res = report.results
+    o = torch.from_numpy(res.oracle.outputs["out"].value)
+    b = torch.from_numpy(res.candidates["bench:tanh-gelu"].outputs["out"].value)
+    t0 = time.perf_counter()
+    try:
+        torch.testing.assert_close(b, o)
+        failed = False
+    except AssertionError:
+        failed = True
+    t_close = time.perf_counter() - t0
+    runs = res.oracle.seconds + res.reference.seconds + res.candidates["bench:tanh-gelu"].seconds
+    print(
+        json.dumps(
+            {
+                "model": kind,
+                "n": x.numel(),
+                "rlx": t_rlx,
+                "close": t_close,
+                "close_failed": failed,
+                "runs": runs,
+                "verdict": report.record("bench:tanh-gelu").verdict,
+                "rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6,
+            }
+        )
+    )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="1e5,1e6,1e7,5e7,1e8")
+    parser.add_argument("--models", default="gelu,layernorm-gelu")
+    parser.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        _child(args.child[0], int(float(args.child[1])))
+        return
+    rows = []
+    for kind in args.models.split(","):
+        for n in [int(float(s)) for s in args.sizes.split(",")]:
+            out = subprocess.run(
+                [sys.executable, __file__, "--child", kind, str(n)], capture_output=True, text=True, check=False
+            )
+            if out.returncode != 0:
+                raise SystemExit(f"{kind} at {n:.0e} failed:\n{out.stderr[-2000:]}")
+            row = json.loads(out.stdout.strip().splitlines()[-1])
+            rows.append(row)
+            print(
+                f"{kind} n={row['n']:.1e}: backend_divergence {row['rlx']:.2f} s, assert_close {row['close']:.2f} s "
+                f"({row['rlx'] / row['close']:.2f}x), model runs {row['runs']:.2f} s, peak RSS {row['rss_gb']:.2f} GB",
+                flush=True,
+            )
+    import torch
+
+    lines = [
+        "# End to end: backend_divergence (one candidate) vs assert_close on the same pair",
+        "",
+        f"Machine: {platform.machine()}, {torch.get_num_threads()} torch threads; torch {torch.__version__}. "
+        "One run per row, each in a fresh process. Candidate: `bench:tanh-gelu` (GELU's tanh approximation).",
+        "",
+        "| model | elements | backend_divergence | assert_close failure | ratio (target <= 0.5 at 5e7) "
+        "| of which model runs (oracle, fp64, candidate) | verdict | peak RSS (target <= 2.5 GB at 5e7) |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(
+            f"| {r['model']} | {r['n']:.1e} | {r['rlx']:.2f} s | {r['close']:.2f} s | {r['rlx'] / r['close']:.2f} "
+            f"| {r['runs']:.2f} s | {r['verdict']} | {r['rss_gb']:.2f} GB |"
+        )
+    lines += [
+        "",
+        "backend_divergence here runs the oracle twice (determinism check), the fp64 reference and the candidate; "
+        "the precision anchors are skipped because these models make no matmul/convolution call.",
+    ]
+    out = Path(__file__).parent / "results" / "end_to_end.md"
+    out.write_text("\n".join(lines) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
