@@ -158,24 +158,28 @@ def _reference_range(x, ref, start, stop):  # pragma: no cover - compiled
 
 
 def _pool_rows(o, b, r0, r1, fy, fx, rel, rel_eps, pooled):  # pragma: no cover - compiled
-    # Max-pool |b - o| (or the seed's relative error) of rows r0..r1 of two 2-D float32 arrays into
-    # pooled[row // fy, col // fx]; NaN/Inf disagreements are +inf, agreeing NaN/Inf are 0.
+    # Max-pool |b - o| (or the seed's relative error) of rows r0..r1 (r0 a multiple of fy) of two
+    # 2-D float32 arrays into pooled[row // fy, col // fx]; NaN/Inf disagreements are +inf,
+    # agreeing NaN/Inf are 0.  Rows are first combined element-wise into one row per block of fy
+    # (a vertical max: vectorised, no reduction), then that row is reduced per block of fx.
     w = o.shape[1]
-    for i in range(r0, r1):
-        pi = i // fy
-        for c0 in range(0, w, fx):
-            m = pooled[pi, c0 // fx]
-            for j in range(c0, min(w, c0 + fx)):
+    acc = np.empty(w, np.float64)
+    for i0 in range(r0, r1, fy):
+        acc[:] = 0.0
+        for i in range(i0, min(r1, i0 + fy)):
+            for j in range(w):
                 x = np.float64(o[i, j])
                 y = np.float64(b[i, j])
                 d = abs(y - x)
-                if not d < math.inf:
-                    same = x == y or (np.isnan(x) and np.isnan(y))
-                    d = 0.0 if same else math.inf
-                elif rel:
-                    d = d / (abs(x) + rel_eps)
-                if d > m:
-                    m = d
+                same = x == y or (x != x and y != y)
+                d = d if d < math.inf else (0.0 if same else math.inf)
+                d = d / (abs(x) + rel_eps) if rel and d < math.inf else d
+                acc[j] = d if d > acc[j] else acc[j]
+        pi = i0 // fy
+        for c0 in range(0, w, fx):
+            m = 0.0
+            for j in range(c0, min(w, c0 + fx)):
+                m = acc[j] if acc[j] > m else m
             pooled[pi, c0 // fx] = m
 
 
