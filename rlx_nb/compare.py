@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 
 from rlx_nb.metrics import UNIT_ROUNDOFF, pair_stats, reference_stats
+from rlx_nb.progress import bar
 from rlx_nb.run import GRAD_PREFIX, OK, SKIPPED, BackendRun, Leaf, RunResults
 
 ROUNDOFF = "round-off"
@@ -118,20 +119,25 @@ def compare(results: RunResults, *, tol_rel: float | None = None, rule: str = "b
         raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
     records: list[OutputRecord] = []
     unstable = results.environment.get("nondeterministic") or {}
-    for run in results.candidates.values():
-        for rec in _compare_run(results, run, tol_rel, rule):
-            if rec.output in unstable and rec.verdict not in (VERDICT_ERROR, VERDICT_SKIPPED):
-                rec.verdict = NONDETERMINISTIC
-                rec.reason = (
-                    f"the model itself is nondeterministic: two oracle runs differ by up to {unstable[rec.output]:.3g} "
-                    "on this output, so no backend can be judged on it; put the model in eval mode (dropout), "
-                    "seed any RNG used inside forward, or enable torch.use_deterministic_algorithms"
-                )
-            records.append(rec)
+    total = len(results.candidates) * len(results.oracle.outputs)
+    with bar("rlx_nb compare", total=total, unit="output") as shown:
+        for run in results.candidates.values():
+            for rec in _compare_run(results, run, tol_rel, rule, shown):
+                if rec.output in unstable and rec.verdict not in (VERDICT_ERROR, VERDICT_SKIPPED):
+                    rec.verdict = NONDETERMINISTIC
+                    rec.reason = (
+                        f"the model itself is nondeterministic: two oracle runs differ by up to "
+                        f"{unstable[rec.output]:.3g} on this output, so no backend can be judged on it; put the "
+                        "model in eval mode (dropout), seed any RNG used inside forward, or enable "
+                        "torch.use_deterministic_algorithms"
+                    )
+                records.append(rec)
     return records
 
 
-def _compare_run(results: RunResults, run: BackendRun, tol_rel: float | None, rule: str) -> list[OutputRecord]:
+def _compare_run(
+    results: RunResults, run: BackendRun, tol_rel: float | None, rule: str, shown: Any = None
+) -> list[OutputRecord]:
     if run.status != OK:
         return [
             OutputRecord(
@@ -140,6 +146,8 @@ def _compare_run(results: RunResults, run: BackendRun, tol_rel: float | None, ru
         ]
     out = []
     for index, (name, leaf) in enumerate(results.oracle.outputs.items()):
+        if shown is not None:
+            shown.update()
         kind = "grad" if name.startswith(GRAD_PREFIX) else "forward"
         tol = tol_rel if tol_rel is not None else (TOL_REL_BACKWARD if kind == "grad" else TOL_REL_FORWARD)
         base = dict(

@@ -41,6 +41,7 @@ from rlx_nb.backends import ORACLE, REFERENCE, get_backend
 from rlx_nb.compare import SUSPECT, VERDICT_ERROR, OutputRecord, compare, compare_leaf
 from rlx_nb.errors import InputError
 from rlx_nb.frames import worst_record
+from rlx_nb.progress import bar
 from rlx_nb.run import GRAD_PREFIX, normalize_inputs, prepare_model, run
 from rlx_nb.tree import flatten
 
@@ -379,18 +380,14 @@ def localize(
     calls = capture_calls(base, args)
     named = dict(base.named_modules())
     state = _State(backend, backward, calls, named)
-    root = next(iter(calls))
-    frontier = calls[root].children or [root]
-    suspects = state.visit(frontier)
-    if not suspects and frontier != [root]:
-        # Nothing below is beyond budget: the error may be born in the root's own code.
-        suspects = state.visit([root])
-    culprit = state.innermost(suspects)
-    culprit_op = repro = None
-    if culprit is not None and ops:
-        culprit_op, repro = state.ops(culprit)
-    if propagated and not backward:
-        state.propagate(base, args)
+    state.shown = bar(f"rlx_nb localize {backend}", unit="check")
+    try:
+        culprit, culprit_op, repro = _descend(state, calls, ops)
+        if propagated and not backward:
+            state.shown.set_postfix_str("propagated error (full run)")
+            state.propagate(base, args)
+    finally:
+        state.shown.close()
     loc = Localization(
         backend,
         backward,
@@ -402,6 +399,22 @@ def localize(
     )
     loc._checks = state.checks
     return loc
+
+
+def _descend(state: _State, calls: dict[str, Call], ops: bool) -> tuple[str | None, str | None, Any]:
+    # Hierarchical descent from the root's children to the innermost SUSPECT module, then its ops.
+    root = next(iter(calls))
+    frontier = calls[root].children or [root]
+    suspects = state.visit(frontier)
+    if not suspects and frontier != [root]:
+        # Nothing below is beyond budget: the error may be born in the root's own code.
+        suspects = state.visit([root])
+    culprit = state.innermost(suspects)
+    culprit_op = repro = None
+    if culprit is not None and ops:
+        state.shown.set_postfix_str(f"ops of {culprit}")
+        culprit_op, repro = state.ops(culprit)
+    return culprit, culprit_op, repro
 
 
 def _user(name: str, keys: list[str] | None) -> str:
@@ -418,11 +431,14 @@ class _State:
         self.checks: dict[str, tuple[Any, str | None]] = {}
         self.preparations = 0
         self.keyword = isinstance(named.get(""), torch.nn.Module) and type(named[""]).__name__ == "_KeywordModule"
+        self.shown: Any = bar("", enabled=False)
 
     def _judge(self, adapter: torch.nn.Module, tensors: list[torch.Tensor]) -> _Check:
         inputs = tuple(_float_inputs_require_grad(tensors)) if self.backward else tuple(tensors)
         self.preparations += 1
-        results = run(adapter, inputs, backends=[self.backend], backward=self.backward)
+        self.shown.update()
+        # progress=False: the localize bar counts these checks; no bar per check inside it.
+        results = run(adapter, inputs, backends=[self.backend], backward=self.backward, progress=False)
         records = compare(results)
         if self.backward:
             # Judge the module's backward; keep the forward records only if it produced no gradients.

@@ -24,6 +24,7 @@ from torch.overrides import TorchFunctionMode
 
 from rlx_nb.backends import ORACLE, REFERENCE, Backend, get_backend, resolve_backends
 from rlx_nb.errors import InputError
+from rlx_nb.progress import bar
 from rlx_nb.tree import flatten, map_tensors
 
 OK, ERROR, SKIPPED = "ok", "error", "skipped"
@@ -457,7 +458,7 @@ def run(
     backward: bool = False,
     loss: Callable[[Any], torch.Tensor] | None = None,
     label: str | None = None,
-    progress: Callable[[str], None] | None = None,
+    progress: Callable[[str], None] | bool | None = None,
     timeout_s: float | None = 600.0,
     check_determinism: bool = True,
     effective_precision: bool = True,
@@ -481,7 +482,7 @@ def run(
         args = map_tensors(lambda t: t.detach(), args)
     common = dict(backward=backward, loss=loss, grad_inputs=grad_inputs, input_names=input_names)
 
-    say = progress or (lambda _: None)
+    say = progress if callable(progress) else (lambda _: None)
     inputs_ = _PrivateInputs(args)
 
     def go(backend: Backend, **kw: Any) -> BackendRun:
@@ -513,9 +514,12 @@ def run(
             anchor = Backend(f"anchor:{bits}", emulate(bits), hookable=True)
             anchors[bits] = go(anchor, timeout_s=timeout_s)
     runs = {}
-    for backend in _progress(candidates, progress):
-        say(backend.name)
-        runs[backend.name] = go(backend, timeout_s=timeout_s)
+    with bar("rlx_nb backends", total=len(candidates), unit="backend", enabled=progress is not False) as shown:
+        for backend in candidates:
+            say(backend.name)
+            shown.set_postfix_str(backend.name)  # compiling backends (inductor, ONNX export) show here
+            runs[backend.name] = go(backend, timeout_s=timeout_s)
+            shown.update()
     return RunResults(
         label=label or _default_label(model),
         oracle=oracle,
@@ -573,22 +577,6 @@ def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
     y = np.ascontiguousarray(b).reshape(-1).view(np.uint8)
     step = 1 << 22
     return all(np.array_equal(x[s : s + step], y[s : s + step]) for s in range(0, x.size, step))
-
-
-def _progress(items: list, progress: Callable[[str], None] | None):
-    # A notebook-aware bar that appears only when the candidates take more than a couple of seconds.
-    try:
-        from tqdm.auto import tqdm
-    except ImportError:
-        return items
-    return tqdm(
-        items,
-        desc="rlx_nb backends",
-        unit="backend",
-        delay=2.0,
-        leave=False,
-        disable=progress is False or len(items) < 2,
-    )
 
 
 def fingerprint(obj: Any) -> str:

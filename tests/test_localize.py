@@ -113,3 +113,19 @@ def test_no_culprit_no_repro_and_bad_backend():
         rlx_nb.localize(model, inputs, backend="nope")
     with pytest.raises(rlx_nb.RlxError, match="the oracle"):
         rlx_nb.localize(model, inputs, backend="cpu")
+
+
+def test_progress_bars_for_localize_backends_and_compare(monkeypatch, capsys):
+    # Bars appear after progress.DELAY_S; at 0 every bar shows, so each step's bar can be seen on stderr.
+    from rlx_nb import progress
+
+    monkeypatch.setattr(progress, "DELAY_S", 0.0)
+    model, inputs = demo.layered(n_layers=2, fault_layer=1)
+    loc = rlx_nb.localize(model, inputs, backend="fault:softmax-row")
+    err = capsys.readouterr().err
+    assert "rlx_nb localize fault:softmax-row" in err and "check" in err and loc.culprit
+    assert "rlx_nb backends" not in err  # no bar per check inside localize's own
+    rlx_nb.backend_divergence(model, inputs, backends=["cpu-nomkldnn", "fault:softmax-row"])
+    err = capsys.readouterr().err
+    assert "rlx_nb backends" in err and "/2" in err and "cpu-nomkldnn" in err  # the running backend's name
+    assert "rlx_nb compare" in err and "/4" in err  # 2 backends x 2 outputs
