@@ -39,8 +39,10 @@ import math
 from typing import Any
 
 import numpy as np
+import torch
 
-from rlx_nb.metrics import UNIT_ROUNDOFF, pair_stats, reference_stats
+from rlx_nb import device_metrics
+from rlx_nb.metrics import UNIT_ROUNDOFF, ReferenceStats, pair_stats, reference_stats
 from rlx_nb.progress import bar
 from rlx_nb.run import GRAD_PREFIX, OK, SKIPPED, BackendRun, Leaf, RunResults
 
@@ -120,9 +122,10 @@ def compare(results: RunResults, *, tol_rel: float | None = None, rule: str = "b
     records: list[OutputRecord] = []
     unstable = results.environment.get("nondeterministic") or {}
     total = len(results.candidates) * len(results.oracle.outputs)
+    cache: dict = {}
     with bar("rlx_nb compare", total=total, unit="output") as shown:
         for run in results.candidates.values():
-            for rec in _compare_run(results, run, tol_rel, rule, shown):
+            for rec in _compare_run(results, run, tol_rel, rule, shown, cache):
                 if rec.output in unstable and rec.verdict not in (VERDICT_ERROR, VERDICT_SKIPPED):
                     rec.verdict = NONDETERMINISTIC
                     rec.reason = (
@@ -136,7 +139,7 @@ def compare(results: RunResults, *, tol_rel: float | None = None, rule: str = "b
 
 
 def _compare_run(
-    results: RunResults, run: BackendRun, tol_rel: float | None, rule: str, shown: Any = None
+    results: RunResults, run: BackendRun, tol_rel: float | None, rule: str, shown: Any = None, cache: dict | None = None
 ) -> list[OutputRecord]:
     if run.status != OK:
         return [
@@ -170,7 +173,7 @@ def _compare_run(
             continue
         got = run.outputs.get(name)
         ref = results.reference.outputs.get(name) if results.reference.status == OK else None
-        rec = compare_leaf(leaf, got, ref, rule=rule, reduction_length=length, **base)
+        rec = compare_leaf(leaf, got, ref, rule=rule, reduction_length=length, cache=cache, **base)
         if ref is not None and rec.backend_rmse == rec.backend_rmse:
             _effective_precision(rec, anchor_leaves, ref)
             if rec.verdict == SUSPECT and not rec.nonfinite_mismatch:
@@ -207,8 +210,13 @@ def compare_leaf(
     compute_dtype: str,
     tol_rel: float,
     reduction_length: int = 1,
+    cache: dict | None = None,
 ) -> OutputRecord:
-    """One (backend, output) record from the oracle's, the backend's and the reference's leaf."""
+    """One (backend, output) record from the oracle's, the backend's and the reference's leaf.
+
+    ``cache`` (shared across the candidates of one comparison) keeps what does not depend on the
+    candidate: the oracle's error against fp64, and uploads of the oracle and reference to devices.
+    """
     rec = OutputRecord(
         backend,
         output,
@@ -229,19 +237,21 @@ def compare_leaf(
     if not oracle.is_array or not got.is_array:
         same = (not oracle.is_array and not got.is_array) and _equal(oracle.value, got.value)
         return rec if same else _suspect(rec, f"value {got.value!r:.60} differs from the oracle's {oracle.value!r:.60}")
-    o, b = oracle.value, got.value
+    o = oracle.value
     rec.numel = int(o.size)
-    if o.shape != b.shape:
-        return _suspect(rec, f"shape {b.shape} differs from the oracle's {o.shape}")
+    if tuple(o.shape) != tuple(got.shape):
+        return _suspect(rec, f"shape {tuple(got.shape)} differs from the oracle's {o.shape}")
     if got.dtype != oracle.dtype:
         rec.note = f"dtype {got.dtype} differs from the oracle's {oracle.dtype}"
+    cache = {} if cache is None else cache
+    if got.tensor is not None and o.dtype in _TORCH_OF and got.tensor.dtype == _TORCH_OF[o.dtype]:
+        return _compare_on_device(rec, o, got.tensor, ref, rule, tol_rel, cache)
+    b = got.value
     if not (_is_float(o) and _is_float(b)):
         return _compare_exact(rec, o, b)
     eo, eb, shape = _float_views(o, b)
     stats = pair_stats(eo, eb)
-    rec.max_abs, rec.max_rel, rec.mean_abs, rec.p99_abs = stats.max_abs, stats.max_rel, stats.mean_abs, stats.p99_abs
-    rec.mismatched, rec.max_ulp, rec.nonfinite_mismatch = stats.mismatched, stats.max_ulp, stats.nonfinite_mismatch
-    rec.mismatched_frac = stats.mismatched / max(1, stats.numel)
+    _fill_stats(rec, stats)
     r = None
     if ref is not None and ref.is_array and ref.value.shape == o.shape and _is_float(ref.value):
         r = ref.value.view(np.float64).reshape(shape) if np.iscomplexobj(ref.value) else ref.value
@@ -253,7 +263,7 @@ def compare_leaf(
             rec.reference_value = float(np.asarray(r).reshape(-1)[flat])
     rec.verdict_fixed = SUSPECT if (stats.max_rel > tol_rel or stats.nonfinite_mismatch) else ROUNDOFF
     if r is not None:
-        rec.verdict_budget = _budget(rec, eo, eb, r)
+        rec.verdict_budget = _budget(rec, _oracle_stats(eo, r, output, cache), reference_stats(eb, r))
     else:
         rec.note = _join(rec.note, "no fp64 reference for this output; the budget verdict is unavailable")
     rec.verdict = rec.verdict_fixed if rule == "fixed" or rec.verdict_budget is None else rec.verdict_budget
@@ -261,8 +271,57 @@ def compare_leaf(
     return rec
 
 
-def _budget(rec: OutputRecord, o: np.ndarray, b: np.ndarray, r: np.ndarray) -> str:
-    so, sb = reference_stats(o, r), reference_stats(b, r)
+def _oracle_stats(o: np.ndarray, r: np.ndarray, output: str, cache: dict) -> ReferenceStats:
+    # The oracle's error against fp64 is the same for every candidate: computed once per output.
+    key = ("oracle-vs-fp64", output)
+    if key not in cache:
+        cache[key] = reference_stats(o, r)
+    return cache[key]
+
+
+def _on(x: np.ndarray, device: Any, output: str, what: str, cache: dict) -> Any:
+    # The oracle's (or reference's) output uploaded once per device and output.
+    key = ("device", output, str(device), what)
+    if key not in cache:
+        cache[key] = device_metrics.as_device(x, device)
+    return cache[key]
+
+
+def _compare_on_device(
+    rec: OutputRecord, o: np.ndarray, b: Any, ref: Leaf | None, rule: str, tol_rel: float, cache: dict
+) -> OutputRecord:
+    # The candidate's output stays on its device: the oracle (and the fp64 reference) go there
+    # once, and only the statistics and the worst element come back.
+    output = rec.output or ""
+    eo, eb = _on(o, b.device, output, "oracle", cache), b.reshape(-1)
+    stats = device_metrics.pair_stats(eo, eb)
+    _fill_stats(rec, stats)
+    r = ref.value if ref is not None and ref.is_array and _is_float(ref.value) else None
+    r = r if r is not None and r.shape == o.shape and not np.iscomplexobj(r) else None
+    if stats.worst_index >= 0:
+        flat = stats.worst_index
+        rec.worst_index = tuple(int(i) for i in np.unravel_index(flat, o.shape))
+        rec.oracle_value, rec.backend_value = float(o.reshape(-1)[flat]), float(eb[flat])
+        if r is not None:
+            rec.reference_value = float(r.reshape(-1)[flat])
+    rec.verdict_fixed = SUSPECT if (stats.max_rel > tol_rel or stats.nonfinite_mismatch) else ROUNDOFF
+    if r is not None:
+        sb = device_metrics.reference_stats(eb, _on(r, b.device, output, "reference", cache))
+        rec.verdict_budget = _budget(rec, _oracle_stats(o, r, output, cache), sb)
+    else:
+        rec.note = _join(rec.note, "no fp64 reference for this output; the budget verdict is unavailable")
+    rec.verdict = rec.verdict_fixed if rule == "fixed" or rec.verdict_budget is None else rec.verdict_budget
+    rec.reason = _reason(rec, rule)
+    return rec
+
+
+def _fill_stats(rec: OutputRecord, stats: Any) -> None:
+    rec.max_abs, rec.max_rel, rec.mean_abs, rec.p99_abs = stats.max_abs, stats.max_rel, stats.mean_abs, stats.p99_abs
+    rec.mismatched, rec.max_ulp, rec.nonfinite_mismatch = stats.mismatched, stats.max_ulp, stats.nonfinite_mismatch
+    rec.mismatched_frac = stats.mismatched / max(1, stats.numel)
+
+
+def _budget(rec: OutputRecord, so: ReferenceStats, sb: ReferenceStats) -> str:
     scale = UNIT_ROUNDOFF.get(rec.compute_dtype, UNIT_ROUNDOFF["float32"]) / UNIT_ROUNDOFF["float32"]
     scale = max(scale, 1.0)
     units = GRAD_FLOOR_UNITS * math.sqrt(max(1, rec.reduction_length)) if rec.kind == "grad" else FLOOR_UNITS
@@ -283,6 +342,8 @@ def _budget(rec: OutputRecord, o: np.ndarray, b: np.ndarray, r: np.ndarray) -> s
         )
     return SUSPECT if rec.excess > 1.0 or rec.nonfinite_mismatch else ROUNDOFF
 
+
+_TORCH_OF = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16}
 
 FORMAT_BITS = {"fp32": 24, "tf32/fp16": 11, "bf16": 8}
 

@@ -259,6 +259,12 @@ class Localization:
         if name not in self._checks:
             raise InputError(f"{name!r} was not checked; checked: {', '.join(self._checks)}")
         results, output = self._checks[name]
+        if results is None:
+            raise InputError(
+                f"the arrays of {name!r} were not kept: it was within round-off and its outputs take "
+                f"{output / 1e6:.0f} MB (above keep_arrays='auto''s {KEEP_ARRAYS_BYTES / 1e6:.0f} MB); "
+                "run localize(..., keep_arrays='all') to keep every checked module's arrays"
+            )
         run = results.candidates[self.backend]
         if output is None or output not in run.outputs:
             raise InputError(f"{name!r} produced no comparable output on {self.backend}")
@@ -342,6 +348,7 @@ def localize(
     backward: bool = False,
     ops: bool = True,
     propagated: bool = True,
+    keep_arrays: str = "auto",
 ) -> Localization:
     """Find the module (and the torch function) where ``backend``'s error is born.
 
@@ -358,6 +365,12 @@ def localize(
     propagated : bool
         Also compare each module's output in a full run on the backend, where
         the backend runs eagerly (hooks fire); ignored otherwise.
+    keep_arrays : {"auto", "all"}
+        Which checked modules keep their (oracle, backend, fp64) arrays for
+        :meth:`Localization.arrays` and heatmaps: ``"all"``, or ``"auto"``
+        (default): every SUSPECT one, and round-off ones whose arrays take at
+        most :data:`KEEP_ARRAYS_BYTES` (so localizing LLM-sized activations does
+        not hold every module's outputs three times over).
 
     Examples
     --------
@@ -367,6 +380,8 @@ def localize(
     >>> loc.culprit
     'blocks.1.attn :: F.softmax'
     """
+    if keep_arrays not in ("auto", "all"):
+        raise InputError(f"keep_arrays must be 'auto' or 'all', got {keep_arrays!r}")
     cand = get_backend(backend)
     if backend in (ORACLE, REFERENCE):
         raise InputError(f"{backend!r} is the {'oracle' if backend == ORACLE else 'reference'}; localize a candidate")
@@ -380,6 +395,7 @@ def localize(
     calls = capture_calls(base, args)
     named = dict(base.named_modules())
     state = _State(backend, backward, calls, named)
+    state.keep_arrays = keep_arrays
     state.shown = bar(f"rlx_nb localize {backend}", unit="check")
     try:
         culprit, culprit_op, repro = _descend(state, calls, ops)
@@ -424,9 +440,19 @@ def _user(name: str, keys: list[str] | None) -> str:
     return name
 
 
+KEEP_ARRAYS_BYTES = 256e6
+"""keep_arrays="auto" keeps a round-off module's arrays only when they take at most this many bytes."""
+
+
+def _nbytes(results: Any) -> int:
+    runs = [results.oracle, results.reference, *results.candidates.values()]
+    return sum(leaf.value.nbytes for run in runs for leaf in run.outputs.values() if leaf.is_array and leaf.loaded)
+
+
 class _State:
     def __init__(self, backend: str, backward: bool, calls: dict[str, Call], named: dict[str, torch.nn.Module]):
         self.backend, self.backward, self.calls, self.named = backend, backward, calls, named
+        self.keep_arrays = "auto"
         self.rows: list[dict] = []
         self.checks: dict[str, tuple[Any, str | None]] = {}
         self.preparations = 0
@@ -450,7 +476,11 @@ class _State:
     def _row(self, name: str, kind: str, order: int, depth: int, check: _Check) -> None:
         r = check.record
         if check.results is not None:
-            self.checks[name] = (check.results, r.output)
+            size = _nbytes(check.results)
+            if self.keep_arrays == "all" or check.suspect or size <= KEEP_ARRAYS_BYTES:
+                self.checks[name] = (check.results, r.output)
+            else:  # keep_arrays="auto": a large module within round-off keeps its record, not its arrays
+                self.checks[name] = (None, size)
         self.rows.append(
             {
                 "order": order,

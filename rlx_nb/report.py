@@ -9,6 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pandas as pd
+import torch
 
 from rlx_nb.backends import ORACLE
 from rlx_nb.compare import NONDETERMINISTIC, SUSPECT, VERDICT_ERROR, VERDICT_SKIPPED, OutputRecord, compare
@@ -162,6 +163,9 @@ class DivergenceReport:
         """
         if not isinstance(top, int) or top < 1:
             raise InputError(f"top must be a positive integer, got {top!r}")
+        on_device = self._device_elements(backend, output, top)
+        if on_device is not None:
+            return on_device
         o, b, r = self.arrays(backend, output)
         if o.shape != b.shape:
             raise InputError(f"{backend!r} output shape {b.shape} differs from the oracle's {o.shape}")
@@ -172,23 +176,28 @@ class DivergenceReport:
         elif not np.issubdtype(o.dtype, np.floating):
             o, b = o.astype(np.float64), b.astype(np.float64)
         idx, err = top_k(o, b, top)
-        of, bf = o.reshape(-1)[idx], b.reshape(-1)[idx]
-        rf = r.reshape(-1)[idx].astype(np.float64) if r is not None else np.full(idx.size, np.nan)
-        ulp = ulp_distance(of, bf.astype(of.dtype)) if of.dtype in (np.float16, np.float32, np.float64) else None
-        rows = {
-            "rank": np.arange(idx.size),
-            "index": [tuple(int(v) for v in np.unravel_index(i, o.shape)) for i in idx],
-            "flat_index": idx,
-            "oracle": of,
-            "backend": bf,
-            "reference": rf,
-            "abs_err": err,
-            "rel_err": rel_error(of, bf),
-            "ulp_err": ulp if ulp is not None else np.zeros(idx.size, np.int64),
-            "oracle_err_fp64": of.astype(np.float64) - rf,
-            "backend_err_fp64": bf.astype(np.float64) - rf,
-        }
-        return elements_frame(rows)
+        return _elements_rows(o, r, idx, err, o.reshape(-1)[idx], b.reshape(-1)[idx])
+
+    def _device_elements(self, backend: str, output: str | None, top: int) -> pd.DataFrame | None:
+        # A candidate whose output stayed on its device: the top-k runs there and only the k
+        # elements come to the host (None when the output is on the host).
+        rec = self.record(backend, output)
+        got = self.results.candidates[backend].outputs.get(rec.output) if rec.output is not None else None
+        if got is None or not got.on_device:
+            return None
+        o = self.results.oracle.outputs[rec.output].value
+        if o.dtype not in (np.float32, np.float16) or o.shape != got.tensor.shape:
+            return None
+        from rlx_nb import device_metrics
+
+        eb = got.tensor.reshape(-1)
+        if str(eb.dtype).removeprefix("torch.") != o.dtype.name:
+            return None
+        idx, err = device_metrics.top_k(device_metrics.as_device(o, eb.device), eb, top)
+        ref = self.results.reference.outputs.get(rec.output)
+        r = ref.value if ref is not None and ref.is_array else None
+        bf = eb[torch.from_numpy(idx).to(eb.device)].cpu().numpy()
+        return _elements_rows(o, r, idx, err, o.reshape(-1)[idx], bf)
 
     @np.errstate(invalid="ignore", over="ignore", divide="ignore")
     def element_frame(self, backend: str, output: str | None = None, *, max_bytes: float = 5e8) -> pd.DataFrame:
@@ -297,3 +306,25 @@ def load_report(path) -> DivergenceReport:
     if records is None:
         return DivergenceReport.from_results(results, rule=rule, tol_rel=tol)
     return DivergenceReport(results, records, rule=rule, tol_rel=tol)
+
+
+@np.errstate(invalid="ignore", over="ignore")
+def _elements_rows(
+    o: np.ndarray, r: np.ndarray | None, idx: np.ndarray, err: np.ndarray, of: np.ndarray, bf: np.ndarray
+) -> pd.DataFrame:
+    rf = r.reshape(-1)[idx].astype(np.float64) if r is not None else np.full(idx.size, np.nan)
+    ulp = ulp_distance(of, bf.astype(of.dtype)) if of.dtype in (np.float16, np.float32, np.float64) else None
+    rows = {
+        "rank": np.arange(idx.size),
+        "index": [tuple(int(v) for v in np.unravel_index(i, o.shape)) for i in idx],
+        "flat_index": idx,
+        "oracle": of,
+        "backend": bf,
+        "reference": rf,
+        "abs_err": err,
+        "rel_err": rel_error(of, bf),
+        "ulp_err": ulp if ulp is not None else np.zeros(idx.size, np.int64),
+        "oracle_err_fp64": of.astype(np.float64) - rf,
+        "backend_err_fp64": bf.astype(np.float64) - rf,
+    }
+    return elements_frame(rows)

@@ -35,10 +35,13 @@ GRAD_PREFIX = "grad:"
 class Leaf:
     """One named output of one run: a numpy array (or a plain value) and the torch dtype it came as.
 
-    ``value`` may be loaded lazily (a report read from disk reads an array on first access).
+    ``value`` may be loaded lazily (a report read from disk reads an array on first access).  A
+    backend that compares on its device (:attr:`Backend.keeps_outputs_on_device`) leaves the
+    output there as ``tensor``; the host copy behind ``value`` is then made on first access only,
+    and the metrics run on the device.
     """
 
-    __slots__ = ("_loader", "_value", "dtype", "shape")
+    __slots__ = ("_loader", "_value", "dtype", "shape", "tensor")
 
     def __init__(
         self,
@@ -46,13 +49,16 @@ class Leaf:
         dtype: str = "",
         shape: tuple[int, ...] | None = None,
         loader: Callable[[], Any] | None = None,
+        tensor: torch.Tensor | None = None,
     ) -> None:
-        self._value, self._loader, self.dtype, self.shape = value, loader, dtype, shape
+        self._value, self._loader, self.dtype, self.shape, self.tensor = value, loader, dtype, shape, tensor
 
     @property
     def value(self) -> Any:
         if self._loader is not None:
             self._value, self._loader = self._loader(), None
+        if self._value is None and self.tensor is not None:
+            self._value = np.ascontiguousarray(self.tensor.cpu().numpy())  # the host copy, on first use
         return self._value
 
     @property
@@ -60,11 +66,17 @@ class Leaf:
         return self._loader is None
 
     @property
+    def on_device(self) -> bool:
+        """True while the output exists only on its device (no host copy made yet)."""
+        return self.tensor is not None and self._value is None
+
+    @property
     def is_array(self) -> bool:
         return self.shape is not None
 
     def __repr__(self) -> str:
-        return f"Leaf(dtype={self.dtype!r}, shape={self.shape!r}, loaded={self.loaded})"
+        where = f", on {self.tensor.device}" if self.tensor is not None else ""
+        return f"Leaf(dtype={self.dtype!r}, shape={self.shape!r}, loaded={self.loaded}{where})"
 
 
 @dataclasses.dataclass
@@ -180,7 +192,15 @@ def _load_params(module: torch.nn.Module, params: Mapping[str, torch.Tensor]) ->
             target.copy_(value.to(target.dtype))
 
 
-def _to_leaf(value: Any) -> Leaf:
+_DEVICE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def _to_leaf(value: Any, keep_on_device: bool = False) -> Leaf:
+    if keep_on_device and isinstance(value, torch.Tensor) and value.dtype in _DEVICE_DTYPES:
+        t = value.detach()
+        dtype = str(t.dtype).removeprefix("torch.")
+        t = t.float() if t.dtype == torch.bfloat16 else t  # compared as float32, as on the host
+        return Leaf(None, dtype, tuple(t.shape), tensor=t.contiguous())
     if isinstance(value, torch.Tensor):
         t = value.detach().to("cpu")
         dtype = str(t.dtype).removeprefix("torch.")
@@ -328,7 +348,8 @@ def _execute(
         else:
             with torch.no_grad():
                 out = backend.fn(model, fresh)
-        outputs = {name: _to_leaf(v) for name, v in flatten(out)}
+        keep = backend.keeps_outputs_on_device
+        outputs = {name: _to_leaf(v, keep) for name, v in flatten(out)}
         _remove(hooks)
     except Exception as exc:
         _remove(hooks)
@@ -365,13 +386,14 @@ def _backward(run, backend, model, out, fresh, loss, grad_inputs, input_names) -
     except Exception as exc:
         run.grad_status, run.grad_message = ERROR, _describe(exc)
         return
+    keep = backend.keeps_outputs_on_device
     for name, p in _named_params(model):
         if p.grad is not None:
-            run.outputs[GRAD_PREFIX + name] = _to_leaf(p.grad)
+            run.outputs[GRAD_PREFIX + name] = _to_leaf(p.grad, keep)
     for i in grad_inputs:
         g = fresh[i].grad
         if g is not None:
-            run.outputs[GRAD_PREFIX + input_names[i]] = _to_leaf(g)
+            run.outputs[GRAD_PREFIX + input_names[i]] = _to_leaf(g, keep)
     run.grad_status = OK
 
 

@@ -27,3 +27,40 @@ def test_cuda_tf32_judged_against_tf32_budget():
     report = rlx_nb.backend_divergence(model, inputs, backends=["cuda-tf32"])
     rec = report.record("cuda-tf32")
     assert rec.compute_dtype == "tf32" and rec.verdict == "round-off", rec.reason
+
+
+@pytest.mark.gpu
+def test_cuda_outputs_are_compared_on_the_gpu():
+    # The candidate's outputs stay on the GPU; the statistics match the host path on the same arrays.
+    model, inputs = demo.transformer()
+    report = rlx_nb.backend_divergence(model, inputs, backends=["cuda"], backward=True)
+    leaves = report.results.candidates["cuda"].outputs
+    assert all(leaf.on_device and leaf.tensor.is_cuda for leaf in leaves.values() if leaf.is_array)
+    top = report.elements("cuda", top=5)
+    assert all(leaf.on_device for leaf in leaves.values() if leaf.is_array)  # top-k moved only 5 values
+    from rlx_nb.compare import compare_leaf
+    from rlx_nb.run import Leaf
+
+    for rec in report.records:
+        host = leaves[rec.output].value  # the host copy, made here
+        again = compare_leaf(
+            report.results.oracle.outputs[rec.output],
+            Leaf(host, rec.dtype, host.shape),
+            report.results.reference.outputs[rec.output],
+            rule="budget",
+            backend="cuda",
+            output=rec.output,
+            output_index=rec.output_index,
+            kind=rec.kind,
+            compute_dtype=rec.compute_dtype,
+            tol_rel=rec.tol_rel,
+            reduction_length=rec.reduction_length,
+        )
+        assert (again.max_abs, again.worst_index, again.max_ulp, again.mismatched) == (
+            rec.max_abs,
+            rec.worst_index,
+            rec.max_ulp,
+            rec.mismatched,
+        )
+        assert again.p99_abs == pytest.approx(rec.p99_abs) and again.verdict == rec.verdict
+    assert top["abs_err"].iloc[0] == pytest.approx(report.record("cuda").max_abs)

@@ -129,3 +129,21 @@ def test_progress_bars_for_localize_backends_and_compare(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "rlx_nb backends" in err and "/2" in err and "cpu-nomkldnn" in err  # the running backend's name
     assert "rlx_nb compare" in err and "/4" in err  # 2 backends x 2 outputs
+
+
+def test_keep_arrays_auto_drops_large_round_off_modules(monkeypatch):
+    import importlib
+
+    loc_mod = importlib.import_module("rlx_nb.localize")  # the module, not the function of that name
+    model, inputs = demo.layered(n_layers=2, fault_layer=1)
+    monkeypatch.setattr(loc_mod, "KEEP_ARRAYS_BYTES", 0)  # every module counts as large
+    loc = rlx_nb.localize(model, inputs, backend="fault:softmax-row")
+    o, b, _ = loc.arrays("blocks.1.attn")  # SUSPECT: kept
+    assert o.shape == b.shape
+    with pytest.raises(rlx_nb.RlxError, match="keep_arrays='all'"):
+        loc.arrays("blocks.0")  # within round-off and "large": record only
+    assert "blocks.0" in set(loc.frame["name"])
+    every = rlx_nb.localize(model, inputs, backend="fault:softmax-row", keep_arrays="all", ops=False)
+    assert every.arrays("blocks.0")[0].size > 0
+    with pytest.raises(rlx_nb.RlxError, match="keep_arrays must be"):
+        rlx_nb.localize(model, inputs, backend="fault:softmax-row", keep_arrays="some")

@@ -47,6 +47,10 @@ class Backend:
         (true for eager backends; false for compiled or exported ones, whose
         hooks fire, if at all, while tracing).  Localization reports the
         propagated error only for hookable backends.
+    compare_on_device : bool, optional
+        Keep the outputs where the backend left them and compute the metrics there
+        (:mod:`rlx_nb.device_metrics`), moving only summaries and requested slices to the host.
+        ``None`` (default): yes for ``cuda`` and ``xpu`` backends (devices with float64).
     """
 
     name: str
@@ -59,6 +63,11 @@ class Backend:
     description: str = ""
     builtin: bool = False
     hookable: bool = False
+    compare_on_device: bool | None = None
+
+    @property
+    def keeps_outputs_on_device(self) -> bool:
+        return self.compare_on_device if self.compare_on_device is not None else self.device in ("cuda", "xpu")
 
     def unavailable_reason(self) -> str | None:
         """``None`` when the backend is live on this node, else why it is not."""
@@ -106,6 +115,7 @@ def register_backend(
     probe: Callable[[], str | None] | None = None,
     description: str = "",
     hookable: bool = False,
+    compare_on_device: bool | None = None,
 ) -> Backend:
     """Register a backend under ``name``.
 
@@ -138,6 +148,9 @@ def register_backend(
     hookable : bool
         Set it when ``fn`` runs the model's own ``forward`` eagerly, so
         :func:`rlx_nb.localize` can also compare full-run activations.
+    compare_on_device : bool, optional
+        Keep the outputs on the backend's device and compare them there (default: for ``cuda``
+        and ``xpu`` backends); see :attr:`Backend.compare_on_device`.
 
     Examples
     --------
@@ -169,6 +182,7 @@ def register_backend(
         probe=probe,
         description=description,
         hookable=hookable,
+        compare_on_device=compare_on_device,
     )
     with _LOCK:
         _REGISTRY[name] = backend
