@@ -21,10 +21,9 @@ import argparse
 import json
 import platform
 import resource
-import subprocess
-import sys
 import time
-from pathlib import Path
+
+from _child import run_child, write_result
 
 WIDTH = 1024
 
@@ -108,12 +107,7 @@ def main() -> None:
     rows = []
     for kind in args.models.split(","):
         for n in [int(float(s)) for s in args.sizes.split(",")]:
-            out = subprocess.run(
-                [sys.executable, __file__, "--child", kind, str(n)], capture_output=True, text=True, check=False
-            )
-            if out.returncode != 0:
-                raise SystemExit(f"{kind} at {n:.0e} failed:\n{out.stderr[-2000:]}")
-            row = json.loads(out.stdout.strip().splitlines()[-1])
+            row = run_child(__file__, kind, str(n))
             rows.append(row)
             print(
                 f"{kind} n={row['n']:.1e}: backend_divergence {row['rlx']:.2f} s, assert_close {row['close']:.2f} s "
@@ -142,9 +136,7 @@ def main() -> None:
         "backend_divergence here runs the oracle twice (determinism check), the fp64 reference and the candidate; "
         "the precision anchors are skipped because these models make no matmul/convolution call.",
     ]
-    out = Path(__file__).parent / "results" / "end_to_end.md"
-    out.write_text("\n".join(lines) + "\n")
-    print(f"wrote {out}")
+    write_result("end_to_end.md", lines)
 
 
 if __name__ == "__main__":

@@ -18,10 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import resource
-import subprocess
-import sys
 import time
-from pathlib import Path
+
+from _child import run_child, write_result
 
 WIDTH = 1024
 
@@ -92,12 +91,7 @@ def main() -> None:
     jobs = [("depth", d) for d in args.depths.split(",") if d] + [("size", s) for s in args.sizes.split(",") if s]
     rows = []
     for what, x in jobs:
-        out = subprocess.run(
-            [sys.executable, __file__, "--child", what, x], capture_output=True, text=True, check=False
-        )
-        if out.returncode != 0:
-            raise SystemExit(f"{what} {x} failed:\n{out.stderr[-3000:]}")
-        row = json.loads(out.stdout.strip().splitlines()[-1])
+        row = run_child(__file__, what, x)
         rows.append(row)
         print(row, flush=True)
     lines = ["# How the cost grows", "", "One run per row, each in a fresh process.", ""]
@@ -136,9 +130,7 @@ def main() -> None:
         "full runs (oracle, fp64, backend) for the propagated error; it keeps the SUSPECT checks' arrays "
         "(and round-off ones under 256 MB) and every module's activations of the three full runs.",
     ]
-    path = Path(__file__).parent / "results" / "growth.md"
-    path.write_text("\n".join(lines) + "\n")
-    print(f"wrote {path}")
+    write_result("growth.md", lines)
 
 
 if __name__ == "__main__":

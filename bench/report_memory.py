@@ -18,10 +18,9 @@ import argparse
 import json
 import platform
 import resource
-import subprocess
-import sys
 import time
-from pathlib import Path
+
+from _child import run_child, write_result
 
 
 def _child(n: int, n_out: int, n_backends: int) -> None:
@@ -90,11 +89,7 @@ def main() -> None:
     if args.child:
         _child(n, args.outputs, args.backends)
         return
-    cmd = [sys.executable, __file__, "--child", "--elements", str(n), "--outputs", str(args.outputs)]
-    out = subprocess.run([*cmd, "--backends", str(args.backends)], capture_output=True, text=True, check=False)
-    if out.returncode != 0:
-        raise SystemExit(out.stderr[-3000:])
-    r = json.loads(out.stdout.strip().splitlines()[-1])
+    r = run_child(__file__, "--elements", str(n), "--outputs", str(args.outputs), "--backends", str(args.backends))
     gb = 1 << 30
     line = (
         f"| {r['backends']} x {r['outputs']} x {r['n']:.0e} | {r['held'] / gb:.2f} GiB | {r['rss_report'] / gb:.2f} GiB "
@@ -102,7 +97,8 @@ def main() -> None:
         f"| {r['t_build']:.1f} s | {r['t_views']:.1f} s |"
     )
     print(line)
-    text = "\n".join(
+    write_result(
+        "report_memory.md",
         [
             "# Report memory vs the outputs it holds",
             "",
@@ -115,11 +111,8 @@ def main() -> None:
             "",
             "Views: `summary`, `backends`, `elements(backend, 'o0', top=10)` for every backend, one heatmap. "
             f"Suspects (expected none; all candidates are eager variants): {r['suspects'] or 'none'}.",
-        ]
+        ],
     )
-    path = Path(__file__).parent / "results" / "report_memory.md"
-    path.write_text(text + "\n")
-    print(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,25 @@
+"""Shared by the benchmarks that measure in fresh processes: run one child, write one result file."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def run_child(script: str, *args: str) -> dict:
+    """Run ``script --child ARGS`` in a fresh interpreter; its last stdout line is one JSON row."""
+    out = subprocess.run([sys.executable, script, "--child", *args], capture_output=True, text=True, check=False)
+    if out.returncode != 0:
+        raise SystemExit(f"{Path(script).name} {' '.join(args)} failed:\n{out.stderr[-3000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def write_result(name: str, lines: list[str]) -> None:
+    """Write ``bench/results/NAME`` and say where."""
+    path = RESULTS / name
+    path.write_text("\n".join(lines) + "\n")
+    print(f"wrote {path}")
