@@ -1,4 +1,4 @@
-"""Per-element error maps folded to 2-D and max-pooled to a pixel budget (pure numpy).
+"""Per-element error maps folded to 2-D and max-pooled to a pixel budget (numpy; numba for float32 abs/rel).
 
 Folding rule
 ------------

@@ -1,9 +1,11 @@
-"""Pure-numpy divergence metrics, computed in fixed-size chunks.
+"""Divergence metrics on numpy arrays, computed in chunks, one range per core.
 
-Nothing here imports torch, pandas or matplotlib.  Every pass over a pair of
-outputs walks it in chunks of :data:`CHUNK` elements with preallocated
-buffers, so the only full-size allocation is the optional per-element error
-buffer used for the exact p99 (at most one output's size).
+Nothing here imports torch, pandas or matplotlib.  Float32 pairs (the common
+case) go through one fused numba pass (:mod:`rlx_nb._fused`); everything else,
+and every pair where numba is missing, walks the arrays in chunks of
+:data:`CHUNK` elements with preallocated buffers.  Both paths give the same
+statistics, and the only large allocation is the exact p99's candidate buffer
+(a tenth of one output; the rare fallback takes at most one output's size).
 """
 
 from __future__ import annotations
