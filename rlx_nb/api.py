@@ -25,7 +25,7 @@ def backend_divergence(
     loss: Callable[[Any], torch.Tensor] | None = None,
     label: str | None = None,
     rule: str = "budget",
-    progress: bool | Callable[[str], None] = False,
+    progress: bool | Callable[[str], None] | None = None,
     timeout_s: float | None = 600.0,
     check_determinism: bool = True,
 ) -> DivergenceReport:
@@ -55,10 +55,11 @@ def backend_divergence(
         Name in the report lines; defaults to the model's class name.
     rule : {"budget", "fixed"}
         The verdict in charge; both are always computed and shown.
-    progress : bool or callable
-        ``True`` prints each backend's name to stderr as it starts; a callable
-        receives the name.  A progress bar appears anyway once the candidates
-        take more than two seconds.
+    progress : None, bool or callable
+        ``None`` (default): progress bars (tqdm; a widget in Jupyter) appear on
+        steps that take more than two seconds.  ``True`` also prints each
+        backend's name to stderr as it starts; a callable receives the name
+        instead.  ``False``: no bars and no messages (quiet CI logs).
     timeout_s : float or None
         Per-backend limit (default 600 s); a backend still running then is an
         ``error`` row and the others keep going.  ``None``: no limit.
@@ -86,7 +87,7 @@ def backend_divergence(
         raise InputError(f"timeout_s must be a positive number of seconds or None, got {timeout_s!r}")
     if loss is not None and not callable(loss):
         raise InputError(f"loss must be a callable loss(outputs) -> scalar tensor, got {type(loss).__name__}")
-    say = progress if callable(progress) else (_print_progress if progress else None)
+    say = progress if callable(progress) else (_print_progress if progress is True else progress)
     try:
         results = run(
             model,
@@ -102,7 +103,7 @@ def backend_divergence(
         )
     except RlxError as exc:
         raise type(exc)(str(exc)) from None
-    report = DivergenceReport.from_results(results, rule=rule, tol_rel=tol_rel)
+    report = DivergenceReport.from_results(results, rule=rule, tol_rel=tol_rel, progress=progress is not False)
     report._source = (model, inputs, params)
     return report
 

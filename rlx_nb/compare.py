@@ -110,12 +110,14 @@ class OutputRecord:
         return self.verdict == SUSPECT
 
 
-def compare(results: RunResults, *, tol_rel: float | None = None, rule: str = "budget") -> list[OutputRecord]:
+def compare(
+    results: RunResults, *, tol_rel: float | None = None, rule: str = "budget", progress: bool = True
+) -> list[OutputRecord]:
     """Compare every candidate's outputs with the oracle's; one record per (backend, output).
 
     A backend that failed gives one ``error`` record (``output`` is None); a
     backend that cannot differentiate gives ``skipped`` records for the
-    ``grad:`` outputs.
+    ``grad:`` outputs.  ``progress=False`` keeps its progress bar off.
     """
     if rule not in RULES:
         raise ValueError(f"rule must be one of {RULES}, got {rule!r}")
@@ -123,7 +125,7 @@ def compare(results: RunResults, *, tol_rel: float | None = None, rule: str = "b
     unstable = results.environment.get("nondeterministic") or {}
     total = len(results.candidates) * len(results.oracle.outputs)
     cache: dict = {}
-    with bar("rlx_nb compare", total=total, unit="output") as shown:
+    with bar("rlx_nb compare", total=total, unit="output", enabled=progress) as shown:
         for run in results.candidates.values():
             for rec in _compare_run(results, run, tol_rel, rule, shown, cache):
                 if rec.output in unstable and rec.verdict not in (VERDICT_ERROR, VERDICT_SKIPPED):

@@ -465,7 +465,7 @@ class _State:
         self.shown.update()
         # progress=False: the localize bar counts these checks; no bar per check inside it.
         results = run(adapter, inputs, backends=[self.backend], backward=self.backward, progress=False)
-        records = compare(results)
+        records = compare(results, progress=False)
         if self.backward:
             # Judge the module's backward; keep the forward records only if it produced no gradients.
             grads = [r for r in records if (r.output or "").startswith(GRAD_PREFIX) or r.output is None]

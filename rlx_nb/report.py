@@ -65,9 +65,12 @@ class DivergenceReport:
         return localize(model, inputs, backend=backend, params=params, backward=backward, **kwargs)
 
     @classmethod
-    def from_results(cls, results: RunResults, *, rule: str = "budget", tol_rel: float | None = None):
+    def from_results(
+        cls, results: RunResults, *, rule: str = "budget", tol_rel: float | None = None, progress: bool = True
+    ):
         """Compare ``results`` and wrap them in a report."""
-        return cls(results, compare(results, tol_rel=tol_rel, rule=rule), rule=rule, tol_rel=tol_rel)
+        records = compare(results, tol_rel=tol_rel, rule=rule, progress=progress)
+        return cls(results, records, rule=rule, tol_rel=tol_rel)
 
     def save(self, path) -> Path:
         """Save the outputs of every run, the fp64 reference, fingerprints and environment (no pickle).

@@ -129,6 +129,8 @@ def test_progress_bars_for_localize_backends_and_compare(monkeypatch, capsys):
     err = capsys.readouterr().err
     assert "rlx_nb backends" in err and "/2" in err and "cpu-nomkldnn" in err  # the running backend's name
     assert "rlx_nb compare" in err and "/4" in err  # 2 backends x 2 outputs
+    rlx_nb.backend_divergence(model, inputs, backends=["cpu-nomkldnn"], progress=False)
+    assert "rlx_nb" not in capsys.readouterr().err  # progress=False: quiet
 
 
 def test_keep_arrays_auto_drops_large_round_off_modules(monkeypatch):
