@@ -17,6 +17,7 @@ shows.  For each output, with ``r`` the fp64 reference, ``o`` the oracle and
     budget_max  = scale * max(max|o - r|, floor_max)
     ratio_rmse  = rmse(b - r) / budget_rmse        ratio_max = max|b - r| / budget_max
     SUSPECT  if ratio_rmse > RMSE_LIMIT or ratio_max > MAX_LIMIT
+             or the error is concentrated (below)
              or NaN/Inf where the oracle has none (or the reverse), or the shape differs
 
 ``u32 = 2**-24`` is float32's unit round-off; ``scale`` is the backend's
@@ -29,6 +30,21 @@ batch rows for a Linear, N*H*W for a conv or BatchNorm channel), because a
 legitimate backend that sums those terms in another order (Inductor does)
 differs from the oracle by up to ~sqrt(K) ulps where the oracle's pairwise
 sums are unusually exact.
+
+Concentrated error: a bug on one row or channel leaves most of an output at
+round-off and a few elements far off, which a floor sized for the whole output
+can hide (gradients of biases, where the floor is large).  Round-off of any
+summation order is spread like the oracle's own error; so with
+``isolation(e) = max|e| / (rms(e) * sqrt(2 ln n))`` (about 1 for errors spread
+like Gaussian noise)::
+
+    concentration = isolation(b - r) / max(isolation(o - r), 1)
+    SUSPECT  if concentration > CONCENTRATION_LIMIT and
+             max|b - r| > CONCENTRATED_OVER_ORACLE * scale * max(max|o - r|, FLOOR_UNITS * u32 * max|r|)
+
+The detection benchmark's float32 outputs of legitimate backends reach a
+concentration of 1.81 at most, and none is both above 1.5 and 5x the
+oracle's worst element (bench/results/detection.md).
 """
 
 from __future__ import annotations
@@ -60,6 +76,8 @@ MAX_LIMIT = 8.0
 FLOOR_UNITS = 2.0
 GRAD_FLOOR_UNITS = 4.0
 BETTER_THAN_ORACLE = 0.5
+CONCENTRATION_LIMIT = 3.0
+CONCENTRATED_OVER_ORACLE = 10.0
 
 
 @dataclasses.dataclass
@@ -99,6 +117,8 @@ class OutputRecord:
     budget_rmse: float = math.nan
     budget_max: float = math.nan
     excess: float = math.nan
+    concentration: float = math.nan
+    concentrated: bool = False
     tol_rel: float = math.nan
     reduction_length: int = 1
     effective_bits: float = math.nan
@@ -342,7 +362,15 @@ def _budget(rec: OutputRecord, so: ReferenceStats, sb: ReferenceStats) -> str:
             f"the fp32 oracle is further from fp64 than {rec.backend} (RMSE {so.rmse:.2e} vs {sb.rmse:.2e}): "
             "the gap is the oracle's round-off, not the backend's",
         )
-    return SUSPECT if rec.excess > 1.0 or rec.nonfinite_mismatch else ROUNDOFF
+    rec.concentration = _isolation(sb, rec.numel) / max(_isolation(so, rec.numel), 1.0)
+    far = CONCENTRATED_OVER_ORACLE * scale * max(so.max_err, FLOOR_UNITS * UNIT_ROUNDOFF["float32"] * so.ref_max)
+    rec.concentrated = bool(rec.numel >= 2 and sb.max_err > far and rec.concentration > CONCENTRATION_LIMIT)
+    return SUSPECT if rec.excess > 1.0 or rec.concentrated or rec.nonfinite_mismatch else ROUNDOFF
+
+
+def _isolation(st: ReferenceStats, n: int) -> float:
+    # How far the worst error stands out from the rest: ~1 for errors spread like noise.
+    return st.max_err / (st.rmse * math.sqrt(2 * math.log(max(n, 3)))) if st.rmse > 0 else 0.0
 
 
 _TORCH_OF = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16}
@@ -408,6 +436,13 @@ def _reason(rec: OutputRecord, rule: str) -> str:
                     f"claims fp32 (error {worst:.3g}x the fp32 budget, spread over the output); a reduced-precision "
                     "mode such as TF32, autocast or a runtime precision hint is likely on — or a systematic "
                     "kernel error of that size"
+                )
+            if rec.concentrated and rec.excess <= 1.0:
+                over = rec.backend_max_err / rec.oracle_max_err if rec.oracle_max_err > 0 else math.inf
+                return (
+                    f"concentrated error: the worst element is {over:.3g}x the oracle's worst and stands out "
+                    f"{rec.concentration:.2g}x more than round-off does, while the output as a whole is within "
+                    f"{worst:.3g}x the {fmt} budget — likely a bug on one row or channel"
                 )
             return f"error {worst:.3g}x the {fmt} round-off budget — likely a kernel bug"
         return f"within {worst:.3g}x the {fmt} round-off budget"

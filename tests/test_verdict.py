@@ -143,3 +143,23 @@ def test_reduced_precision_scale_uses_the_format():
     kw = dict(rule="budget", backend="x", output="y", output_index=0, kind="forward", tol_rel=2e-3)
     assert compare_leaf(leaf(o), leaf(b), leaf(ref), compute_dtype="float32", **kw).verdict == SUSPECT
     assert compare_leaf(leaf(o), leaf(b), leaf(ref), compute_dtype="bfloat16", **kw).verdict == ROUNDOFF
+
+
+def test_one_bad_channel_hidden_by_the_gradient_floor_is_caught_as_concentrated():
+    # The bias gradient of one channel is off by ~40x the oracle's worst element, but the whole
+    # output stays within the gradient floor (a sum over 512 rows); the error's concentration
+    # (one element standing out from otherwise round-off-sized errors) makes it SUSPECT.
+    from rlx_nb.backends.faults import fault_backend
+    from rlx_nb.backends.registry import _REGISTRY
+
+    backend = fault_backend("linear-bias-channel", 1e-5)
+    _REGISTRY[backend.name] = backend  # a catalogue severity, registered as the detection benchmark does
+    name = backend.name
+    model, inputs = demo.mlp(0)
+    report = rlx_nb.backend_divergence(model, inputs, backends=["cpu-nomkldnn", name], backward=True)
+    rec = report.record(name, "grad:fc2.bias")
+    assert rec.excess <= 1.0  # the budget alone would call it round-off
+    assert rec.concentrated and rec.verdict == SUSPECT and "concentrated error" in rec.reason
+    assert rec.backend_max_err > 10 * rec.oracle_max_err
+    legit = [r for r in report.records if r.backend == "cpu-nomkldnn"]
+    assert all(not r.concentrated and r.concentration < 3 for r in legit)
