@@ -2,10 +2,13 @@
 
 One helper so every bar behaves the same: ``tqdm.auto`` (a widget in Jupyter, text on a
 terminal), shown only once the step has run for :data:`DELAY_S` seconds, and cleared when done.
+``RLX_NB_PROGRESS=0`` in the environment turns every bar off (CI logs, notebooks saved with
+their outputs); ``progress=False`` does the same for one call.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 DELAY_S = 2.0
@@ -38,7 +41,7 @@ def bar(desc: str, *, total: int | None = None, unit: str = "it", enabled: bool 
     ...     for _ in range(3):
     ...         b.update()
     """
-    if not enabled:
+    if not enabled or os.environ.get("RLX_NB_PROGRESS", "1") == "0":
         return _Silent()
     try:
         from tqdm.auto import tqdm

@@ -131,6 +131,9 @@ def test_progress_bars_for_localize_backends_and_compare(monkeypatch, capsys):
     assert "rlx_nb compare" in err and "/4" in err  # 2 backends x 2 outputs
     rlx_nb.backend_divergence(model, inputs, backends=["cpu-nomkldnn"], progress=False)
     assert "rlx_nb" not in capsys.readouterr().err  # progress=False: quiet
+    monkeypatch.setenv("RLX_NB_PROGRESS", "0")
+    rlx_nb.localize(model, inputs, backend="fault:softmax-row")
+    assert "rlx_nb" not in capsys.readouterr().err  # RLX_NB_PROGRESS=0: every bar off
 
 
 def test_keep_arrays_auto_drops_large_round_off_modules(monkeypatch):
