@@ -189,10 +189,10 @@ def kernel():
     if os.environ.get("RLX_NB_NO_NUMBA"):
         return None
     try:
-        import numba
+        import numba  # noqa: F401
     except ImportError:  # pragma: no cover - numba is a dependency; this is for platforms it lacks
         return None
-    return numba.njit(nogil=True, cache=True, error_model="numpy", fastmath={"reassoc", "contract"})(_f32_range)
+    return _compiled("_f32_range")
 
 
 def reference_kernel():
@@ -207,6 +207,7 @@ def pool_kernel():
 
 @functools.cache
 def _compiled(name: str):
+    # Each kernel compiled once per process (and cached on disk by numba across processes).
     import numba
 
     return numba.njit(nogil=True, cache=True, error_model="numpy", fastmath={"reassoc", "contract"})(globals()[name])

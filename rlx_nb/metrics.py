@@ -11,9 +11,12 @@ statistics, and the only large allocation is the exact p99's candidate buffer
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import os
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import numpy as np
 
@@ -233,6 +236,36 @@ def _workers(n: int) -> int:
     return max(1, min(os.cpu_count() or 1, n // (8 * CHUNK)))
 
 
+def _ranges(n: int, align: int = 1) -> list[tuple[int, int]]:
+    # One contiguous (start, stop) per worker, starts aligned to ``align`` elements.
+    workers = _workers(n)
+    return list(itertools.pairwise([k * n // workers // align * align for k in range(workers)] + [n]))
+
+
+def _on_cores(fn: Callable[[int, int], Any], ranges: list[tuple[int, int]]) -> list:
+    # fn(start, stop) for each range, one thread each (numpy and the compiled kernels release the GIL).
+    if len(ranges) == 1:
+        return [fn(*ranges[0])]
+    with ThreadPoolExecutor(len(ranges)) as pool:
+        return list(pool.map(lambda r: fn(*r), ranges))
+
+
+def _p99_from(
+    candidates: list[np.ndarray] | None, above: int, at_least: int, n: int, floor: float, exact: Callable[[], float]
+) -> float:
+    # The exact p99 from the errors kept above a sampled floor (``candidates`` is None when not all
+    # of them were kept): a partition of the candidates, the floor itself when the p99 rank falls
+    # among the ties at the floor, else ``exact()`` (a full pass).
+    need = n - _p99_rank(n)  # elements at ranks k..n-1
+    if candidates is not None and need <= above:
+        kept = np.concatenate(candidates)
+        r = kept.size - need
+        return float(np.partition(kept, r)[r])
+    if above < need <= at_least:
+        return float(floor)
+    return exact()
+
+
 def _p99_floor(e: np.ndarray, a: np.ndarray, work: np.dtype) -> float:
     # A value below the true p99 with overwhelming probability: the 97th
     # percentile of a strided sample of the errors.  If it turns out not to be
@@ -301,14 +334,9 @@ def pair_stats(
         return _fused_pair_stats(e, a, rtol, atol, p99)
     floor = _p99_floor(e, a, work) if p99 else None
     cap = max(1, n // 20)  # keep at most 5% of the errors as p99 candidates
-    workers = _workers(n)
-    cuts = [k * n // workers // CHUNK * CHUNK for k in range(workers)] + [n]
-    args = [(e, a, cuts[k], cuts[k + 1], rtol, atol, floor, work, cap) for k in range(workers)]
-    if workers == 1:
-        parts = [_pair_range(*args[0])]
-    else:
-        with ThreadPoolExecutor(workers) as pool:
-            parts = list(pool.map(lambda x: _pair_range(*x), args))
+    parts = _on_cores(
+        lambda start, stop: _pair_range(e, a, start, stop, rtol, atol, floor, work, cap), _ranges(n, CHUNK)
+    )
     total = _Partial()
     for p in parts:
         if p.max_abs > total.max_abs:
@@ -328,16 +356,8 @@ def pair_stats(
         total.max_abs, total.worst_index = _exact_worst(e, a, total)
     p99_abs = 0.0
     if p99:
-        k = _p99_rank(n)
-        need = n - k  # elements at ranks k..n-1
-        if need <= total.above_count <= cap:
-            above = np.concatenate(total.above)
-            r = above.size - need
-            p99_abs = float(np.partition(above, r)[r])
-        elif total.above_count < need <= total.at_least:
-            p99_abs = float(floor)  # the p99 rank falls among the ties at the floor
-        else:
-            p99_abs = _exact_p99(e, a, work)
+        kept = total.above if total.above_count <= cap else None
+        p99_abs = _p99_from(kept, total.above_count, total.at_least, n, floor, lambda: _exact_p99(e, a, work))
     mean = total.sum_abs / total.finite if total.finite else 0.0
     return PairStats(
         numel=n,
@@ -359,42 +379,30 @@ def _fused_pair_stats(e: np.ndarray, a: np.ndarray, rtol: float, atol: float, p9
     floor = _p99_floor(e, a, np.dtype(np.float32)) if p99 else math.inf
     if floor < 0:
         floor = -math.inf  # too few finite samples for a floor: keep every error as a candidate
-    workers = _workers(n)
-    cuts = [k * n // workers for k in range(workers)] + [n]
+    ranges = _ranges(n)
     # Each range keeps its errors above the floor, up to 5% of its elements (pages are only
     # touched as they are written, so the usual ~3% costs ~3% of n float64s).
-    caps = [max(1, (cuts[k + 1] - cuts[k]) // 20) if p99 else 0 for k in range(workers)]
+    caps = {start: max(1, (stop - start) // 20) if p99 else 0 for start, stop in ranges}
+    bufs = {start: np.empty(cap + _fused.BLOCK, np.float64) for start, cap in caps.items()}
     ei, ai = e.view(np.int32), a.view(np.int32)
-    bufs = [np.empty(c + _fused.BLOCK, np.float64) for c in caps]
     kernel = _fused.kernel()
-
-    def one(k: int) -> tuple:
-        return kernel(e, a, ei, ai, cuts[k], cuts[k + 1], rtol, atol, REL_EPS, floor, bufs[k])
-
-    if workers == 1:
-        parts = [one(0)]
-    else:
-        with ThreadPoolExecutor(workers) as pool:
-            parts = list(pool.map(one, range(workers)))
+    parts = _on_cores(
+        lambda start, stop: kernel(e, a, ei, ai, start, stop, rtol, atol, REL_EPS, floor, bufs[start]), ranges
+    )
     f = {name: [p[i] for p in parts] for i, name in enumerate(_fused.FIELDS)}
-    best = max(range(workers), key=lambda k: (f["max_abs"][k], -k))  # ties: the lowest range
-    rel = max(range(workers), key=lambda k: (f["max_rel"][k], -k))
+    best = max(range(len(parts)), key=lambda k: (f["max_abs"][k], -k))  # ties: the lowest range
+    rel = max(range(len(parts)), key=lambda k: (f["max_rel"][k], -k))
     finite = sum(f["finite"])
     nonfinite = sum(f["nonfinite_mismatch"])
     p99_abs = 0.0
     if p99:
-        k = _p99_rank(n)
-        need = n - k
-        above_count, at_least = sum(f["above_count"]), sum(f["at_least"])
-        overflow = any(c > cap for c, cap in zip(f["above_count"], caps, strict=True))
-        if not overflow and need <= above_count:
-            above = np.concatenate([b[:c] for b, c in zip(bufs, f["above_count"], strict=True)])
-            r = above.size - need
-            p99_abs = float(np.partition(above, r)[r])
-        elif not overflow and above_count < need <= at_least:
-            p99_abs = float(floor)
-        else:
-            p99_abs = _exact_p99(e, a, np.dtype(np.float32))  # float32: at most one output of memory
+        counts = dict(zip(caps, f["above_count"], strict=True))
+        overflow = any(counts[start] > caps[start] for start in caps)
+        kept = None if overflow else [bufs[start][: counts[start]] for start in caps]
+        # float32 for the rare full pass: at most one output of memory
+        p99_abs = _p99_from(
+            kept, sum(counts.values()), sum(f["at_least"]), n, floor, lambda: _exact_p99(e, a, np.dtype(np.float32))
+        )
     return PairStats(
         numel=n,
         max_abs=max(float(f["max_abs"][best]), 0.0),
@@ -453,11 +461,7 @@ def reference_stats(x: np.ndarray, reference: np.ndarray) -> ReferenceStats:
 
 def _fused_reference_stats(kern, xf: np.ndarray, rf: np.ndarray) -> ReferenceStats:
     # One compiled pass per core, like the fused pair_stats.
-    n = xf.size
-    workers = _workers(n)
-    cuts = [k * n // workers for k in range(workers)] + [n]
-    with ThreadPoolExecutor(workers) as pool:
-        parts = list(pool.map(lambda k: kern(xf, rf, cuts[k], cuts[k + 1]), range(workers)))
+    parts = _on_cores(lambda start, stop: kern(xf, rf, start, stop), _ranges(xf.size))
     sq, mx, rsq, rmx, count = (
         sum(p[0] for p in parts),
         max(p[1] for p in parts),

@@ -23,6 +23,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from rlx_nb.backends import ORACLE, REFERENCE, Backend, get_backend, resolve_backends
+from rlx_nb.backends.emulated import TARGETS, emulate
 from rlx_nb.errors import InputError
 from rlx_nb.progress import bar
 from rlx_nb.tree import flatten, map_tensors
@@ -192,23 +193,17 @@ def _load_params(module: torch.nn.Module, params: Mapping[str, torch.Tensor]) ->
             target.copy_(value.to(target.dtype))
 
 
-_DEVICE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-
-
 def _to_leaf(value: Any, keep_on_device: bool = False) -> Leaf:
-    if keep_on_device and isinstance(value, torch.Tensor) and value.dtype in _DEVICE_DTYPES:
-        t = value.detach()
-        dtype = str(t.dtype).removeprefix("torch.")
-        t = t.float() if t.dtype == torch.bfloat16 else t  # compared as float32, as on the host
+    if not isinstance(value, torch.Tensor):
+        return Leaf(value, type(value).__name__, None)
+    t = value.detach()
+    dtype = str(t.dtype).removeprefix("torch.")
+    if t.dtype == torch.bfloat16:
+        t = t.float()  # numpy has no bfloat16 (nor do the device metrics); the dtype name keeps the truth
+    if keep_on_device and t.dtype in (torch.float32, torch.float16):
         return Leaf(None, dtype, tuple(t.shape), tensor=t.contiguous())
-    if isinstance(value, torch.Tensor):
-        t = value.detach().to("cpu")
-        dtype = str(t.dtype).removeprefix("torch.")
-        if t.dtype == torch.bfloat16:
-            t = t.float()  # numpy has no bfloat16; the dtype name keeps the truth
-        arr = np.ascontiguousarray(t.resolve_conj().resolve_neg().numpy())
-        return Leaf(arr, dtype, tuple(arr.shape))
-    return Leaf(value, type(value).__name__, None)
+    arr = np.ascontiguousarray(t.to("cpu").resolve_conj().resolve_neg().numpy())
+    return Leaf(arr, dtype, tuple(arr.shape))
 
 
 def _clone_inputs(args: tuple) -> tuple:
@@ -281,14 +276,13 @@ def execute(
     input_names: list[str],
     measure_reductions: bool = False,
     timeout_s: float | None = None,
-    copy_inputs: bool = True,
 ) -> BackendRun:
-    """Run one backend on a fresh copy of the model and inputs; never raises for a backend failure.
+    """Run one backend on a fresh copy of the model; never raises for a backend failure.
 
-    With ``timeout_s``, the backend runs in a worker thread; one still running after that long
+    The run gets new leaf tensors over ``args``' storage, not copies: ``args`` must be the
+    caller's private copy (:func:`run` keeps one in :class:`_PrivateInputs`).  With
+    ``timeout_s``, the backend runs in a worker thread; one still running after that long
     becomes an error row and its thread is abandoned (Python cannot kill a thread).
-    ``copy_inputs=False`` hands the run new leaf tensors over ``args``' storage instead of copies
-    (:func:`run` does so with its :class:`_PrivateInputs`).
     """
     reason = backend.unavailable_reason()
     if reason is not None:
@@ -299,7 +293,6 @@ def execute(
         grad_inputs=grad_inputs,
         input_names=input_names,
         measure_reductions=measure_reductions,
-        copy_inputs=copy_inputs,
     )
     if timeout_s is None:
         return _execute(backend, base, args, **kwargs)
@@ -331,10 +324,9 @@ def _execute(
     grad_inputs: list[int],
     input_names: list[str],
     measure_reductions: bool,
-    copy_inputs: bool,
 ) -> BackendRun:
     model = copy.deepcopy(base)
-    fresh = _clone_inputs(args) if copy_inputs else _fresh_leaves(args)
+    fresh = _fresh_leaves(args)
     start = time.perf_counter()
     sizes = {} if (backward and measure_reductions) else None
     hooks = _record_output_sizes(model, sizes) if sizes is not None else []
@@ -508,7 +500,7 @@ def run(
     inputs_ = _PrivateInputs(args)
 
     def go(backend: Backend, **kw: Any) -> BackendRun:
-        result = execute(backend, base, inputs_.args, copy_inputs=False, **common, **kw)
+        result = execute(backend, base, inputs_.args, **common, **kw)
         inputs_.after(result)
         return result
 
@@ -530,8 +522,6 @@ def run(
     reference = go(get_backend(REFERENCE), timeout_s=timeout_s)
     anchors = {}
     if effective_precision and counter.calls != 0:
-        from rlx_nb.backends.emulated import emulate
-
         for bits in ANCHOR_BITS:
             anchor = Backend(f"anchor:{bits}", emulate(bits), hookable=True)
             anchors[bits] = go(anchor, timeout_s=timeout_s)
@@ -564,8 +554,6 @@ class _CountMatmuls(TorchFunctionMode):
     calls: int | None = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        from rlx_nb.backends.emulated import TARGETS
-
         if func in TARGETS:
             self.calls += 1
         return func(*args, **(kwargs or {}))
