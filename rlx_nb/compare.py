@@ -52,6 +52,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -266,26 +267,62 @@ def compare_leaf(
     if got.dtype != oracle.dtype:
         rec.note = f"dtype {got.dtype} differs from the oracle's {oracle.dtype}"
     cache = {} if cache is None else cache
-    if got.tensor is not None and o.dtype in _TORCH_OF and got.tensor.dtype == _TORCH_OF[o.dtype]:
-        return _compare_on_device(rec, o, got.tensor, ref, rule, tol_rel, cache)
+    if on_device(o, got):
+        # The candidate's output stays on its device: the oracle (and the fp64 reference) go there
+        # once per output and device, and only the statistics and the worst element come back.
+        eo, eb = _on(o, got.tensor.device, output, "oracle", cache), got.tensor.reshape(-1)
+        r = ref.value if ref is not None and ref.is_array and _is_float(ref.value) else None
+        r = r if r is not None and r.shape == o.shape and not np.iscomplexobj(r) else None
+        return _judge(
+            rec,
+            o,
+            o,
+            eb,
+            r,
+            device_metrics.pair_stats(eo, eb),
+            lambda: device_metrics.reference_stats(eb, _on(r, eb.device, output, "reference", cache)),
+            rule,
+            cache,
+        )
     b = got.value
     if not (_is_float(o) and _is_float(b)):
         return _compare_exact(rec, o, b)
     eo, eb, shape = _float_views(o, b)
-    stats = pair_stats(eo, eb)
-    _fill_stats(rec, stats)
     r = None
     if ref is not None and ref.is_array and ref.value.shape == o.shape and _is_float(ref.value):
         r = ref.value.view(np.float64).reshape(shape) if np.iscomplexobj(ref.value) else ref.value
+    return _judge(rec, o, eo, eb, r, pair_stats(eo, eb), lambda: reference_stats(eb, r), rule, cache)
+
+
+def on_device(oracle: np.ndarray, got: Leaf) -> bool:
+    """Whether ``got`` stays on its device and can be compared there with ``oracle`` (same float type)."""
+    return got.tensor is not None and oracle.dtype in _TORCH_OF and got.tensor.dtype == _TORCH_OF[oracle.dtype]
+
+
+def _judge(
+    rec: OutputRecord,
+    o: np.ndarray,
+    eo: np.ndarray,
+    eb: Any,
+    r: np.ndarray | None,
+    stats: Any,
+    backend_vs_reference: Callable[[], ReferenceStats],
+    rule: str,
+    cache: dict,
+) -> OutputRecord:
+    # Shared by the host and device paths: ``o`` is the oracle's output, ``eo``/``eb`` the flat
+    # float views compared (interleaved for complex; ``eb`` may be a device tensor), ``r`` the fp64
+    # reference in ``eo``'s layout (None without one).
+    _fill_stats(rec, stats)
     if stats.worst_index >= 0:
         flat = stats.worst_index
         rec.worst_index = tuple(int(i) for i in np.unravel_index(flat // (2 if np.iscomplexobj(o) else 1), o.shape))
         rec.oracle_value, rec.backend_value = float(eo.reshape(-1)[flat]), float(eb.reshape(-1)[flat])
         if r is not None:
             rec.reference_value = float(np.asarray(r).reshape(-1)[flat])
-    rec.verdict_fixed = SUSPECT if (stats.max_rel > tol_rel or stats.nonfinite_mismatch) else ROUNDOFF
+    rec.verdict_fixed = SUSPECT if (stats.max_rel > rec.tol_rel or stats.nonfinite_mismatch) else ROUNDOFF
     if r is not None:
-        rec.verdict_budget = _budget(rec, _oracle_stats(eo, r, output, cache), reference_stats(eb, r))
+        rec.verdict_budget = _budget(rec, _oracle_stats(eo, r, rec.output or "", cache), backend_vs_reference())
     else:
         rec.note = _join(rec.note, "no fp64 reference for this output; the budget verdict is unavailable")
     rec.verdict = rec.verdict_fixed if rule == "fixed" or rec.verdict_budget is None else rec.verdict_budget
@@ -307,34 +344,6 @@ def _on(x: np.ndarray, device: Any, output: str, what: str, cache: dict) -> Any:
     if key not in cache:
         cache[key] = device_metrics.as_device(x, device)
     return cache[key]
-
-
-def _compare_on_device(
-    rec: OutputRecord, o: np.ndarray, b: Any, ref: Leaf | None, rule: str, tol_rel: float, cache: dict
-) -> OutputRecord:
-    # The candidate's output stays on its device: the oracle (and the fp64 reference) go there
-    # once, and only the statistics and the worst element come back.
-    output = rec.output or ""
-    eo, eb = _on(o, b.device, output, "oracle", cache), b.reshape(-1)
-    stats = device_metrics.pair_stats(eo, eb)
-    _fill_stats(rec, stats)
-    r = ref.value if ref is not None and ref.is_array and _is_float(ref.value) else None
-    r = r if r is not None and r.shape == o.shape and not np.iscomplexobj(r) else None
-    if stats.worst_index >= 0:
-        flat = stats.worst_index
-        rec.worst_index = tuple(int(i) for i in np.unravel_index(flat, o.shape))
-        rec.oracle_value, rec.backend_value = float(o.reshape(-1)[flat]), float(eb[flat])
-        if r is not None:
-            rec.reference_value = float(r.reshape(-1)[flat])
-    rec.verdict_fixed = SUSPECT if (stats.max_rel > tol_rel or stats.nonfinite_mismatch) else ROUNDOFF
-    if r is not None:
-        sb = device_metrics.reference_stats(eb, _on(r, b.device, output, "reference", cache))
-        rec.verdict_budget = _budget(rec, _oracle_stats(o, r, output, cache), sb)
-    else:
-        rec.note = _join(rec.note, "no fp64 reference for this output; the budget verdict is unavailable")
-    rec.verdict = rec.verdict_fixed if rule == "fixed" or rec.verdict_budget is None else rec.verdict_budget
-    rec.reason = _reason(rec, rule)
-    return rec
 
 
 def _fill_stats(rec: OutputRecord, stats: Any) -> None:

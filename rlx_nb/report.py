@@ -12,7 +12,15 @@ import pandas as pd
 import torch
 
 from rlx_nb.backends import ORACLE
-from rlx_nb.compare import NONDETERMINISTIC, SUSPECT, VERDICT_ERROR, VERDICT_SKIPPED, OutputRecord, compare
+from rlx_nb.compare import (
+    NONDETERMINISTIC,
+    SUSPECT,
+    VERDICT_ERROR,
+    VERDICT_SKIPPED,
+    OutputRecord,
+    compare,
+    on_device,
+)
 from rlx_nb.errors import InputError
 from rlx_nb.frames import backends_frame, element_table, elements_frame, summary_frame, worst_record
 from rlx_nb.metrics import rel_error, top_k, ulp_distance
@@ -189,13 +197,11 @@ class DivergenceReport:
         if got is None or not got.on_device:
             return None
         o = self.results.oracle.outputs[rec.output].value
-        if o.dtype not in (np.float32, np.float16) or o.shape != got.tensor.shape:
+        if o.shape != got.tensor.shape or not on_device(o, got):
             return None
         from rlx_nb import device_metrics
 
         eb = got.tensor.reshape(-1)
-        if str(eb.dtype).removeprefix("torch.") != o.dtype.name:
-            return None
         idx, err = device_metrics.top_k(device_metrics.as_device(o, eb.device), eb, top)
         ref = self.results.reference.outputs.get(rec.output)
         r = ref.value if ref is not None and ref.is_array else None
