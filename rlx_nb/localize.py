@@ -446,7 +446,7 @@ KEEP_ARRAYS_BYTES = 256e6
 
 def _nbytes(results: Any) -> int:
     runs = [results.oracle, results.reference, *results.candidates.values()]
-    return sum(leaf.value.nbytes for run in runs for leaf in run.outputs.values() if leaf.is_array and leaf.loaded)
+    return sum(leaf.nbytes for run in runs for leaf in run.outputs.values())
 
 
 class _State:

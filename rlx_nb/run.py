@@ -59,7 +59,7 @@ class Leaf:
         if self._loader is not None:
             self._value, self._loader = self._loader(), None
         if self._value is None and self.tensor is not None:
-            self._value = np.ascontiguousarray(self.tensor.cpu().numpy())  # the host copy, on first use
+            self._value = self.tensor.cpu().numpy()  # the host copy, on first use (the tensor is contiguous)
         return self._value
 
     @property
@@ -74,6 +74,17 @@ class Leaf:
     @property
     def is_array(self) -> bool:
         return self.shape is not None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this output holds now (device tensor plus host copy), without making a host copy.
+
+        0 for plain values and for arrays not read from disk yet.
+        """
+        size = self.tensor.numel() * self.tensor.element_size() if self.tensor is not None else 0
+        if self._loader is None and self._value is not None and self.is_array:
+            size += self._value.nbytes
+        return size
 
     def __repr__(self) -> str:
         where = f", on {self.tensor.device}" if self.tensor is not None else ""
@@ -202,7 +213,9 @@ def _to_leaf(value: Any, keep_on_device: bool = False) -> Leaf:
         t = t.float()  # numpy has no bfloat16 (nor do the device metrics); the dtype name keeps the truth
     if keep_on_device and t.dtype in (torch.float32, torch.float16):
         return Leaf(None, dtype, tuple(t.shape), tensor=t.contiguous())
-    arr = np.ascontiguousarray(t.to("cpu").resolve_conj().resolve_neg().numpy())
+    arr = t.to("cpu").resolve_conj().resolve_neg().numpy()
+    if not arr.flags.c_contiguous:
+        arr = np.ascontiguousarray(arr)  # (not on 0-d outputs: it would make them 1-d)
     return Leaf(arr, dtype, tuple(arr.shape))
 
 

@@ -98,3 +98,22 @@ def test_a_backend_that_compares_on_its_device_gives_the_same_report_without_hos
     assert top["flat_index"].tolist() == host_top["flat_index"].tolist()
     report.arrays("test:on-device", worst)  # an explicit request for the whole output
     assert not dev[worst].on_device
+    assert all(leaf.value.shape == leaf.shape for leaf in dev.values() if leaf.is_array)  # 0-d stays 0-d
+
+
+def test_localize_on_a_device_backend_makes_no_host_copies():
+    # Sizing each module check for keep_arrays must not pull the backend's outputs to the host.
+    rlx_nb.register_backend("test:on-device", run_eager, default=False, replace=True, compare_on_device=True)
+    model, inputs = demo.layered(n_layers=2, fault_layer=1)
+    loc = rlx_nb.localize(model, inputs, backend="fault:softmax-row", ops=False, propagated=False)
+    assert loc.culprit is not None  # the fault backend on the host, for contrast
+    loc = rlx_nb.localize(model, inputs, backend="test:on-device", ops=False, propagated=False)
+    assert loc.culprit is None
+    leaves = [
+        leaf
+        for results, _ in loc._checks.values()
+        if results is not None
+        for leaf in results.candidates["test:on-device"].outputs.values()
+        if leaf.is_array
+    ]
+    assert leaves and all(leaf.on_device for leaf in leaves)
