@@ -231,6 +231,13 @@ def _case_rows(report, family: str, seed: int, legit: list[str], faults: list[tu
                 "detectable_vs_legit": is_fault and HITS[backend] > 0 and vs_legit > 10,
                 "worst_output": report.record(backend).output,
                 "excess": max((r.excess for r in recs if r.excess == r.excess), default=math.nan),
+                "max_concentration": max(
+                    (r.concentration for r in recs if r.concentration == r.concentration and r.dtype == "float32"),
+                    default=math.nan,
+                ),
+                "float32_outputs": sum(1 for r in recs if r.concentration == r.concentration and r.dtype == "float32"),
+                "by_concentration_only": any(r.concentrated for r in recs)
+                and not any(r.verdict == SUSPECT and (r.excess > 1.0 or r.nonfinite_mismatch) for r in recs),
                 "max_rel": max((r.max_rel for r in recs if r.max_rel == r.max_rel), default=math.nan),
                 **flags,
             }
@@ -311,6 +318,12 @@ def _summary(df: pd.DataFrame) -> str:
             f"{m.raw_ratio_forward:.3g}; x worst legitimate {m.ratio_vs_legit:.3g}; verdict's worst output "
             f"{m.worst_output})"
         )
+    fp32 = legit[legit.backend.isin(FP32_LEGIT)]
+    miss.append(
+        f"\nHighest error concentration over the {int(fp32.float32_outputs.sum())} float32 outputs of legitimate "
+        f"fp32 backends: {fp32.max_concentration.max():.2f} (the clause's limit is 3). Faults caught by the "
+        f"concentration clause alone: {int(det[det['rlx_nb']].by_concentration_only.sum())}."
+    )
     flagged_legit = legit[legit["rlx_nb"]]
     miss.append(f"\nLegitimate cases rlx_nb flagged: {len(flagged_legit)}.")
     for _, m in flagged_legit.iterrows():

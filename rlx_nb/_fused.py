@@ -211,3 +211,22 @@ def _compiled(name: str):
     import numba
 
     return numba.njit(nogil=True, cache=True, error_model="numpy", fastmath={"reassoc", "contract"})(globals()[name])
+
+
+def _sequential_rows(x, out):  # pragma: no cover - compiled
+    # out[i] = x[i, 0] + x[i, 1] + ... in float32, strictly left to right (no reassociation).
+    for i in range(x.shape[0]):
+        acc = np.float32(0.0)
+        for k in range(x.shape[1]):
+            acc = np.float32(acc + x[i, k])
+        out[i] = acc
+
+
+@functools.cache
+def sequential_kernel():
+    """:func:`_sequential_rows` compiled without fast-math (the order is the point), or ``None``."""
+    if kernel() is None:
+        return None
+    import numba
+
+    return numba.njit(nogil=True, cache=True)(_sequential_rows)

@@ -55,6 +55,7 @@ def merge_results(nodes: Sequence[tuple[str, RunResults | str]], *, oracle: str 
         backward=base.backward,
         environment=environment,
         fingerprints=dict(base.fingerprints),
+        sequential=base.sequential,
     )
 
 

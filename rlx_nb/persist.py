@@ -112,6 +112,7 @@ def save_results(
                 "reference": write_run(results.reference),
                 "candidates": {name: write_run(run) for name, run in results.candidates.items()},
                 "anchors": {str(bits): write_run(run) for bits, run in results.anchors.items()},
+                "sequential": write_run(results.sequential) if results.sequential is not None else None,
             },
         }
         zf.writestr("meta.json", json.dumps(meta))
@@ -159,6 +160,7 @@ def load_results(source: str | Path | bytes | memoryview) -> tuple[RunResults, d
             environment=dict(meta.get("environment") or {}),
             fingerprints=dict(meta.get("fingerprints") or {}),
             anchors={int(k): _read_run(zf, names, v, where) for k, v in (runs.get("anchors") or {}).items()},
+            sequential=_read_run(zf, names, runs["sequential"], where) if runs.get("sequential") else None,
         )
     except ReportFormatError:
         raise

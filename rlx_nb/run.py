@@ -6,6 +6,7 @@ metadata, so it can be saved, loaded or gathered before any comparison runs.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import functools
@@ -23,9 +24,11 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from rlx_nb.backends import ORACLE, REFERENCE, Backend, get_backend, resolve_backends
+from rlx_nb.backends.eager import run_eager
 from rlx_nb.backends.emulated import TARGETS, emulate
 from rlx_nb.errors import InputError
 from rlx_nb.progress import bar
+from rlx_nb.reassoc import CountReductions, SequentialSums
 from rlx_nb.tree import flatten, map_tensors
 
 OK, ERROR, SKIPPED = "ok", "error", "skipped"
@@ -121,6 +124,10 @@ class RunResults:
     """``inputs`` and ``model``: sha256 of the tensors' dtypes, shapes and bytes (nodes must agree on inputs)."""
     anchors: dict[int, BackendRun] = dataclasses.field(default_factory=dict)
     """Runs with matmul/conv operands rounded to 8 and 11 bits: the effective-precision scale."""
+    sequential: BackendRun | None = None
+    """The model in float32 with plain sequential reductions (:mod:`rlx_nb.reassoc`): a second
+    legitimate error next to the oracle's.  ``None`` when the model has no reduction it changes
+    (it would repeat the oracle) or the determinism check was off."""
 
     @property
     def output_names(self) -> list[str]:
@@ -289,6 +296,7 @@ def execute(
     input_names: list[str],
     measure_reductions: bool = False,
     timeout_s: float | None = None,
+    scope: Callable[[], Any] | None = None,
 ) -> BackendRun:
     """Run one backend on a fresh copy of the model; never raises for a backend failure.
 
@@ -306,6 +314,7 @@ def execute(
         grad_inputs=grad_inputs,
         input_names=input_names,
         measure_reductions=measure_reductions,
+        scope=scope,
     )
     if timeout_s is None:
         return _execute(backend, base, args, **kwargs)
@@ -337,7 +346,14 @@ def _execute(
     grad_inputs: list[int],
     input_names: list[str],
     measure_reductions: bool,
+    scope: Callable[[], Any] | None = None,
 ) -> BackendRun:
+    # ``scope``: a context manager factory entered around the forward and the backward.
+    with scope() if scope is not None else contextlib.nullcontext():
+        return _execute_in(backend, base, args, backward, loss, grad_inputs, input_names, measure_reductions)
+
+
+def _execute_in(backend, base, args, backward, loss, grad_inputs, input_names, measure_reductions) -> BackendRun:
     model = copy.deepcopy(base)
     fresh = _fresh_leaves(args)
     start = time.perf_counter()
@@ -525,14 +541,19 @@ def run(
         raise InputError(f"backward=True but the oracle's backward did not run: {oracle.grad_message}")
     # The oracle's second run also counts matmuls/convolutions: without any, the precision anchors
     # (which round their operands) would only repeat the oracle, so they are not run.
-    counter = _CountMatmuls()
+    # It also counts the reductions that a plain sequential kernel would sum in another order.
+    counter, reductions = _CountMatmuls(), CountReductions()
     if check_determinism:
         with counter:
-            unstable = _nondeterministic(oracle, go(get_backend(ORACLE)))
+            unstable = _nondeterministic(oracle, go(get_backend(ORACLE), scope=lambda: reductions))
     else:
-        unstable, counter.calls = {}, None
+        unstable, counter.calls, reductions.calls = {}, None, None
     say(REFERENCE)
     reference = go(get_backend(REFERENCE), timeout_s=timeout_s)
+    sequential = None
+    if reductions.calls != 0:
+        say("sequential")
+        sequential = go(Backend("sequential", run_eager, hookable=True), timeout_s=timeout_s, scope=SequentialSums)
     anchors = {}
     if effective_precision and counter.calls != 0:
         for bits in ANCHOR_BITS:
@@ -558,6 +579,7 @@ def run(
         },
         fingerprints={"inputs": fingerprint(args), "model": fingerprint(dict(base.state_dict()))},
         anchors={b: a for b, a in anchors.items() if a.status == OK},
+        sequential=sequential if sequential is not None and sequential.status == OK else None,
     )
 
 

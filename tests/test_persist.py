@@ -43,6 +43,12 @@ def test_round_trip_is_exact_and_lazy(report, tmp_path):
         np.testing.assert_array_equal(got, leaf.value)
         assert got.dtype == leaf.value.dtype
     assert loaded.results.fingerprints == report.results.fingerprints
+    # The sequential run travels too, so the verdicts recomputed from the file are the same.
+    seq = report.results.sequential
+    assert seq is not None and loaded.results.sequential.outputs.keys() == seq.outputs.keys()
+    for name, leaf in seq.outputs.items():
+        np.testing.assert_array_equal(loaded.results.sequential.outputs[name].value, leaf.value)
+    assert rlx_nb.DivergenceReport.from_results(loaded.results).summary.equals(report.summary)
     assert loaded.results.environment["torch"] == torch.__version__
     with zipfile.ZipFile(path) as zf:
         assert all(n == "meta.json" or n.endswith(".npy") for n in zf.namelist())
