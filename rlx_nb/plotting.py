@@ -102,6 +102,7 @@ def plot_heatmap(
     if metric not in METRICS:
         raise InputError(f"metric must be one of {', '.join(METRICS)}; got {metric!r}")
     from matplotlib.colors import LogNorm
+    from matplotlib.ticker import LogFormatter
 
     ax = _axes(ax)
     try:
@@ -132,7 +133,9 @@ def plot_heatmap(
     image.rlx_pooled = data  # the exact pooled values, infinities included
     image.rlx_factors = factors
     image.rlx_fold = folded
-    colorbar = ax.figure.colorbar(image, ax=ax)
+    # Plain "1e-07" tick labels: the default 10^-7 labels go through mathtext, whose parser costs
+    # ~0.1 s per new exponent — more than the whole pooled map of a 1e8-element output.
+    colorbar = ax.figure.colorbar(image, ax=ax, format=LogFormatter(labelOnlyBase=True))
     colorbar.set_label(METRIC_LABELS[metric])
     h, w = folded.grid
     ax.set_xlabel(f"cols: {w}" + (f" (pooled x{factors[1]})" if factors[1] > 1 else ""))
