@@ -378,6 +378,9 @@ def _budget(rec: OutputRecord, so: ReferenceStats, sb: ReferenceStats, ss: Refer
     legit = [so] if ss is None else [so, ss]
     if ss is None and rec.kind == "grad":  # no sequential run to measure reordering: the length guess
         units = GRAD_FLOOR_UNITS * math.sqrt(max(1, rec.reduction_length))
+        rec.note = _join(
+            rec.note, "no sequential run for this output: the gradient floor is guessed from the sum's length"
+        )
     else:
         units = FLOOR_UNITS
     floor = units * UNIT_ROUNDOFF["float32"]

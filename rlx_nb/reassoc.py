@@ -11,7 +11,7 @@ the sum's length cannot know that; so the budget measures it.
 
 :class:`SequentialSums` runs the model (forward and backward) in float32 with every reduction
 computed as the plainest legitimate kernel would: one accumulator per output, adding the terms
-strictly in memory order.  Covered: ``sum``/``mean``; the parameter gradients (and the
+strictly in index order (memory order for contiguous tensors).  Covered: ``sum``/``mean``; the parameter gradients (and the
 input-gradient row sums) of LayerNorm, BatchNorm and GroupNorm; softmax and log-softmax
 backward; a convolution's bias gradient.  Matrix products are left to the BLAS, whose kernels
 already accumulate each element sequentially along K.  The run's error against the float64

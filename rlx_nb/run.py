@@ -574,13 +574,21 @@ def run(
         backward=backward,
         environment={
             **environment(),
+            **({"sequential_failed": _why(sequential)} if sequential is not None and _why(sequential) else {}),
             "nondeterministic": unstable,
             "model_was_training": bool(getattr(model, "training", False)),
         },
         fingerprints={"inputs": fingerprint(args), "model": fingerprint(dict(base.state_dict()))},
         anchors={b: a for b, a in anchors.items() if a.status == OK},
-        sequential=sequential if sequential is not None and sequential.status == OK else None,
+        sequential=sequential if sequential is not None and sequential.status == OK else None,  # grads may be missing
     )
+
+
+def _why(run: BackendRun) -> str:
+    # Why a helper run (or its backward) failed, or "" when it did not.
+    if run.status != OK:
+        return run.message
+    return run.grad_message if run.grad_status not in (None, OK) else ""
 
 
 class _CountMatmuls(TorchFunctionMode):

@@ -129,3 +129,18 @@ def test_inductor_sums_a_batchnorm_bias_gradient_like_the_sequential_run():
     assert rec.backend_max_err > 8 * rec.oracle_max_err
     assert rec.sequential_max_err > rec.backend_max_err / 2
     assert rec.verdict == ROUNDOFF and rec.excess <= 1.0
+
+
+def test_a_failing_sequential_run_falls_back_to_the_length_guess_and_says_so(monkeypatch):
+    def broken(args, kwargs, out):
+        raise RuntimeError("no plain kernel here")
+
+    monkeypatch.setitem(reassoc._SEQUENTIAL, torch.ops.aten.sum.dim_IntList, broken)
+    model, inputs = demo.mlp(0)
+    report = rlx_nb.backend_divergence(model, inputs, backends=["cpu-nomkldnn"], backward=True, progress=False)
+    assert report.results.sequential.grad_status == "error"  # the forward ran; its backward did not
+    assert "grad:fc2.bias" not in report.results.sequential.outputs
+    assert "no plain kernel here" in report.results.environment["sequential_failed"]
+    rec = report.record("cpu-nomkldnn", "grad:fc2.bias")
+    assert rec.verdict == ROUNDOFF and "guessed from the sum's length" in rec.note
+    assert rec.sequential_max_err != rec.sequential_max_err  # NaN: not measured
