@@ -152,3 +152,19 @@ def test_keep_arrays_auto_drops_large_round_off_modules(monkeypatch):
     assert every.arrays("blocks.0")[0].size > 0
     with pytest.raises(rlx_nb.RlxError, match="keep_arrays must be"):
         rlx_nb.localize(model, inputs, backend="fault:softmax-row", keep_arrays="some")
+
+
+def test_a_mild_gradient_fault_the_verdict_now_catches_is_localized_too():
+    # A 1e-3 slip in LayerNorm's backward: within the old sqrt(K) gradient floor, caught by the
+    # measured budget end to end; localize's backward descent names the LayerNorm.
+    from rlx_nb.backends.faults import fault_backend
+    from rlx_nb.backends.registry import _REGISTRY
+
+    backend = fault_backend("layernorm-backward", 1e-3)
+    _REGISTRY[backend.name] = backend
+    model, inputs = demo.transformer(0)
+    report = rlx_nb.backend_divergence(model, inputs, backends=[backend.name], backward=True, progress=False)
+    assert report.suspects == [backend.name]
+    assert report.record(backend.name).output.startswith("grad:")
+    loc = report.localize(backend.name)
+    assert loc.culprit == "ln1 :: F.layer_norm"
