@@ -47,7 +47,13 @@ def _child(n: int, n_out: int, n_backends: int) -> None:
     res = report.results
     held = sum(
         leaf.value.nbytes
-        for run in [res.oracle, res.reference, *res.candidates.values(), *res.anchors.values()]
+        for run in [
+            res.oracle,
+            res.reference,
+            *res.candidates.values(),
+            *res.anchors.values(),
+            *filter(None, [res.sequential]),
+        ]
         for leaf in run.outputs.values()
     )
     rss_report = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
