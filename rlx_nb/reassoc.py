@@ -42,7 +42,8 @@ def sequential_sum(x: torch.Tensor, dims: Sequence[int], keepdim: bool = False) 
     dims = sorted({d % nd for d in dims})
     kept = [d for d in range(nd) if d not in dims]
     shape = [x.shape[d] for d in kept]
-    rows = x.detach().permute(*kept, *dims).reshape(math.prod(shape), -1).contiguous().numpy()
+    # Terms of another dtype (a half tensor summed with dtype=float32) are added as float32.
+    rows = x.detach().to(torch.float32).permute(*kept, *dims).reshape(math.prod(shape), -1).contiguous().numpy()
     out = np.empty(rows.shape[0], np.float32)
     run = sequential_kernel()
     if run is not None:

@@ -62,6 +62,10 @@ def test_sequential_sums_only_changes_float32_cpu_reductions():
         c = (x * 2).relu()
         d = x.sum(0, dtype=torch.float64)
     np.testing.assert_array_equal(a.numpy(), _left_to_right(x.numpy(), [0]))
+    h = x.half()
+    with SequentialSums():
+        e = h.sum(0, dtype=torch.float32)  # half terms into a float32 accumulator
+    np.testing.assert_array_equal(e.numpy(), _left_to_right(h.float().numpy(), [0]))
     assert (
         torch.equal(b, x.double().sum(0))
         and torch.equal(c, (x * 2).relu())
