@@ -35,10 +35,10 @@ aten = torch.ops.aten
 
 
 def sequential_sum(x: torch.Tensor, dims: Sequence[int], keepdim: bool = False) -> torch.Tensor:
-    """``x.sum(dims)`` in float32, each output summed by one accumulator in memory order."""
+    """``x.sum(dims)`` in float32, each output summed by one accumulator in index order."""
     nd = x.dim()
     if nd == 0:
-        return x.detach().clone()
+        return x.detach().to(torch.float32, copy=True)
     dims = sorted({d % nd for d in dims})
     kept = [d for d in range(nd) if d not in dims]
     shape = [x.shape[d] for d in kept]
@@ -64,18 +64,21 @@ def _dims(x: torch.Tensor, dims: Any) -> list[int]:
     return [dims] if isinstance(dims, int) else list(dims)
 
 
-def _sum(args: tuple, kwargs: dict, out: Any) -> Any:
+def _reduction(args: tuple, kwargs: dict) -> tuple[torch.Tensor, list[int], bool]:
+    # (input, reduced dims, keepdim) of an aten sum/mean call.
     x = args[0]
     dims = _dims(x, args[1] if len(args) > 1 else kwargs.get("dim"))
-    keepdim = bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
-    return sequential_sum(x, dims, keepdim)
+    return x, dims, bool(args[2] if len(args) > 2 else kwargs.get("keepdim", False))
+
+
+def _sum(args: tuple, kwargs: dict, out: Any) -> Any:
+    return sequential_sum(*_reduction(args, kwargs))
 
 
 def _mean(args: tuple, kwargs: dict, out: Any) -> Any:
-    x = args[0]
-    dims = _dims(x, args[1] if len(args) > 1 else kwargs.get("dim"))
+    x, dims, keepdim = _reduction(args, kwargs)
     count = math.prod(x.shape[d % x.dim()] for d in dims) if x.dim() else 1
-    return _sum(args, kwargs, out) / max(1, count)
+    return sequential_sum(x, dims, keepdim) / max(1, count)
 
 
 def _layer_norm_backward(args: tuple, kwargs: dict, out: Any) -> Any:

@@ -127,7 +127,8 @@ class RunResults:
     sequential: BackendRun | None = None
     """The model in float32 with plain sequential reductions (:mod:`rlx_nb.reassoc`): a second
     legitimate error next to the oracle's.  ``None`` when the model has no reduction it changes
-    (it would repeat the oracle) or the determinism check was off."""
+    (it would repeat the oracle) or the run failed; when only its backward failed, it holds the
+    forward outputs.  A failure's reason is in ``environment["sequential_failed"]``."""
 
     @property
     def output_names(self) -> list[str]:
@@ -554,6 +555,7 @@ def run(
     if reductions.calls != 0:
         say("sequential")
         sequential = go(Backend("sequential", run_eager, hookable=True), timeout_s=timeout_s, scope=SequentialSums)
+    failed = _why(sequential) if sequential is not None else ""
     anchors = {}
     if effective_precision and counter.calls != 0:
         for bits in ANCHOR_BITS:
@@ -574,7 +576,7 @@ def run(
         backward=backward,
         environment={
             **environment(),
-            **({"sequential_failed": _why(sequential)} if sequential is not None and _why(sequential) else {}),
+            **({"sequential_failed": failed} if failed else {}),
             "nondeterministic": unstable,
             "model_was_training": bool(getattr(model, "training", False)),
         },

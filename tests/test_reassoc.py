@@ -52,6 +52,7 @@ def test_sequential_sum_differs_from_a_pairwise_sum_where_the_order_matters():
     exact = 4096 * np.float64(np.float32(0.1))
     assert abs(float(x.sum()) - exact) < abs(float(sequential_sum(x, [0])) - exact)
     assert float(sequential_sum(torch.tensor(2.5), [])) == 2.5  # a 0-d "sum" is the value
+    assert sequential_sum(torch.tensor(2.5, dtype=torch.float16), []).dtype == torch.float32
 
 
 def test_sequential_sums_only_changes_float32_cpu_reductions():
