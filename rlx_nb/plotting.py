@@ -133,9 +133,11 @@ def plot_heatmap(
     image.rlx_pooled = data  # the exact pooled values, infinities included
     image.rlx_factors = factors
     image.rlx_fold = folded
-    # Plain "1e-07" tick labels: the default 10^-7 labels go through mathtext, whose parser costs
-    # ~0.1 s per new exponent — more than the whole pooled map of a 1e8-element output.
+    # Plain "1e-07" / "2e-07" tick labels, major and minor: the default 10^-7 and 2x10^-7 labels go
+    # through mathtext, whose parser costs ~0.02-0.1 s per new label — about the whole pooled map of a
+    # 1e8-element output.
     colorbar = ax.figure.colorbar(image, ax=ax, format=LogFormatter(labelOnlyBase=True))
+    colorbar.ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False))
     colorbar.set_label(METRIC_LABELS[metric])
     h, w = folded.grid
     ax.set_xlabel(f"cols: {w}" + (f" (pooled x{factors[1]})" if factors[1] > 1 else ""))

@@ -74,6 +74,19 @@ def test_worst_element_is_marked_and_labelled():
     assert any("(1, 2, 5, 6)" in t.get_text() for t in ax.texts)
 
 
+def test_colour_bar_labels_are_plain_text():
+    """Major and minor colour-bar labels avoid mathtext, whose parser costs more than a 1e8 map."""
+    rng = np.random.default_rng(0)
+    o = np.zeros((64, 64), np.float32)
+    b = rng.uniform(2e-7, 8e-7, (64, 64)).astype(np.float32)  # under one decade: minor ticks get labels
+    ax = plot_heatmap(o, b)
+    ax.figure.canvas.draw()
+    colorbar_axis = ax.images[0].colorbar.ax.yaxis
+    labels = [t.get_text() for minor in (False, True) for t in colorbar_axis.get_ticklabels(minor=minor)]
+    assert any(labels), labels
+    assert not [text for text in labels if "$" in text], labels
+
+
 def test_fold_rules_round_trip():
     shape = (2, 3, 4, 5)
     for fold in [None, ((0, 2), (1, 3)), ((3,), (0, 1, 2))]:
