@@ -23,6 +23,7 @@ import numpy as np
 import torch
 from torch.overrides import TorchFunctionMode
 
+from rlx_nb._memory import private_copy
 from rlx_nb.backends import ORACLE, REFERENCE, Backend, get_backend, resolve_backends
 from rlx_nb.backends.eager import run_eager
 from rlx_nb.backends.emulated import TARGETS, emulate
@@ -228,7 +229,7 @@ def _to_leaf(value: Any, keep_on_device: bool = False) -> Leaf:
 
 
 def _clone_inputs(args: tuple) -> tuple:
-    return map_tensors(lambda t: t.detach().clone().requires_grad_(t.requires_grad), args)
+    return map_tensors(lambda t: private_copy(t).requires_grad_(t.requires_grad), args)
 
 
 def _fresh_leaves(args: tuple) -> tuple:

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from rlx_nb._memory import private_copy
 from rlx_nb.backends.registry import ORACLE, REFERENCE, Backend
 from rlx_nb.tree import map_tensors
 
@@ -19,7 +20,10 @@ def run_eager(model: Any, inputs: tuple) -> Any:
 
 
 def to_float64(x: torch.Tensor) -> torch.Tensor:
-    return x.double() if x.is_floating_point() else x
+    if not x.is_floating_point() or x.dtype == torch.float64:
+        return x
+    # A differentiable cast where gradients flow back to the input; else a copy on huge pages.
+    return x.double() if x.requires_grad else private_copy(x, torch.float64)
 
 
 def run_float64(model: Any, inputs: tuple) -> Any:
