@@ -38,7 +38,7 @@ from rlx_nb import demo
 from rlx_nb.backends import available_backends, register_backend
 from rlx_nb.backends.faults import CATALOGUE, HITS, fault_backend
 from rlx_nb.backends.registry import _REGISTRY
-from rlx_nb.compare import SUSPECT
+from rlx_nb.compare import MAX_LIMIT, RMSE_LIMIT, SUSPECT
 
 RESULTS = Path(__file__).parent / "results"
 FAMILIES = {
@@ -236,9 +236,19 @@ def _case_rows(report, family: str, seed: int, legit: list[str], faults: list[tu
                     (r.concentration for r in recs if r.concentration == r.concentration and r.dtype == "float32"),
                     default=math.nan,
                 ),
+                "max_slice_ratio": max(
+                    (r.slice_ratio for r in recs if r.slice_ratio == r.slice_ratio and r.dtype == "float32"),
+                    default=math.nan,
+                ),
                 "float32_outputs": sum(1 for r in recs if r.concentration == r.concentration and r.dtype == "float32"),
                 "by_concentration_only": any(r.concentrated for r in recs)
                 and not any(r.verdict == SUSPECT and (r.excess > 1.0 or r.nonfinite_mismatch) for r in recs),
+                "by_slice_only": any(r.verdict == SUSPECT and r.slice_ratio > RMSE_LIMIT for r in recs)
+                and not any(
+                    r.verdict == SUSPECT
+                    and (r.ratio_rmse > RMSE_LIMIT or r.ratio_max > MAX_LIMIT or r.concentrated or r.nonfinite_mismatch)
+                    for r in recs
+                ),
                 "max_rel": max((r.max_rel for r in recs if r.max_rel == r.max_rel), default=math.nan),
                 **flags,
             }
@@ -324,6 +334,12 @@ def _summary(df: pd.DataFrame) -> str:
         f"\nHighest error concentration over the {int(fp32.float32_outputs.sum())} float32 outputs of legitimate "
         f"fp32 backends: {fp32.max_concentration.max():.2f} (the clause's limit is 3). Faults caught by the "
         f"concentration clause alone: {int(det[det['rlx_nb']].by_concentration_only.sum())}."
+    )
+    miss.append(
+        f"\nHighest slice ratio (a slice's mean error over the legitimate runs' RMS error there) over the same "
+        f"outputs: {fp32.max_slice_ratio.max():.2f} (the clause's limit is {RMSE_LIMIT:g}; cpu-fp16 and cpu-bf16, "
+        f"judged on their own scale: {legit[~legit.backend.isin(FP32_LEGIT)].max_slice_ratio.max():.2f}). "
+        f"Faults caught by the slice clause alone: {int(det[det['rlx_nb']].by_slice_only.sum())}."
     )
     flagged_legit = legit[legit["rlx_nb"]]
     miss.append(f"\nLegitimate cases rlx_nb flagged: {len(flagged_legit)}.")

@@ -157,6 +157,42 @@ def _reference_range(x, ref, start, stop):  # pragma: no cover - compiled
     return sq, mx, rsq, rmx, count
 
 
+def _slice_rows(x, ref, r0, r1, row_s, row_q, row_n, col_s, col_q, col_n):  # pragma: no cover - compiled
+    # Errors e = x - ref (float64) of rows r0..r1 of two 2-D arrays, where both are finite: per row
+    # their sum, sum of squares and count (row_* of length 0: not kept), and per column the same,
+    # added to col_* (one set per worker).  Returns the largest error, and the reference's squared
+    # sum and largest magnitude there: with the sums, what :func:`_reference_range` gives.
+    keep_rows = row_s.size > 0
+    mx = 0.0
+    rsq = 0.0
+    rmx = 0.0
+    for i in range(r0, r1):
+        s = 0.0
+        q = 0.0
+        n = 0.0
+        for j in range(x.shape[1]):  # branch-free, so that it vectorises
+            r = ref[i, j]
+            e = np.float64(x[i, j]) - r
+            ok = abs(e) < math.inf and abs(r) < math.inf
+            e = e if ok else 0.0
+            r = r if ok else 0.0
+            c = 1.0 if ok else 0.0
+            s += e
+            q += e * e
+            n += c
+            col_s[j] += e
+            col_q[j] += e * e
+            col_n[j] += c
+            mx = max(mx, abs(e))
+            rsq += r * r
+            rmx = max(rmx, abs(r))
+        if keep_rows:
+            row_s[i] = s
+            row_q[i] = q
+            row_n[i] = n
+    return mx, rsq, rmx
+
+
 def _pool_rows(o, b, r0, r1, fy, fx, rel, rel_eps, pooled):  # pragma: no cover - compiled
     # Max-pool |b - o| (or the seed's relative error) of rows r0..r1 (r0 a multiple of fy) of two
     # 2-D float32 arrays into pooled[row // fy, col // fx]; NaN/Inf disagreements are +inf,
@@ -198,6 +234,11 @@ def kernel():
 def reference_kernel():
     """The compiled :func:`_reference_range`, or ``None`` like :func:`kernel`."""
     return None if kernel() is None else _compiled("_reference_range")
+
+
+def slice_kernel():
+    """The compiled :func:`_slice_rows`, or ``None`` like :func:`kernel`."""
+    return None if kernel() is None else _compiled("_slice_rows")
 
 
 def pool_kernel():

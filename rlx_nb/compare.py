@@ -17,6 +17,7 @@ reference, ``o`` the oracle, ``s`` the sequential run and ``b`` the backend::
     budget_max  = scale * max(max|o - r|, max|s - r|, floor_max)
     ratio_rmse  = rmse(b - r) / budget_rmse        ratio_max = max|b - r| / budget_max
     SUSPECT  if ratio_rmse > RMSE_LIMIT or ratio_max > MAX_LIMIT
+             or slice_ratio > RMSE_LIMIT (below)
              or the error is concentrated (below)
              or NaN/Inf where the oracle has none (or the reverse), or the shape differs
 
@@ -31,6 +32,20 @@ the oracle's error and bit for bit what one sequential accumulator gives.  The
 model has no ``s`` when it has no reduction the run would change (``s`` would be
 ``o``); if that run failed, a parameter gradient's floor falls back to the old
 guess ``GRAD_FLOOR_UNITS * u32 * sqrt(K)``, ``K`` about the terms summed per element.
+
+Systematic error on a slice: round-off errs either way on each element, so its mean over a
+slice (every element with index ``j`` along one axis: a row, a column, a channel) is far below
+its typical size, and is at most that size even when the errors of a slice all lean one way.
+A bug on one row or channel leans one way on the whole slice.  For each axis and index ``j``
+(outputs of two or more dimensions, axes with two or more slices of two or more elements)::
+
+    slice_ratio = max over slices j of  |mean_j(b - r)| / (scale * max(rms_j(o - r), rms_j(s - r), floor_rmse))
+
+The legitimate runs can never exceed 1 against themselves (a mean is at most the RMS), so the
+clause needs no constant of its own and uses ``RMSE_LIMIT``; it counts in ``excess``.  It finds
+what the whole-output RMSE dilutes: the conv net's logits with one class's bias off by 1e-5 of
+itself are 15x the oracle's error but within 4x Inductor's, and that class's mean error is
+15x the legitimate RMS error on it.  ``slice_at`` names the slice (``[:, 0]``).
 
 Concentrated error: a bug on one row or channel leaves most of an output at
 round-off and a few elements far off, which a budget sized for the whole output
@@ -58,7 +73,7 @@ import numpy as np
 import torch
 
 from rlx_nb import device_metrics
-from rlx_nb.metrics import UNIT_ROUNDOFF, ReferenceStats, pair_stats, reference_stats
+from rlx_nb.metrics import UNIT_ROUNDOFF, ReferenceStats, SliceStats, error_stats, pair_stats, reference_stats
 from rlx_nb.progress import bar
 from rlx_nb.run import GRAD_PREFIX, OK, SKIPPED, BackendRun, Leaf, RunResults
 
@@ -121,6 +136,8 @@ class OutputRecord:
     excess: float = math.nan
     concentration: float = math.nan
     concentrated: bool = False
+    slice_ratio: float = math.nan
+    slice_at: str = ""
     tol_rel: float = math.nan
     reduction_length: int = 1
     effective_bits: float = math.nan
@@ -278,6 +295,13 @@ def compare_leaf(
         eo, eb = _on(o, got.tensor.device, output, "oracle", cache), got.tensor.reshape(-1)
         r = ref.value if ref is not None and ref.is_array and _is_float(ref.value) else None
         r = r if r is not None and r.shape == o.shape and not np.iscomplexobj(r) else None
+        slices = None
+        if r is not None and o.ndim >= 2:
+
+            def slices() -> tuple[SliceStats, list[SliceStats]]:
+                dev = device_metrics.slice_stats(eb, _on(r, eb.device, output, "reference", cache), o.shape)
+                return dev, _legit_slices(o, r, sequential, output or "", cache)
+
         return _judge(
             rec,
             o,
@@ -289,6 +313,7 @@ def compare_leaf(
             rule,
             cache,
             sequential,
+            slices,
         )
     b = got.value
     if not (_is_float(o) and _is_float(b)):
@@ -297,7 +322,11 @@ def compare_leaf(
     r = None
     if ref is not None and ref.is_array and ref.value.shape == o.shape and _is_float(ref.value):
         r = ref.value.view(np.float64).reshape(shape) if np.iscomplexobj(ref.value) else ref.value
-    return _judge(rec, o, eo, eb, r, pair_stats(eo, eb), lambda: reference_stats(eb, r), rule, cache, sequential)
+    slices, versus = None, lambda: reference_stats(eb, r)
+    if r is not None and o.ndim >= 2 and not np.iscomplexobj(o) and eb.shape == o.shape:
+        whole, own = error_stats(eb, r)  # one pass for both
+        slices, versus = (lambda: (own, _legit_slices(o, r, sequential, output or "", cache))), (lambda: whole)
+    return _judge(rec, o, eo, eb, r, pair_stats(eo, eb), versus, rule, cache, sequential, slices)
 
 
 def on_device(oracle: np.ndarray, got: Leaf) -> bool:
@@ -316,6 +345,7 @@ def _judge(
     rule: str,
     cache: dict,
     sequential: Leaf | None = None,
+    slices: Callable[[], tuple[SliceStats, list[SliceStats]]] | None = None,
 ) -> OutputRecord:
     # Shared by the host and device paths: ``o`` is the oracle's output, ``eo``/``eb`` the flat
     # float views compared (interleaved for complex; ``eb`` may be a device tensor), ``r`` the fp64
@@ -330,7 +360,9 @@ def _judge(
     rec.verdict_fixed = SUSPECT if (stats.max_rel > rec.tol_rel or stats.nonfinite_mismatch) else ROUNDOFF
     if r is not None:
         so = _oracle_stats(eo, r, rec.output or "", cache)
-        rec.verdict_budget = _budget(rec, so, backend_vs_reference(), _sequential_stats(sequential, o, r, rec, cache))
+        rec.verdict_budget = _budget(
+            rec, so, backend_vs_reference(), _sequential_stats(sequential, o, r, rec, cache), slices
+        )
     else:
         rec.note = _join(rec.note, "no fp64 reference for this output; the budget verdict is unavailable")
     rec.verdict = rec.verdict_fixed if rule == "fixed" or rec.verdict_budget is None else rec.verdict_budget
@@ -338,24 +370,41 @@ def _judge(
     return rec
 
 
-def _oracle_stats(o: np.ndarray, r: np.ndarray, output: str, cache: dict) -> ReferenceStats:
-    # The oracle's error against fp64 is the same for every candidate: computed once per output.
-    key = ("oracle-vs-fp64", output)
+def _errors(x: np.ndarray, r: np.ndarray, output: str, what: str, cache: dict) -> tuple[ReferenceStats, Any]:
+    # A legitimate run's error against fp64 is the same for every candidate: computed once per output,
+    # with its slice sums (SliceStats) in the same pass for outputs of two or more dimensions.
+    key = (f"{what}-vs-fp64", output)
     if key not in cache:
-        cache[key] = reference_stats(o, r)
+        sliced = x.ndim >= 2 and x.dtype.kind == "f" and x.shape == r.shape  # not complex's interleaved view
+        cache[key] = error_stats(x, r) if sliced else (reference_stats(x, r), None)
     return cache[key]
+
+
+def _oracle_stats(o: np.ndarray, r: np.ndarray, output: str, cache: dict) -> ReferenceStats:
+    return _errors(o, r, output, "oracle", cache)[0]
+
+
+def _sequential_output(leaf: Leaf | None, o: np.ndarray, r: np.ndarray) -> np.ndarray | None:
+    # The plain-sequential run's output where it can be compared like the oracle's, else None.
+    ok = leaf is not None and leaf.is_array and leaf.value.shape == o.shape and leaf.value.dtype == o.dtype
+    return leaf.value if ok and o.dtype.kind == "f" and r.shape == o.shape else None
 
 
 def _sequential_stats(
     leaf: Leaf | None, o: np.ndarray, r: np.ndarray, rec: OutputRecord, cache: dict
 ) -> ReferenceStats | None:
     # The plain-sequential run's error against fp64, once per output; None when it has no usable output.
-    key = ("sequential-vs-fp64", rec.output)
-    if key not in cache:
-        ok = leaf is not None and leaf.is_array and leaf.value.shape == o.shape and leaf.value.dtype == o.dtype
-        ok = ok and o.dtype.kind == "f" and r.shape == o.shape
-        cache[key] = reference_stats(leaf.value, r) if ok else None
-    return cache[key]
+    s = _sequential_output(leaf, o, r)
+    return None if s is None else _errors(s, r, rec.output or "", "sequential", cache)[0]
+
+
+def _legit_slices(o: np.ndarray, r: np.ndarray, sequential: Leaf | None, output: str, cache: dict) -> list[SliceStats]:
+    # The legitimate runs' (oracle, sequential) slice sums against fp64, from the same cached pass.
+    legit = [_errors(o, r, output, "oracle", cache)[1]]
+    s = _sequential_output(sequential, o, r)
+    if s is not None:
+        legit.append(_errors(s, r, output, "sequential", cache)[1])
+    return legit
 
 
 def _on(x: np.ndarray, device: Any, output: str, what: str, cache: dict) -> Any:
@@ -372,7 +421,13 @@ def _fill_stats(rec: OutputRecord, stats: Any) -> None:
     rec.mismatched_frac = stats.mismatched / max(1, stats.numel)
 
 
-def _budget(rec: OutputRecord, so: ReferenceStats, sb: ReferenceStats, ss: ReferenceStats | None = None) -> str:
+def _budget(
+    rec: OutputRecord,
+    so: ReferenceStats,
+    sb: ReferenceStats,
+    ss: ReferenceStats | None = None,
+    slices: Callable[[], tuple[SliceStats, list[SliceStats]]] | None = None,
+) -> str:
     scale = UNIT_ROUNDOFF.get(rec.compute_dtype, UNIT_ROUNDOFF["float32"]) / UNIT_ROUNDOFF["float32"]
     scale = max(scale, 1.0)
     legit = [so] if ss is None else [so, ss]
@@ -395,6 +450,9 @@ def _budget(rec: OutputRecord, so: ReferenceStats, sb: ReferenceStats, ss: Refer
     rec.ratio_rmse = _ratio(sb.rmse, budget_rmse)
     rec.ratio_max = _ratio(sb.max_err, budget_max)
     rec.excess = max(rec.ratio_rmse / RMSE_LIMIT, rec.ratio_max / MAX_LIMIT)
+    if slices is not None:
+        rec.slice_ratio, rec.slice_at = _slice_ratio(*slices(), scale, floor * so.ref_rms)
+        rec.excess = max(rec.excess, rec.slice_ratio / RMSE_LIMIT)
     if so.rmse > floor * so.ref_rms and sb.rmse < BETTER_THAN_ORACLE * so.rmse:
         rec.note = _join(
             rec.note,
@@ -405,6 +463,21 @@ def _budget(rec: OutputRecord, so: ReferenceStats, sb: ReferenceStats, ss: Refer
     far = CONCENTRATED_OVER_ORACLE * scale * max(legit_max, FLOOR_UNITS * UNIT_ROUNDOFF["float32"] * so.ref_max)
     rec.concentrated = bool(rec.numel >= 2 and sb.max_err > far and rec.concentration > CONCENTRATION_LIMIT)
     return SUSPECT if rec.excess > 1.0 or rec.concentrated or rec.nonfinite_mismatch else ROUNDOFF
+
+
+def _slice_ratio(b: SliceStats, legit: list[SliceStats], scale: float, floor_rmse: float) -> tuple[float, str]:
+    # The largest mean error of a slice over the legitimate runs' RMS error on that same slice.
+    worst, at = 0.0, ""
+    for i, axis in enumerate(b.axes):
+        with np.errstate(invalid="ignore", divide="ignore"):
+            mean = np.abs(b.sums[i]) / np.maximum(b.counts[i], 1)
+            rms = np.sqrt(np.maximum.reduce([s.squares[i] / np.maximum(s.counts[i], 1) for s in legit]))
+        budget = scale * np.maximum(rms, floor_rmse)
+        ratio = np.where(budget > 0, mean / np.where(budget > 0, budget, 1.0), np.where(mean > 0, np.inf, 0.0))
+        j = int(np.argmax(ratio))
+        if ratio[j] > worst:
+            worst, at = float(ratio[j]), "[" + ", ".join([":"] * axis + [str(j)]) + "]"
+    return worst, at
 
 
 def _isolation(st: ReferenceStats, n: int) -> float:
@@ -475,6 +548,12 @@ def _reason(rec: OutputRecord, rule: str) -> str:
                     f"claims fp32 (error {worst:.3g}x the fp32 budget, spread over the output); a reduced-precision "
                     "mode such as TF32, autocast or a runtime precision hint is likely on — or a systematic "
                     "kernel error of that size"
+                )
+            if rec.slice_ratio > RMSE_LIMIT and max(rec.ratio_rmse / RMSE_LIMIT, rec.ratio_max / MAX_LIMIT) <= 1.0:
+                return (
+                    f"systematic error on one slice: {rec.output}{rec.slice_at} is off by {rec.slice_ratio:.3g}x, on average, "
+                    f"the legitimate runs' RMS error there, while the output as a whole is within {worst:.3g}x the "
+                    f"{fmt} budget — round-off averages out over a slice, a bug on one row or channel does not"
                 )
             if rec.concentrated and rec.excess <= 1.0:
                 over = rec.backend_max_err / rec.oracle_max_err if rec.oracle_max_err > 0 else math.inf

@@ -18,7 +18,7 @@ import math
 import numpy as np
 import torch
 
-from rlx_nb.metrics import REL_EPS, PairStats, ReferenceStats, _p99_rank, default_tolerance
+from rlx_nb.metrics import REL_EPS, PairStats, ReferenceStats, SliceStats, _p99_rank, default_tolerance, slice_axes
 
 CHUNK = 1 << 24
 """Elements per device chunk: bounds the float64 temporaries to a few hundred MB."""
@@ -138,6 +138,43 @@ def reference_stats(x: torch.Tensor, reference: torch.Tensor) -> ReferenceStats:
     if count == 0:
         return ReferenceStats(0.0, 0.0, 0.0, 0.0)
     return ReferenceStats(math.sqrt(sq / count), mx, math.sqrt(rsq / count), rmx)
+
+
+@torch.no_grad()
+def slice_stats(x: torch.Tensor, reference: torch.Tensor, shape: tuple[int, ...]) -> SliceStats:
+    """:func:`rlx_nb.metrics.slice_stats` for a flat tensor and a flat float64 reference of ``shape``
+    on one device; only the per-slice sums (a few vectors) come to the host."""
+    if x.shape != reference.shape or x.numel() != math.prod(shape):
+        raise ValueError(f"shapes differ: {tuple(x.shape)}, {tuple(reference.shape)}, {shape}")
+    axes = slice_axes(shape)
+    if not axes:
+        return SliceStats((), (), (), ())
+    cols = shape[-1]
+    xr, rr = x.reshape(-1, cols), reference.reshape(-1, cols)
+    rows = xr.shape[0]
+    keep_rows = any(k < len(shape) - 1 for k in axes)
+    col = [torch.zeros(cols, dtype=torch.float64, device=x.device) for _ in range(3)]
+    row: list[list[torch.Tensor]] = [[], [], []]
+    step = max(1, CHUNK // cols)
+    for a in range(0, rows, step):
+        e = xr[a : a + step].double() - rr[a : a + step].double()
+        ok = torch.isfinite(e)
+        e = torch.where(ok, e, 0.0)
+        for i, v in enumerate((e, e * e, ok.double())):
+            col[i] += v.sum(dim=0)
+            if keep_rows:
+                row[i].append(v.sum(dim=1))
+    col_np = [c.cpu().numpy() for c in col]
+    row_np = [torch.cat(r).cpu().numpy() for r in row] if keep_rows else []
+    lead = shape[:-1]
+    out = []
+    for k in axes:
+        if k == len(shape) - 1:
+            out.append(tuple(col_np))
+        else:
+            other = tuple(a for a in range(len(lead)) if a != k)
+            out.append(tuple(v.reshape(lead).sum(axis=other) for v in row_np))
+    return SliceStats(axes, *(tuple(o[i] for o in out) for i in range(3)))
 
 
 @torch.no_grad()

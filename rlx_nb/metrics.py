@@ -82,6 +82,110 @@ class ReferenceStats:
     ref_max: float
 
 
+@dataclasses.dataclass(frozen=True)
+class SliceStats:
+    """Error of one array against a float64 reference, summed over each slice of each axis.
+
+    For axis ``k`` (``axes[k]``), slice ``j`` is every element whose index along that axis is ``j``;
+    ``sums[k][j]`` and ``squares[k][j]`` are the sum of the errors and of their squares over it, and
+    ``counts[k][j]`` how many finite errors it holds.  Only axes whose slices hold at least two
+    elements and that have at least two slices are kept.
+    """
+
+    axes: tuple[int, ...]
+    sums: tuple[np.ndarray, ...]
+    squares: tuple[np.ndarray, ...]
+    counts: tuple[np.ndarray, ...]
+
+
+def slice_axes(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The axes :func:`slice_stats` sums over: at least two slices, each of at least two elements.
+
+    The leading axes come from per-row sums over the last axis (24 bytes a row), kept when the last
+    axis has at least ``SLICE_MIN_ROW`` elements (at most one float32 output's memory) or there are
+    at most ``SLICE_SMALL_ROWS`` rows.
+    """
+    n = math.prod(shape)
+    wide = len(shape) >= 1 and (shape[-1] >= SLICE_MIN_ROW or n // max(1, shape[-1]) <= SLICE_SMALL_ROWS)
+    return tuple(k for k, d in enumerate(shape) if d >= 2 and n // d >= 2 and (k == len(shape) - 1 or wide))
+
+
+SLICE_MIN_ROW = 6  # 3 float64 sums per row of >= 6 float32 elements: at most the output's own size
+SLICE_SMALL_ROWS = 1 << 16  # or 1.5 MB of row sums whatever the rows' length
+
+
+def slice_stats(x: np.ndarray, reference: np.ndarray) -> SliceStats:
+    """:class:`SliceStats` of ``x - reference`` (float64), elements where either is non-finite left out.
+
+    One pass over the pair viewed as rows of the last axis (compiled, one range of rows per core;
+    numpy in chunks without numba): per-column sums give the last axis, per-row sums the others.
+
+    Examples
+    --------
+    >>> st = slice_stats(np.float32([[1, 2], [3, 4]]), np.float64([[1, 2], [3, 3.5]]))
+    >>> st.axes, [float(v) for v in st.sums[-1]]
+    ((0, 1), [0.0, 0.5])
+    """
+    return error_stats(x, reference)[1]
+
+
+def error_stats(x: np.ndarray, reference: np.ndarray) -> tuple[ReferenceStats, SliceStats]:
+    """:func:`reference_stats` and :func:`slice_stats` of one pair, in one pass where there are slices."""
+    if x.shape != reference.shape:
+        raise ValueError(f"shapes differ: {x.shape} vs {reference.shape}")
+    axes = slice_axes(x.shape)
+    if not axes:
+        return reference_stats(x, reference), SliceStats((), (), (), ())
+    cols = x.shape[-1]
+    xf = np.ascontiguousarray(x).reshape(-1, cols)
+    rf = np.ascontiguousarray(reference, dtype=np.float64).reshape(-1, cols)
+    rows = xf.shape[0]
+    keep_rows = any(k < x.ndim - 1 for k in axes)
+    row = [np.zeros(rows if keep_rows else 0, np.float64) for _ in range(3)]
+    kern = _fused.slice_kernel() if xf.dtype in (np.float32, np.float64) else None
+    workers = _workers(xf.size) if kern is not None else 1
+    ranges = list(itertools.pairwise([k * rows // workers for k in range(workers)] + [rows]))
+    parts = [[np.zeros(cols, np.float64) for _ in range(3)] for _ in ranges]
+    if kern is not None:
+        scalars = _on_cores(lambda a, b: kern(xf, rf, a, b, *row, *parts[ranges.index((a, b))]), ranges)
+    else:
+        scalars = []
+        step = max(1, CHUNK // cols)
+        for a in range(0, rows, step):
+            rc = rf[a : a + step]
+            e = xf[a : a + step].astype(np.float64) - rc
+            ok = np.isfinite(e) & np.isfinite(rc)
+            e, rc = np.where(ok, e, 0.0), np.where(ok, rc, 0.0)
+            sums = (e, e * e, ok.astype(np.float64))
+            for acc, v in zip(parts[0], sums, strict=True):
+                acc += v.sum(axis=0)
+            if keep_rows:
+                for acc, v in zip(row, sums, strict=True):
+                    acc[a : a + step] = v.sum(axis=1)
+            scalars.append(
+                (
+                    float(np.abs(e).max(initial=0.0)),
+                    float(np.dot(rc.ravel(), rc.ravel())),
+                    float(np.abs(rc).max(initial=0.0)),
+                )
+            )
+    col = [sum(p[i] for p in parts) for i in range(3)]
+    lead = x.shape[:-1]
+    out: list[tuple[np.ndarray, ...]] = []
+    for k in axes:
+        if k == x.ndim - 1:
+            out.append(tuple(col))
+        else:
+            other = tuple(a for a in range(len(lead)) if a != k)
+            out.append(tuple(v.reshape(lead).sum(axis=other) for v in row))
+    slices = SliceStats(axes, *(tuple(o[i] for o in out) for i in range(3)))
+    count = float(col[2].sum())
+    if count == 0:
+        return ReferenceStats(0.0, 0.0, 0.0, 0.0), slices
+    mx, rsq, rmx = max(v[0] for v in scalars), sum(v[1] for v in scalars), max(v[2] for v in scalars)
+    return ReferenceStats(math.sqrt(float(col[1].sum()) / count), mx, math.sqrt(rsq / count), rmx), slices
+
+
 def default_tolerance(dtype_name: str) -> tuple[float, float]:
     """``(rtol, atol)`` that ``torch.testing.assert_close`` uses for ``dtype_name``."""
     return DEFAULT_TOLERANCES.get(dtype_name, DEFAULT_TOLERANCES["float32"])

@@ -72,6 +72,20 @@ def test_torch_reference_stats_and_top_k(rng, monkeypatch):
     np.testing.assert_allclose(v_got, v_want, rtol=1e-7)
 
 
+def test_torch_slice_stats_equal_the_numpy_ones(rng, monkeypatch):
+    monkeypatch.setattr(device_metrics, "CHUNK", 4096)  # several chunks of rows
+    shape = (6, 50, 70)
+    ref = rng.standard_normal(shape)
+    x = (ref + rng.standard_normal(shape) * 1e-7).astype(np.float32)
+    x[2, 3, 4] = np.inf
+    want = metrics.slice_stats(x, ref)
+    got = device_metrics.slice_stats(torch.from_numpy(x).reshape(-1), torch.from_numpy(ref).reshape(-1), shape)
+    assert got.axes == want.axes == (0, 1, 2)
+    for name in ("sums", "squares", "counts"):
+        for g, w in zip(getattr(got, name), getattr(want, name), strict=True):
+            np.testing.assert_allclose(g, w, rtol=1e-9, atol=1e-20)
+
+
 def test_a_backend_that_compares_on_its_device_gives_the_same_report_without_host_copies():
     rlx_nb.register_backend("test:on-device", run_eager, default=False, replace=True, compare_on_device=True)
     rlx_nb.register_backend("test:on-host", run_eager, default=False, replace=True, compare_on_device=False)
@@ -91,6 +105,7 @@ def test_a_backend_that_compares_on_its_device_gives_the_same_report_without_hos
         )
         assert d.max_abs == pytest.approx(r.max_abs, rel=1e-12) and d.p99_abs == pytest.approx(r.p99_abs, rel=1e-6)
         assert d.ratio_rmse == pytest.approx(r.ratio_rmse, rel=1e-9)
+        assert d.slice_ratio == pytest.approx(r.slice_ratio, rel=1e-6, nan_ok=True) and d.slice_at == r.slice_at
     worst = report.record("test:on-device").output
     top = report.elements("test:on-device", worst, top=5)
     assert dev[worst].on_device  # the top-k moved only its 5 elements

@@ -6,7 +6,15 @@ import numpy as np
 import pytest
 
 from rlx_nb import metrics
-from rlx_nb.metrics import pair_stats, reference_stats, top_k, ulp_distance
+from rlx_nb.metrics import (
+    error_stats,
+    pair_stats,
+    reference_stats,
+    slice_axes,
+    slice_stats,
+    top_k,
+    ulp_distance,
+)
 
 pytestmark = pytest.mark.usefixtures("metrics_path")
 
@@ -135,6 +143,42 @@ def test_reference_stats_large_with_nonfinite(rng, dtype):
     assert r.max_err == np.abs(d).max()
     assert r.ref_rms == pytest.approx(math.sqrt(np.mean(ref[ok] ** 2)), rel=1e-9)
     assert r.ref_max == np.abs(ref[ok]).max()
+
+
+def _slice_sums(x: np.ndarray, ref: np.ndarray, axis: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    e = x.astype(np.float64) - ref
+    ok = np.isfinite(e)
+    e = np.where(ok, e, 0.0)
+    other = tuple(a for a in range(x.ndim) if a != axis)
+    return e.sum(axis=other), (e * e).sum(axis=other), ok.sum(axis=other)
+
+
+@pytest.mark.parametrize("shape", [(3, 4, 5), (2, 3, 4, 70_001), (9_000, 100), (7, 3), (300_000, 4), (1, 9), (12,)])
+def test_slice_stats_match_a_sum_over_every_other_axis(rng, shape):
+    ref = rng.standard_normal(shape) * 3
+    x = (ref + rng.standard_normal(shape) * 1e-6).astype(np.float32)
+    flat = x.reshape(-1)
+    flat[[0, flat.size // 2]] = np.nan
+    ref.reshape(-1)[-1] = np.inf
+    st = slice_stats(x, ref)
+    assert st.axes == slice_axes(shape)
+    for i, axis in enumerate(st.axes):
+        s, q, n = _slice_sums(x, ref, axis)
+        np.testing.assert_allclose(st.sums[i], s, rtol=1e-9, atol=1e-12)
+        np.testing.assert_allclose(st.squares[i], q, rtol=1e-9, atol=1e-24)
+        np.testing.assert_array_equal(st.counts[i], n)
+    whole, _ = error_stats(x, ref)  # the same pass gives the whole output's statistics
+    want = reference_stats(x, ref)
+    assert whole.rmse == pytest.approx(want.rmse, rel=1e-9) and whole.max_err == want.max_err
+    assert whole.ref_rms == pytest.approx(want.ref_rms, rel=1e-9) and whole.ref_max == want.ref_max
+
+
+def test_slice_axes_keep_slices_of_two_or_more_and_bound_the_row_sums():
+    assert slice_axes((8, 10)) == (0, 1)
+    assert slice_axes((1, 9)) == ()  # one slice along axis 0, single elements along axis 1
+    assert slice_axes((12,)) == ()  # a 1-d output's slices are single elements
+    assert slice_axes((3, 4, 5)) == (0, 1, 2)  # few rows: short rows are fine
+    assert slice_axes((300_000, 4)) == (1,)  # many short rows: their sums would outweigh the output
 
 
 def test_top_k_is_worst_first_and_exact(rng):
