@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import platform
 import resource
 import time
@@ -26,6 +27,7 @@ import time
 from _child import run_child, write_result
 
 WIDTH = 1024
+REPEATS = 3
 
 
 def _tanh_gelu(model, inputs):
@@ -60,25 +62,33 @@ def _child(kind: str, n: int) -> None:
     rlx_nb.register_backend("bench:tanh-gelu", _tanh_gelu, default=False, replace=True)
     model = _model(kind)
     x = torch.randn(max(1, n // WIDTH), WIDTH)
-    rlx_nb.backend_divergence(model, torch.randn(2, WIDTH), backends=["bench:tanh-gelu"])  # warm-ups
+    # Warm-ups, on an output large enough (1e6) for the compiled kernels: what is timed is a call in a
+    # session that has loaded its code, not numba's import and kernel loads.
+    rlx_nb.backend_divergence(model, torch.randn(1024, WIDTH), backends=["bench:tanh-gelu"])
     try:
         torch.testing.assert_close(torch.zeros(2), torch.ones(2))
     except AssertionError:
         pass
-    t0 = time.perf_counter()
-    report = rlx_nb.backend_divergence(model, x, backends=["bench:tanh-gelu"])
-    t_rlx = time.perf_counter() - t0
-    res = report.results
+    # Best of REPEATS for each side, like timeit: this machine's page-fault and scheduling noise moves
+    # single calls by +-20%.  The report of the last call gives the pair assert_close compares.
+    t_rlx, runs = math.inf, math.inf
+    for _ in range(REPEATS):
+        report = res = None  # the previous call's outputs are freed first
+        t0 = time.perf_counter()
+        report = rlx_nb.backend_divergence(model, x, backends=["bench:tanh-gelu"])
+        t_rlx = min(t_rlx, time.perf_counter() - t0)
+        res = report.results
+        runs = min(runs, res.oracle.seconds + res.reference.seconds + res.candidates["bench:tanh-gelu"].seconds)
     o = torch.from_numpy(res.oracle.outputs["out"].value)
     b = torch.from_numpy(res.candidates["bench:tanh-gelu"].outputs["out"].value)
-    t0 = time.perf_counter()
-    try:
-        torch.testing.assert_close(b, o)
-        failed = False
-    except AssertionError:
-        failed = True
-    t_close = time.perf_counter() - t0
-    runs = res.oracle.seconds + res.reference.seconds + res.candidates["bench:tanh-gelu"].seconds
+    t_close, failed = math.inf, False
+    for _ in range(REPEATS):
+        t0 = time.perf_counter()
+        try:
+            torch.testing.assert_close(b, o)
+        except AssertionError:
+            failed = True
+        t_close = min(t_close, time.perf_counter() - t0)
     print(
         json.dumps(
             {
@@ -120,7 +130,7 @@ def main() -> None:
         "# End to end: backend_divergence (one candidate) vs assert_close on the same pair",
         "",
         f"Machine: {platform.machine()}, {torch.get_num_threads()} torch threads; torch {torch.__version__}. "
-        "One run per row, each in a fresh process. Candidate: `bench:tanh-gelu` (GELU's tanh approximation).",
+        "Best of 3 calls per side, each row in a fresh process. Candidate: `bench:tanh-gelu` (GELU's tanh approximation).",
         "",
         "| model | elements | backend_divergence | assert_close failure | ratio (target <= 0.5 at 5e7) "
         "| of which model runs (oracle, fp64, candidate) | verdict | peak RSS (target <= 2.5 GB at 5e7) |",

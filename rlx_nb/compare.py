@@ -404,7 +404,7 @@ def _legit_slices(o: np.ndarray, r: np.ndarray, sequential: Leaf | None, output:
     s = _sequential_output(sequential, o, r)
     if s is not None:
         legit.append(_errors(s, r, output, "sequential", cache)[1])
-    return legit
+    return [st for st in legit if st is not None]
 
 
 def _on(x: np.ndarray, device: Any, output: str, what: str, cache: dict) -> Any:
@@ -450,8 +450,9 @@ def _budget(
     rec.ratio_rmse = _ratio(sb.rmse, budget_rmse)
     rec.ratio_max = _ratio(sb.max_err, budget_max)
     rec.excess = max(rec.ratio_rmse / RMSE_LIMIT, rec.ratio_max / MAX_LIMIT)
-    if slices is not None:
-        rec.slice_ratio, rec.slice_at = _slice_ratio(*slices(), scale, floor * so.ref_rms)
+    own, legit_slices = slices() if slices is not None else (None, [])
+    if own is not None and legit_slices and all(st.axes == own.axes for st in legit_slices):
+        rec.slice_ratio, rec.slice_at = _slice_ratio(own, legit_slices, scale, floor * so.ref_rms)
         rec.excess = max(rec.excess, rec.slice_ratio / RMSE_LIMIT)
     if so.rmse > floor * so.ref_rms and sb.rmse < BETTER_THAN_ORACLE * so.rmse:
         rec.note = _join(
