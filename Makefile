@@ -27,8 +27,10 @@ format: $(STAMP)
 	$(BIN)/ruff format rlx_nb tests bench
 	$(BIN)/ruff check --fix rlx_nb tests bench
 
+# numpy's bundled OpenBLAS can hang in a threaded call after the process forked
+# (OpenMathLib/OpenBLAS#5520); rlx_nb makes no BLAS call, and the suite keeps it single-threaded.
 test: lint
-	$(BIN)/python -m pytest -q
+	OPENBLAS_NUM_THREADS=1 $(BIN)/python -m pytest -q
 
 bench: $(STAMP)
 	$(BIN)/python bench/metrics_speed.py

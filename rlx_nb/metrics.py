@@ -165,7 +165,7 @@ def error_stats(x: np.ndarray, reference: np.ndarray) -> tuple[ReferenceStats, S
             scalars.append(
                 (
                     float(np.abs(e).max(initial=0.0)),
-                    float(np.dot(rc.ravel(), rc.ravel())),
+                    _sum_sq(rc.ravel()),
                     float(np.abs(rc).max(initial=0.0)),
                 )
             )
@@ -522,6 +522,12 @@ def _fused_pair_stats(e: np.ndarray, a: np.ndarray, rtol: float, atol: float, p9
 
 
 @np.errstate(invalid="ignore", over="ignore")
+def _sum_sq(v: np.ndarray) -> float:
+    # Sum of squares without the BLAS: numpy's bundled OpenBLAS can hang in a threaded dot after the
+    # process has forked (OpenMathLib/OpenBLAS#5520, numpy/numpy#30092), and torch.compile forks.
+    return float(np.einsum("i,i->", v, v))
+
+
 def reference_stats(x: np.ndarray, reference: np.ndarray) -> ReferenceStats:
     """RMSE and max-abs error of ``x`` against a float64 ``reference``, chunked.
 
@@ -554,9 +560,9 @@ def reference_stats(x: np.ndarray, reference: np.ndarray) -> ReferenceStats:
             d, rc = d[ok], rc[ok]
         count += d.size
         if d.size:
-            sq += float(np.dot(d, d))
+            sq += _sum_sq(d)
             mx = max(mx, float(np.abs(d).max()))
-            rsq += float(np.dot(rc, rc))
+            rsq += _sum_sq(rc)
             rmx = max(rmx, float(np.abs(rc).max()))
     if count == 0:
         return ReferenceStats(0.0, 0.0, 0.0, 0.0)
