@@ -521,13 +521,13 @@ def _fused_pair_stats(e: np.ndarray, a: np.ndarray, rtol: float, atol: float, p9
     )
 
 
-@np.errstate(invalid="ignore", over="ignore")
 def _sum_sq(v: np.ndarray) -> float:
     # Sum of squares without the BLAS: numpy's bundled OpenBLAS can hang in a threaded dot after the
     # process has forked (OpenMathLib/OpenBLAS#5520, numpy/numpy#30092), and torch.compile forks.
     return float(np.einsum("i,i->", v, v))
 
 
+@np.errstate(invalid="ignore", over="ignore")
 def reference_stats(x: np.ndarray, reference: np.ndarray) -> ReferenceStats:
     """RMSE and max-abs error of ``x`` against a float64 ``reference``, chunked.
 
