@@ -18,7 +18,16 @@ import math
 import numpy as np
 import torch
 
-from rlx_nb.metrics import REL_EPS, PairStats, ReferenceStats, SliceStats, _p99_rank, default_tolerance, slice_axes
+from rlx_nb.metrics import (
+    REL_EPS,
+    PairStats,
+    ReferenceStats,
+    SliceStats,
+    _p99_rank,
+    default_tolerance,
+    slice_axes,
+    slices_from_rows,
+)
 
 CHUNK = 1 << 24
 """Elements per device chunk: bounds the float64 temporaries to a few hundred MB."""
@@ -166,15 +175,7 @@ def slice_stats(x: torch.Tensor, reference: torch.Tensor, shape: tuple[int, ...]
                 row[i].append(v.sum(dim=1))
     col_np = [c.cpu().numpy() for c in col]
     row_np = [torch.cat(r).cpu().numpy() for r in row] if keep_rows else []
-    lead = shape[:-1]
-    out = []
-    for k in axes:
-        if k == len(shape) - 1:
-            out.append(tuple(col_np))
-        else:
-            other = tuple(a for a in range(len(lead)) if a != k)
-            out.append(tuple(v.reshape(lead).sum(axis=other) for v in row_np))
-    return SliceStats(axes, *(tuple(o[i] for o in out) for i in range(3)))
+    return slices_from_rows(shape, axes, col_np, row_np)
 
 
 @torch.no_grad()

@@ -114,6 +114,22 @@ SLICE_MIN_ROW = 6  # 3 float64 sums per row of >= 6 float32 elements: at most th
 SLICE_SMALL_ROWS = 1 << 16  # or 1.5 MB of row sums whatever the rows' length
 
 
+def slices_from_rows(
+    shape: tuple[int, ...], axes: tuple[int, ...], col: list[np.ndarray], row: list[np.ndarray]
+) -> SliceStats:
+    """:class:`SliceStats` from the (sum, squares, count) of each column and each row of the last axis:
+    the columns are the last axis's slices, and the rows, shaped like the leading axes, give the others."""
+    lead = shape[:-1]
+    out: list[tuple[np.ndarray, ...]] = []
+    for k in axes:
+        if k == len(shape) - 1:
+            out.append(tuple(col))
+        else:
+            other = tuple(a for a in range(len(lead)) if a != k)
+            out.append(tuple(v.reshape(lead).sum(axis=other) for v in row))
+    return SliceStats(axes, *(tuple(o[i] for o in out) for i in range(3)))
+
+
 def slice_stats(x: np.ndarray, reference: np.ndarray) -> SliceStats:
     """:class:`SliceStats` of ``x - reference`` (float64), elements where either is non-finite left out.
 
@@ -170,15 +186,7 @@ def error_stats(x: np.ndarray, reference: np.ndarray) -> tuple[ReferenceStats, S
                 )
             )
     col = [sum(p[i] for p in parts) for i in range(3)]
-    lead = x.shape[:-1]
-    out: list[tuple[np.ndarray, ...]] = []
-    for k in axes:
-        if k == x.ndim - 1:
-            out.append(tuple(col))
-        else:
-            other = tuple(a for a in range(len(lead)) if a != k)
-            out.append(tuple(v.reshape(lead).sum(axis=other) for v in row))
-    slices = SliceStats(axes, *(tuple(o[i] for o in out) for i in range(3)))
+    slices = slices_from_rows(x.shape, axes, col, row)
     count = float(col[2].sum())
     if count == 0:
         return ReferenceStats(0.0, 0.0, 0.0, 0.0), slices
