@@ -34,7 +34,7 @@ def private_copy(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Ten
     """
     d = t.detach()
     dtype = dtype or d.dtype
-    nbytes = d.numel() * torch.empty((), dtype=dtype).element_size()
+    nbytes = d.numel() * dtype.itemsize
     plain = (
         type(d) is torch.Tensor
         and d.device.type == "cpu"
