@@ -18,6 +18,7 @@ from rlx_nb.compare import SUSPECT
 from rlx_nb.errors import InputError
 from rlx_nb.maps import block_argmax, neighbourhood
 from rlx_nb.metrics import REL_EPS, ulp_distance
+from rlx_nb.plotting import HEATMAP_MARGINS
 
 if TYPE_CHECKING:
     from rlx_nb.report import DivergenceReport
@@ -215,15 +216,18 @@ class Explorer(W.VBox if W is not None else object):
         return self.report.arrays(self.backend_picker.value, self.output_picker.value)
 
     def _new_axes(self, width: float = 5.5, height: float = 4.2):
+        # The heatmap's figure: fixed margins, no layout engine (plotting.HEATMAP_MARGINS says why).
         if self.interactive:
             import matplotlib.pyplot as plt
 
             with plt.ioff():
-                fig = plt.figure(figsize=(width, height), layout="constrained")
-            return fig.add_subplot()
-        from matplotlib.figure import Figure
+                fig = plt.figure(figsize=(width, height))
+        else:
+            from matplotlib.figure import Figure
 
-        return Figure(figsize=(width, height), layout="constrained").add_subplot()
+            fig = Figure(figsize=(width, height))
+        fig.subplots_adjust(**HEATMAP_MARGINS)
+        return fig.add_subplot()
 
     def _draw_heatmap(self) -> None:
         if self.output_picker.value is None:

@@ -87,6 +87,27 @@ def test_colour_bar_labels_are_plain_text():
     assert not [text for text in labels if "$" in text], labels
 
 
+def test_heatmap_figure_keeps_its_labels_inside_without_a_layout_engine():
+    """The heatmap's own figure uses fixed margins (no layout engine); every label must still fit.
+
+    A wide colour bar (here 5 decades) carries no minor ticks; a narrow one keeps them (see above).
+    """
+    o = np.zeros((1000, 1000), np.float32)
+    b = np.full_like(o, 1e-7)
+    b[999, 999] = 1e-2  # the worst marker's label near the bottom-right corner
+    ax = plot_heatmap(o, b, title="a long title " * 5)
+    fig = ax.figure
+    assert fig.get_layout_engine() is None
+    renderer = fig.canvas.get_renderer()
+    fig.draw(renderer)
+    drawn, frame = fig.get_tightbbox(renderer), fig.bbox_inches  # everything drawn, in inches
+    assert ax.texts and ax.texts[0].get_text().startswith("worst")
+    assert frame.x0 <= drawn.x0 and drawn.x1 <= frame.x1 and frame.y0 <= drawn.y0 and drawn.y1 <= frame.y1, (drawn, frame)
+    colorbar = ax.images[0].colorbar.ax
+    assert not colorbar.yaxis.get_minorticklocs().size
+    assert colorbar.get_yticklabels()
+
+
 def test_fold_rules_round_trip():
     shape = (2, 3, 4, 5)
     for fold in [None, ((0, 2), (1, 3)), ((3,), (0, 1, 2))]:
