@@ -66,6 +66,8 @@ def backend_divergence(
     check_determinism : bool
         Run the oracle twice; outputs that differ are the model's own
         nondeterminism and get the verdict ``nondeterministic``, not SUSPECT.
+        ``False`` saves that model run; the model's nondeterminism is then
+        not measured, and any would count against the backends.
 
     Returns
     -------

@@ -174,7 +174,7 @@ class CountReductions(TorchDispatchMode):
 
     def __init__(self) -> None:
         super().__init__()
-        self.calls: int | None = 0
+        self.calls = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}

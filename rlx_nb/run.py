@@ -535,21 +535,25 @@ def run(
         inputs_.after(result)
         return result
 
+    # A run under these two modes counts the matmuls/convolutions the precision anchors would round
+    # (without any, the anchors would only repeat the oracle, so they are not run) and the reductions a
+    # plain sequential kernel would sum in another order.  They change no result: the determinism rerun,
+    # which counts under them, matches the oracle's first run bit for bit.
+    counter, reductions = _CountMatmuls(), CountReductions()
     say(ORACLE)
-    oracle = go(get_backend(ORACLE), measure_reductions=True)
+    if check_determinism:
+        oracle = go(get_backend(ORACLE), measure_reductions=True)
+    else:  # no second run to count in: the oracle's own run counts
+        with counter:
+            oracle = go(get_backend(ORACLE), measure_reductions=True, scope=lambda: reductions)
     if oracle.status != OK:
         raise InputError(f"the model fails on the CPU oracle, so nothing can be compared: {oracle.message}")
     if backward and oracle.grad_status != OK:
         raise InputError(f"backward=True but the oracle's backward did not run: {oracle.grad_message}")
-    # The oracle's second run also counts matmuls/convolutions: without any, the precision anchors
-    # (which round their operands) would only repeat the oracle, so they are not run.
-    # It also counts the reductions that a plain sequential kernel would sum in another order.
-    counter, reductions = _CountMatmuls(), CountReductions()
+    unstable = {}
     if check_determinism:
         with counter:
             unstable = _nondeterministic(oracle, go(get_backend(ORACLE), scope=lambda: reductions))
-    else:
-        unstable, counter.calls, reductions.calls = {}, None, None
     say(REFERENCE)
     reference = go(get_backend(REFERENCE), timeout_s=timeout_s)
     sequential = None
@@ -597,7 +601,7 @@ def _why(run: BackendRun) -> str:
 class _CountMatmuls(TorchFunctionMode):
     """Counts the calls the precision anchors would round the operands of; changes nothing."""
 
-    calls: int | None = 0
+    calls: int = 0
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         if func in TARGETS:

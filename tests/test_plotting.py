@@ -102,7 +102,8 @@ def test_heatmap_figure_keeps_its_labels_inside_without_a_layout_engine():
     fig.draw(renderer)
     drawn, frame = fig.get_tightbbox(renderer), fig.bbox_inches  # everything drawn, in inches
     assert ax.texts and ax.texts[0].get_text().startswith("worst")
-    assert frame.x0 <= drawn.x0 and drawn.x1 <= frame.x1 and frame.y0 <= drawn.y0 and drawn.y1 <= frame.y1, (drawn, frame)
+    assert frame.x0 <= drawn.x0 and drawn.x1 <= frame.x1, (drawn, frame)
+    assert frame.y0 <= drawn.y0 and drawn.y1 <= frame.y1, (drawn, frame)
     colorbar = ax.images[0].colorbar.ax
     assert not colorbar.yaxis.get_minorticklocs().size
     assert colorbar.get_yticklabels()

@@ -123,6 +123,28 @@ def test_the_run_carries_a_sequential_run_when_there_are_reductions_to_change():
     assert bwd.sequential is not None and "grad:fc2.bias" in bwd.sequential.outputs
 
 
+@pytest.mark.parametrize("family", ["mlp", "conv", "transformer"])
+def test_without_the_rerun_the_oracle_counts_and_is_unchanged(family):
+    # With check_determinism=False the oracle's own run counts matmuls and reductions: the same
+    # helper runs follow as with the rerun (not all of them, unconditionally), and the counting
+    # modes leave the oracle's outputs bit for bit as they are.
+    model, inputs = getattr(demo, family)(0)
+    for backward in (False, True):
+        full = rlx_nb.run(model, inputs, backends=["cpu-nomkldnn"], backward=backward, progress=False)
+        lean = rlx_nb.run(
+            model, inputs, backends=["cpu-nomkldnn"], backward=backward, progress=False, check_determinism=False
+        )
+        assert full.environment["nondeterministic"] == {} and lean.environment["nondeterministic"] == {}
+        assert (lean.sequential is None) == (full.sequential is None), (family, backward)
+        assert lean.anchors.keys() == full.anchors.keys(), (family, backward)
+        assert lean.oracle.outputs.keys() == full.oracle.outputs.keys()
+        for name, leaf in full.oracle.outputs.items():
+            np.testing.assert_array_equal(lean.oracle.outputs[name].value, leaf.value, err_msg=f"{family} {name}")
+        assert lean.anchors  # every family makes matmul/convolution calls
+        if family == "mlp":
+            assert (lean.sequential is None) != backward  # forward: nothing to re-sum; backward: bias grads
+
+
 def test_inductor_sums_a_batchnorm_bias_gradient_like_the_sequential_run():
     # The case that needed it: Inductor's BatchNorm-bias gradient on the conv net is far beyond
     # the oracle's error (which an oracle-only budget would call a bug), and it is what one
