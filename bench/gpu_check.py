@@ -10,7 +10,9 @@
    output must stay on the GPU (no host copy) and the host process's peak RSS is reported.
 
 Writes ``bench/results/gpu_check.md`` (and copies it to ``$OUT`` when set).  Exits 0 with a
-message where there is no CUDA device.
+message where there is no CUDA device.  ``--device cpu`` is a dry run of the same steps on the CPU
+(a CPU backend that compares on its device stands in for ``cuda``), printed and not written: it
+checks the script itself before device time is spent on it.
 """
 
 from __future__ import annotations
@@ -39,16 +41,29 @@ def _best(fn, repeat: int = 3) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--elements", default="1e8")
+    parser.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     args = parser.parse_args()
     import torch
 
-    if not torch.cuda.is_available():
+    dry = args.device == "cpu"
+    if not dry and not torch.cuda.is_available():
         print("gpu_check: no CUDA device here; nothing to check")
         return
     import rlx_nb
     from rlx_nb import device_metrics, metrics
+    from rlx_nb.backends.eager import run_eager
 
-    lines = ["# GPU checks", "", f"Device: {torch.cuda.get_device_name(0)}; torch {torch.__version__}.", ""]
+    device, backend = args.device, "cuda"
+    if dry:
+        backend = "dry:compare-on-device"
+        rlx_nb.register_backend(backend, run_eager, default=False, replace=True, compare_on_device=True)
+
+    def sync():
+        if not dry:
+            torch.cuda.synchronize()
+
+    name = "CPU (dry run)" if dry else torch.cuda.get_device_name(0)
+    lines = ["# GPU checks", "", f"Device: {name}; torch {torch.__version__}.", ""]
     root = Path(__file__).resolve().parent.parent
     tests = subprocess.run(
         [sys.executable, "-m", "pytest", "-q", "tests/test_gpu.py"], cwd=root, capture_output=True, text=True
@@ -56,14 +71,14 @@ def main() -> None:
     lines += ["## tests/test_gpu.py", "", "```", tests.stdout.strip()[-1500:], "```", ""]
 
     n = int(float(args.elements))
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    a = torch.randn(n, device="cuda", generator=gen)
-    b = a + torch.randn(n, device="cuda", generator=gen) * 1e-7
-    b[torch.randint(0, n, (n // 1000,), device="cuda", generator=gen)] += 1e-3
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, device=device, generator=gen)
+    b = a + torch.randn(n, device=device, generator=gen) * 1e-7
+    b[torch.randint(0, n, (n // 1000,), device=device, generator=gen)] += 1e-3
 
     def on_gpu(a=a, b=b):
         device_metrics.pair_stats(a, b)
-        torch.cuda.synchronize()
+        sync()
 
     def via_host(a=a, b=b):
         metrics.pair_stats(a.cpu().numpy(), b.cpu().numpy())
@@ -73,7 +88,7 @@ def main() -> None:
             torch.testing.assert_close(b, a)
         except AssertionError:
             pass
-        torch.cuda.synchronize()
+        sync()
 
     on_gpu()
     via_host()
@@ -91,21 +106,25 @@ def main() -> None:
         "",
     ]
     del a, b, on_gpu, via_host, close
-    torch.cuda.empty_cache()
+    if not dry:
+        torch.cuda.empty_cache()
 
     model = torch.nn.GELU()
-    x = torch.randn(48_828, 1024)
-    rlx_nb.backend_divergence(model, torch.randn(2, 1024), backends=["cuda"], progress=False)
+    x = torch.randn(max(1, n // 2 // 1024), 1024)  # 5e7 elements at the default --elements
+    rlx_nb.backend_divergence(model, torch.randn(2, 1024), backends=[backend], progress=False)
     t0 = time.perf_counter()
-    report = rlx_nb.backend_divergence(model, x, backends=["cuda"], progress=False)
+    report = rlx_nb.backend_divergence(model, x, backends=[backend], progress=False)
     t_e2e = time.perf_counter() - t0
-    leaf = report.results.candidates["cuda"].outputs["out"]
+    leaf = report.results.candidates[backend].outputs["out"]
     lines += [
-        "## backend_divergence on 5e7 elements, cuda candidate",
+        f"## backend_divergence on {x.numel():.0e} elements, {backend} candidate",
         "",
-        f"{t_e2e:.2f} s; verdict {report.record('cuda').verdict}; output kept on the GPU without a host copy: "
+        f"{t_e2e:.2f} s; verdict {report.record(backend).verdict}; output kept on the device without a host copy: "
         f"{leaf.on_device}; host peak RSS {resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1e6:.2f} GB.",
     ]
+    if dry:
+        print("\n".join(lines))
+        return
     write_result("gpu_check.md", lines)
     if os.environ.get("OUT"):
         shutil.copy(RESULTS / "gpu_check.md", os.environ["OUT"])

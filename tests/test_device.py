@@ -8,6 +8,9 @@ on its device must give the same report without any host copy of its outputs.
 from __future__ import annotations
 
 import math
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -132,3 +135,22 @@ def test_localize_on_a_device_backend_makes_no_host_copies():
         if leaf.is_array
     ]
     assert leaves and all(leaf.on_device for leaf in leaves)
+
+
+def test_the_gpu_check_script_runs_dry_on_the_cpu():
+    # bench/gpu_check.py is what a session lent a GPU runs, once, on scarce device time: its dry run
+    # on the CPU keeps it working between such sessions.
+    root = Path(__file__).resolve().parent.parent
+    written = root / "bench" / "results" / "gpu_check.md"  # a real device's results, which a dry run keeps
+    before = written.stat().st_mtime_ns if written.exists() else None
+    done = subprocess.run(
+        [sys.executable, "bench/gpu_check.py", "--device", "cpu", "--elements", "2e5"],
+        cwd=root,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "| True |" in done.stdout, done.stdout  # device and host statistics agree
+    assert "output kept on the device without a host copy: True" in done.stdout, done.stdout
+    assert (written.stat().st_mtime_ns if written.exists() else None) == before
