@@ -12,9 +12,12 @@ import dataclasses
 import functools
 import hashlib
 import platform
+import re
+import sys
 import threading
 import time
 import traceback
+import warnings
 import zlib
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -175,13 +178,32 @@ def normalize_inputs(inputs: Any) -> tuple[tuple, list[str] | None]:
 
 
 def prepare_model(model: Any, params: Mapping[str, torch.Tensor] | None, keys: list[str] | None) -> torch.nn.Module:
-    """A private copy of ``model``: eval mode, floating params/buffers in float32, on the CPU, params loaded."""
+    """A private copy of ``model``: eval mode, floating params/buffers in float32, on the CPU, params loaded.
+
+    The copy is eager: ``torch.compile`` wrappers (a compiled model, compiled submodules, a compiled
+    function) are taken off, with a warning, because the oracle and the fp64 reference are the eager
+    model; ``cpu-inductor`` is the backend that compiles it.  (``Module.compile()`` needs nothing:
+    a deep copy drops it.)
+    """
+    compiled_fn = None
     if isinstance(model, torch.nn.Module):
         base = copy.deepcopy(model)
     elif callable(model):
-        base = _CallableModule(model)
+        compiled_fn = getattr(model, "_torchdynamo_orig_callable", None)  # torch.compile(fn)
+        base = _CallableModule(compiled_fn or model)
     else:
         raise InputError(f"model must be a torch.nn.Module or a callable; got {type(model).__name__}")
+    base, compiled_modules = _uncompiled(base)
+    if compiled_modules:
+        params = {_COMPILED_SEGMENT.sub("", name): value for name, value in (params or {}).items()}
+    if compiled_fn is not None or compiled_modules:
+        warnings.warn(
+            "rlx_nb: the model is compiled with torch.compile; the oracle and the fp64 reference run it eagerly "
+            "(its parameter names lose '_orig_mod.'). Add the backend 'cpu-inductor' to check the compiled "
+            "code (with torch.compile's default options).",
+            UserWarning,
+            stacklevel=3,
+        )
     base = base.to("cpu")
     for t in list(base.parameters()) + list(base.buffers()):
         if t.is_floating_point() and t.dtype != torch.float32:
@@ -192,6 +214,25 @@ def prepare_model(model: Any, params: Mapping[str, torch.Tensor] | None, keys: l
     if keys is not None:
         base = _KeywordModule(base, keys)
     return base
+
+
+_COMPILED_SEGMENT = re.compile(r"(?<![^.])_orig_mod\.")  # a compiled module's name segment
+
+
+def _uncompiled(module: torch.nn.Module) -> tuple[torch.nn.Module, bool]:
+    # ``module`` (a private copy) without torch.compile wrappers, and whether it had any.
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is None:  # nothing was ever compiled in this process
+        return module, False
+    wrapper, found = eval_frame.OptimizedModule, False
+    while isinstance(module, wrapper):
+        module, found = module._orig_mod, True
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            while isinstance(child, wrapper):
+                child, found = child._orig_mod, True
+                setattr(parent, name, child)
+    return module, found
 
 
 def _load_params(module: torch.nn.Module, params: Mapping[str, torch.Tensor]) -> None:

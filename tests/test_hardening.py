@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -123,6 +125,53 @@ def test_nondeterministic_model_is_not_blamed_on_a_backend():
     rec = report.record("cpu-nomkldnn")
     assert rec.verdict == NONDETERMINISTIC and not report.any_suspect
     assert "seed" in rec.reason and "eval" in rec.reason
+
+
+def test_a_compiled_model_runs_eagerly_for_the_oracle_and_says_so():
+    # A torch.compile'd model used to run compiled on the oracle and eagerly under the determinism
+    # rerun's counting modes: its outputs differed by ~2e-7, were called the model's own
+    # nondeterminism, and a real fault (GELU's tanh approximation) was reported as nondeterministic.
+    from rlx_nb import demo
+
+    model, x = demo.mlp(0)
+    eager = rlx_nb.run(model, x, backends=["fault:gelu-approx"], backward=True, progress=False)
+    expected = {name: leaf.value for name, leaf in eager.oracle.outputs.items()}
+    sub = copy.deepcopy(model)
+    sub.fc1 = torch.compile(sub.fc1)
+    # A compiled function is a plain callable: its outputs, not the model's parameter gradients.
+    cases = [(torch.compile(model), expected), (sub, expected)]
+    cases.append((torch.compile(model.forward), {"out": expected["out"]}))
+    for compiled, want in cases:
+        with pytest.warns(UserWarning, match="compiled with torch.compile.*cpu-inductor"):
+            report = rlx_nb.backend_divergence(compiled, x, backends=["fault:gelu-approx"], backward=True)
+        assert report.results.environment["nondeterministic"] == {}
+        assert report.record("fault:gelu-approx").verdict == SUSPECT
+        outputs = report.results.oracle.outputs
+        assert outputs.keys() == want.keys(), list(outputs)
+        for name, value in want.items():
+            np.testing.assert_array_equal(outputs[name].value, value, err_msg=name)
+    assert isinstance(sub.fc1, torch._dynamo.eval_frame.OptimizedModule)  # the user's model is untouched
+    # Module.compile() in place: the private deep copy drops it, so the runs are eager with no warning.
+    in_place = copy.deepcopy(model)
+    in_place.compile()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        report = rlx_nb.backend_divergence(in_place, x, backends=["fault:gelu-approx"], backward=True)
+    assert report.results.environment["nondeterministic"] == {}
+    np.testing.assert_array_equal(report.results.oracle.outputs["out"].value, expected["out"])
+    # params named as the compiled model names them load where the eager names would
+    weight = torch.full_like(model.fc1.weight, 0.01)
+    with pytest.warns(UserWarning):
+        named = rlx_nb.run(
+            torch.compile(model), x, params={"_orig_mod.fc1.weight": weight}, backends=["cpu-nomkldnn"], progress=False
+        )
+    plain = rlx_nb.run(model, x, params={"fc1.weight": weight}, backends=["cpu-nomkldnn"], progress=False)
+    np.testing.assert_array_equal(named.oracle.outputs["out"].value, plain.oracle.outputs["out"].value)
+    assert not np.array_equal(plain.oracle.outputs["out"].value, expected["out"])
+    with pytest.warns(UserWarning), pytest.raises(rlx_nb.InputError, match=r"unknown name 'fc9\.weight'"):
+        rlx_nb.run(
+            torch.compile(model), x, params={"_orig_mod.fc9.weight": weight}, backends=["cpu-nomkldnn"], progress=False
+        )
 
 
 def test_training_mode_dropout_is_compared_in_eval_mode_and_said_so():
