@@ -24,12 +24,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from torch.overrides import TorchFunctionMode
 
 from rlx_nb._memory import private_copy
 from rlx_nb.backends import ORACLE, REFERENCE, Backend, get_backend, resolve_backends
 from rlx_nb.backends.eager import run_eager
-from rlx_nb.backends.emulated import TARGETS, emulate
+from rlx_nb.backends.emulated import emulate
 from rlx_nb.errors import InputError
 from rlx_nb.progress import bar
 from rlx_nb.reassoc import CountReductions, SequentialSums
@@ -576,34 +575,33 @@ def run(
         inputs_.after(result)
         return result
 
-    # A run under these two modes counts the matmuls/convolutions the precision anchors would round
+    # A run under this dispatch mode counts the matmul-like calls the precision anchors would round
     # (without any, the anchors would only repeat the oracle, so they are not run) and the reductions a
-    # plain sequential kernel would sum in another order.  They change no result: the determinism rerun,
-    # which counts under them, matches the oracle's first run bit for bit.
-    counter, reductions = _CountMatmuls(), CountReductions()
+    # plain sequential kernel would sum in another order.  A dispatch mode sees the ops the model's own
+    # run executes and changes none of them: a torch-function mode would not do, because it turns off
+    # PyTorch's inference fast paths (nn.TransformerEncoderLayer, nn.MultiheadAttention).
+    counter = _CountCalls()
     say(ORACLE)
     if check_determinism:
         oracle = go(get_backend(ORACLE), measure_reductions=True)
     else:  # no second run to count in: the oracle's own run counts
-        with counter:
-            oracle = go(get_backend(ORACLE), measure_reductions=True, scope=lambda: reductions)
+        oracle = go(get_backend(ORACLE), measure_reductions=True, scope=lambda: counter)
     if oracle.status != OK:
         raise InputError(f"the model fails on the CPU oracle, so nothing can be compared: {oracle.message}")
     if backward and oracle.grad_status != OK:
         raise InputError(f"backward=True but the oracle's backward did not run: {oracle.grad_message}")
     unstable = {}
     if check_determinism:
-        with counter:
-            unstable = _nondeterministic(oracle, go(get_backend(ORACLE), scope=lambda: reductions))
+        unstable = _nondeterministic(oracle, go(get_backend(ORACLE), scope=lambda: counter))
     say(REFERENCE)
     reference = go(get_backend(REFERENCE), timeout_s=timeout_s)
     sequential = None
-    if reductions.calls != 0:
+    if counter.calls != 0:
         say("sequential")
         sequential = go(Backend("sequential", run_eager, hookable=True), timeout_s=timeout_s, scope=SequentialSums)
     failed = _why(sequential) if sequential is not None else ""
     anchors = {}
-    if effective_precision and counter.calls != 0:
+    if effective_precision and counter.matmuls != 0:
         for bits in ANCHOR_BITS:
             anchor = Backend(f"anchor:{bits}", emulate(bits), hookable=True)
             anchors[bits] = go(anchor, timeout_s=timeout_s)
@@ -639,15 +637,23 @@ def _why(run: BackendRun) -> str:
     return run.grad_message if run.grad_status not in (None, OK) else ""
 
 
-class _CountMatmuls(TorchFunctionMode):
-    """Counts the calls the precision anchors would round the operands of; changes nothing."""
+# aten ops (overload packet names) that multiply matrices: what the anchors' torch-level targets
+# (F.linear, matmul, bmm, convolutions, ...) and PyTorch's fused attention/transformer kernels
+# dispatch to.  Generous on purpose: a false match only runs the anchors when they were not needed.
+_MATMUL_LIKE = re.compile(r"mm|conv|attention|transformer|linear|matmul|dot|mv$|einsum")
 
-    calls: int = 0
 
-    def __torch_function__(self, func, types, args=(), kwargs=None):
-        if func in TARGETS:
-            self.calls += 1
-        return func(*args, **(kwargs or {}))
+class _CountCalls(CountReductions):
+    """:class:`~rlx_nb.reassoc.CountReductions` that also counts matmul-like aten ops in ``matmuls``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.matmuls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if _MATMUL_LIKE.search(func.overloadpacket.__name__):
+            self.matmuls += 1
+        return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 def _nondeterministic(first: BackendRun, second: BackendRun) -> dict[str, float]:

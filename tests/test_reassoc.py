@@ -123,12 +123,29 @@ def test_the_run_carries_a_sequential_run_when_there_are_reductions_to_change():
     assert bwd.sequential is not None and "grad:fc2.bias" in bwd.sequential.outputs
 
 
-@pytest.mark.parametrize("family", ["mlp", "conv", "transformer"])
-def test_without_the_rerun_the_oracle_counts_and_is_unchanged(family):
-    # With check_determinism=False the oracle's own run counts matmuls and reductions: the same
-    # helper runs follow as with the rerun (not all of them, unconditionally), and the counting
-    # modes leave the oracle's outputs bit for bit as they are.
-    model, inputs = getattr(demo, family)(0)
+def _fast_path_encoder():
+    # PyTorch's inference fast path (eval, no grad, batch_first): one fused aten op for the whole layer,
+    # which a torch-function mode turns off.
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(64, 4, 128, dropout=0.0, batch_first=True)
+    return layer, (torch.randn(2, 16, 64),)
+
+
+def _fast_path_attention():
+    torch.manual_seed(0)
+    attention = torch.nn.MultiheadAttention(64, 4, batch_first=True)
+    x = torch.randn(2, 16, 64)
+    return attention, (x, x, x)
+
+
+@pytest.mark.parametrize("family", ["mlp", "conv", "transformer", "fast-path-encoder", "fast-path-attention"])
+def test_counting_changes_nothing_and_without_the_rerun_the_oracle_counts(family):
+    # The counting run (the determinism rerun, or the oracle itself with check_determinism=False)
+    # gives the oracle's outputs bit for bit -- including PyTorch's fused inference fast paths, which a
+    # torch-function mode had turned off, so a plain TransformerEncoderLayer was called
+    # nondeterministic -- and both ways run the same helper runs.
+    make = {"fast-path-encoder": _fast_path_encoder, "fast-path-attention": _fast_path_attention}
+    model, inputs = make[family]() if family in make else getattr(demo, family)(0)
     for backward in (False, True):
         full = rlx_nb.run(model, inputs, backends=["cpu-nomkldnn"], backward=backward, progress=False)
         lean = rlx_nb.run(
@@ -137,12 +154,21 @@ def test_without_the_rerun_the_oracle_counts_and_is_unchanged(family):
         assert full.environment["nondeterministic"] == {} and lean.environment["nondeterministic"] == {}
         assert (lean.sequential is None) == (full.sequential is None), (family, backward)
         assert lean.anchors.keys() == full.anchors.keys(), (family, backward)
-        assert lean.oracle.outputs.keys() == full.oracle.outputs.keys()
-        for name, leaf in full.oracle.outputs.items():
-            np.testing.assert_array_equal(lean.oracle.outputs[name].value, leaf.value, err_msg=f"{family} {name}")
         assert lean.anchors  # every family makes matmul/convolution calls
         if family == "mlp":
             assert (lean.sequential is None) != backward  # forward: nothing to re-sum; backward: bias grads
+        assert lean.oracle.outputs.keys() == full.oracle.outputs.keys()
+        for name, leaf in full.oracle.outputs.items():
+            np.testing.assert_array_equal(lean.oracle.outputs[name].value, leaf.value, err_msg=f"{family} {name}")
+
+
+def test_a_model_without_matmuls_runs_no_anchors():
+    model = torch.nn.Sequential(torch.nn.LayerNorm(16), torch.nn.GELU())
+    for check in (True, False):
+        results = rlx_nb.run(
+            model, torch.randn(4, 16), backends=["cpu-nomkldnn"], progress=False, check_determinism=check
+        )
+        assert results.anchors == {}
 
 
 def test_inductor_sums_a_batchnorm_bias_gradient_like_the_sequential_run():
