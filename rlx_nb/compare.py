@@ -66,7 +66,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -93,6 +93,9 @@ GRAD_FLOOR_UNITS = 4.0
 BETTER_THAN_ORACLE = 0.5
 CONCENTRATION_LIMIT = 3.0
 CONCENTRATED_OVER_ORACLE = 10.0
+# The precision anchor (run.ANCHOR_BITS) at a reduced-precision backend's own mantissa width: the model
+# with its matmul/convolution operands rounded like that backend's, a legitimate run at its precision.
+ANCHOR_OF = {"bfloat16": 8, "float16": 11, "tf32": 11}
 
 
 @dataclasses.dataclass
@@ -215,7 +218,11 @@ def _compare_run(
         got = run.outputs.get(name)
         ref = results.reference.outputs.get(name) if results.reference.status == OK else None
         seq = results.sequential.outputs.get(name) if results.sequential is not None else None
-        rec = compare_leaf(leaf, got, ref, rule=rule, reduction_length=length, cache=cache, sequential=seq, **base)
+        own = results.anchors.get(ANCHOR_OF.get(run.compute_dtype, 0))
+        anchor = (ANCHOR_OF[run.compute_dtype], own.outputs.get(name)) if own is not None else None
+        rec = compare_leaf(
+            leaf, got, ref, rule=rule, reduction_length=length, cache=cache, sequential=seq, anchor=anchor, **base
+        )
         if ref is not None and rec.backend_rmse == rec.backend_rmse:
             _effective_precision(rec, anchor_leaves, ref)
             if rec.verdict == SUSPECT and not rec.nonfinite_mismatch:
@@ -254,11 +261,14 @@ def compare_leaf(
     reduction_length: int = 1,
     cache: dict | None = None,
     sequential: Leaf | None = None,
+    anchor: tuple[int, Leaf | None] | None = None,
 ) -> OutputRecord:
     """One (backend, output) record from the oracle's, the backend's and the reference's leaf.
 
     ``sequential`` is the output of the plain-sequential-reductions run (:mod:`rlx_nb.reassoc`),
-    a second legitimate error for the budget.  ``cache`` (shared across the candidates of one
+    a second legitimate error for the budget.  ``anchor`` is ``(bits, leaf)`` of the precision
+    anchor at a reduced-precision backend's own mantissa width (:data:`ANCHOR_OF`), a legitimate
+    error at that precision.  ``cache`` (shared across the candidates of one
     comparison) keeps what does not depend on the candidate: the oracle's and the sequential
     run's errors against fp64, and uploads of the oracle and reference to devices.
     """
@@ -314,6 +324,7 @@ def compare_leaf(
             cache,
             sequential,
             slices,
+            anchor,
         )
     b = got.value
     if not (_is_float(o) and _is_float(b)):
@@ -326,7 +337,7 @@ def compare_leaf(
     if r is not None and o.ndim >= 2 and not np.iscomplexobj(o) and eb.shape == o.shape:
         whole, own = error_stats(eb, r)  # one pass for both
         slices, versus = (lambda: (own, _legit_slices(o, r, sequential, output or "", cache))), (lambda: whole)
-    return _judge(rec, o, eo, eb, r, pair_stats(eo, eb), versus, rule, cache, sequential, slices)
+    return _judge(rec, o, eo, eb, r, pair_stats(eo, eb), versus, rule, cache, sequential, slices, anchor)
 
 
 def on_device(oracle: np.ndarray, got: Leaf) -> bool:
@@ -346,6 +357,7 @@ def _judge(
     cache: dict,
     sequential: Leaf | None = None,
     slices: Callable[[], tuple[SliceStats, list[SliceStats]]] | None = None,
+    anchor: tuple[int, Leaf | None] | None = None,
 ) -> OutputRecord:
     # Shared by the host and device paths: ``o`` is the oracle's output, ``eo``/``eb`` the flat
     # float views compared (interleaved for complex; ``eb`` may be a device tensor), ``r`` the fp64
@@ -361,7 +373,12 @@ def _judge(
     if r is not None:
         so = _oracle_stats(eo, r, rec.output or "", cache)
         rec.verdict_budget = _budget(
-            rec, so, backend_vs_reference(), _sequential_stats(sequential, o, r, rec, cache), slices
+            rec,
+            so,
+            backend_vs_reference(),
+            _sequential_stats(sequential, o, r, rec, cache),
+            slices,
+            _anchor_errors(anchor, o, r, rec.output or "", cache),
         )
     else:
         rec.note = _join(rec.note, "no fp64 reference for this output; the budget verdict is unavailable")
@@ -384,8 +401,8 @@ def _oracle_stats(o: np.ndarray, r: np.ndarray, output: str, cache: dict) -> Ref
     return _errors(o, r, output, "oracle", cache)[0]
 
 
-def _sequential_output(leaf: Leaf | None, o: np.ndarray, r: np.ndarray) -> np.ndarray | None:
-    # The plain-sequential run's output where it can be compared like the oracle's, else None.
+def _comparable_output(leaf: Leaf | None, o: np.ndarray, r: np.ndarray) -> np.ndarray | None:
+    # A helper run's (sequential, anchor) output where it can be compared like the oracle's, else None.
     ok = leaf is not None and leaf.is_array and leaf.value.shape == o.shape and leaf.value.dtype == o.dtype
     return leaf.value if ok and o.dtype.kind == "f" and r.shape == o.shape else None
 
@@ -394,14 +411,25 @@ def _sequential_stats(
     leaf: Leaf | None, o: np.ndarray, r: np.ndarray, rec: OutputRecord, cache: dict
 ) -> ReferenceStats | None:
     # The plain-sequential run's error against fp64, once per output; None when it has no usable output.
-    s = _sequential_output(leaf, o, r)
+    s = _comparable_output(leaf, o, r)
     return None if s is None else _errors(s, r, rec.output or "", "sequential", cache)[0]
+
+
+def _anchor_errors(
+    anchor: tuple[int, Leaf | None] | None, o: np.ndarray, r: np.ndarray, output: str, cache: dict
+) -> tuple[int, ReferenceStats, Any] | None:
+    # The anchor's error against fp64 (and its slice sums), once per output and width; None without one.
+    if anchor is None:
+        return None
+    bits, leaf = anchor
+    a = _comparable_output(leaf, o, r)
+    return None if a is None else (bits, *_errors(a, r, output, f"anchor:{bits}", cache))
 
 
 def _legit_slices(o: np.ndarray, r: np.ndarray, sequential: Leaf | None, output: str, cache: dict) -> list[SliceStats]:
     # The legitimate runs' (oracle, sequential) slice sums against fp64, from the same cached pass.
     legit = [_errors(o, r, output, "oracle", cache)[1]]
-    s = _sequential_output(sequential, o, r)
+    s = _comparable_output(sequential, o, r)
     if s is not None:
         legit.append(_errors(s, r, output, "sequential", cache)[1])
     return [st for st in legit if st is not None]
@@ -427,7 +455,10 @@ def _budget(
     sb: ReferenceStats,
     ss: ReferenceStats | None = None,
     slices: Callable[[], tuple[SliceStats, list[SliceStats]]] | None = None,
+    anchor: tuple[int, ReferenceStats, SliceStats | None] | None = None,
 ) -> str:
+    # ``anchor``: a legitimate run at the backend's own precision (bits, errors, slice sums); its
+    # errors enter the budget as they are, where the fp32 runs' are scaled by the unit round-off.
     scale = UNIT_ROUNDOFF.get(rec.compute_dtype, UNIT_ROUNDOFF["float32"]) / UNIT_ROUNDOFF["float32"]
     scale = max(scale, 1.0)
     legit = [so] if ss is None else [so, ss]
@@ -442,6 +473,13 @@ def _budget(
     legit_rmse, legit_max = max(s.rmse for s in legit), max(s.max_err for s in legit)
     budget_rmse = scale * max(legit_rmse, floor * so.ref_rms)
     budget_max = scale * max(legit_max, floor * so.ref_max)
+    if anchor is not None and (anchor[1].rmse > budget_rmse or anchor[1].max_err > budget_max):
+        budget_rmse, budget_max = max(budget_rmse, anchor[1].rmse), max(budget_max, anchor[1].max_err)
+        rec.note = _join(
+            rec.note,
+            f"the budget is the {anchor[0]}-bit anchor's error (matmul/conv operands rounded to "
+            f"{rec.compute_dtype}'s precision), larger here than the scaled fp32 round-off",
+        )
     rec.oracle_rmse, rec.backend_rmse = so.rmse, sb.rmse
     rec.oracle_max_err, rec.backend_max_err = so.max_err, sb.max_err
     if ss is not None:
@@ -451,8 +489,9 @@ def _budget(
     rec.ratio_max = _ratio(sb.max_err, budget_max)
     rec.excess = max(rec.ratio_rmse / RMSE_LIMIT, rec.ratio_max / MAX_LIMIT)
     own, legit_slices = slices() if slices is not None else (None, [])
-    if own is not None and legit_slices and all(st.axes == own.axes for st in legit_slices):
-        rec.slice_ratio, rec.slice_at = _slice_ratio(own, legit_slices, scale, floor * so.ref_rms)
+    at_precision = [anchor[2]] if anchor is not None and anchor[2] is not None else []
+    if own is not None and legit_slices and all(st.axes == own.axes for st in legit_slices + at_precision):
+        rec.slice_ratio, rec.slice_at = _slice_ratio(own, legit_slices, scale, floor * so.ref_rms, at_precision)
         rec.excess = max(rec.excess, rec.slice_ratio / RMSE_LIMIT)
     if so.rmse > floor * so.ref_rms and sb.rmse < BETTER_THAN_ORACLE * so.rmse:
         rec.note = _join(
@@ -460,20 +499,29 @@ def _budget(
             f"the fp32 oracle is further from fp64 than {rec.backend} (RMSE {so.rmse:.2e} vs {sb.rmse:.2e}): "
             "the gap is the oracle's round-off, not the backend's",
         )
+    legit += [anchor[1]] if anchor is not None else []
     rec.concentration = _isolation(sb, rec.numel) / max(max(_isolation(s, rec.numel) for s in legit), 1.0)
-    far = CONCENTRATED_OVER_ORACLE * scale * max(legit_max, FLOOR_UNITS * UNIT_ROUNDOFF["float32"] * so.ref_max)
+    far = CONCENTRATED_OVER_ORACLE * max(
+        scale * max(legit_max, FLOOR_UNITS * UNIT_ROUNDOFF["float32"] * so.ref_max),
+        anchor[1].max_err if anchor is not None else 0.0,
+    )
     rec.concentrated = bool(rec.numel >= 2 and sb.max_err > far and rec.concentration > CONCENTRATION_LIMIT)
     return SUSPECT if rec.excess > 1.0 or rec.concentrated or rec.nonfinite_mismatch else ROUNDOFF
 
 
-def _slice_ratio(b: SliceStats, legit: list[SliceStats], scale: float, floor_rmse: float) -> tuple[float, str]:
-    # The largest mean error of a slice over the legitimate runs' RMS error on that same slice.
+def _slice_ratio(
+    b: SliceStats, legit: list[SliceStats], scale: float, floor_rmse: float, at_precision: Sequence[SliceStats] = ()
+) -> tuple[float, str]:
+    # The largest mean error of a slice over the legitimate runs' RMS error on that same slice (the fp32
+    # runs' scaled to the backend's unit round-off, ``at_precision`` runs' as they are).
     worst, at = 0.0, ""
     for i, axis in enumerate(b.axes):
         with np.errstate(invalid="ignore", divide="ignore"):
             mean = np.abs(b.sums[i]) / np.maximum(b.counts[i], 1)
             rms = np.sqrt(np.maximum.reduce([s.squares[i] / np.maximum(s.counts[i], 1) for s in legit]))
-        budget = scale * np.maximum(rms, floor_rmse)
+            budget = scale * np.maximum(rms, floor_rmse)
+            for s in at_precision:
+                budget = np.maximum(budget, np.sqrt(s.squares[i] / np.maximum(s.counts[i], 1)))
         ratio = np.where(budget > 0, mean / np.where(budget > 0, budget, 1.0), np.where(mean > 0, np.inf, 0.0))
         j = int(np.argmax(ratio))
         if ratio[j] > worst:

@@ -86,3 +86,62 @@ def test_round_mantissa():
     assert out[:3].tolist() == [1.0, 1 + 2**-10, -2.5]
     assert torch.isinf(out[3]) and torch.isnan(out[4]) and out[5] == 0
     assert round_mantissa(x, 24) is x  # 24 bits is float32 itself: nothing to round
+
+
+def test_emulated_rounding_is_differentiable_like_tf32_hardware():
+    # round_mantissa passes the gradient straight to the operand (it used to give zero gradients, so
+    # every gradient of cpu-tf32-emulated, and of the precision anchors, was zero), and the gradient
+    # reaching a rounded matmul's output is rounded too, so the backward matmuls take rounded operands.
+    from rlx_nb.backends.emulated import RoundMatmulOperands
+
+    torch.manual_seed(0)
+    x = torch.randn(6, 5, requires_grad=True)
+    w = torch.randn(4, 5, requires_grad=True)
+    g = torch.randn(6, 4)
+    with RoundMatmulOperands(11):
+        y = torch.nn.functional.linear(x, w)
+    (y * g).sum().backward()
+    r = lambda t: round_mantissa(t.detach(), 11)  # noqa: E731
+    torch.testing.assert_close(y, r(x) @ r(w).T, rtol=0, atol=0)
+    torch.testing.assert_close(w.grad, r(g).T @ r(x), rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(x.grad, r(g) @ r(w), rtol=1e-6, atol=1e-6)
+    assert not torch.equal(w.grad, g.T @ x.detach())  # the rounding shows in the gradient
+
+
+@pytest.mark.parametrize("family", ["mlp", "conv", "transformer"])
+def test_tf32_emulation_is_round_off_forward_and_backward(family):
+    report = rlx_nb.backend_divergence(*demo.MODELS[family](), backends=["cpu-tf32-emulated"], backward=True)
+    frame = report.summary
+    assert (frame.verdict == ROUNDOFF).all(), frame[frame.verdict != ROUNDOFF][["output", "reason"]]
+
+
+def test_a_reduced_precision_backend_is_judged_against_the_anchor_at_its_precision():
+    # nn.Transformer's backward under bf16 autocast: two decoder gradients are 5-7x (RMSE) the fp32
+    # round-off scaled to bf16 -- and exactly what the 8-bit anchor (matmul operands rounded to bf16's
+    # precision) gives, so they are bf16's legitimate error, not a bug.  A real fault on top of bf16
+    # autocast is still SUSPECT.
+    torch.manual_seed(0)
+    model = torch.nn.Transformer(32, 4, 1, 1, 64, dropout=0.0, batch_first=True)
+    inputs = (torch.randn(2, 8, 32), torch.randn(2, 6, 32))
+    report = rlx_nb.backend_divergence(model, inputs, backends=["cpu-bf16"], backward=True)
+    frame = report.summary
+    assert (frame.verdict == ROUNDOFF).all(), frame[frame.verdict != ROUNDOFF][["output", "reason"]]
+    raised = frame[frame.note.str.contains("8-bit anchor")]
+    assert set(raised.output) >= {"grad:decoder.layers.0.linear1.weight", "grad:decoder.layers.0.linear1.bias"}
+    assert (raised.budget_rmse > 0).all()
+
+    faulty = get_backend("fault:linear-bias-channel").fn
+
+    def bf16_with_fault(model, inputs):
+        with torch.autocast("cpu", torch.bfloat16):  # what cpu-bf16 runs under
+            return faulty(model, inputs)
+
+    rlx_nb.register_backend("test:bf16-bias-channel", bf16_with_fault, compute_dtype="bfloat16", replace=True)
+    try:
+        caught = rlx_nb.backend_divergence(
+            *demo.transformer(), backends=["test:bf16-bias-channel", "cpu-bf16"], backward=True
+        )
+    finally:
+        rlx_nb.unregister_backend("test:bf16-bias-channel")
+    assert caught.record("test:bf16-bias-channel").verdict == SUSPECT
+    assert caught.record("cpu-bf16").verdict == ROUNDOFF

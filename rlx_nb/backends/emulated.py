@@ -22,6 +22,9 @@ from rlx_nb.backends.registry import Backend
 def round_mantissa(x: torch.Tensor, bits: int) -> torch.Tensor:
     """Round a float32 tensor to ``bits`` bits of precision (implicit bit included), nearest even.
 
+    Differentiable as the identity (a straight-through gradient): on TF32 hardware the rounding is
+    part of the matmul, so the gradient reaches the operand itself.
+
     Examples
     --------
     >>> round_mantissa(torch.tensor([1.0 + 2**-12]), 11).item()
@@ -29,6 +32,10 @@ def round_mantissa(x: torch.Tensor, bits: int) -> torch.Tensor:
     """
     if not x.is_floating_point() or bits >= 24:
         return x
+    return _Rounded.apply(x, bits) if x.requires_grad else _round(x, bits)
+
+
+def _round(x: torch.Tensor, bits: int) -> torch.Tensor:
     x32 = x.float().contiguous()
     drop = 24 - bits
     i = x32.view(torch.int32)
@@ -37,6 +44,30 @@ def round_mantissa(x: torch.Tensor, bits: int) -> torch.Tensor:
     rounded = ((i + half + lsb) >> drop) << drop
     finite = torch.isfinite(x32)
     return torch.where(finite, rounded.view(torch.float32), x32).to(x.dtype)
+
+
+class _Rounded(torch.autograd.Function):
+    # The rounded operand in the forward; the gradient straight through to the operand.
+    @staticmethod
+    def forward(ctx, x, bits):
+        return _round(x, bits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+class _GradientRounded(torch.autograd.Function):
+    # The identity in the forward; rounds the gradient arriving at a matmul's output, which is the
+    # operand of that matmul's backward matmuls (their other operand is the rounded forward operand).
+    @staticmethod
+    def forward(ctx, y, bits):
+        ctx.bits = bits
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return round_mantissa(grad, ctx.bits), None
 
 
 TARGETS: tuple[Callable, ...] = (
@@ -55,7 +86,11 @@ TARGETS: tuple[Callable, ...] = (
 
 
 class RoundMatmulOperands(TorchFunctionMode):
-    """Round the tensor operands of matmuls and convolutions to ``bits`` before they run."""
+    """Round the tensor operands of matmuls and convolutions to ``bits`` before they run.
+
+    In a backward the gradient arriving at such a call's output is rounded too, so the backward's
+    matmuls also take ``bits``-bit operands, as on TF32 hardware.
+    """
 
     def __init__(self, bits: int) -> None:
         super().__init__()
@@ -66,6 +101,10 @@ class RoundMatmulOperands(TorchFunctionMode):
         if func in TARGETS:
             args = tuple(round_mantissa(a, self.bits) if isinstance(a, torch.Tensor) else a for a in args)
             kwargs = {k: round_mantissa(v, self.bits) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
+            out = func(*args, **kwargs)
+            return (
+                _GradientRounded.apply(out, self.bits) if isinstance(out, torch.Tensor) and out.requires_grad else out
+            )
         return func(*args, **kwargs)
 
 
