@@ -1,8 +1,8 @@
 """Save and load run results safely: a zip of ``.npy`` arrays and one JSON document, no pickle anywhere.
 
-Format ``rlx_nb.report`` version 1 (file extension ``.rlxnb`` by convention)::
+Format ``rlx_nb.report`` version 2 (file extension ``.rlxnb`` by convention)::
 
-    meta.json          {"format": "rlx_nb.report", "version": 1, "label", "backward", "environment",
+    meta.json          {"format": "rlx_nb.report", "version": 2, "label", "backward", "environment",
                         "fingerprints": {"inputs", "model"}, "rule", "tol_rel",
                         "runs": {"oracle": RUN, "reference": RUN, "candidates": {name: RUN}}}
     arrays/<n>.npy     one per array output, numpy's own format, read with allow_pickle=False
@@ -11,7 +11,9 @@ Format ``rlx_nb.report`` version 1 (file extension ``.rlxnb`` by convention)::
            "reduction_lengths", "outputs": {name: {"array": "arrays/<n>.npy", "dtype", "shape"}
                                                   | {"value": <JSON value>, "dtype"}}}
 
-Arrays are read lazily, on first access.  Loading anything else — a truncated or corrupted file,
+Version 1 files are read too, without their precision anchors' gradients: before version 2 the
+anchors' emulated rounding stopped gradients, so those were zeros (as a budget they would excuse
+anything).  Arrays are read lazily, on first access.  Loading anything else — a truncated or corrupted file,
 another version, an object array, a pickle wearing the right extension — raises
 :class:`ReportFormatError` and never executes code.
 """
@@ -29,10 +31,11 @@ from typing import Any
 import numpy as np
 
 from rlx_nb.errors import RlxError
-from rlx_nb.run import BackendRun, Leaf, RunResults
+from rlx_nb.run import GRAD_PREFIX, BackendRun, Leaf, RunResults
 
 FORMAT = "rlx_nb.report"
-VERSION = 1
+VERSION = 2
+READS = (1, 2)
 SUFFIX = ".rlxnb"
 _MAX_META = 64 << 20
 
@@ -146,8 +149,10 @@ def load_results(source: str | Path | bytes | memoryview) -> tuple[RunResults, d
         raise _fail(where, f"meta.json is unreadable ({type(exc).__name__}: {exc})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise _fail(where, f"format is {meta.get('format') if isinstance(meta, dict) else None!r}, not {FORMAT!r}")
-    if meta.get("version") != VERSION:
-        raise _fail(where, f"version {meta.get('version')!r} is not supported (this rlx_nb reads version {VERSION})")
+    if meta.get("version") not in READS:
+        raise _fail(
+            where, f"version {meta.get('version')!r} is not supported (this rlx_nb reads versions 1 and {VERSION})"
+        )
     names = set(zf.namelist())
     try:
         runs = meta["runs"]
@@ -166,6 +171,9 @@ def load_results(source: str | Path | bytes | memoryview) -> tuple[RunResults, d
         raise
     except Exception as exc:
         raise _fail(where, f"meta.json is malformed ({type(exc).__name__}: {exc})") from None
+    if meta["version"] == 1:  # its anchors' gradients are the zeros of the old rounding (see above)
+        for anchor in results.anchors.values():
+            anchor.outputs = {n: leaf for n, leaf in anchor.outputs.items() if not n.startswith(GRAD_PREFIX)}
     return results, meta
 
 

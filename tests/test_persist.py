@@ -101,16 +101,33 @@ class Bomb_:
         return (os.system, ("touch /nonexistent-dir/PWNED",))
 
 
-def test_wrong_version_is_refused(report, tmp_path):
-    path = report.save(tmp_path / "v")
+def _with_version(path: Path, version: int) -> None:
     with zipfile.ZipFile(path) as zf:
         items = {n: zf.read(n) for n in zf.namelist()}
-    items["meta.json"] = items["meta.json"].replace(b'"version": 1', b'"version": 99')
+    items["meta.json"] = items["meta.json"].replace(b'"version": 2', f'"version": {version}'.encode())
     with zipfile.ZipFile(path, "w") as zf:
         for n, d in items.items():
             zf.writestr(n, d)
+
+
+def test_wrong_version_is_refused(report, tmp_path):
+    path = report.save(tmp_path / "v")
+    _with_version(path, 99)
     with pytest.raises(ReportFormatError, match="version 99 is not supported"):
         rlx_nb.load_report(path)
+
+
+def test_version_1_is_read_without_its_anchors_gradients(report, tmp_path):
+    # Version 1's precision anchors had zero gradients (their rounding stopped gradients): as budgets
+    # they would excuse anything, so a version-1 file keeps only the anchors' forward outputs.
+    assert report.results.anchors and any(n.startswith("grad:") for n in report.results.anchors[8].outputs)
+    path = report.save(tmp_path / "old")
+    _with_version(path, 1)
+    loaded = rlx_nb.load_report(path)
+    for bits, anchor in loaded.results.anchors.items():
+        assert anchor.outputs.keys() == {n for n in report.results.anchors[bits].outputs if not n.startswith("grad:")}
+    assert loaded.results.candidates.keys() == report.results.candidates.keys()
+    assert loaded.record("fault:softmax-row").verdict == report.record("fault:softmax-row").verdict
 
 
 def test_merge_from_files_names_nodes_and_checks_inputs(report, tmp_path):
