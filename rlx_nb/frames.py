@@ -124,7 +124,8 @@ def element_table(oracle: np.ndarray, backend: np.ndarray, reference: np.ndarray
 
     o, b = oracle.reshape(-1), backend.reshape(-1)
     columns: dict[str, np.ndarray] = {}
-    for axis, idx in enumerate(np.unravel_index(np.arange(o.size), oracle.shape)):
+    # (a 0-d output is one row with no index column)
+    for axis, idx in enumerate(np.unravel_index(np.arange(o.size), oracle.shape) if oracle.ndim else ()):
         columns[f"i{axis}"] = idx.astype(np.min_scalar_type(max(oracle.shape[axis] - 1, 0)))
     columns["oracle"], columns["backend"] = o, b
     columns["reference"] = (

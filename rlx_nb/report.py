@@ -140,6 +140,8 @@ class DivergenceReport:
         for r in recs:
             if r.output == output:
                 return r
+        if all(r.output is None for r in recs):
+            raise InputError(f"backend {backend!r} did not run, so it has no output {output!r}: {recs[0].reason}")
         names = ", ".join(str(r.output) for r in recs)
         raise InputError(f"no output {output!r} for backend {backend!r}; outputs: {names}")
 

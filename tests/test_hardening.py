@@ -57,6 +57,18 @@ def test_odd_outputs_are_compared_not_crashed_on(case):
     assert rec.verdict == ROUNDOFF, rec.reason  # the same eager kernels: identical, including NaN/Inf patterns
     assert report.elements("cpu-nomkldnn", top=3) is not None
     assert str(report)
+    try:  # every element, or a clear refusal (complex, integer, bool) -- a 0-d output used to crash it
+        frame = report.element_frame("cpu-nomkldnn")
+    except rlx_nb.InputError as exc:
+        assert "real floating output" in str(exc)
+    else:
+        assert len(frame) == rec.numel and not (frame.abs_err > 0).any()
+
+
+def test_an_error_backend_says_it_did_not_run_when_asked_for_an_output():
+    report = _with_backend("test-broken", lambda m, x: 1 / 0, torch.nn.Linear(3, 3), torch.ones(2, 3))
+    with pytest.raises(rlx_nb.InputError, match="'test-broken' did not run, so it has no output 'out': ZeroDivision"):
+        report.record("test-broken", "out")
 
 
 def test_nan_where_the_oracle_has_a_number_is_a_mismatch_nan_in_both_is_not():
