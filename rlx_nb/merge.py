@@ -46,7 +46,12 @@ def merge_results(nodes: Sequence[tuple[str, RunResults | str]], *, oracle: str 
             candidates[f"{node}/cpu"] = _renamed(res.oracle, f"{node}/cpu")
         for name, run in res.candidates.items():
             candidates[f"{node}/{name}"] = _renamed(run, f"{node}/{name}")
-    environment = {"nodes": {n: r.environment for n, r in ok}, "oracle_node": oracle}
+    # An output that is nondeterministic on any node (its two oracle runs differ) cannot be judged.
+    unstable: dict[str, float] = {}
+    for _, res in ok:
+        for name, diff in (res.environment.get("nondeterministic") or {}).items():
+            unstable[name] = max(unstable.get(name, 0.0), diff)
+    environment = {"nodes": {n: r.environment for n, r in ok}, "oracle_node": oracle, "nondeterministic": unstable}
     return RunResults(
         label=base.label,
         oracle=base.oracle,
@@ -56,6 +61,7 @@ def merge_results(nodes: Sequence[tuple[str, RunResults | str]], *, oracle: str 
         environment=environment,
         fingerprints=dict(base.fingerprints),
         sequential=base.sequential,
+        anchors=dict(base.anchors),  # the oracle node's, like its sequential run
     )
 
 

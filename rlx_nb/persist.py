@@ -20,10 +20,12 @@ another version, an object array, a pickle wearing the right extension — raise
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import io
 import json
 import math
+import re
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -49,7 +51,27 @@ def _json_value(v: Any) -> Any:
         return v
     if isinstance(v, float):
         return v if math.isfinite(v) else repr(v)
+    if isinstance(v, dict):  # e.g. environment["nondeterministic"], a merged report's per-node environments
+        return {str(k): _json_value(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_json_value(x) for x in v]
     return repr(v)  # keeps the information, loses the type: compared as text after loading
+
+
+def _unstable(value: Any, where: str) -> dict[str, float]:
+    # environment["nondeterministic"] as saved: a JSON object of floats ('inf' as text), or, in
+    # version-1 files, the dict's repr.
+    if isinstance(value, str):
+        try:
+            value = ast.literal_eval(re.sub(r"(?<=: )inf\b", "1e999", value))
+        except (ValueError, SyntaxError):
+            raise _fail(where, f"environment.nondeterministic is unreadable: {value[:80]!r}") from None
+    if not isinstance(value, dict):
+        raise _fail(where, f"environment.nondeterministic must be an object, got {type(value).__name__}")
+    try:
+        return {str(k): float(v) for k, v in value.items()}
+    except (TypeError, ValueError):
+        raise _fail(where, f"environment.nondeterministic has a value that is not a number: {value!r:.80}") from None
 
 
 def save_results(
@@ -102,10 +124,7 @@ def save_results(
             "version": VERSION,
             "label": results.label,
             "backward": results.backward,
-            "environment": {
-                k: _json_value(v) if not isinstance(v, list) else [_json_value(x) for x in v]
-                for k, v in results.environment.items()
-            },
+            "environment": _json_value(dict(results.environment)),
             "fingerprints": results.fingerprints,
             "rule": rule,
             "tol_rel": tol_rel,
@@ -171,6 +190,8 @@ def load_results(source: str | Path | bytes | memoryview) -> tuple[RunResults, d
         raise
     except Exception as exc:
         raise _fail(where, f"meta.json is malformed ({type(exc).__name__}: {exc})") from None
+    if "nondeterministic" in results.environment:  # the verdicts need it as numbers
+        results.environment["nondeterministic"] = _unstable(results.environment["nondeterministic"], where)
     if meta["version"] == 1:  # its anchors' gradients are the zeros of the old rounding (see above)
         for anchor in results.anchors.values():
             anchor.outputs = {n: leaf for n, leaf in anchor.outputs.items() if not n.startswith(GRAD_PREFIX)}

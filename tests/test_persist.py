@@ -149,6 +149,58 @@ def test_merge_from_files_names_nodes_and_checks_inputs(report, tmp_path):
         rlx_nb.merge_reports([a, c])
 
 
+def test_merge_keeps_what_the_verdicts_need(tmp_path):
+    # A merged report judges like a single node's: the oracle node's precision anchors (the budget of
+    # reduced-precision backends, effective bits) and every node's nondeterminism travel with it.
+    # Both were dropped: a merged cpu-bf16 lost its anchor budget, a noisy model's outputs became SUSPECT.
+    torch.manual_seed(0)
+    model = torch.nn.Transformer(32, 4, 1, 1, 64, dropout=0.0, batch_first=True)
+    inputs = (torch.randn(2, 8, 32), torch.randn(2, 6, 32))
+    single = rlx_nb.backend_divergence(model, inputs, backends=["cpu-bf16"], backward=True, progress=False)
+    merged = rlx_nb.merge_reports([single.save(tmp_path / "a"), single.save(tmp_path / "b")])
+    assert merged.results.anchors.keys() == single.results.anchors.keys()
+    for node in ("a", "b"):
+        mine = merged.summary[merged.summary.backend == f"{node}/cpu-bf16"].reset_index(drop=True)
+        assert (mine.verdict == single.summary.verdict).all() and not merged.any_suspect
+        np.testing.assert_array_equal(mine.effective_bits, single.summary.effective_bits)
+
+    class Noisy(torch.nn.Module):
+        def forward(self, x):
+            return x + torch.randn_like(x) * 1e-3
+
+    noisy = rlx_nb.backend_divergence(Noisy(), torch.randn(4, 4), backends=["cpu-nomkldnn"], progress=False)
+    assert noisy.record("cpu-nomkldnn").verdict == "nondeterministic"
+    merged = rlx_nb.merge_reports([noisy.save(tmp_path / "n1"), noisy.save(tmp_path / "n2")])
+    assert set(merged.summary.verdict) == {"nondeterministic"}, merged.summary[["backend", "verdict"]]
+
+
+def test_nondeterminism_survives_the_file(tmp_path):
+    # environment["nondeterministic"] was saved as its repr: recomputing the verdicts of a loaded
+    # report of a noisy model crashed (string indices).  Version-1 files still carry the repr.
+    import json
+
+    class Noisy(torch.nn.Module):
+        def forward(self, x):
+            return x + torch.randn_like(x) * 1e-3
+
+    report = rlx_nb.backend_divergence(Noisy(), torch.randn(4, 4), backends=["cpu-nomkldnn"], progress=False)
+    loaded = rlx_nb.load_report(report.save(tmp_path / "noisy"))
+    assert loaded.results.environment["nondeterministic"] == report.results.environment["nondeterministic"]
+    again = rlx_nb.DivergenceReport.from_results(loaded.results)
+    assert again.record("cpu-nomkldnn").verdict == "nondeterministic"
+    path = report.save(tmp_path / "old")
+    with zipfile.ZipFile(path) as zf:
+        items = {n: zf.read(n) for n in zf.namelist()}
+    meta = json.loads(items["meta.json"])
+    meta["version"], meta["environment"]["nondeterministic"] = 1, "{'out': inf, 'grad:inf.w': 0.5}"
+    items["meta.json"] = json.dumps(meta).encode()
+    with zipfile.ZipFile(path, "w") as zf:
+        for n, d in items.items():
+            zf.writestr(n, d)
+    old = rlx_nb.load_report(path).results.environment["nondeterministic"]
+    assert old == {"out": float("inf"), "grad:inf.w": 0.5}
+
+
 def test_cli_check_save_then_merge(tmp_path):
     target = tmp_path / "t.py"
     target.write_text(
