@@ -170,7 +170,8 @@ def load_results(source: str | Path | bytes | memoryview) -> tuple[RunResults, d
         raise _fail(where, f"format is {meta.get('format') if isinstance(meta, dict) else None!r}, not {FORMAT!r}")
     if meta.get("version") not in READS:
         raise _fail(
-            where, f"version {meta.get('version')!r} is not supported (this rlx_nb reads versions 1 and {VERSION})"
+            where,
+            f"version {meta.get('version')!r} is not supported (this rlx_nb reads versions {', '.join(map(str, READS))})",
         )
     names = set(zf.namelist())
     try:

@@ -582,10 +582,8 @@ def run(
     # PyTorch's inference fast paths (nn.TransformerEncoderLayer, nn.MultiheadAttention).
     counter = _CountCalls()
     say(ORACLE)
-    if check_determinism:
-        oracle = go(get_backend(ORACLE), measure_reductions=True)
-    else:  # no second run to count in: the oracle's own run counts
-        oracle = go(get_backend(ORACLE), measure_reductions=True, scope=lambda: counter)
+    # Without a second run to count in, the oracle's own run counts.
+    oracle = go(get_backend(ORACLE), measure_reductions=True, scope=None if check_determinism else lambda: counter)
     if oracle.status != OK:
         raise InputError(f"the model fails on the CPU oracle, so nothing can be compared: {oracle.message}")
     if backward and oracle.grad_status != OK:

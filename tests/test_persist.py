@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import shutil
@@ -101,13 +102,20 @@ class Bomb_:
         return (os.system, ("touch /nonexistent-dir/PWNED",))
 
 
-def _with_version(path: Path, version: int) -> None:
+def _edit_meta(path: Path, edit) -> None:
+    # Rewrite a saved report's meta.json through ``edit(meta)``, the arrays untouched.
     with zipfile.ZipFile(path) as zf:
         items = {n: zf.read(n) for n in zf.namelist()}
-    items["meta.json"] = items["meta.json"].replace(b'"version": 2', f'"version": {version}'.encode())
+    meta = json.loads(items["meta.json"])
+    edit(meta)
+    items["meta.json"] = json.dumps(meta).encode()
     with zipfile.ZipFile(path, "w") as zf:
         for n, d in items.items():
             zf.writestr(n, d)
+
+
+def _with_version(path: Path, version: int) -> None:
+    _edit_meta(path, lambda meta: meta.update(version=version))
 
 
 def test_wrong_version_is_refused(report, tmp_path):
@@ -177,8 +185,6 @@ def test_merge_keeps_what_the_verdicts_need(tmp_path):
 def test_nondeterminism_survives_the_file(tmp_path):
     # environment["nondeterministic"] was saved as its repr: recomputing the verdicts of a loaded
     # report of a noisy model crashed (string indices).  Version-1 files still carry the repr.
-    import json
-
     class Noisy(torch.nn.Module):
         def forward(self, x):
             return x + torch.randn_like(x) * 1e-3
@@ -189,14 +195,11 @@ def test_nondeterminism_survives_the_file(tmp_path):
     again = rlx_nb.DivergenceReport.from_results(loaded.results)
     assert again.record("cpu-nomkldnn").verdict == "nondeterministic"
     path = report.save(tmp_path / "old")
-    with zipfile.ZipFile(path) as zf:
-        items = {n: zf.read(n) for n in zf.namelist()}
-    meta = json.loads(items["meta.json"])
-    meta["version"], meta["environment"]["nondeterministic"] = 1, "{'out': inf, 'grad:inf.w': 0.5}"
-    items["meta.json"] = json.dumps(meta).encode()
-    with zipfile.ZipFile(path, "w") as zf:
-        for n, d in items.items():
-            zf.writestr(n, d)
+
+    def as_version_1(meta):
+        meta["version"], meta["environment"]["nondeterministic"] = 1, "{'out': inf, 'grad:inf.w': 0.5}"
+
+    _edit_meta(path, as_version_1)
     old = rlx_nb.load_report(path).results.environment["nondeterministic"]
     assert old == {"out": float("inf"), "grad:inf.w": 0.5}
 
