@@ -71,8 +71,15 @@ def worst_record(records: Sequence[OutputRecord]) -> OutputRecord:
     return min(records, key=key)
 
 
-def backends_frame(records: Sequence[OutputRecord], seconds: dict[str, float]) -> pd.DataFrame:
-    """One row per backend: its verdict and worst output, plus the seed's per-backend maxima."""
+def backends_frame(
+    records: Sequence[OutputRecord], seconds: dict[str, float], notes: dict[str, list[str]] | None = None
+) -> pd.DataFrame:
+    """One row per backend: its verdict and worst output, plus the seed's per-backend maxima.
+
+    ``note`` holds what the backend said about its run (``notes``: a conversion route, graph breaks)
+    and then the records' notes.
+    """
+    notes = notes or {}
     by_backend: dict[str, list[OutputRecord]] = {}
     for r in records:
         by_backend.setdefault(r.backend, []).append(r)
@@ -100,7 +107,7 @@ def backends_frame(records: Sequence[OutputRecord], seconds: dict[str, float]) -
                 "suspect_outputs": sum(r.verdict == SUSPECT for r in recs),
                 "compute_dtype": worst.compute_dtype,
                 "seconds": seconds.get(name, np.nan),
-                "note": "; ".join(sorted({r.note for r in recs if r.note}))[:300],
+                "note": "; ".join([*notes.get(name, []), *sorted({r.note for r in recs if r.note})])[:600],
             }
         )
     return pd.DataFrame(rows, columns=BACKEND_COLUMNS)

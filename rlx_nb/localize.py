@@ -60,6 +60,7 @@ LOCALIZE_COLUMNS = [
     "propagated_excess",
     "amplification",
     "reason",
+    "notes",
 ]
 # Pure data movement: exact on every backend, not worth a preparation each.
 _SKIP_OPS = {
@@ -497,6 +498,7 @@ class _State:
                 "propagated_excess": math.nan,
                 "amplification": math.nan,
                 "reason": r.reason,
+                "notes": "; ".join(check.results.candidates[self.backend].notes) if check.results is not None else "",
             }
         )
 

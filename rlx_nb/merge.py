@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -66,17 +67,7 @@ def merge_results(nodes: Sequence[tuple[str, RunResults | str]], *, oracle: str 
 
 
 def _renamed(run: BackendRun, name: str) -> BackendRun:
-    return BackendRun(
-        name,
-        run.status,
-        run.outputs,
-        run.message,
-        run.seconds,
-        run.grad_status,
-        run.grad_message,
-        run.compute_dtype,
-        dict(run.reduction_lengths),
-    )
+    return dataclasses.replace(run, backend=name, reduction_lengths=dict(run.reduction_lengths), notes=list(run.notes))
 
 
 def merge_reports(

@@ -8,8 +8,11 @@ Format ``rlx_nb.report`` version 2 (file extension ``.rlxnb`` by convention)::
     arrays/<n>.npy     one per array output, numpy's own format, read with allow_pickle=False
 
     RUN = {"backend", "status", "message", "seconds", "grad_status", "grad_message", "compute_dtype",
-           "reduction_lengths", "outputs": {name: {"array": "arrays/<n>.npy", "dtype", "shape"}
-                                                  | {"value": <JSON value>, "dtype"}}}
+           "reduction_lengths", "notes", "detail",
+           "outputs": {name: {"array": "arrays/<n>.npy", "dtype", "shape"} | {"value": <JSON value>, "dtype"}}}
+
+``notes`` (what the backend said about its run) and ``detail`` (a failed run's whole error) are
+optional: files written before them read as empty.
 
 Version 1 files are read too, without their precision anchors' gradients: before version 2 the
 anchors' emulated rounding stopped gradients, so those were zeros (as a budget they would excuse
@@ -116,6 +119,8 @@ def save_results(
                 "grad_message": run.grad_message,
                 "compute_dtype": run.compute_dtype,
                 "reduction_lengths": run.reduction_lengths,
+                "notes": list(run.notes),
+                "detail": run.detail,
                 "outputs": outputs,
             }
 
@@ -220,6 +225,8 @@ def _read_run(zf: zipfile.ZipFile, names: set[str], spec: dict, where: Any) -> B
         grad_message=str(spec.get("grad_message", "")),
         compute_dtype=str(spec.get("compute_dtype", "float32")),
         reduction_lengths={str(k): int(v) for k, v in (spec.get("reduction_lengths") or {}).items()},
+        notes=[str(n) for n in spec.get("notes") or []],
+        detail=str(spec.get("detail", "")),
     )
 
 

@@ -109,8 +109,10 @@ class DivergenceReport:
     @functools.cached_property
     def backends(self) -> pd.DataFrame:
         """One row per backend: its verdict, its worst output and the seed's maxima."""
-        seconds = {name: run.seconds for name, run in self.results.candidates.items()}
-        return backends_frame(self.records, seconds)
+        runs = self.results.candidates
+        return backends_frame(
+            self.records, {n: r.seconds for n, r in runs.items()}, {n: list(r.notes) for n, r in runs.items()}
+        )
 
     @property
     def suspects(self) -> list[str]:
@@ -129,6 +131,23 @@ class DivergenceReport:
             for b in self.results.candidates
             if any(r.backend == b and r.verdict == VERDICT_ERROR and r.output is None for r in self.records)
         ]
+
+    def error_detail(self, backend: str) -> str:
+        """The whole error of a backend that failed to run (or whose backward failed).
+
+        An error row's reason is the gist (the exception's first line and the lines that name the
+        cause); this is every line of it, the errors it was raised from, and the traceback.
+
+        Examples
+        --------
+        >>> import torch, rlx_nb
+        >>> r = rlx_nb.backend_divergence(torch.nn.Linear(2, 2), torch.ones(1, 2), backends=["cpu-nomkldnn"])
+        >>> r.error_detail("cpu-nomkldnn")
+        ''
+        """
+        if backend not in self.results.candidates:
+            raise InputError(f"no backend {backend!r} in this report; it has: {', '.join(self.results.candidates)}")
+        return self.results.candidates[backend].detail
 
     def record(self, backend: str, output: str | None = None) -> OutputRecord:
         """The record of one (backend, output); ``output=None`` picks the backend's worst."""
@@ -294,7 +313,8 @@ def _line(label: str, name: str, recs: list[OutputRecord]) -> str:
         skipped = [r for r in recs if r.verdict in (VERDICT_SKIPPED, VERDICT_ERROR, NONDETERMINISTIC)]
         tail = "round-off (explainable)"
         if skipped:
-            tail += f"; {len(skipped)} output(s) {skipped[0].verdict}: {skipped[0].reason}"
+            count = f"{len(skipped)} output(s) " if len(skipped) > 1 else ""
+            tail += f"; {count}{skipped[0].verdict}: {skipped[0].reason}"
     return f"[{label}] {name:>6} vs cpu: max_abs={max_abs:.3e} max_rel={rel.max_rel:.3e} {where} — {tail}"
 
 

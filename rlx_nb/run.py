@@ -29,10 +29,11 @@ from rlx_nb._memory import private_copy
 from rlx_nb.backends import ORACLE, REFERENCE, Backend, get_backend, resolve_backends
 from rlx_nb.backends.eager import run_eager
 from rlx_nb.backends.emulated import emulate
+from rlx_nb.backends.notes import collecting
 from rlx_nb.errors import InputError
 from rlx_nb.progress import bar
 from rlx_nb.reassoc import CountReductions, SequentialSums
-from rlx_nb.tree import flatten, map_tensors
+from rlx_nb.tree import Opaque, flatten, map_tensors
 
 OK, ERROR, SKIPPED = "ok", "error", "skipped"
 ANCHOR_BITS = (8, 11)
@@ -111,6 +112,10 @@ class BackendRun:
     compute_dtype: str = "float32"
     reduction_lengths: dict[str, int] = dataclasses.field(default_factory=dict)
     """For ``grad:<param>`` outputs: about how many terms the backward sums into each element."""
+    notes: list[str] = dataclasses.field(default_factory=list)
+    """What the backend said about how it ran (:func:`rlx_nb.backends.notes.add_note`): a route, graph breaks."""
+    detail: str = ""
+    """A failed run's whole error (every line, chained causes, where it was raised); ``message`` is its gist."""
 
 
 @dataclasses.dataclass
@@ -253,7 +258,13 @@ def _load_params(module: torch.nn.Module, params: Mapping[str, torch.Tensor]) ->
             target.copy_(value.to(target.dtype))
 
 
+OPAQUE = "opaque"
+"""The dtype of a leaf that is neither a tensor nor a plain value: it is named, never compared."""
+
+
 def _to_leaf(value: Any, keep_on_device: bool = False) -> Leaf:
+    if isinstance(value, Opaque):
+        return Leaf(value.type_name, OPAQUE, None)
     if not isinstance(value, torch.Tensor):
         return Leaf(value, type(value).__name__, None)
     t = value.detach()
@@ -298,9 +309,23 @@ class _PrivateInputs:
         return [t._version for _, t in flatten(self.args) if isinstance(t, torch.Tensor)]
 
     def after(self, run: BackendRun) -> None:
-        # A run that failed or timed out (its thread may still be running) also gets a new copy.
-        if run.status != OK or self._versions() != self.versions:
+        # A run that failed or timed out (its thread may still be running) also gets a new copy, and so
+        # does every run when the inputs hold objects (a cache), which a model may change without a version.
+        if run.status != OK or self._objects or self._versions() != self.versions:
             self._renew()
+
+    @functools.cached_property
+    def _objects(self) -> bool:
+        return _holds_objects(self.user_args)
+
+
+def _holds_objects(obj: Any) -> bool:
+    # Whether a nested input holds objects other than tensors, containers and plain values.
+    if isinstance(obj, Mapping):
+        return any(_holds_objects(v) for v in obj.values())
+    if isinstance(obj, (tuple, list)):
+        return any(_holds_objects(v) for v in obj)
+    return not isinstance(obj, (torch.Tensor, bool, int, float, complex, str, type(None), torch.dtype, torch.device))
 
 
 @functools.lru_cache(maxsize=256)
@@ -402,15 +427,12 @@ def _execute_in(backend, base, args, backward, loss, grad_inputs, input_names, m
     sizes = {} if (backward and measure_reductions) else None
     hooks = _record_output_sizes(model, sizes) if sizes is not None else []
     try:
-        if backward:
-            for p in model.parameters():
-                if p.is_floating_point():
-                    p.requires_grad_(True)
-            with torch.enable_grad():
-                out = backend.fn(model, fresh)
-        else:
-            with torch.no_grad():
-                out = backend.fn(model, fresh)
+        with collecting() as notes, torch.enable_grad() if backward else torch.no_grad():
+            if backward:
+                for p in model.parameters():
+                    if p.is_floating_point():
+                        p.requires_grad_(True)
+            out = backend.fn(model, fresh)
         keep = backend.keeps_outputs_on_device
         outputs = {name: _to_leaf(v, keep) for name, v in flatten(out)}
         _remove(hooks)
@@ -420,11 +442,13 @@ def _execute_in(backend, base, args, backward, loss, grad_inputs, input_names, m
             backend.name,
             ERROR,
             {},
-            _describe(exc),
+            describe_error(exc),
             time.perf_counter() - start,
             compute_dtype=backend.compute_dtype,
+            notes=notes,
+            detail=error_detail(exc),
         )
-    run = BackendRun(backend.name, OK, outputs, seconds=0.0, compute_dtype=backend.compute_dtype)
+    run = BackendRun(backend.name, OK, outputs, seconds=0.0, compute_dtype=backend.compute_dtype, notes=notes)
     if sizes is not None:
         run.reduction_lengths = _reduction_lengths(model, sizes)
     if backward:
@@ -447,7 +471,7 @@ def _backward(run, backend, model, out, fresh, loss, grad_inputs, input_names) -
             raise ValueError(f"loss must be a scalar tensor, got shape {tuple(value.shape)}")
         value.backward()
     except Exception as exc:
-        run.grad_status, run.grad_message = ERROR, _describe(exc)
+        run.grad_status, run.grad_message, run.detail = ERROR, describe_error(exc), error_detail(exc)
         return
     keep = backend.keeps_outputs_on_device
     for name, p in _named_params(model):
@@ -508,12 +532,49 @@ def _named_params(model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
         yield _user_name(model, name), p
 
 
-def _describe(exc: BaseException) -> str:
-    msg = str(exc).strip().splitlines()
-    first = msg[0] if msg else ""
+# Lines of an error message that state a cause rather than where a check sits: converters and
+# compilers put the specific line (the unsupported op, the failed conversion) deep in a long message.
+_CAUSE = re.compile(
+    r"no conversion rule|conversion is failed|failed for|not supported|unsupported|not implemented|"
+    r"no (?:kernel|implementation|rule)|could not|couldn't|cannot|can't|unknown|missing|invalid|mismatch|"
+    r"out of (?:the )?range|expected|unexpected|does not|doesn't|illegal|overflow|out of memory",
+    re.IGNORECASE,
+)
+_NOISE = re.compile(r"^(?:check '.*' failed at \S+:\d+:?|file \".*\", line \d+.*|\^+|-+|summary:?|traceback.*)$", re.I)
+REASON_CHARS = 600
+
+
+def _message_lines(exc: BaseException) -> list[str]:
+    # The meaningful lines of an exception's message and of the exceptions it was raised from.
+    lines: list[str] = []
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        for line in str(exc).splitlines():
+            line = line.strip(" \t-:>")
+            if line and not _NOISE.match(line) and line not in lines:
+                lines.append(line)
+        exc = exc.__cause__ or exc.__context__
+    return lines
+
+
+def describe_error(exc: BaseException) -> str:
+    """One readable line for an error row: the exception's type, its first line and the lines that
+    state the cause (for a converter, the operations it could not convert), and where it was raised."""
+    lines = _message_lines(exc)
+    specific = [line for line in lines[1:] if _CAUSE.search(line)]
+    # A summary line (the last specific one, e.g. "Conversion is failed for: aten::cat") is the most telling.
+    chosen = lines[:1] + (specific[-1:] + specific[:-1] if specific else lines[-1:] if len(lines) > 1 else [])
+    text = " | ".join(dict.fromkeys(chosen))
     where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
     loc = f" (at {where.name})" if where else ""
-    return f"{type(exc).__name__}: {first}"[:500] + loc
+    text = f"{type(exc).__name__}: {text}"
+    return (text if len(text) <= REASON_CHARS else text[: REASON_CHARS - 3] + "...") + loc
+
+
+def error_detail(exc: BaseException) -> str:
+    """The whole error: every line of the message, chained causes and the traceback."""
+    return "".join(traceback.format_exception(exc)).rstrip()
 
 
 def environment() -> dict[str, Any]:
@@ -601,7 +662,7 @@ def run(
     anchors = {}
     if effective_precision and counter.matmuls != 0:
         for bits in ANCHOR_BITS:
-            anchor = Backend(f"anchor:{bits}", emulate(bits), hookable=True)
+            anchor = Backend(f"anchor:{bits}", emulate(bits, results=True), hookable=True)
             anchors[bits] = go(anchor, timeout_s=timeout_s)
     runs = {}
     with bar("rlx_nb backends", total=len(candidates), unit="backend", enabled=progress is not False) as shown:

@@ -5,6 +5,7 @@ import torch
 
 import rlx_nb
 from rlx_nb.backends import get_backend, resolve_backends
+from tests.conftest import require_live
 
 
 def test_available_backends_cpu_first_and_no_reference():
@@ -82,3 +83,40 @@ def test_backend_table_lists_everything():
     rows = {r["backend"]: r for r in backend_table()}
     assert {"cpu", "cpu-f64", "cpu-inductor", "onnxruntime", "cpu-bf16", "cuda"} <= set(rows)
     assert rows["cpu"]["live"]
+
+
+@pytest.mark.slow
+def test_a_compiled_backend_compiles_every_time_it_is_asked():
+    # torch.compile gives up after recompile_limit (8) recompilations of one code object and runs eager
+    # without an error; every compiled nn.Module enters through one shared wrapper, so nine checks at nine
+    # batch sizes were enough to compare eager against eager.  Each run must say its compiled code ran.
+    require_live("cpu-inductor")
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
+    for batch in range(1, 21):
+        report = rlx_nb.backend_divergence(
+            model, torch.randn(batch, 8), backends=["cpu-inductor"], check_determinism=False, progress=False
+        )
+        run = report.results.candidates["cpu-inductor"]
+        assert run.status == "ok", run.message
+        assert any("compiled call(s) ran" in n for n in run.notes), (batch, run.notes)
+        assert "compiled call(s) ran" in report.backends.note.iloc[0]
+
+
+class NeverCompiled(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    @torch._dynamo.disable
+    def forward(self, x):
+        return self.lin(x)
+
+
+@pytest.mark.slow
+def test_a_model_torch_compile_runs_eagerly_is_an_error_row_not_a_compiled_result():
+    require_live("cpu-inductor")
+    report = rlx_nb.backend_divergence(NeverCompiled(), torch.randn(2, 4), backends=["cpu-inductor"])
+    rec = report.record("cpu-inductor")
+    assert rec.verdict == "error" and rec.output is None
+    assert "NotCompiledError" in rec.reason and "ran no compiled code" in rec.reason
+    assert report.errors == ["cpu-inductor"] and not report.any_suspect

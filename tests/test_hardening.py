@@ -12,6 +12,7 @@ import torch
 
 import rlx_nb
 from rlx_nb.compare import NONDETERMINISTIC, ROUNDOFF, SUSPECT
+from tests.conftest import require_live
 
 
 def _with_backend(name, fn, model, inputs, **kwargs):
@@ -234,3 +235,51 @@ def test_huge_output_is_fine():
     rec = report.record("cpu-nomkldnn")
     assert rec.numel == 16_000_000 and rec.verdict == ROUNDOFF
     assert np.isfinite(rec.p99_abs)
+
+
+def _deep_failure(model, inputs):
+    try:
+        raise KeyError("kernel table lookup")
+    except KeyError as cause:
+        raise RuntimeError(
+            "Check 'false' failed at src/frontend/convert.cpp:151:\n"
+            "FrontEnd API failed with ConversionFailure:\n"
+            "Model wasn't fully converted. Failed operations detailed log:\n"
+            "-- aten::frobnicate with a message:\n"
+            "Check 'is_valid(axis)' failed at src/core/validation.cpp:336:\n\n"
+            "Summary:\n"
+            "-- No conversion rule found for operations: aten::frobnicate\n"
+        ) from cause
+
+
+def test_an_error_row_keeps_the_root_cause_and_the_whole_error_on_request():
+    rlx_nb.register_backend("test:deep-failure", _deep_failure, replace=True, default=False)
+    report = rlx_nb.backend_divergence(torch.nn.Linear(2, 2), torch.ones(1, 2), backends=["test:deep-failure"])
+    rec = report.record("test:deep-failure")
+    assert rec.verdict == "error"
+    assert "No conversion rule found for operations: aten::frobnicate" in rec.reason
+    assert "Check 'false' failed at" not in rec.reason  # a check's location is not its cause
+    assert "aten::frobnicate" in report.lines()[0]
+    detail = report.error_detail("test:deep-failure")
+    assert "Traceback" in detail and "KeyError: 'kernel table lookup'" in detail and "convert.cpp:151" in detail
+    with pytest.raises(rlx_nb.InputError, match="no backend 'nope'"):
+        report.error_detail("nope")
+
+
+class Diff(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 8)
+
+    def forward(self, x):
+        return torch.diff(self.lin(x), dim=-1)  # OpenVINO's PyTorch frontend has no rule for aten::diff
+
+
+def test_openvino_takes_the_onnx_route_when_its_direct_conversion_fails_and_says_so():
+    require_live("openvino")
+    report = rlx_nb.backend_divergence(Diff(), torch.randn(4, 8), backends=["openvino"])
+    assert report.record("openvino").verdict == "round-off"
+    note = report.backends.note.iloc[0]
+    assert "converted through the ONNX export" in note and "No conversion rule found for operations: aten::diff" in note
+    direct = rlx_nb.backend_divergence(torch.nn.Linear(8, 8), torch.randn(4, 8), backends=["openvino"])
+    assert "converted directly from PyTorch" in direct.backends.note.iloc[0]

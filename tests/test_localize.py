@@ -9,13 +9,17 @@ import matplotlib
 
 matplotlib.use("Agg")
 
+import itertools
+
 import matplotlib.pyplot as plt
 import pytest
+import torch
 
 import rlx_nb
 from rlx_nb import demo
 from rlx_nb.localize import capture_calls
 from rlx_nb.run import normalize_inputs, prepare_model
+from tests.conftest import require_live
 
 
 @pytest.mark.parametrize(
@@ -168,3 +172,17 @@ def test_a_mild_gradient_fault_the_verdict_now_catches_is_localized_too():
     assert report.record(backend.name).output.startswith("grad:")
     loc = report.localize(backend.name)
     assert loc.culprit == "ln1 :: F.layer_norm"
+
+
+@pytest.mark.slow
+def test_localize_on_a_compiled_backend_compiles_every_module_it_checks():
+    # Twelve modules of twelve shapes: with dynamo's shared caches, the ninth compile and every later
+    # one ran eagerly and was compared as if compiled (ratio exactly 1).
+    require_live("cpu-inductor")
+    widths = list(range(4, 17))
+    model = torch.nn.Sequential(*(torch.nn.Linear(a, b) for a, b in itertools.pairwise(widths)))
+    loc = rlx_nb.localize(model, torch.randn(3, 4), backend="cpu-inductor", ops=False)
+    modules = loc.frame[loc.frame.kind == "module"]
+    assert len(modules) == 13  # the twelve layers, then the root (nothing below it was beyond round-off)
+    assert (modules.verdict != "error").all(), modules.reason.tolist()
+    assert modules.notes.str.contains("compiled call\\(s\\) ran").all(), modules.notes.tolist()

@@ -1,15 +1,42 @@
-"""``torch.compile`` backends (Inductor) on the CPU and on CUDA."""
+"""``torch.compile`` backends (Inductor) on the CPU and on CUDA, which really compile or say why not.
+
+``torch.compile`` falls back to eager without an error in two ways that would make a compiled
+backend compare eager against eager: after ``torch._dynamo.config.recompile_limit`` (8)
+recompilations of the same code — every compiled ``nn.Module`` enters through one shared
+wrapper function, so nine checks at nine batch sizes in one process are enough — and when it
+captures no graph at all.  So each preparation here
+
+- compiles in its own isolated cache region (``isolate_recompiles=True``; on a torch without it,
+  dynamo's in-memory caches are reset first), so earlier compiles never count against it;
+- compiles through Inductor wrapped in a counter of compiled graphs and of their executions;
+- checks after the run that compiled code ran.  If none did, the caches are reset and the run is
+  tried once more; if still none ran, the backend raises :class:`NotCompiledError`, which becomes
+  an ``error`` row: an eager run is never reported under a compiled backend's name.
+
+Graph breaks (parts of the model that run eagerly between compiled graphs, as in real use) are
+reported in the run's notes.
+"""
 
 from __future__ import annotations
 
+import inspect
 import os
 import shutil
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from rlx_nb.backends.eager import device_reason, on_device
+from rlx_nb.backends.notes import add_note
 from rlx_nb.backends.registry import Backend
+
+# Large enough never to bind for rlx_nb's own compiles, which each have their own isolated region.
+_ACCUMULATED_LIMIT = 1 << 20
+
+
+class NotCompiledError(RuntimeError):
+    """``torch.compile`` ran no compiled code for the model: the run would have been eager."""
 
 
 def compiler_reason() -> str | None:
@@ -20,22 +47,102 @@ def compiler_reason() -> str | None:
     return "no C++ compiler on PATH (Inductor needs g++ or clang++; set CXX)"
 
 
+class CountingInductor:
+    """A ``torch.compile`` backend: Inductor, counting the graphs it compiles and their executions."""
+
+    compiler_name = "inductor"
+
+    def __init__(self) -> None:
+        self.inductor = torch._TorchCompileInductorWrapper(None, None, False)
+        self.graphs = 0
+        self.calls = 0
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Callable:
+        compiled = self.inductor(gm, example_inputs)
+        self.graphs += 1
+
+        def run(*args: Any) -> Any:
+            self.calls += 1
+            return compiled(*args)
+
+        return run
+
+    def reset(self) -> None:
+        self.inductor.reset()
+
+
+def _isolates() -> bool:
+    try:
+        return "isolate_recompiles" in inspect.signature(torch.compile).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+_ISOLATES = _isolates()
+
+
+def _dynamo_counts() -> tuple[int, dict[str, int]]:
+    # Graph breaks so far, and what dynamo could not trace (its reasons, with how often).
+    from torch._dynamo.utils import counters
+
+    return sum(counters["graph_break"].values()), dict(counters["unimplemented"])
+
+
+def _why_not(before: dict[str, int], after: dict[str, int]) -> str:
+    # Dynamo's own words for what it could not trace during this run: the first line and its explanation.
+    reasons = [r for r, n in after.items() if n > before.get(r, 0)]
+    if not reasons:
+        return ""
+    lines = [ln.strip() for ln in reasons[0].splitlines() if ln.strip()]
+    return "; dynamo: " + " — ".join(lines[:2]).replace("Explanation: ", "")
+
+
+def compile_and_run(model: Any, inputs: tuple, *, call: Callable[[Any, tuple], Any] | None = None) -> Any:
+    """Compile ``model`` with Inductor (static shapes) in a fresh cache region, run it, check it compiled.
+
+    ``call(compiled, inputs)`` runs the compiled model (default: ``compiled(*inputs)``).  Raises
+    :class:`NotCompiledError` when no compiled code ran, even after resetting dynamo's caches.
+    """
+    call = call or (lambda compiled, xs: compiled(*xs))
+    for attempt in range(2):
+        if attempt or not _ISOLATES:
+            torch._dynamo.reset()  # a torch without isolated regions, or a retry: start from empty caches
+        counter = CountingInductor()
+        options: dict[str, Any] = {"backend": counter, "dynamic": False}
+        if _ISOLATES:
+            options["isolate_recompiles"] = True
+        compiled = torch.compile(model, **options)
+        breaks, untraced = _dynamo_counts()
+        with torch._dynamo.config.patch(accumulated_recompile_limit=_ACCUMULATED_LIMIT):
+            out = call(compiled, inputs)
+        after, untraced_after = _dynamo_counts()
+        breaks = after - breaks
+        if counter.calls:
+            note = f"torch.compile: {counter.graphs} graph(s) compiled, {counter.calls} compiled call(s) ran"
+            if breaks:
+                note += f"; {breaks} graph break(s): the code between graphs ran eagerly, as it does in real use"
+            add_note(note + ("; dynamo's caches were reset to compile it" if attempt else ""))
+            return out
+    raise NotCompiledError(
+        f"torch.compile ran no compiled code for this model ({counter.graphs} graph(s) compiled, {breaks} graph "
+        f"break(s)): the run was eager, so it is not reported as a compiled backend{_why_not(untraced, untraced_after)}"
+    )
+
+
 def run_inductor(model: Any, inputs: tuple) -> Any:
-    """Compile with Inductor (fixed shapes) and run once.
+    """Compile with Inductor (fixed shapes) in a fresh cache region and run once; see :func:`compile_and_run`.
 
     Compiled artefacts land in Inductor's on-disk cache, so a second run of
     the same model compiles in about a second instead of several.
     """
-    compiled = torch.compile(model, backend="inductor", dynamic=False)
-    return compiled(*inputs)
+    return compile_and_run(model, inputs)
 
 
 def run_cuda_inductor(model: Any, inputs: tuple) -> Any:
     """Move to CUDA, compile with Inductor, run with TF32 off."""
     if isinstance(model, torch.nn.Module):
         model.to("cuda")
-    compiled = torch.compile(model, backend="inductor", dynamic=False)
-    return on_device("cuda")(compiled, inputs)
+    return compile_and_run(model, inputs, call=on_device("cuda"))
 
 
 BACKENDS = [

@@ -19,11 +19,13 @@ from torch.overrides import TorchFunctionMode
 from rlx_nb.backends.registry import Backend
 
 
-def round_mantissa(x: torch.Tensor, bits: int) -> torch.Tensor:
+def round_mantissa(x: torch.Tensor, bits: int, *, gradient: bool = False) -> torch.Tensor:
     """Round a float32 tensor to ``bits`` bits of precision (implicit bit included), nearest even.
 
     Differentiable as the identity (a straight-through gradient): on TF32 hardware the rounding is
-    part of the matmul, so the gradient reaches the operand itself.
+    part of the matmul, so the gradient reaches the operand itself.  ``gradient=True`` rounds the
+    gradient too, as a cast to a narrower dtype does (autocast: the gradient of a bfloat16 copy is
+    bfloat16).
 
     Examples
     --------
@@ -32,7 +34,7 @@ def round_mantissa(x: torch.Tensor, bits: int) -> torch.Tensor:
     """
     if not x.is_floating_point() or bits >= 24:
         return x
-    return _Rounded.apply(x, bits) if x.requires_grad else _round(x, bits)
+    return _Rounded.apply(x, bits, gradient) if x.requires_grad else _round(x, bits)
 
 
 def _round(x: torch.Tensor, bits: int) -> torch.Tensor:
@@ -47,14 +49,16 @@ def _round(x: torch.Tensor, bits: int) -> torch.Tensor:
 
 
 class _Rounded(torch.autograd.Function):
-    # The rounded operand in the forward; the gradient straight through to the operand.
+    # The rounded operand in the forward; the gradient straight through to the operand (rounded too
+    # when it stands for a cast to a narrower dtype).
     @staticmethod
-    def forward(ctx, x, bits):
+    def forward(ctx, x, bits, gradient):
+        ctx.bits = bits if gradient else None
         return _round(x, bits)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return (grad if ctx.bits is None else _round(grad, ctx.bits)), None, None
 
 
 class _GradientRounded(torch.autograd.Function):
@@ -89,33 +93,42 @@ class RoundMatmulOperands(TorchFunctionMode):
     """Round the tensor operands of matmuls and convolutions to ``bits`` before they run.
 
     In a backward the gradient arriving at such a call's output is rounded too, so the backward's
-    matmuls also take ``bits``-bit operands, as on TF32 hardware.
+    matmuls also take ``bits``-bit operands, as on TF32 hardware.  ``results=True`` also rounds each
+    call's result, and the gradients the backward produces for its operands: the casts autocast makes
+    around a matmul in a narrower dtype (its inputs, its output, and in the backward the gradients
+    in and out), with float32 accumulation inside.
     """
 
-    def __init__(self, bits: int) -> None:
+    def __init__(self, bits: int, *, results: bool = False) -> None:
         super().__init__()
         self.bits = bits
+        self.results = results
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in TARGETS:
-            args = tuple(round_mantissa(a, self.bits) if isinstance(a, torch.Tensor) else a for a in args)
-            kwargs = {k: round_mantissa(v, self.bits) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-            out = func(*args, **kwargs)
-            return (
-                _GradientRounded.apply(out, self.bits) if isinstance(out, torch.Tensor) and out.requires_grad else out
-            )
+            bits, both = self.bits, self.results
+
+            def narrow(v: Any) -> Any:
+                return round_mantissa(v, bits, gradient=both) if isinstance(v, torch.Tensor) else v
+
+            out = func(*(narrow(a) for a in args), **{k: narrow(v) for k, v in kwargs.items()})
+            if not isinstance(out, torch.Tensor):
+                return out
+            if both:
+                return round_mantissa(out, bits, gradient=True)
+            return _GradientRounded.apply(out, bits) if out.requires_grad else out
         return func(*args, **kwargs)
 
 
-def emulate(bits: int) -> Callable[[Any, tuple], Any]:
-    """A backend fn running the model eagerly with matmul/conv operands rounded to ``bits``."""
+def emulate(bits: int, *, results: bool = False) -> Callable[[Any, tuple], Any]:
+    """A backend fn running the model eagerly with matmul/conv operands (and ``results``) rounded to ``bits``."""
 
     def fn(model: Any, inputs: tuple) -> Any:
-        with RoundMatmulOperands(bits):
+        with RoundMatmulOperands(bits, results=results):
             return model(*inputs)
 
-    fn.__name__ = f"run_with_{bits}_bit_operands"
+    fn.__name__ = f"run_with_{bits}_bit_{'matmuls' if results else 'operands'}"
     return fn
 
 

@@ -10,8 +10,10 @@ A correct verdict calls each SUSPECT once its error exceeds round-off.
 ===============================  ==================================================================  =========
 name                             bug (``s`` is the severity)                                         default s
 ===============================  ==================================================================  =========
-``fault:softmax-row``            softmax normaliser x(1+s) on the first row only                     1e-3
-``fault:attention-scale``        softmax input scaled by (1+s): a wrong attention scale              1e-3
+``fault:softmax-row``            softmax normaliser x(1+s) on the first row only (also the softmax   1e-3
+                                 inside scaled-dot-product attention)
+``fault:attention-scale``        softmax input scaled by (1+s): a wrong attention scale (also in     1e-3
+                                 scaled-dot-product attention)
 ``fault:layernorm-eps``          LayerNorm divides by ``sqrt(var) + s*eps`` (eps outside the sqrt)   1
 ``fault:layernorm-unbiased``     LayerNorm variance x(1 + s/(N-1)): s=1 is the unbiased N-1 form     1
 ``fault:linear-bias-channel``    Linear drops a fraction s of the bias on output channel 0           1
@@ -21,6 +23,7 @@ name                             bug (``s`` is the severity)                    
 ``fault:linear-lowp-accum``      Linear with operands rounded to bfloat16 (s=1) or float16 (s=0.5)   1
 ``fault:layernorm-backward``     LayerNorm backward drops a fraction s of the mean-gradient term     1
 ``fault:rmsnorm-backward``       RMSNorm backward drops a fraction s of the normaliser's own term    1
+                                 (``F.rms_norm``, and RMSNorm modules a model writes out itself)
 ``fault:xent-backward``          cross-entropy backward: a fraction s of the last class's exp is     1
                                  left out of the softmax normaliser (s=1: off by one)
 ===============================  ==================================================================  =========
@@ -97,7 +100,34 @@ def _attention_scale(s: float):
 
 
 def _softmax_targets(impl: Callable) -> dict[Callable, Callable]:
-    return {F.softmax: impl, torch.softmax: impl, torch.Tensor.softmax: impl}
+    # The softmax models call themselves, and the one inside scaled-dot-product attention (what most
+    # attention layers use today), computed by the math formula with the faulty softmax.
+    return {
+        F.softmax: impl,
+        torch.softmax: impl,
+        torch.Tensor.softmax: impl,
+        F.scaled_dot_product_attention: _sdpa(impl),
+    }
+
+
+def _sdpa(softmax: Callable) -> Callable:
+    def attention(q, k, v, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, enable_gqa=False):
+        if dropout_p:
+            return NotImplemented
+        if enable_gqa and k.shape[-3] != q.shape[-3]:
+            k = k.repeat_interleave(q.shape[-3] // k.shape[-3], dim=-3)
+            v = v.repeat_interleave(q.shape[-3] // v.shape[-3], dim=-3)
+        scores = (q @ k.transpose(-2, -1)) * (q.shape[-1] ** -0.5 if scale is None else scale)
+        if is_causal:
+            keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
+            scores = scores.masked_fill(~keep, float("-inf"))
+        if attn_mask is not None:
+            scores = (
+                scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool else scores + attn_mask
+            )
+        return softmax(scores, dim=-1) @ v
+
+    return attention
 
 
 def _layer_norm_with(var_scale: float, eps_outside: float | None):
@@ -243,6 +273,29 @@ def _rmsnorm_backward(s: float):
     return {F.rms_norm: rms_norm, torch.rms_norm: rms_norm}
 
 
+def _is_custom_rmsnorm(module: torch.nn.Module) -> bool:
+    # RMSNorm written out in a model's own code (Llama's, Qwen2's, T5's LayerNorm): a module of that name
+    # with a 1-d weight, which calls no F.rms_norm the function replacement could catch.
+    name = type(module).__name__
+    weight = getattr(module, "weight", None)
+    return (
+        (name.endswith("RMSNorm") or name == "T5LayerNorm")
+        and not isinstance(module, torch.nn.RMSNorm)
+        and isinstance(weight, torch.nn.Parameter)
+        and weight.dim() == 1
+    )
+
+
+def _rmsnorm_module_backward(s: float) -> Callable:
+    def output(module: torch.nn.Module, x: torch.Tensor, out: Any) -> Any:
+        if not isinstance(out, torch.Tensor) or x.shape != out.shape:
+            return None
+        eps = getattr(module, "variance_epsilon", None) or getattr(module, "eps", None) or torch.finfo(x.dtype).eps
+        return _RmsNormWrongBackward.apply(x.float(), module.weight, float(eps), s).to(out.dtype)
+
+    return output
+
+
 class _CrossEntropyWrongBackward(torch.autograd.Function):
     @staticmethod
     def forward(ctx, logits, target, s, ignore_index):
@@ -289,6 +342,9 @@ class Fault:
     severities: tuple[float, ...]
     """Severities the detection benchmark sweeps, mildest first."""
     backward_only: bool = False
+    modules: tuple[Callable[[torch.nn.Module], bool], Callable[[float], Callable]] | None = None
+    """``(which modules, severity -> output(module, input, output))``: modules whose output is replaced,
+    for kernels a model writes out in its own code rather than calling a torch function for."""
 
 
 CATALOGUE: dict[str, Fault] = {
@@ -361,6 +417,7 @@ CATALOGUE: dict[str, Fault] = {
             1.0,
             (1e-3, 1e-2, 1.0),
             True,
+            (_is_custom_rmsnorm, _rmsnorm_module_backward),
         ),
         Fault(
             "fault:xent-backward",
@@ -378,6 +435,19 @@ def _bump(mode: SubstituteFunctions, by: int) -> None:
     mode.suspended += by
 
 
+def _module_fault(mode: SubstituteFunctions, replace: Callable) -> Callable:
+    # A forward hook that swaps a module's output for the faulty kernel's (not inside fault-free modules).
+    def hook(module: torch.nn.Module, args: tuple, out: Any) -> Any:
+        if mode.suspended or not args or not isinstance(args[0], torch.Tensor):
+            return None
+        new = replace(module, args[0], out)
+        if new is not None:
+            HITS[mode.name] += 1
+        return new
+
+    return hook
+
+
 def fault_fn(fault: Fault, severity: float | None = None) -> Callable[[Any, tuple], Any]:
     """The backend function that runs a model eagerly with ``fault`` injected at ``severity``."""
     s = fault.default_severity if severity is None else severity
@@ -391,6 +461,12 @@ def fault_fn(fault: Fault, severity: float | None = None) -> Callable[[Any, tupl
                 if getattr(m, FAULT_FREE, False):
                     handles.append(m.register_forward_pre_hook(lambda *_: _bump(mode, 1)))
                     handles.append(m.register_forward_hook(lambda *_: _bump(mode, -1)))
+            if fault.modules is not None:
+                which, make = fault.modules
+                replace = make(s)
+                for m in model.modules():
+                    if which(m):
+                        handles.append(m.register_forward_hook(_module_fault(mode, replace)))
         try:
             with mode:
                 return model(*inputs)

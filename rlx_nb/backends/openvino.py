@@ -6,11 +6,14 @@ kind of machine: max_abs 3.1e-3, ~9,400x the fp32 round-off on an MLP).
 from __future__ import annotations
 
 import importlib.util
+import tempfile
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from rlx_nb.backends.onnx import _FlatOutputs, _quiet, _unflatten
+from rlx_nb.backends.notes import add_note
+from rlx_nb.backends.onnx import _export, _FlatOutputs, _quiet, _unflatten
 from rlx_nb.backends.registry import Backend
 
 
@@ -29,12 +32,39 @@ def _run(model: Any, inputs: tuple, config: dict[str, str]) -> Any:
     wrapper = _FlatOutputs(model)
     with torch.no_grad():
         wrapper(*inputs)  # records the output names and non-tensor leaves
-        with _quiet():
-            converted = ov.convert_model(wrapper, example_input=tuple(inputs))
+        converted = _convert(ov, wrapper, inputs)
     compiled = ov.Core().compile_model(converted, "CPU", config)
     result = compiled([x.detach().cpu().numpy() for x in inputs])
     tensors = [torch.from_numpy(result[out].copy()) for out in compiled.outputs]
     return _unflatten(wrapper.leaves, tensors)
+
+
+def _convert(ov: Any, wrapper: torch.nn.Module, inputs: tuple) -> Any:
+    # Two routes: OpenVINO's own PyTorch frontend, and, where it cannot convert the model, the ONNX
+    # export read by OpenVINO's ONNX frontend.  The run's notes say which one ran.
+    from rlx_nb.run import describe_error
+
+    try:
+        with _quiet():
+            converted = ov.convert_model(wrapper, example_input=tuple(inputs))
+    except Exception as direct:
+        first = describe_error(direct)
+        try:
+            names = [f"input_{i}" for i in range(len(inputs))]
+            buf = _export(wrapper, tuple(inputs), names)
+            with tempfile.TemporaryDirectory() as tmp, _quiet():
+                path = Path(tmp) / "model.onnx"
+                path.write_bytes(buf.getvalue())
+                converted = ov.convert_model(str(path))
+        except Exception as second:
+            raise RuntimeError(
+                f"OpenVINO could not convert the model by either route: directly: {first}; "
+                f"through the ONNX export: {describe_error(second)}"
+            ) from direct
+        add_note(f"OpenVINO: converted through the ONNX export, because the direct conversion failed: {first}")
+        return converted
+    add_note("OpenVINO: converted directly from PyTorch (ov.convert_model)")
+    return converted
 
 
 def run_openvino_f32(model: Any, inputs: tuple) -> Any:

@@ -15,7 +15,7 @@ ORACLE = "cpu"
 REFERENCE = "cpu-f64"
 
 BackendFn = Callable[[Any, tuple], Any]
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:+/-]*$")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:+/@-]*$")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,7 +126,7 @@ def register_backend(
     Parameters
     ----------
     name : str
-        Letters, digits and ``_ . : + / -``; no spaces or commas.
+        Letters, digits and ``_ . : + / @ -``; no spaces or commas.
     fn : callable
         The runner.
     device : str
@@ -161,7 +161,9 @@ def register_backend(
     """
     _ensure_builtins()
     if not isinstance(name, str) or not _NAME.match(name) or "," in name:
-        raise BackendError(f"invalid backend name {name!r}: use letters, digits and _ . : + / - (no spaces or commas)")
+        raise BackendError(
+            f"invalid backend name {name!r}: use letters, digits and _ . : + / @ - (no spaces or commas)"
+        )
     if not callable(fn):
         raise BackendError(f"backend {name!r}: fn must be callable fn(model, inputs), got {type(fn).__name__}")
     if compute_dtype not in UNIT_ROUNDOFF:
