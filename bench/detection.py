@@ -38,7 +38,7 @@ from rlx_nb import demo
 from rlx_nb.backends import available_backends, register_backend
 from rlx_nb.backends.faults import CATALOGUE, HITS, fault_backend
 from rlx_nb.backends.registry import _REGISTRY
-from rlx_nb.compare import MAX_LIMIT, RMSE_LIMIT, SUSPECT
+from rlx_nb.verdict import MAX_LIMIT, RMSE_LIMIT, SUSPECT
 
 RESULTS = Path(__file__).parent / "results"
 FAMILIES = {
@@ -342,7 +342,7 @@ def _summary(df: pd.DataFrame) -> str:
         f"concentration clause alone: {int(det[det['rlx_nb']].by_concentration_only.sum())}."
     )
     miss.append(
-        f"\nHighest slice ratio (a slice's mean error over the legitimate runs' RMS error there) over the same "
+        f"\nHighest slice ratio (a slice's mean error over what round-off allows there) over the same "
         f"outputs: {fp32.max_slice_ratio.max():.2f} (the clause's limit is {RMSE_LIMIT:g}; cpu-fp16 and cpu-bf16, "
         f"judged on their own scale: {legit[~legit.backend.isin(FP32_LEGIT)].max_slice_ratio.max():.2f}). "
         f"Faults caught by the slice clause alone: {int(det[det['rlx_nb']].by_slice_only.sum())}."

@@ -24,7 +24,7 @@ MB = 100
 
 
 def _results(rank: int):
-    from rlx_nb.run import BackendRun, Leaf, RunResults
+    from rlx_nb.results import BackendRun, Leaf, RunResults
 
     n = MB * (1 << 20) // 4
     arr = np.random.default_rng(rank).standard_normal(n, dtype=np.float32)

@@ -11,13 +11,13 @@ __version__ = "0.1.0"
 from rlx_nb.api import backend_divergence, report_backend_divergence
 from rlx_nb.backends import available_backends, register_backend, unregister_backend
 from rlx_nb.compare import OutputRecord, compare
-from rlx_nb.errors import BackendError, InputError, RlxError
+from rlx_nb.errors import BackendError, InputError, ReportFormatError, RlxError
 from rlx_nb.localize import Localization, localize
 from rlx_nb.merge import merge_reports
-from rlx_nb.persist import ReportFormatError
 from rlx_nb.precision import precision_sweep
 from rlx_nb.report import DivergenceReport, load_report
-from rlx_nb.run import RunResults, run
+from rlx_nb.results import RunResults
+from rlx_nb.run import run
 
 
 def explore(report, **kwargs):

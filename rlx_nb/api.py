@@ -8,10 +8,10 @@ from typing import Any
 
 import torch
 
-from rlx_nb.compare import RULES
 from rlx_nb.errors import InputError, RlxError
 from rlx_nb.report import DivergenceReport
 from rlx_nb.run import run
+from rlx_nb.verdict import RULES
 
 
 def backend_divergence(

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+import traceback
+
 
 class RlxError(Exception):
     """Base of every error rlx_nb raises on purpose.
@@ -20,3 +23,54 @@ class InputError(RlxError):
 
 class TargetError(RlxError):
     """A CLI target (``file.py:factory`` or ``package.module:factory``) cannot be loaded."""
+
+
+class ReportFormatError(RlxError):
+    """A saved report cannot be read: not this format, another version, truncated or corrupted."""
+
+
+# Lines of an error message that state a cause rather than where a check sits: converters and
+# compilers put the specific line (the unsupported op, the failed conversion) deep in a long message.
+_CAUSE = re.compile(
+    r"no conversion rule|conversion is failed|failed for|not supported|unsupported|not implemented|"
+    r"no (?:kernel|implementation|rule)|could not|couldn't|cannot|can't|unknown|missing|invalid|mismatch|"
+    r"out of (?:the )?range|expected|unexpected|does not|doesn't|illegal|overflow|out of memory",
+    re.IGNORECASE,
+)
+
+_NOISE = re.compile(r"^(?:check '.*' failed at \S+:\d+:?|file \".*\", line \d+.*|\^+|-+|summary:?|traceback.*)$", re.I)
+
+REASON_CHARS = 600
+
+
+def _message_lines(exc: BaseException) -> list[str]:
+    # The meaningful lines of an exception's message and of the exceptions it was raised from.
+    lines: list[str] = []
+    seen: set[int] = set()
+    while exc is not None and id(exc) not in seen:
+        seen.add(id(exc))
+        for line in str(exc).splitlines():
+            line = line.strip(" \t-:>")
+            if line and not _NOISE.match(line) and line not in lines:
+                lines.append(line)
+        exc = exc.__cause__ or exc.__context__
+    return lines
+
+
+def describe_error(exc: BaseException) -> str:
+    """One readable line for an error row: the exception's type, its first line and the lines that
+    state the cause (for a converter, the operations it could not convert), and where it was raised."""
+    lines = _message_lines(exc)
+    specific = [line for line in lines[1:] if _CAUSE.search(line)]
+    # A summary line (the last specific one, e.g. "Conversion is failed for: aten::cat") is the most telling.
+    chosen = lines[:1] + (specific[-1:] + specific[:-1] if specific else lines[-1:] if len(lines) > 1 else [])
+    text = " | ".join(dict.fromkeys(chosen))
+    where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+    loc = f" (at {where.name})" if where else ""
+    text = f"{type(exc).__name__}: {text}"
+    return (text if len(text) <= REASON_CHARS else text[: REASON_CHARS - 3] + "...") + loc
+
+
+def error_detail(exc: BaseException) -> str:
+    """The whole error: every line of the message, chained causes and the traceback."""
+    return "".join(traceback.format_exception(exc)).rstrip()

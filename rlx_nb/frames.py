@@ -9,7 +9,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from rlx_nb.compare import SUSPECT, VERDICT_ERROR, OutputRecord
+from rlx_nb.compare import OutputRecord
+from rlx_nb.verdict import SUSPECT, VERDICT_ERROR
 
 BACKEND = "backend"
 OUTPUT = "output"

@@ -38,12 +38,15 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from rlx_nb.backends import ORACLE, REFERENCE, get_backend
-from rlx_nb.compare import SUSPECT, VERDICT_ERROR, OutputRecord, compare, compare_leaf
+from rlx_nb.compare import OutputRecord, compare, compare_leaf
 from rlx_nb.errors import InputError
 from rlx_nb.frames import worst_record
+from rlx_nb.prepare import KeywordModule, normalize_inputs, prepare_model
 from rlx_nb.progress import bar
-from rlx_nb.run import GRAD_PREFIX, normalize_inputs, prepare_model, run
+from rlx_nb.results import GRAD_PREFIX, to_leaf
+from rlx_nb.run import run
 from rlx_nb.tree import flatten
+from rlx_nb.verdict import SUSPECT, VERDICT_ERROR
 
 LOCALIZE_COLUMNS = [
     "order",
@@ -457,7 +460,7 @@ class _State:
         self.rows: list[dict] = []
         self.checks: dict[str, tuple[Any, str | None]] = {}
         self.preparations = 0
-        self.keyword = isinstance(named.get(""), torch.nn.Module) and type(named[""]).__name__ == "_KeywordModule"
+        self.keyword = isinstance(named.get(""), KeywordModule)
         self.shown: Any = bar("", enabled=False)
 
     def _judge(self, adapter: torch.nn.Module, tensors: list[torch.Tensor]) -> _Check:
@@ -602,8 +605,6 @@ class _State:
 
 
 def _full_run_outputs(backend, base: torch.nn.Module, args: tuple) -> dict[str, Any]:
-    from rlx_nb.run import _to_leaf
-
     model = copy.deepcopy(base)
     captured: dict[str, Any] = {}
 
@@ -611,7 +612,7 @@ def _full_run_outputs(backend, base: torch.nn.Module, args: tuple) -> dict[str, 
         def hook(module, a, out):
             leaves = [v for _, v in flatten(out) if isinstance(v, torch.Tensor)]
             if name not in captured and leaves:
-                captured[name] = _to_leaf(leaves[0])
+                captured[name] = to_leaf(leaves[0])
 
         return hook
 

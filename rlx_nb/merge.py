@@ -8,7 +8,7 @@ from pathlib import Path
 from typing import Any
 
 from rlx_nb.errors import InputError
-from rlx_nb.run import ERROR, BackendRun, RunResults
+from rlx_nb.results import ERROR, BackendRun, RunResults
 
 
 def merge_results(nodes: Sequence[tuple[str, RunResults | str]], *, oracle: str | None = None) -> RunResults:

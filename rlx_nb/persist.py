@@ -35,18 +35,14 @@ from typing import Any
 
 import numpy as np
 
-from rlx_nb.errors import RlxError
-from rlx_nb.run import GRAD_PREFIX, BackendRun, Leaf, RunResults
+from rlx_nb.errors import ReportFormatError
+from rlx_nb.results import GRAD_PREFIX, BackendRun, Leaf, RunResults
 
 FORMAT = "rlx_nb.report"
 VERSION = 2
 READS = (1, 2)
 SUFFIX = ".rlxnb"
 _MAX_META = 64 << 20
-
-
-class ReportFormatError(RlxError):
-    """A saved report cannot be read: not this format, another version, truncated or corrupted."""
 
 
 def _json_value(v: Any) -> Any:
@@ -106,7 +102,10 @@ def save_results(
                 if leaf.is_array:
                     entry = f"arrays/{next(counter)}.npy"
                     with zf.open(entry, "w", force_zip64=True) as f:  # streamed: no extra copy
-                        np.lib.format.write_array(f, np.ascontiguousarray(leaf.value), allow_pickle=False)
+                        # (np.ascontiguousarray makes a 0-d array 1-d; a scalar output must stay 0-d)
+                        value = np.asarray(leaf.value)
+                        value = value if value.flags.c_contiguous else np.ascontiguousarray(value)
+                        np.lib.format.write_array(f, value, allow_pickle=False)
                     outputs[name] = {"array": entry, "dtype": leaf.dtype, "shape": list(leaf.shape)}
                 else:
                     outputs[name] = {"value": _json_value(leaf.value), "dtype": leaf.dtype}
@@ -241,10 +240,13 @@ def _array_loader(zf: zipfile.ZipFile, entry: str, shape: tuple[int, ...], where
                 stored_shape, _, dtype = header
                 if dtype.hasobject:
                     raise _fail(where, f"array {entry!r} holds Python objects; refusing to unpickle it")
-                if tuple(stored_shape) != shape:
+                # Scalar outputs were written as shape (1,) before that was fixed: read them back 0-d.
+                scalar = shape == () and tuple(stored_shape) == (1,)
+                if tuple(stored_shape) != shape and not scalar:
                     raise _fail(where, f"array {entry!r} has shape {tuple(stored_shape)}, meta.json says {shape}")
             with zf.open(entry) as f:
                 arr = np.lib.format.read_array(f, allow_pickle=False)
+            arr = arr.reshape(()) if scalar else arr
         except ReportFormatError:
             raise
         except Exception as exc:

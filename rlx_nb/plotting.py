@@ -13,10 +13,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from rlx_nb.compare import MAX_LIMIT
 from rlx_nb.errors import InputError
 from rlx_nb.maps import METRICS, block_argmax, error_map, make_fold, scatter_sample
 from rlx_nb.metrics import error_histogram, tolerance_curve
+from rlx_nb.verdict import MAX_LIMIT
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes

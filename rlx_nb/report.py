@@ -12,19 +12,12 @@ import pandas as pd
 import torch
 
 from rlx_nb.backends import ORACLE
-from rlx_nb.compare import (
-    NONDETERMINISTIC,
-    SUSPECT,
-    VERDICT_ERROR,
-    VERDICT_SKIPPED,
-    OutputRecord,
-    compare,
-    on_device,
-)
+from rlx_nb.compare import OutputRecord, compare, on_device
 from rlx_nb.errors import InputError
 from rlx_nb.frames import backends_frame, element_table, elements_frame, summary_frame, worst_record
 from rlx_nb.metrics import rel_error, top_k, ulp_distance
-from rlx_nb.run import RunResults
+from rlx_nb.results import RunResults
+from rlx_nb.verdict import NONDETERMINISTIC, SUSPECT, VERDICT_ERROR, VERDICT_SKIPPED
 
 
 class DivergenceReport:
@@ -324,7 +317,8 @@ def load_report(path) -> DivergenceReport:
     Raises :class:`rlx_nb.persist.ReportFormatError` (an :class:`RlxError`) for anything that is not
     a readable report of this version; never unpickles or executes anything.
     """
-    from rlx_nb.persist import ReportFormatError, load_results, records_from_meta
+    from rlx_nb.errors import ReportFormatError
+    from rlx_nb.persist import load_results, records_from_meta
 
     results, meta = load_results(path)
     rule = meta.get("rule") if meta.get("rule") in ("budget", "fixed") else "budget"

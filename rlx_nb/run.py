@@ -8,16 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import functools
-import hashlib
 import platform
 import re
-import sys
 import threading
 import time
-import traceback
-import warnings
 import zlib
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -25,307 +20,26 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlx_nb._memory import private_copy
 from rlx_nb.backends import ORACLE, REFERENCE, Backend, get_backend, resolve_backends
 from rlx_nb.backends.eager import run_eager
 from rlx_nb.backends.emulated import emulate
 from rlx_nb.backends.notes import collecting
-from rlx_nb.errors import InputError
+from rlx_nb.errors import InputError, describe_error, error_detail
+from rlx_nb.prepare import (
+    PrivateInputs,
+    fingerprint,
+    fresh_leaves,
+    named_params,
+    normalize_inputs,
+    prepare_model,
+    user_name,
+)
 from rlx_nb.progress import bar
 from rlx_nb.reassoc import CountReductions, SequentialSums
-from rlx_nb.tree import Opaque, flatten, map_tensors
+from rlx_nb.results import ERROR, GRAD_PREFIX, OK, SKIPPED, BackendRun, RunResults, nondeterministic, to_leaf
+from rlx_nb.tree import flatten, map_tensors
 
-OK, ERROR, SKIPPED = "ok", "error", "skipped"
 ANCHOR_BITS = (8, 11)
-GRAD_PREFIX = "grad:"
-
-
-class Leaf:
-    """One named output of one run: a numpy array (or a plain value) and the torch dtype it came as.
-
-    ``value`` may be loaded lazily (a report read from disk reads an array on first access).  A
-    backend that compares on its device (:attr:`Backend.keeps_outputs_on_device`) leaves the
-    output there as ``tensor``; the host copy behind ``value`` is then made on first access only,
-    and the metrics run on the device.
-    """
-
-    __slots__ = ("_loader", "_value", "dtype", "shape", "tensor")
-
-    def __init__(
-        self,
-        value: Any = None,
-        dtype: str = "",
-        shape: tuple[int, ...] | None = None,
-        loader: Callable[[], Any] | None = None,
-        tensor: torch.Tensor | None = None,
-    ) -> None:
-        self._value, self._loader, self.dtype, self.shape, self.tensor = value, loader, dtype, shape, tensor
-
-    @property
-    def value(self) -> Any:
-        if self._loader is not None:
-            self._value, self._loader = self._loader(), None
-        if self._value is None and self.tensor is not None:
-            self._value = self.tensor.cpu().numpy()  # the host copy, on first use (the tensor is contiguous)
-        return self._value
-
-    @property
-    def loaded(self) -> bool:
-        return self._loader is None
-
-    @property
-    def on_device(self) -> bool:
-        """True while the output exists only on its device (no host copy made yet)."""
-        return self.tensor is not None and self._value is None
-
-    @property
-    def is_array(self) -> bool:
-        return self.shape is not None
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes this output holds now (device tensor plus host copy), without making a host copy.
-
-        0 for plain values and for arrays not read from disk yet.
-        """
-        size = self.tensor.numel() * self.tensor.element_size() if self.tensor is not None else 0
-        if self._loader is None and self._value is not None and self.is_array:
-            size += self._value.nbytes
-        return size
-
-    def __repr__(self) -> str:
-        where = f", on {self.tensor.device}" if self.tensor is not None else ""
-        return f"Leaf(dtype={self.dtype!r}, shape={self.shape!r}, loaded={self.loaded}{where})"
-
-
-@dataclasses.dataclass
-class BackendRun:
-    """Everything one backend produced: named outputs (and ``grad:`` outputs), status, timing."""
-
-    backend: str
-    status: str
-    outputs: dict[str, Leaf]
-    message: str = ""
-    seconds: float = 0.0
-    grad_status: str | None = None
-    grad_message: str = ""
-    compute_dtype: str = "float32"
-    reduction_lengths: dict[str, int] = dataclasses.field(default_factory=dict)
-    """For ``grad:<param>`` outputs: about how many terms the backward sums into each element."""
-    notes: list[str] = dataclasses.field(default_factory=list)
-    """What the backend said about how it ran (:func:`rlx_nb.backends.notes.add_note`): a route, graph breaks."""
-    detail: str = ""
-    """A failed run's whole error (every line, chained causes, where it was raised); ``message`` is its gist."""
-
-
-@dataclasses.dataclass
-class RunResults:
-    """The oracle, the fp64 reference and each candidate's outputs, plus the environment."""
-
-    label: str
-    oracle: BackendRun
-    reference: BackendRun
-    candidates: dict[str, BackendRun]
-    backward: bool
-    environment: dict[str, Any]
-    fingerprints: dict[str, str] = dataclasses.field(default_factory=dict)
-    """``inputs`` and ``model``: sha256 of the tensors' dtypes, shapes and bytes (nodes must agree on inputs)."""
-    anchors: dict[int, BackendRun] = dataclasses.field(default_factory=dict)
-    """Runs with matmul/conv operands rounded to 8 and 11 bits: the effective-precision scale."""
-    sequential: BackendRun | None = None
-    """The model in float32 with plain sequential reductions (:mod:`rlx_nb.reassoc`): a second
-    legitimate error next to the oracle's.  ``None`` when the model has no reduction it changes
-    (it would repeat the oracle) or the run failed; when only its backward failed, it holds the
-    forward outputs.  A failure's reason is in ``environment["sequential_failed"]``."""
-
-    @property
-    def output_names(self) -> list[str]:
-        return list(self.oracle.outputs)
-
-
-class _CallableModule(torch.nn.Module):
-    # Lets a plain callable travel through the same copy/eval/float path as a Module.
-    def __init__(self, fn: Callable) -> None:
-        super().__init__()
-        self.fn = fn
-
-    def forward(self, *args: Any) -> Any:
-        return self.fn(*args)
-
-
-class _KeywordModule(torch.nn.Module):
-    # Dict inputs become positional, so every backend sees fn(model, tuple).
-    def __init__(self, model: torch.nn.Module, keys: list[str]) -> None:
-        super().__init__()
-        self.model = model
-        self.keys = keys
-
-    def forward(self, *args: Any) -> Any:
-        return self.model(**dict(zip(self.keys, args, strict=False)))
-
-
-def normalize_inputs(inputs: Any) -> tuple[tuple, list[str] | None]:
-    """``(positional tuple, keyword names or None)`` from a tensor, tuple/list or dict."""
-    if isinstance(inputs, torch.Tensor):
-        return (inputs,), None
-    if isinstance(inputs, Mapping):
-        bad = [k for k in inputs if not isinstance(k, str)]
-        if bad:
-            raise InputError(f"dict inputs need string keys (argument names); got {bad[0]!r}")
-        return tuple(inputs.values()), list(inputs)
-    if isinstance(inputs, (tuple, list)):
-        return tuple(inputs), None
-    raise InputError(
-        f"inputs must be a tensor, a tuple/list of arguments or a dict of keyword arguments; "
-        f"got {type(inputs).__name__}"
-    )
-
-
-def prepare_model(model: Any, params: Mapping[str, torch.Tensor] | None, keys: list[str] | None) -> torch.nn.Module:
-    """A private copy of ``model``: eval mode, floating params/buffers in float32, on the CPU, params loaded.
-
-    The copy is eager: ``torch.compile`` wrappers (a compiled model, compiled submodules, a compiled
-    function) are taken off, with a warning, because the oracle and the fp64 reference are the eager
-    model; ``cpu-inductor`` is the backend that compiles it.  (``Module.compile()`` needs nothing:
-    a deep copy drops it.)
-    """
-    compiled_fn = None
-    if isinstance(model, torch.nn.Module):
-        base = copy.deepcopy(model)
-    elif callable(model):
-        compiled_fn = getattr(model, "_torchdynamo_orig_callable", None)  # torch.compile(fn)
-        base = _CallableModule(compiled_fn or model)
-    else:
-        raise InputError(f"model must be a torch.nn.Module or a callable; got {type(model).__name__}")
-    base, compiled_modules = _uncompiled(base)
-    if compiled_modules:
-        params = {_COMPILED_SEGMENT.sub("", name): value for name, value in (params or {}).items()}
-    if compiled_fn is not None or compiled_modules:
-        warnings.warn(
-            "rlx_nb: the model is compiled with torch.compile; the oracle and the fp64 reference run it eagerly "
-            "(its parameter names lose '_orig_mod.'). Add the backend 'cpu-inductor' to check the compiled "
-            "code (with torch.compile's default options).",
-            UserWarning,
-            stacklevel=3,
-        )
-    base = base.to("cpu")
-    for t in list(base.parameters()) + list(base.buffers()):
-        if t.is_floating_point() and t.dtype != torch.float32:
-            t.data = t.data.float()
-    base.eval()
-    if params:
-        _load_params(base, params)
-    if keys is not None:
-        base = _KeywordModule(base, keys)
-    return base
-
-
-_COMPILED_SEGMENT = re.compile(r"(?<![^.])_orig_mod\.")  # a compiled module's name segment
-
-
-def _uncompiled(module: torch.nn.Module) -> tuple[torch.nn.Module, bool]:
-    # ``module`` (a private copy) without torch.compile wrappers, and whether it had any.
-    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
-    if eval_frame is None:  # nothing was ever compiled in this process
-        return module, False
-    wrapper, found = eval_frame.OptimizedModule, False
-    while isinstance(module, wrapper):
-        module, found = module._orig_mod, True
-    for parent in list(module.modules()):
-        for name, child in list(parent.named_children()):
-            while isinstance(child, wrapper):
-                child, found = child._orig_mod, True
-                setattr(parent, name, child)
-    return module, found
-
-
-def _load_params(module: torch.nn.Module, params: Mapping[str, torch.Tensor]) -> None:
-    state = dict(module.named_parameters())
-    state.update(dict(module.named_buffers()))
-    for name, value in params.items():
-        if name not in state:
-            known = ", ".join(list(state)[:12]) + (" ..." if len(state) > 12 else "")
-            raise InputError(f"params: unknown name {name!r}; the model has: {known}")
-        if not isinstance(value, (torch.Tensor, np.ndarray)):
-            raise InputError(f"params[{name!r}] must be a tensor or numpy array, got {type(value).__name__}")
-        value = torch.as_tensor(value)
-        target = state[name]
-        if tuple(value.shape) != tuple(target.shape):
-            raise InputError(
-                f"params[{name!r}] has shape {tuple(value.shape)}; the model's {name} has {tuple(target.shape)}"
-            )
-        with torch.no_grad():
-            target.copy_(value.to(target.dtype))
-
-
-OPAQUE = "opaque"
-"""The dtype of a leaf that is neither a tensor nor a plain value: it is named, never compared."""
-
-
-def _to_leaf(value: Any, keep_on_device: bool = False) -> Leaf:
-    if isinstance(value, Opaque):
-        return Leaf(value.type_name, OPAQUE, None)
-    if not isinstance(value, torch.Tensor):
-        return Leaf(value, type(value).__name__, None)
-    t = value.detach()
-    dtype = str(t.dtype).removeprefix("torch.")
-    if t.dtype == torch.bfloat16:
-        t = t.float()  # numpy has no bfloat16 (nor do the device metrics); the dtype name keeps the truth
-    if keep_on_device and t.dtype in (torch.float32, torch.float16):
-        return Leaf(None, dtype, tuple(t.shape), tensor=t.contiguous())
-    arr = t.to("cpu").resolve_conj().resolve_neg().numpy()
-    if not arr.flags.c_contiguous:
-        arr = np.ascontiguousarray(arr)  # (not on 0-d outputs: it would make them 1-d)
-    return Leaf(arr, dtype, tuple(arr.shape))
-
-
-def _clone_inputs(args: tuple) -> tuple:
-    return map_tensors(lambda t: private_copy(t).requires_grad_(t.requires_grad), args)
-
-
-def _fresh_leaves(args: tuple) -> tuple:
-    # New leaf tensors over the same storage: each run gets its own .grad without a copy.
-    return map_tensors(lambda t: t.detach().requires_grad_(t.requires_grad), args)
-
-
-class _PrivateInputs:
-    """One private copy of the user's inputs, shared by the runs and renewed only when a run changed it.
-
-    Copying large inputs for every run costs a copy's time and memory each; instead the runs share
-    one copy and tensor version counters (bumped by every in-place op, also through detached views)
-    tell when a model wrote into its inputs, and the next run then gets a new copy.  The user's own
-    tensors are never handed to a model.
-    """
-
-    def __init__(self, user_args: tuple) -> None:
-        self.user_args = user_args
-        self._renew()
-
-    def _renew(self) -> None:
-        self.args = _clone_inputs(self.user_args)
-        self.versions = self._versions()
-
-    def _versions(self) -> list[int]:
-        return [t._version for _, t in flatten(self.args) if isinstance(t, torch.Tensor)]
-
-    def after(self, run: BackendRun) -> None:
-        # A run that failed or timed out (its thread may still be running) also gets a new copy, and so
-        # does every run when the inputs hold objects (a cache), which a model may change without a version.
-        if run.status != OK or self._objects or self._versions() != self.versions:
-            self._renew()
-
-    @functools.cached_property
-    def _objects(self) -> bool:
-        return _holds_objects(self.user_args)
-
-
-def _holds_objects(obj: Any) -> bool:
-    # Whether a nested input holds objects other than tensors, containers and plain values.
-    if isinstance(obj, Mapping):
-        return any(_holds_objects(v) for v in obj.values())
-    if isinstance(obj, (tuple, list)):
-        return any(_holds_objects(v) for v in obj)
-    return not isinstance(obj, (torch.Tensor, bool, int, float, complex, str, type(None), torch.dtype, torch.device))
 
 
 @functools.lru_cache(maxsize=256)
@@ -422,7 +136,7 @@ def _execute(
 
 def _execute_in(backend, base, args, backward, loss, grad_inputs, input_names, measure_reductions) -> BackendRun:
     model = copy.deepcopy(base)
-    fresh = _fresh_leaves(args)
+    fresh = fresh_leaves(args)
     start = time.perf_counter()
     sizes = {} if (backward and measure_reductions) else None
     hooks = _record_output_sizes(model, sizes) if sizes is not None else []
@@ -434,7 +148,7 @@ def _execute_in(backend, base, args, backward, loss, grad_inputs, input_names, m
                         p.requires_grad_(True)
             out = backend.fn(model, fresh)
         keep = backend.keeps_outputs_on_device
-        outputs = {name: _to_leaf(v, keep) for name, v in flatten(out)}
+        outputs = {name: to_leaf(v, keep) for name, v in flatten(out)}
         _remove(hooks)
     except Exception as exc:
         _remove(hooks)
@@ -474,13 +188,13 @@ def _backward(run, backend, model, out, fresh, loss, grad_inputs, input_names) -
         run.grad_status, run.grad_message, run.detail = ERROR, describe_error(exc), error_detail(exc)
         return
     keep = backend.keeps_outputs_on_device
-    for name, p in _named_params(model):
+    for name, p in named_params(model):
         if p.grad is not None:
-            run.outputs[GRAD_PREFIX + name] = _to_leaf(p.grad, keep)
+            run.outputs[GRAD_PREFIX + name] = to_leaf(p.grad, keep)
     for i in grad_inputs:
         g = fresh[i].grad
         if g is not None:
-            run.outputs[GRAD_PREFIX + input_names[i]] = _to_leaf(g, keep)
+            run.outputs[GRAD_PREFIX + input_names[i]] = to_leaf(g, keep)
     run.grad_status = OK
 
 
@@ -512,69 +226,10 @@ def _reduction_lengths(model: torch.nn.Module, sizes: dict[str, int]) -> dict[st
         if not out:
             continue
         for p_name, p in module.named_parameters(recurse=False):
-            full = _user_name(model, f"{mod_name}.{p_name}" if mod_name else p_name)
+            full = user_name(model, f"{mod_name}.{p_name}" if mod_name else p_name)
             lead = p.shape[0] if p.dim() else 1
             lengths[GRAD_PREFIX + full] = max(1, out // max(1, lead))
     return lengths
-
-
-def _user_name(model: torch.nn.Module, name: str) -> str:
-    # Strip our wrappers' prefixes so names match the user's model.
-    if isinstance(model, _KeywordModule) and name.startswith("model."):
-        return name[len("model.") :]
-    if isinstance(model, _CallableModule) and name.startswith("fn."):
-        return name[len("fn.") :]
-    return name
-
-
-def _named_params(model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
-    for name, p in model.named_parameters():
-        yield _user_name(model, name), p
-
-
-# Lines of an error message that state a cause rather than where a check sits: converters and
-# compilers put the specific line (the unsupported op, the failed conversion) deep in a long message.
-_CAUSE = re.compile(
-    r"no conversion rule|conversion is failed|failed for|not supported|unsupported|not implemented|"
-    r"no (?:kernel|implementation|rule)|could not|couldn't|cannot|can't|unknown|missing|invalid|mismatch|"
-    r"out of (?:the )?range|expected|unexpected|does not|doesn't|illegal|overflow|out of memory",
-    re.IGNORECASE,
-)
-_NOISE = re.compile(r"^(?:check '.*' failed at \S+:\d+:?|file \".*\", line \d+.*|\^+|-+|summary:?|traceback.*)$", re.I)
-REASON_CHARS = 600
-
-
-def _message_lines(exc: BaseException) -> list[str]:
-    # The meaningful lines of an exception's message and of the exceptions it was raised from.
-    lines: list[str] = []
-    seen: set[int] = set()
-    while exc is not None and id(exc) not in seen:
-        seen.add(id(exc))
-        for line in str(exc).splitlines():
-            line = line.strip(" \t-:>")
-            if line and not _NOISE.match(line) and line not in lines:
-                lines.append(line)
-        exc = exc.__cause__ or exc.__context__
-    return lines
-
-
-def describe_error(exc: BaseException) -> str:
-    """One readable line for an error row: the exception's type, its first line and the lines that
-    state the cause (for a converter, the operations it could not convert), and where it was raised."""
-    lines = _message_lines(exc)
-    specific = [line for line in lines[1:] if _CAUSE.search(line)]
-    # A summary line (the last specific one, e.g. "Conversion is failed for: aten::cat") is the most telling.
-    chosen = lines[:1] + (specific[-1:] + specific[:-1] if specific else lines[-1:] if len(lines) > 1 else [])
-    text = " | ".join(dict.fromkeys(chosen))
-    where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
-    loc = f" (at {where.name})" if where else ""
-    text = f"{type(exc).__name__}: {text}"
-    return (text if len(text) <= REASON_CHARS else text[: REASON_CHARS - 3] + "...") + loc
-
-
-def error_detail(exc: BaseException) -> str:
-    """The whole error: every line of the message, chained causes and the traceback."""
-    return "".join(traceback.format_exception(exc)).rstrip()
 
 
 def environment() -> dict[str, Any]:
@@ -629,7 +284,7 @@ def run(
     common = dict(backward=backward, loss=loss, grad_inputs=grad_inputs, input_names=input_names)
 
     say = progress if callable(progress) else (lambda _: None)
-    inputs_ = _PrivateInputs(args)
+    inputs_ = PrivateInputs(args)
 
     def go(backend: Backend, **kw: Any) -> BackendRun:
         result = execute(backend, base, inputs_.args, **common, **kw)
@@ -651,7 +306,7 @@ def run(
         raise InputError(f"backward=True but the oracle's backward did not run: {oracle.grad_message}")
     unstable = {}
     if check_determinism:
-        unstable = _nondeterministic(oracle, go(get_backend(ORACLE), scope=lambda: counter))
+        unstable = nondeterministic(oracle, go(get_backend(ORACLE), scope=lambda: counter))
     say(REFERENCE)
     reference = go(get_backend(REFERENCE), timeout_s=timeout_s)
     sequential = None
@@ -713,51 +368,6 @@ class _CountCalls(CountReductions):
         if _MATMUL_LIKE.search(func.overloadpacket.__name__):
             self.matmuls += 1
         return super().__torch_dispatch__(func, types, args, kwargs)
-
-
-def _nondeterministic(first: BackendRun, second: BackendRun) -> dict[str, float]:
-    # Outputs whose two oracle runs differ (NaN in both counts as equal), with the largest difference.
-    unstable = {}
-    for name, leaf in first.outputs.items():
-        other = second.outputs.get(name)
-        if other is None or not leaf.is_array:
-            continue
-        a, b = leaf.value, other.value
-        if a.shape != b.shape:
-            unstable[name] = float("inf")
-            continue
-        if a.dtype == b.dtype and a.dtype.kind in "biufc" and _same_bits(a, b):
-            continue  # the common case, one pass: bit for bit the same
-        same = (a == b) | ((a != a) & (b != b)) if a.dtype.kind in "fc" else a == b
-        if not np.all(same):
-            with np.errstate(invalid="ignore", over="ignore"):
-                diff = np.abs(a.astype(np.float64) - b.astype(np.float64)) if a.dtype.kind != "b" else (a != b)
-            unstable[name] = float(np.nanmax(diff)) if diff.size else 0.0
-    return unstable
-
-
-def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
-    # Byte-wise equality without copies (Leaf arrays are C-contiguous), in 4 MB slices so the
-    # temporary comparison stays small.
-    x = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-    y = np.ascontiguousarray(b).reshape(-1).view(np.uint8)
-    step = 1 << 22
-    return all(np.array_equal(x[s : s + step], y[s : s + step]) for s in range(0, x.size, step))
-
-
-def fingerprint(obj: Any) -> str:
-    """sha256 over every tensor leaf's name, dtype, shape and bytes (and plain leaves' reprs)."""
-    h = hashlib.sha256()
-    for name, leaf in flatten(obj):
-        h.update(name.encode())
-        if isinstance(leaf, torch.Tensor):
-            t = leaf.detach().to("cpu").contiguous()
-            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-            if t.numel():
-                h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))  # no copy of the bytes
-        else:
-            h.update(repr(leaf).encode())
-    return h.hexdigest()[:32]
 
 
 def _default_label(model: Any) -> str:

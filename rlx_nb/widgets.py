@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from rlx_nb.compare import SUSPECT
 from rlx_nb.errors import InputError
 from rlx_nb.maps import block_argmax, neighbourhood
 from rlx_nb.metrics import REL_EPS, ulp_distance
 from rlx_nb.plotting import HEATMAP_MARGINS
+from rlx_nb.verdict import SUSPECT
 
 if TYPE_CHECKING:
     from rlx_nb.report import DivergenceReport

@@ -39,7 +39,7 @@ def test_cuda_outputs_are_compared_on_the_gpu():
     top = report.elements("cuda", top=5)
     assert all(leaf.on_device for leaf in leaves.values() if leaf.is_array)  # top-k moved only 5 values
     from rlx_nb.compare import compare_leaf
-    from rlx_nb.run import Leaf
+    from rlx_nb.results import Leaf
 
     for rec in report.records:
         host = leaves[rec.output].value  # the host copy, made here

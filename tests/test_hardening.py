@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import rlx_nb
-from rlx_nb.compare import NONDETERMINISTIC, ROUNDOFF, SUSPECT
+from rlx_nb.verdict import NONDETERMINISTIC, ROUNDOFF, SUSPECT
 from tests.conftest import require_live
 
 

@@ -18,7 +18,7 @@ import torch
 import rlx_nb
 from rlx_nb import demo
 from rlx_nb.localize import capture_calls
-from rlx_nb.run import normalize_inputs, prepare_model
+from rlx_nb.prepare import normalize_inputs, prepare_model
 from tests.conftest import require_live
 
 

@@ -18,7 +18,7 @@ import torch
 import rlx_nb
 from rlx_nb import demo
 from rlx_nb.distributed import local_torchrun
-from rlx_nb.persist import ReportFormatError
+from rlx_nb.errors import ReportFormatError
 
 
 @pytest.fixture(scope="module")
@@ -250,3 +250,34 @@ def test_torchrun_a_rank_that_dies_is_an_error_row(tmp_path):
     assert "node1/*" in merged.errors
     assert merged.suspects == ["node2/vendor-npu"]  # the others are kept
     assert "node2/cpu-nomkldnn" in merged.results.candidates
+
+
+class _Loss(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 3)
+
+    def forward(self, x):
+        logits = self.lin(x)
+        return {"logits": logits, "loss": logits.logsumexp(-1).mean()}  # a 0-d output
+
+
+def test_scalar_outputs_round_trip_as_scalars(tmp_path):
+    report = rlx_nb.backend_divergence(_Loss(), torch.randn(2, 4), backends=["cpu-nomkldnn"], backward=True)
+    loaded = rlx_nb.load_report(report.save(tmp_path / "scalar"))
+    loss = loaded.results.oracle.outputs["loss"].value
+    assert loss.shape == () and loss == report.results.oracle.outputs["loss"].value
+    assert loaded.summary.equals(report.summary)
+    # Files written while scalars were stored as shape (1,) still read, as scalars.
+    path = tmp_path / "legacy.rlxnb"
+    with zipfile.ZipFile(tmp_path / "scalar.rlxnb") as src, zipfile.ZipFile(path, "w") as dst:
+        meta = json.loads(src.read("meta.json"))
+        entry = meta["runs"]["oracle"]["outputs"]["loss"]["array"]
+        for name in src.namelist():
+            data = src.read(name)
+            if name == entry:
+                buf = __import__("io").BytesIO()
+                np.lib.format.write_array(buf, np.atleast_1d(loss))
+                data = buf.getvalue()
+            dst.writestr(name, data)
+    assert rlx_nb.load_report(path).results.oracle.outputs["loss"].value.shape == ()

@@ -9,7 +9,7 @@ import rlx_nb
 from rlx_nb import demo
 from rlx_nb.backends import get_backend
 from rlx_nb.backends.emulated import round_mantissa
-from rlx_nb.compare import ROUNDOFF, SUSPECT
+from rlx_nb.verdict import ROUNDOFF, SUSPECT
 from tests.conftest import demo_report
 
 FORMATS = {"cpu-bf16": ("bf16", 8), "cpu-fp16": ("tf32/fp16", 11), "cpu-tf32-emulated": ("tf32/fp16", 11)}

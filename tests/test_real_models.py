@@ -14,7 +14,7 @@ import torch
 import rlx_nb
 from rlx_nb import zoo
 from rlx_nb.backends.faults import HITS
-from rlx_nb.compare import ROUNDOFF, SUSPECT
+from rlx_nb.verdict import ROUNDOFF, SUSPECT
 from tests.conftest import require_live
 
 pytest.importorskip("transformers")

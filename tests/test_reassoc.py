@@ -8,8 +8,8 @@ import torch
 
 import rlx_nb
 from rlx_nb import demo, reassoc
-from rlx_nb.compare import ROUNDOFF
 from rlx_nb.reassoc import CountReductions, SequentialSums, sequential_sum
+from rlx_nb.verdict import ROUNDOFF
 from tests.conftest import require_live
 
 

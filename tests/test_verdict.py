@@ -10,7 +10,7 @@ import torch
 
 import rlx_nb
 from rlx_nb import demo
-from rlx_nb.compare import ROUNDOFF, SUSPECT
+from rlx_nb.verdict import ROUNDOFF, SUSPECT
 from tests.conftest import candidate_backends, demo_report, require_live
 
 LEGIT = ("cpu-nomkldnn", "cpu-inductor", "onnxruntime")
@@ -147,7 +147,7 @@ def test_shape_mismatch_and_integer_outputs():
 
 def test_reduced_precision_scale_uses_the_format():
     from rlx_nb.compare import compare_leaf
-    from rlx_nb.run import Leaf
+    from rlx_nb.results import Leaf
 
     rng = np.random.default_rng(0)
     ref = rng.standard_normal(10_000)
@@ -192,7 +192,7 @@ def test_a_class_whose_bias_is_slightly_off_is_caught_by_its_slice_mean():
     # row is off the same way, and that column's mean error is far beyond the legitimate RMS there.
     from rlx_nb.backends.faults import fault_backend
     from rlx_nb.backends.registry import _REGISTRY
-    from rlx_nb.compare import RMSE_LIMIT
+    from rlx_nb.verdict import RMSE_LIMIT
 
     backend = fault_backend("linear-bias-channel", 1e-5)
     _REGISTRY[backend.name] = backend
@@ -210,14 +210,14 @@ def test_a_class_whose_bias_is_slightly_off_is_caught_by_its_slice_mean():
 def test_a_legitimate_run_never_exceeds_its_own_slice_budget(rng):
     # A slice's mean error is at most its RMS error: judged against itself, the ratio is <= 1 on
     # every slice, however the errors lean (the allowance for the slice's size only adds room).
-    from rlx_nb.compare import _slice_ratio
     from rlx_nb.metrics import slice_stats
+    from rlx_nb.verdict import slice_ratio
 
     r = rng.standard_normal((16, 32))
     for lean in (0.0, 1.0):  # errors of both signs, then all of one sign on every slice
         e = np.abs(rng.standard_normal(r.shape)) * 1e-7 if lean else rng.standard_normal(r.shape) * 1e-7
         st = slice_stats(r + e, r)
-        ratio, _ = _slice_ratio(st, [st], 1.0, 0.0)
+        ratio, _ = slice_ratio(st, [st], 1.0, 0.0)
         assert 0 < ratio <= 1.0 + 1e-12
 
 
@@ -225,8 +225,8 @@ def _slice_ratios(shape, draws, rng, *, rho=2.0, shift=None):
     # Round-off as the verdict sees it: an fp64 reference, the oracle's and the sequential run's errors,
     # and a backend whose independent errors are ``rho`` times as large (legitimate backends measure 1-2x),
     # plus ``shift`` (scale, slice) on one slice; the slice ratio of each draw.
-    from rlx_nb.compare import _slice_ratio
     from rlx_nb.metrics import error_stats
+    from rlx_nb.verdict import slice_ratio
 
     out = []
     for _ in range(draws):
@@ -237,7 +237,7 @@ def _slice_ratios(shape, draws, rng, *, rho=2.0, shift=None):
         if shift is not None:
             b[shift[1]] += shift[0] * sigma
         (so, slo), (ss, sls), (_, slb) = error_stats(o, r), error_stats(s, r), error_stats(b, r)
-        out.append(_slice_ratio(slb, [slo, sls], 1.0, 0.0, pooled_rmse=max(so.rmse, ss.rmse))[0])
+        out.append(slice_ratio(slb, [slo, sls], 1.0, 0.0, pooled_rmse=max(so.rmse, ss.rmse))[0])
     return np.array(out)
 
 
@@ -250,7 +250,7 @@ def test_the_slice_clause_is_quiet_on_roundoff_at_any_slice_size_and_count(shape
     # noise, and with a limit fixed at 4 the largest of 64 chance ratios crossed it (the real-model false
     # positives).  Slices are judged against the larger of their own and the output's legitimate error,
     # with room for chance that shrinks with the slice's size and grows with the number of slices.
-    from rlx_nb.compare import RMSE_LIMIT
+    from rlx_nb.verdict import RMSE_LIMIT
 
     ratios = _slice_ratios(shape, 300, rng)
     assert (ratios <= RMSE_LIMIT).all(), (shape, ratios.max())
@@ -261,7 +261,7 @@ def test_the_slice_clause_still_sees_a_whole_slice_shifted(rng):
     # One column of an 8 x 10 output (the conv net's logits, one class's bias slightly off) shifted by
     # 15 sigma is caught in every draw; a shift of 3 sigma (within what round-off of 8 elements can do)
     # in none.
-    from rlx_nb.compare import RMSE_LIMIT
+    from rlx_nb.verdict import RMSE_LIMIT
 
     assert (_slice_ratios((8, 10), 200, rng, rho=1.0, shift=(15.0, (slice(None), 0))) > RMSE_LIMIT).all()
     assert (_slice_ratios((8, 10), 200, rng, rho=1.0, shift=(3.0, (slice(None), 0))) <= RMSE_LIMIT).all()

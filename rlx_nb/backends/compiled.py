@@ -27,9 +27,9 @@ from typing import Any
 
 import torch
 
+from rlx_nb.backends.base import Backend
 from rlx_nb.backends.eager import device_reason, on_device
 from rlx_nb.backends.notes import add_note
-from rlx_nb.backends.registry import Backend
 
 # Large enough never to bind for rlx_nb's own compiles, which each have their own isolated region.
 _ACCUMULATED_LIMIT = 1 << 20

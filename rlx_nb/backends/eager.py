@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from rlx_nb._memory import private_copy
-from rlx_nb.backends.registry import ORACLE, REFERENCE, Backend
+from rlx_nb.backends.base import ORACLE, REFERENCE, Backend
 from rlx_nb.tree import map_tensors
 
 

@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from rlx_nb.backends.registry import Backend
+from rlx_nb.backends.base import Backend
 
 
 def round_mantissa(x: torch.Tensor, bits: int, *, gradient: bool = False) -> torch.Tensor:

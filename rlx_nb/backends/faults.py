@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from rlx_nb.backends.registry import Backend
+from rlx_nb.backends.base import Backend
 
 FAULT_FREE = "_rlx_fault_free"
 """Attribute that exempts a module (and everything it calls) from an injected fault.

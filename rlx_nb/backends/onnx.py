@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from rlx_nb.backends.registry import Backend
+from rlx_nb.backends.base import Backend
 from rlx_nb.tree import flatten
 
 

@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
+from rlx_nb.backends.base import Backend
 from rlx_nb.backends.notes import add_note
 from rlx_nb.backends.onnx import _export, _FlatOutputs, _quiet, _unflatten
-from rlx_nb.backends.registry import Backend
 
 
 def openvino_reason() -> str | None:
@@ -42,7 +42,7 @@ def _run(model: Any, inputs: tuple, config: dict[str, str]) -> Any:
 def _convert(ov: Any, wrapper: torch.nn.Module, inputs: tuple) -> Any:
     # Two routes: OpenVINO's own PyTorch frontend, and, where it cannot convert the model, the ONNX
     # export read by OpenVINO's ONNX frontend.  The run's notes say which one ran.
-    from rlx_nb.run import describe_error
+    from rlx_nb.errors import describe_error
 
     try:
         with _quiet():

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import torch
 
+from rlx_nb.backends.base import Backend
 from rlx_nb.backends.eager import on_device
-from rlx_nb.backends.registry import Backend
 
 BACKENDS = [
     Backend(

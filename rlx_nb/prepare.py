@@ -1,0 +1,217 @@
+"""Private copies of what the user gave: the model (eval mode, float32, CPU, uncompiled) and the inputs.
+
+Every backend runs on copies, never on the user's own model or tensors; this module makes them,
+and names parameters as the user's model does.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import hashlib
+import re
+import sys
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from rlx_nb._memory import private_copy
+from rlx_nb.errors import InputError
+from rlx_nb.results import OK, BackendRun
+from rlx_nb.tree import flatten, map_tensors
+
+
+class CallableModule(torch.nn.Module):
+    # Lets a plain callable travel through the same copy/eval/float path as a Module.
+    def __init__(self, fn: Callable) -> None:
+        super().__init__()
+        self.fn = fn
+
+    def forward(self, *args: Any) -> Any:
+        return self.fn(*args)
+
+
+class KeywordModule(torch.nn.Module):
+    # Dict inputs become positional, so every backend sees fn(model, tuple).
+    def __init__(self, model: torch.nn.Module, keys: list[str]) -> None:
+        super().__init__()
+        self.model = model
+        self.keys = keys
+
+    def forward(self, *args: Any) -> Any:
+        return self.model(**dict(zip(self.keys, args, strict=False)))
+
+
+def normalize_inputs(inputs: Any) -> tuple[tuple, list[str] | None]:
+    """``(positional tuple, keyword names or None)`` from a tensor, tuple/list or dict."""
+    if isinstance(inputs, torch.Tensor):
+        return (inputs,), None
+    if isinstance(inputs, Mapping):
+        bad = [k for k in inputs if not isinstance(k, str)]
+        if bad:
+            raise InputError(f"dict inputs need string keys (argument names); got {bad[0]!r}")
+        return tuple(inputs.values()), list(inputs)
+    if isinstance(inputs, (tuple, list)):
+        return tuple(inputs), None
+    raise InputError(
+        f"inputs must be a tensor, a tuple/list of arguments or a dict of keyword arguments; "
+        f"got {type(inputs).__name__}"
+    )
+
+
+def prepare_model(model: Any, params: Mapping[str, torch.Tensor] | None, keys: list[str] | None) -> torch.nn.Module:
+    """A private copy of ``model``: eval mode, floating params/buffers in float32, on the CPU, params loaded.
+
+    The copy is eager: ``torch.compile`` wrappers (a compiled model, compiled submodules, a compiled
+    function) are taken off, with a warning, because the oracle and the fp64 reference are the eager
+    model; ``cpu-inductor`` is the backend that compiles it.  (``Module.compile()`` needs nothing:
+    a deep copy drops it.)
+    """
+    compiled_fn = None
+    if isinstance(model, torch.nn.Module):
+        base = copy.deepcopy(model)
+    elif callable(model):
+        compiled_fn = getattr(model, "_torchdynamo_orig_callable", None)  # torch.compile(fn)
+        base = CallableModule(compiled_fn or model)
+    else:
+        raise InputError(f"model must be a torch.nn.Module or a callable; got {type(model).__name__}")
+    base, compiled_modules = _uncompiled(base)
+    if compiled_modules:
+        params = {_COMPILED_SEGMENT.sub("", name): value for name, value in (params or {}).items()}
+    if compiled_fn is not None or compiled_modules:
+        warnings.warn(
+            "rlx_nb: the model is compiled with torch.compile; the oracle and the fp64 reference run it eagerly "
+            "(its parameter names lose '_orig_mod.'). Add the backend 'cpu-inductor' to check the compiled "
+            "code (with torch.compile's default options).",
+            UserWarning,
+            stacklevel=3,
+        )
+    base = base.to("cpu")
+    for t in list(base.parameters()) + list(base.buffers()):
+        if t.is_floating_point() and t.dtype != torch.float32:
+            t.data = t.data.float()
+    base.eval()
+    if params:
+        _load_params(base, params)
+    if keys is not None:
+        base = KeywordModule(base, keys)
+    return base
+
+
+_COMPILED_SEGMENT = re.compile(r"(?<![^.])_orig_mod\.")  # a compiled module's name segment
+
+
+def _uncompiled(module: torch.nn.Module) -> tuple[torch.nn.Module, bool]:
+    # ``module`` (a private copy) without torch.compile wrappers, and whether it had any.
+    eval_frame = sys.modules.get("torch._dynamo.eval_frame")
+    if eval_frame is None:  # nothing was ever compiled in this process
+        return module, False
+    wrapper, found = eval_frame.OptimizedModule, False
+    while isinstance(module, wrapper):
+        module, found = module._orig_mod, True
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            while isinstance(child, wrapper):
+                child, found = child._orig_mod, True
+                setattr(parent, name, child)
+    return module, found
+
+
+def _load_params(module: torch.nn.Module, params: Mapping[str, torch.Tensor]) -> None:
+    state = dict(module.named_parameters())
+    state.update(dict(module.named_buffers()))
+    for name, value in params.items():
+        if name not in state:
+            known = ", ".join(list(state)[:12]) + (" ..." if len(state) > 12 else "")
+            raise InputError(f"params: unknown name {name!r}; the model has: {known}")
+        if not isinstance(value, (torch.Tensor, np.ndarray)):
+            raise InputError(f"params[{name!r}] must be a tensor or numpy array, got {type(value).__name__}")
+        value = torch.as_tensor(value)
+        target = state[name]
+        if tuple(value.shape) != tuple(target.shape):
+            raise InputError(
+                f"params[{name!r}] has shape {tuple(value.shape)}; the model's {name} has {tuple(target.shape)}"
+            )
+        with torch.no_grad():
+            target.copy_(value.to(target.dtype))
+
+
+def _clone_inputs(args: tuple) -> tuple:
+    return map_tensors(lambda t: private_copy(t).requires_grad_(t.requires_grad), args)
+
+
+def fresh_leaves(args: tuple) -> tuple:
+    # New leaf tensors over the same storage: each run gets its own .grad without a copy.
+    return map_tensors(lambda t: t.detach().requires_grad_(t.requires_grad), args)
+
+
+class PrivateInputs:
+    """One private copy of the user's inputs, shared by the runs and renewed only when a run changed it.
+
+    Copying large inputs for every run costs a copy's time and memory each; instead the runs share
+    one copy and tensor version counters (bumped by every in-place op, also through detached views)
+    tell when a model wrote into its inputs, and the next run then gets a new copy.  The user's own
+    tensors are never handed to a model.
+    """
+
+    def __init__(self, user_args: tuple) -> None:
+        self.user_args = user_args
+        self._renew()
+
+    def _renew(self) -> None:
+        self.args = _clone_inputs(self.user_args)
+        self.versions = self._versions()
+
+    def _versions(self) -> list[int]:
+        return [t._version for _, t in flatten(self.args) if isinstance(t, torch.Tensor)]
+
+    def after(self, run: BackendRun) -> None:
+        # A run that failed or timed out (its thread may still be running) also gets a new copy, and so
+        # does every run when the inputs hold objects (a cache), which a model may change without a version.
+        if run.status != OK or self._objects or self._versions() != self.versions:
+            self._renew()
+
+    @functools.cached_property
+    def _objects(self) -> bool:
+        return _holds_objects(self.user_args)
+
+
+def _holds_objects(obj: Any) -> bool:
+    # Whether a nested input holds objects other than tensors, containers and plain values.
+    if isinstance(obj, Mapping):
+        return any(_holds_objects(v) for v in obj.values())
+    if isinstance(obj, (tuple, list)):
+        return any(_holds_objects(v) for v in obj)
+    return not isinstance(obj, (torch.Tensor, bool, int, float, complex, str, type(None), torch.dtype, torch.device))
+
+
+def user_name(model: torch.nn.Module, name: str) -> str:
+    # Strip our wrappers' prefixes so names match the user's model.
+    if isinstance(model, KeywordModule) and name.startswith("model."):
+        return name[len("model.") :]
+    if isinstance(model, CallableModule) and name.startswith("fn."):
+        return name[len("fn.") :]
+    return name
+
+
+def named_params(model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
+    for name, p in model.named_parameters():
+        yield user_name(model, name), p
+
+
+def fingerprint(obj: Any) -> str:
+    """sha256 over every tensor leaf's name, dtype, shape and bytes (and plain leaves' reprs)."""
+    h = hashlib.sha256()
+    for name, leaf in flatten(obj):
+        h.update(name.encode())
+        if isinstance(leaf, torch.Tensor):
+            t = leaf.detach().to("cpu").contiguous()
+            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            if t.numel():
+                h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))  # no copy of the bytes
+        else:
+            h.update(repr(leaf).encode())
+    return h.hexdigest()[:32]
