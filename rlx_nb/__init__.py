@@ -6,8 +6,7 @@ this machine, and judge each backend's gap against a float64 reference.
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
+from rlx_nb._version import __version__
 from rlx_nb.api import backend_divergence, report_backend_divergence
 from rlx_nb.backends import available_backends, register_backend, unregister_backend
 from rlx_nb.compare import OutputRecord, compare

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from rlx_nb.errors import InputError, RlxError
-from rlx_nb.report import DivergenceReport
+from rlx_nb.report import DivergenceReport, WeakSource
 from rlx_nb.run import run
 from rlx_nb.verdict import RULES
 
@@ -106,7 +106,7 @@ def backend_divergence(
     except RlxError as exc:
         raise type(exc)(str(exc)) from None
     report = DivergenceReport.from_results(results, rule=rule, tol_rel=tol_rel, progress=progress is not False)
-    report._source = (model, inputs, params)
+    report._source = WeakSource(model, inputs, params)
     return report
 
 

@@ -1,6 +1,6 @@
 """How far round-off strays by chance: the room the verdict leaves for measuring it on few elements.
 
-Pure math over statistics (:class:`~rlx_nb.metrics.ReferenceStats`, :class:`~rlx_nb.metrics.SliceStats`):
+Pure math over statistics (:class:`~rlx_nb.reference.ReferenceStats`, :class:`~rlx_nb.reference.SliceStats`):
 the shortfall of an RMS measured on ``n`` elements (a chi-square quantile), how much round-off leans
 within slices, how far the largest of many slice means strays, and how far a worst element stands out.
 :mod:`rlx_nb.verdict` applies them; their reasoning is written there.
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from rlx_nb.metrics import ReferenceStats, SliceStats
+from rlx_nb.reference import ReferenceStats, SliceStats
 
 SAMPLE_ALPHA = 1e-2
 """Level of :func:`sample_allowance`: how often the legitimate runs' measured error falls short of it."""

@@ -18,9 +18,11 @@ import numpy as np
 import torch
 
 from rlx_nb import device_metrics, verdict
+from rlx_nb.elements import rel_error
 from rlx_nb.errors import InputError
-from rlx_nb.metrics import PairStats, ReferenceStats, SliceStats, error_stats, pair_stats, reference_stats, rel_error
+from rlx_nb.metrics import PairStats, pair_stats
 from rlx_nb.progress import bar
+from rlx_nb.reference import ReferenceStats, SliceStats, error_stats, reference_stats
 from rlx_nb.results import GRAD_PREFIX, OK, OPAQUE, SKIPPED, BackendRun, Leaf, RunResults
 from rlx_nb.verdict import (
     ANCHOR_OF,

@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rlx_nb.backends.faults import CATALOGUE, FAULT_FREE
+from rlx_nb.errors import InputError
 
 
 def _seeded(seed: int) -> torch.Generator:
@@ -286,13 +287,13 @@ def layered(
     every block (the loss in the top-level forward stays faulty).
     """
     if norm not in ("layer", "rms"):
-        raise ValueError(f"norm must be 'layer' or 'rms', got {norm!r}")
+        raise InputError(f"norm must be 'layer' or 'rms', got {norm!r}")
     gen = _seeded(seed)
     model = Layered(n_layers, norm=norm).eval()
     _randomize_norms(model, gen)
     if fault_layer is not None:
         if fault_layer != "head" and not (isinstance(fault_layer, int) and 0 <= fault_layer < n_layers):
-            raise ValueError(f"fault_layer must be 'head' or a block index below {n_layers}, got {fault_layer!r}")
+            raise InputError(f"fault_layer must be 'head' or a block index below {n_layers}, got {fault_layer!r}")
         for i, block in enumerate(model.blocks):
             if i != fault_layer:
                 setattr(block, FAULT_FREE, True)

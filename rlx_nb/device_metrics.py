@@ -18,16 +18,9 @@ import math
 import numpy as np
 import torch
 
-from rlx_nb.metrics import (
-    REL_EPS,
-    PairStats,
-    ReferenceStats,
-    SliceStats,
-    _p99_rank,
-    default_tolerance,
-    slice_axes,
-    slices_from_rows,
-)
+from rlx_nb.errors import InputError
+from rlx_nb.metrics import REL_EPS, PairStats, _p99_rank, default_tolerance
+from rlx_nb.reference import ReferenceStats, SliceStats, slice_axes, slices_from_rows
 
 CHUNK = 1 << 24
 """Elements per device chunk: bounds the float64 temporaries to a few hundred MB."""
@@ -53,9 +46,9 @@ def as_device(x: np.ndarray | torch.Tensor, device: torch.device, dtype: torch.d
 def pair_stats(expected: torch.Tensor, actual: torch.Tensor, *, p99: bool = True) -> PairStats:
     """:func:`rlx_nb.metrics.pair_stats` for two flat tensors on one device (float16/float32)."""
     if expected.shape != actual.shape:
-        raise ValueError(f"shapes differ: {tuple(expected.shape)} vs {tuple(actual.shape)}")
+        raise InputError(f"shapes differ: {tuple(expected.shape)} vs {tuple(actual.shape)}")
     if expected.dtype not in _INT or actual.dtype != expected.dtype:
-        raise ValueError(f"device metrics need matching float16/float32 tensors, got {expected.dtype}, {actual.dtype}")
+        raise InputError(f"device metrics need matching float16/float32 tensors, got {expected.dtype}, {actual.dtype}")
     rtol, atol = default_tolerance(str(expected.dtype).removeprefix("torch."))
     n = expected.numel()
     if n == 0:
@@ -129,9 +122,9 @@ def _floor(expected: torch.Tensor, actual: torch.Tensor) -> float:
 
 @torch.no_grad()
 def reference_stats(x: torch.Tensor, reference: torch.Tensor) -> ReferenceStats:
-    """:func:`rlx_nb.metrics.reference_stats` for a flat tensor and a flat float64 reference on one device."""
+    """:func:`rlx_nb.reference.reference_stats` for a flat tensor and a flat float64 reference on one device."""
     if x.shape != reference.shape:
-        raise ValueError(f"shapes differ: {tuple(x.shape)} vs {tuple(reference.shape)}")
+        raise InputError(f"shapes differ: {tuple(x.shape)} vs {tuple(reference.shape)}")
     sq = mx = rsq = rmx = 0.0
     count = 0
     for s in range(0, x.numel(), CHUNK):
@@ -151,10 +144,10 @@ def reference_stats(x: torch.Tensor, reference: torch.Tensor) -> ReferenceStats:
 
 @torch.no_grad()
 def slice_stats(x: torch.Tensor, reference: torch.Tensor, shape: tuple[int, ...]) -> SliceStats:
-    """:func:`rlx_nb.metrics.slice_stats` for a flat tensor and a flat float64 reference of ``shape``
+    """:func:`rlx_nb.reference.slice_stats` for a flat tensor and a flat float64 reference of ``shape``
     on one device; only the per-slice sums (a few vectors) come to the host."""
     if x.shape != reference.shape or x.numel() != math.prod(shape):
-        raise ValueError(f"shapes differ: {tuple(x.shape)}, {tuple(reference.shape)}, {shape}")
+        raise InputError(f"shapes differ: {tuple(x.shape)}, {tuple(reference.shape)}, {shape}")
     axes = slice_axes(shape)
     if not axes:
         return SliceStats((), (), (), ())
@@ -182,7 +175,7 @@ def slice_stats(x: torch.Tensor, reference: torch.Tensor, shape: tuple[int, ...]
 def top_k(expected: torch.Tensor, actual: torch.Tensor, k: int) -> tuple[np.ndarray, np.ndarray]:
     """Flat indices and absolute errors of the ``k`` worst elements, worst first (ties: lower index).
 
-    Like :func:`rlx_nb.metrics.top_k`: NaN/Inf disagreements rank above every finite error.  Only
+    Like :func:`rlx_nb.elements.top_k`: NaN/Inf disagreements rank above every finite error.  Only
     ``2k`` numbers per chunk leave the device.
     """
     best_i, best_v = np.empty(0, np.int64), np.empty(0, np.float64)

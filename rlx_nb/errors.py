@@ -17,8 +17,11 @@ class BackendError(RlxError):
     """A backend name is unknown, not live here, or registered twice."""
 
 
-class InputError(RlxError):
-    """The model, its inputs or its params cannot be used as given."""
+class InputError(RlxError, ValueError):
+    """A value given to rlx_nb cannot be used as given: the model, its inputs, params, or an option.
+
+    Also a :class:`ValueError`, so code that caught those before keeps working.
+    """
 
 
 class TargetError(RlxError):

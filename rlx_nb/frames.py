@@ -51,6 +51,24 @@ ELEMENT_COLUMNS = [
     "oracle_err_fp64",
     "backend_err_fp64",
 ]
+LOCALIZE_COLUMNS = [
+    "order",
+    "name",
+    "kind",
+    "depth",
+    "verdict",
+    "output",
+    "local_ratio_rmse",
+    "local_ratio_max",
+    "local_excess",
+    "propagated_ratio_rmse",
+    "propagated_ratio_max",
+    "propagated_excess",
+    "amplification",
+    "reason",
+    "notes",
+]
+# Pure data movement: exact on every backend, not worth a preparation each.
 _VERDICT_ORDER = {SUSPECT: 0, VERDICT_ERROR: 1}
 
 
@@ -61,15 +79,21 @@ def summary_frame(records: Sequence[OutputRecord]) -> pd.DataFrame:
     return frame
 
 
-def worst_record(records: Sequence[OutputRecord]) -> OutputRecord:
-    """The record that decides a backend's verdict: SUSPECT first, then the largest excess / max_rel."""
+def worst_first(records: Sequence[OutputRecord]) -> list[OutputRecord]:
+    """Records in the order that decides a backend's verdict: SUSPECT first, then errors, then the largest
+    excess over the round-off budget, then the largest seed ``max_rel``."""
 
     def key(r: OutputRecord) -> tuple:
         excess = r.excess if r.excess == r.excess else -1.0
         rel = r.max_rel if r.max_rel == r.max_rel else -1.0
         return (_VERDICT_ORDER.get(r.verdict, 2), -excess, -rel)
 
-    return min(records, key=key)
+    return sorted(records, key=key)
+
+
+def worst_record(records: Sequence[OutputRecord]) -> OutputRecord:
+    """The record that decides a backend's verdict (the first of :func:`worst_first`)."""
+    return worst_first(records)[0]
 
 
 def backends_frame(
@@ -128,7 +152,7 @@ def elements_frame(rows: dict[str, Any]) -> pd.DataFrame:
 
 def element_table(oracle: np.ndarray, backend: np.ndarray, reference: np.ndarray | None) -> pd.DataFrame:
     """Every element of one output, compact dtypes (see ``DivergenceReport.element_frame``)."""
-    from rlx_nb.metrics import REL_EPS, ulp_distance
+    from rlx_nb.elements import rel_error, ulp_distance
 
     o, b = oracle.reshape(-1), backend.reshape(-1)
     columns: dict[str, np.ndarray] = {}
@@ -141,7 +165,7 @@ def element_table(oracle: np.ndarray, backend: np.ndarray, reference: np.ndarray
     )
     d = np.abs(b.astype(np.float64) - o)
     columns["abs_err"] = d.astype(np.float32)
-    columns["rel_err"] = (d / (np.abs(o.astype(np.float64)) + REL_EPS)).astype(np.float32)
+    columns["rel_err"] = rel_error(o, b).astype(np.float32)
     columns["ulp_err"] = np.minimum(ulp_distance(o, b.astype(o.dtype)), np.iinfo(np.uint32).max).astype(np.uint32)
     return pd.DataFrame(columns)
 
@@ -149,3 +173,12 @@ def element_table(oracle: np.ndarray, backend: np.ndarray, reference: np.ndarray
 def backend_table_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     """The registry as a table: every backend, whether it is live here, and why not."""
     return pd.DataFrame(rows)
+
+
+def localization_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
+    """The checks of a localization, modules first then ops, each in execution order (:data:`LOCALIZE_COLUMNS`)."""
+    order = {"module": 0, "op": 1}
+    frame = pd.DataFrame(rows, columns=LOCALIZE_COLUMNS)
+    return frame.sort_values(["kind", "order"], key=lambda c: c.map(order) if c.name == "kind" else c).reset_index(
+        drop=True
+    )

@@ -29,7 +29,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from rlx_nb import _fused
-from rlx_nb.metrics import REL_EPS, ulp_distance
+from rlx_nb.elements import ulp_distance
+from rlx_nb.errors import InputError
+from rlx_nb.metrics import REL_EPS
 
 METRICS = ("abs", "rel", "ulp", "budget")
 BAND_ELEMENTS = 1 << 20
@@ -124,7 +126,7 @@ def make_fold(
     select = dict(select or {})
     for ax, i in select.items():
         if not (0 <= ax < len(shape)) or not (0 <= i < shape[ax]):
-            raise ValueError(f"select {{{ax}: {i}}} is out of range for shape {shape}")
+            raise InputError(f"select {{{ax}: {i}}} is out of range for shape {shape}")
     nview = len(shape) - len(select)
     if fold is None:
         if len(shape) == 1 and not select:
@@ -134,9 +136,9 @@ def make_fold(
         try:
             rows, cols = (tuple(int(a) for a in fold[0]), tuple(int(a) for a in fold[1]))
         except (TypeError, ValueError, IndexError):
-            raise ValueError(f"fold must be (row_axes, col_axes), e.g. ((0, 1), (2,)); got {fold!r}") from None
+            raise InputError(f"fold must be (row_axes, col_axes), e.g. ((0, 1), (2,)); got {fold!r}") from None
         if sorted(rows + cols) != list(range(nview)):
-            raise ValueError(
+            raise InputError(
                 f"fold {fold!r} must use each of the {nview} axes {tuple(range(nview))} once "
                 f"(shape {shape}, select {select or {}})"
             )
@@ -182,11 +184,11 @@ def error_map(
     ``(fy, fx)`` are the pooling block sizes.  NaN/Inf disagreements are +inf.
     """
     if metric not in METRICS:
-        raise ValueError(f"metric must be one of {METRICS}, got {metric!r}")
+        raise InputError(f"metric must be one of {METRICS}, got {metric!r}")
     if metric == "budget" and (reference is None or not budget):
-        raise ValueError("the 'budget' metric needs the fp64 reference and the output's budget")
+        raise InputError("the 'budget' metric needs the fp64 reference and the output's budget")
     if oracle.shape != backend.shape:
-        raise ValueError(f"shapes differ: {oracle.shape} vs {backend.shape}")
+        raise InputError(f"shapes differ: {oracle.shape} vs {backend.shape}")
     fold = fold or make_fold(oracle.shape)
     o2, b2 = fold.to_2d(oracle), fold.to_2d(backend)
     r2 = fold.to_2d(reference) if reference is not None else None
@@ -253,7 +255,7 @@ def scatter_sample(
     oracle: np.ndarray, backend: np.ndarray, *, max_points: int = 20_000, worst: int = 200, seed: int = 0
 ) -> tuple[np.ndarray, np.ndarray]:
     """``(|oracle|, |backend - oracle|)`` for a uniform sample plus the ``worst`` elements."""
-    from rlx_nb.metrics import top_k
+    from rlx_nb.elements import top_k
 
     o, b = oracle.reshape(-1), backend.reshape(-1)
     rng = np.random.default_rng(seed)
@@ -264,15 +266,26 @@ def scatter_sample(
     return np.abs(of), np.abs(b[idx].astype(np.float64) - of)
 
 
+def error_window(
+    oracle: np.ndarray, backend: np.ndarray, fold: Fold, index: Sequence[int], radius: int = 2
+) -> np.ndarray:
+    """``|backend - oracle|`` on the ``(2 radius + 1)``-square window of the folded grid around ``index``
+    (NaN outside), computed on the window only."""
+    o, _, _ = neighbourhood(oracle, fold, index, radius)
+    b, _, _ = neighbourhood(backend, fold, index, radius)
+    with np.errstate(invalid="ignore", over="ignore"):
+        return np.abs(b - o)
+
+
 def neighbourhood(x: np.ndarray, fold: Fold, index: Sequence[int], radius: int = 2) -> tuple[np.ndarray, int, int]:
     """A ``(2 radius + 1)``-square window of the folded grid around ``index`` (NaN outside)."""
     cell = fold.cell(index)
     if cell is None:
-        raise ValueError(f"index {tuple(index)} is not in the selected slice {dict(fold.select)}")
-    g = fold.to_2d(x).astype(np.float64)
+        raise InputError(f"index {tuple(index)} is not in the selected slice {dict(fold.select)}")
+    g = fold.to_2d(x)
     r, c = cell
     out = np.full((2 * radius + 1, 2 * radius + 1), np.nan)
     r0, r1 = max(0, r - radius), min(g.shape[0], r + radius + 1)
     c0, c1 = max(0, c - radius), min(g.shape[1], c + radius + 1)
-    out[r0 - r + radius : r1 - r + radius, c0 - c + radius : c1 - c + radius] = g[r0:r1, c0:c1]
+    out[r0 - r + radius : r1 - r + radius, c0 - c + radius : c1 - c + radius] = g[r0:r1, c0:c1].astype(np.float64)
     return out, r, c

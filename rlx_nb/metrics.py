@@ -21,6 +21,7 @@ from typing import Any
 import numpy as np
 
 from rlx_nb import _fused
+from rlx_nb.errors import InputError
 
 CHUNK = 1 << 16
 REL_EPS = 1e-6
@@ -72,134 +73,12 @@ class PairStats:
     nonfinite_mismatch: int
 
 
-@dataclasses.dataclass(frozen=True)
-class ReferenceStats:
-    """Error of one array against a float64 reference: RMSE and max-abs, plus the reference's scale."""
-
-    rmse: float
-    max_err: float
-    ref_rms: float
-    ref_max: float
-
-
-@dataclasses.dataclass(frozen=True)
-class SliceStats:
-    """Error of one array against a float64 reference, summed over each slice of each axis.
-
-    For axis ``k`` (``axes[k]``), slice ``j`` is every element whose index along that axis is ``j``;
-    ``sums[k][j]`` and ``squares[k][j]`` are the sum of the errors and of their squares over it, and
-    ``counts[k][j]`` how many finite errors it holds.  Only axes whose slices hold at least two
-    elements and that have at least two slices are kept.
-    """
-
-    axes: tuple[int, ...]
-    sums: tuple[np.ndarray, ...]
-    squares: tuple[np.ndarray, ...]
-    counts: tuple[np.ndarray, ...]
-
-
-def slice_axes(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """The axes :func:`slice_stats` sums over: at least two slices, each of at least two elements.
-
-    The leading axes come from per-row sums over the last axis (24 bytes a row), kept when the last
-    axis has at least ``SLICE_MIN_ROW`` elements (at most one float32 output's memory) or there are
-    at most ``SLICE_SMALL_ROWS`` rows.
-    """
-    n = math.prod(shape)
-    wide = len(shape) >= 1 and (shape[-1] >= SLICE_MIN_ROW or n // max(1, shape[-1]) <= SLICE_SMALL_ROWS)
-    return tuple(k for k, d in enumerate(shape) if d >= 2 and n // d >= 2 and (k == len(shape) - 1 or wide))
-
-
-SLICE_MIN_ROW = 6  # 3 float64 sums per row of >= 6 float32 elements: at most the output's own size
-SLICE_SMALL_ROWS = 1 << 16  # or 1.5 MB of row sums whatever the rows' length
-
-
-def slices_from_rows(
-    shape: tuple[int, ...], axes: tuple[int, ...], col: list[np.ndarray], row: list[np.ndarray]
-) -> SliceStats:
-    """:class:`SliceStats` from the (sum, squares, count) of each column and each row of the last axis:
-    the columns are the last axis's slices, and the rows, shaped like the leading axes, give the others."""
-    lead = shape[:-1]
-    out: list[tuple[np.ndarray, ...]] = []
-    for k in axes:
-        if k == len(shape) - 1:
-            out.append(tuple(col))
-        else:
-            other = tuple(a for a in range(len(lead)) if a != k)
-            out.append(tuple(v.reshape(lead).sum(axis=other) for v in row))
-    return SliceStats(axes, *(tuple(o[i] for o in out) for i in range(3)))
-
-
-def slice_stats(x: np.ndarray, reference: np.ndarray) -> SliceStats:
-    """:class:`SliceStats` of ``x - reference`` (float64), elements where either is non-finite left out.
-
-    One pass over the pair viewed as rows of the last axis (compiled, one range of rows per core;
-    numpy in chunks without numba): per-column sums give the last axis, per-row sums the others.
-
-    Examples
-    --------
-    >>> st = slice_stats(np.float32([[1, 2], [3, 4]]), np.float64([[1, 2], [3, 3.5]]))
-    >>> st.axes, [float(v) for v in st.sums[-1]]
-    ((0, 1), [0.0, 0.5])
-    """
-    return error_stats(x, reference)[1]
-
-
-def error_stats(x: np.ndarray, reference: np.ndarray) -> tuple[ReferenceStats, SliceStats]:
-    """:func:`reference_stats` and :func:`slice_stats` of one pair, in one pass where there are slices."""
-    if x.shape != reference.shape:
-        raise ValueError(f"shapes differ: {x.shape} vs {reference.shape}")
-    axes = slice_axes(x.shape)
-    if not axes:
-        return reference_stats(x, reference), SliceStats((), (), (), ())
-    cols = x.shape[-1]
-    xf = np.ascontiguousarray(x).reshape(-1, cols)
-    rf = np.ascontiguousarray(reference, dtype=np.float64).reshape(-1, cols)
-    rows = xf.shape[0]
-    keep_rows = any(k < x.ndim - 1 for k in axes)
-    row = [np.zeros(rows if keep_rows else 0, np.float64) for _ in range(3)]
-    kern = _fused.slice_kernel() if xf.dtype in (np.float32, np.float64) else None
-    workers = _workers(xf.size) if kern is not None else 1
-    ranges = list(itertools.pairwise([k * rows // workers for k in range(workers)] + [rows]))
-    parts = [[np.zeros(cols, np.float64) for _ in range(3)] for _ in ranges]
-    if kern is not None:
-        scalars = _on_cores(lambda a, b: kern(xf, rf, a, b, *row, *parts[ranges.index((a, b))]), ranges)
-    else:
-        scalars = []
-        step = max(1, CHUNK // cols)
-        for a in range(0, rows, step):
-            rc = rf[a : a + step]
-            e = xf[a : a + step].astype(np.float64) - rc
-            ok = np.isfinite(e) & np.isfinite(rc)
-            e, rc = np.where(ok, e, 0.0), np.where(ok, rc, 0.0)
-            sums = (e, e * e, ok.astype(np.float64))
-            for acc, v in zip(parts[0], sums, strict=True):
-                acc += v.sum(axis=0)
-            if keep_rows:
-                for acc, v in zip(row, sums, strict=True):
-                    acc[a : a + step] = v.sum(axis=1)
-            scalars.append(
-                (
-                    float(np.abs(e).max(initial=0.0)),
-                    _sum_sq(rc.ravel()),
-                    float(np.abs(rc).max(initial=0.0)),
-                )
-            )
-    col = [sum(p[i] for p in parts) for i in range(3)]
-    slices = slices_from_rows(x.shape, axes, col, row)
-    count = float(col[2].sum())
-    if count == 0:
-        return ReferenceStats(0.0, 0.0, 0.0, 0.0), slices
-    mx, rsq, rmx = max(v[0] for v in scalars), sum(v[1] for v in scalars), max(v[2] for v in scalars)
-    return ReferenceStats(math.sqrt(float(col[1].sum()) / count), mx, math.sqrt(rsq / count), rmx), slices
-
-
 def default_tolerance(dtype_name: str) -> tuple[float, float]:
     """``(rtol, atol)`` that ``torch.testing.assert_close`` uses for ``dtype_name``."""
     return DEFAULT_TOLERANCES.get(dtype_name, DEFAULT_TOLERANCES["float32"])
 
 
-def _ordered_ints(x: np.ndarray, out: np.ndarray) -> np.ndarray:
+def ordered_ints(x: np.ndarray, out: np.ndarray) -> np.ndarray:
     # Map float bit patterns onto int64s ordered like the floats, with -0.0
     # and +0.0 both at 0, so ULP distance is a plain difference.
     bits = x.view(_INT_OF_FLOAT[x.dtype])
@@ -209,7 +88,7 @@ def _ordered_ints(x: np.ndarray, out: np.ndarray) -> np.ndarray:
     return out
 
 
-def _ulp_gap(ia: np.ndarray, ie: np.ndarray) -> np.ndarray:
+def ulp_gap(ia: np.ndarray, ie: np.ndarray) -> np.ndarray:
     # |ia - ie| for ordered int64 keys, exact in uint64 (float64 values of opposite signs can be
     # more than 2**63 ulps apart, which int64 arithmetic would wrap).
     hi, lo = np.maximum(ia, ie).view(np.uint64), np.minimum(ia, ie).view(np.uint64)
@@ -231,7 +110,7 @@ def _chunk_max_ulp(ec: np.ndarray, ac: np.ndarray, bufs: _Buffers, excluded: np.
             if excluded is not None:
                 it[excluded] = 0
             return int(it.max())
-    gap = _ulp_gap(_ordered_ints(ac, np.empty(m, np.int64)), _ordered_ints(ec, np.empty(m, np.int64)))
+    gap = ulp_gap(ordered_ints(ac, np.empty(m, np.int64)), ordered_ints(ec, np.empty(m, np.int64)))
     if excluded is not None:
         gap[excluded] = 0
     return int(gap.max())
@@ -344,17 +223,17 @@ def _exact_worst(e: np.ndarray, a: np.ndarray, total: _Partial) -> tuple[float, 
     return (best, where) if where >= 0 else (total.max_abs, total.worst_index)
 
 
-def _workers(n: int) -> int:
+def workers(n: int) -> int:
     return max(1, min(os.cpu_count() or 1, n // (8 * CHUNK)))
 
 
-def _ranges(n: int, align: int = 1) -> list[tuple[int, int]]:
-    # One contiguous (start, stop) per worker, starts aligned to ``align`` elements.
-    workers = _workers(n)
-    return list(itertools.pairwise([k * n // workers // align * align for k in range(workers)] + [n]))
+def ranges(n: int, align: int = 1) -> list[tuple[int, int]]:
+    """One contiguous ``(start, stop)`` per worker, starts aligned to ``align`` elements."""
+    count = workers(n)
+    return list(itertools.pairwise([k * n // count // align * align for k in range(count)] + [n]))
 
 
-def _on_cores(fn: Callable[[int, int], Any], ranges: list[tuple[int, int]]) -> list:
+def on_cores(fn: Callable[[int, int], Any], ranges: list[tuple[int, int]]) -> list:
     # fn(start, stop) for each range, one thread each (numpy and the compiled kernels release the GIL).
     if len(ranges) == 1:
         return [fn(*ranges[0])]
@@ -432,7 +311,7 @@ def pair_stats(
     (0.5, 1, 1)
     """
     if expected.shape != actual.shape:
-        raise ValueError(f"shapes differ: {expected.shape} vs {actual.shape}")
+        raise InputError(f"shapes differ: {expected.shape} vs {actual.shape}")
     e = np.ascontiguousarray(expected).reshape(-1)
     a = np.ascontiguousarray(actual).reshape(-1)
     work = np.dtype(np.float64) if np.float64 in (e.dtype, a.dtype) else np.dtype(np.float32)
@@ -446,9 +325,7 @@ def pair_stats(
         return _fused_pair_stats(e, a, rtol, atol, p99)
     floor = _p99_floor(e, a, work) if p99 else None
     cap = max(1, n // 20)  # keep at most 5% of the errors as p99 candidates
-    parts = _on_cores(
-        lambda start, stop: _pair_range(e, a, start, stop, rtol, atol, floor, work, cap), _ranges(n, CHUNK)
-    )
+    parts = on_cores(lambda start, stop: _pair_range(e, a, start, stop, rtol, atol, floor, work, cap), ranges(n, CHUNK))
     total = _Partial()
     for p in parts:
         if p.max_abs > total.max_abs:
@@ -491,15 +368,15 @@ def _fused_pair_stats(e: np.ndarray, a: np.ndarray, rtol: float, atol: float, p9
     floor = _p99_floor(e, a, np.dtype(np.float32)) if p99 else math.inf
     if floor < 0:
         floor = -math.inf  # too few finite samples for a floor: keep every error as a candidate
-    ranges = _ranges(n)
+    spans = ranges(n)
     # Each range keeps its errors above the floor, up to 5% of its elements (pages are only
     # touched as they are written, so the usual ~3% costs ~3% of n float64s).
-    caps = {start: max(1, (stop - start) // 20) if p99 else 0 for start, stop in ranges}
+    caps = {start: max(1, (stop - start) // 20) if p99 else 0 for start, stop in spans}
     bufs = {start: np.empty(cap + _fused.BLOCK, np.float64) for start, cap in caps.items()}
     ei, ai = e.view(np.int32), a.view(np.int32)
     kernel = _fused.kernel()
-    parts = _on_cores(
-        lambda start, stop: kernel(e, a, ei, ai, start, stop, rtol, atol, REL_EPS, floor, bufs[start]), ranges
+    parts = on_cores(
+        lambda start, stop: kernel(e, a, ei, ai, start, stop, rtol, atol, REL_EPS, floor, bufs[start]), spans
     )
     f = {name: [p[i] for p in parts] for i, name in enumerate(_fused.FIELDS)}
     best = max(range(len(parts)), key=lambda k: (f["max_abs"][k], -k))  # ties: the lowest range
@@ -527,178 +404,3 @@ def _fused_pair_stats(e: np.ndarray, a: np.ndarray, rtol: float, atol: float, p9
         max_ulp=int(max(f["max_ulp"])),
         nonfinite_mismatch=nonfinite,
     )
-
-
-def _sum_sq(v: np.ndarray) -> float:
-    # Sum of squares without the BLAS: numpy's bundled OpenBLAS can hang in a threaded dot after the
-    # process has forked (OpenMathLib/OpenBLAS#5520, numpy/numpy#30092), and torch.compile forks.
-    return float(np.einsum("i,i->", v, v))
-
-
-@np.errstate(invalid="ignore", over="ignore")
-def reference_stats(x: np.ndarray, reference: np.ndarray) -> ReferenceStats:
-    """RMSE and max-abs error of ``x`` against a float64 ``reference``, chunked.
-
-    Non-finite elements (in either) are skipped; the reference's RMS and max
-    magnitude give the scale for absolute floors.
-
-    Examples
-    --------
-    >>> r = reference_stats(np.float32([1, 2]), np.float64([1, 2.5]))
-    >>> round(r.max_err, 3), round(r.rmse, 3)
-    (0.5, 0.354)
-    """
-    xf = np.ascontiguousarray(x).reshape(-1)
-    rf = np.ascontiguousarray(reference).reshape(-1)
-    if xf.shape != rf.shape:
-        raise ValueError(f"shapes differ: {x.shape} vs {reference.shape}")
-    if rf.dtype == np.float64 and xf.dtype in (np.float32, np.float64) and xf.size >= 8 * CHUNK:
-        kern = _fused.reference_kernel()
-        if kern is not None:
-            return _fused_reference_stats(kern, xf, rf)
-    sq = mx = rsq = rmx = 0.0
-    count = 0
-    buf = np.empty(min(CHUNK, xf.size), np.float64)
-    for s in range(0, xf.size, CHUNK):
-        xc, rc = xf[s : s + CHUNK], rf[s : s + CHUNK]
-        d = np.subtract(xc, rc, out=buf[: xc.size], dtype=np.float64)
-        ok = None
-        if not np.isfinite(d).all() or not np.isfinite(rc).all():
-            ok = np.isfinite(d) & np.isfinite(rc)
-            d, rc = d[ok], rc[ok]
-        count += d.size
-        if d.size:
-            sq += _sum_sq(d)
-            mx = max(mx, float(np.abs(d).max()))
-            rsq += _sum_sq(rc)
-            rmx = max(rmx, float(np.abs(rc).max()))
-    if count == 0:
-        return ReferenceStats(0.0, 0.0, 0.0, 0.0)
-    return ReferenceStats(math.sqrt(sq / count), mx, math.sqrt(rsq / count), rmx)
-
-
-def _fused_reference_stats(kern, xf: np.ndarray, rf: np.ndarray) -> ReferenceStats:
-    # One compiled pass per core, like the fused pair_stats.
-    parts = _on_cores(lambda start, stop: kern(xf, rf, start, stop), _ranges(xf.size))
-    sq, mx, rsq, rmx, count = (
-        sum(p[0] for p in parts),
-        max(p[1] for p in parts),
-        sum(p[2] for p in parts),
-        max(p[3] for p in parts),
-        sum(p[4] for p in parts),
-    )
-    if count == 0:
-        return ReferenceStats(0.0, 0.0, 0.0, 0.0)
-    return ReferenceStats(math.sqrt(sq / count), mx, math.sqrt(rsq / count), rmx)
-
-
-@np.errstate(invalid="ignore", over="ignore")
-def top_k(expected: np.ndarray, actual: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
-    """Flat indices and absolute errors of the ``k`` worst elements, worst first.
-
-    Ties go to the lower index, so the first row is the element
-    :func:`pair_stats` reports as ``worst_index``.  O(n) time and
-    O(k + CHUNK) memory: each chunk's candidates are merged into a running
-    top-k.  NaN/Inf disagreements rank above every finite error.
-    """
-    e = np.ascontiguousarray(expected).reshape(-1)
-    a = np.ascontiguousarray(actual).reshape(-1)
-    work = np.float64 if np.float64 in (e.dtype, a.dtype) else np.float32
-    best_i = np.empty(0, np.int64)
-    best_v = np.empty(0, np.float64)
-    for s in range(0, e.size, CHUNK):
-        d = np.abs(np.subtract(a[s : s + CHUNK], e[s : s + CHUNK], dtype=work)).astype(np.float64)
-        nonfinite = ~np.isfinite(d)
-        if nonfinite.any():
-            ec, ac = e[s : s + CHUNK], a[s : s + CHUNK]
-            agree = (ec == ac) | (np.isnan(ec) & np.isnan(ac))
-            d[nonfinite] = np.where(agree[nonfinite], 0.0, np.inf)
-        idx = _k_largest(d, k)
-        best_i = np.concatenate([best_i, idx + s])
-        best_v = np.concatenate([best_v, d[idx]])
-        if best_v.size > k:
-            order = np.lexsort((best_i, -best_v))[:k]
-            best_i, best_v = best_i[order], best_v[order]
-    order = np.lexsort((best_i, -best_v))
-    return best_i[order], best_v[order]
-
-
-def _k_largest(d: np.ndarray, k: int) -> np.ndarray:
-    # Indices of the k largest values, ties at the threshold resolved to the lowest indices.
-    if d.size <= k:
-        return np.arange(d.size)
-    threshold = np.partition(d, d.size - k)[d.size - k]
-    above = np.flatnonzero(d > threshold)
-    ties = np.flatnonzero(d == threshold)[: k - above.size]
-    return np.concatenate([above, ties])
-
-
-def ulp_distance(expected: np.ndarray, actual: np.ndarray) -> np.ndarray:
-    """Element-wise distance in units in the last place of ``expected``'s dtype (uint64: exact for float64 too)."""
-    e = np.asarray(expected)
-    a = np.asarray(actual, dtype=e.dtype)
-    if e.dtype not in _INT_OF_FLOAT:
-        raise ValueError(f"ULP distance needs float16/32/64, got {e.dtype}")
-    ie = _ordered_ints(e.reshape(-1), np.empty(e.size, np.int64))
-    ia = _ordered_ints(a.reshape(-1), np.empty(a.size, np.int64))
-    return _ulp_gap(ia, ie).reshape(e.shape)
-
-
-@np.errstate(invalid="ignore", over="ignore", divide="ignore")
-def rel_error(expected: np.ndarray, actual: np.ndarray) -> np.ndarray:
-    """The seed's element-wise ``|a - e| / (|e| + 1e-6)``, in float64."""
-    e = np.asarray(expected, np.float64)
-    return np.abs(np.asarray(actual, np.float64) - e) / (np.abs(e) + REL_EPS)
-
-
-@np.errstate(invalid="ignore", over="ignore", divide="ignore")
-def error_histogram(
-    expected: np.ndarray, actual: np.ndarray, edges: np.ndarray, *, relative: bool = False
-) -> tuple[np.ndarray, int, int]:
-    """Counts of element errors in ``edges`` (chunked), plus the exact zeros and the non-finite ones.
-
-    ``relative=True`` histograms the seed's ``|a - e| / (|e| + 1e-6)``.
-    Returns ``(counts, zeros, nonfinite)``; counts has ``len(edges) - 1`` bins,
-    values above the last edge land in the last bin and non-zero values below
-    the first in the first.
-    """
-    e = np.ascontiguousarray(expected).reshape(-1)
-    a = np.ascontiguousarray(actual).reshape(-1)
-    counts = np.zeros(len(edges) - 1, np.int64)
-    zeros = nonfinite = 0
-    lo, hi = float(edges[0]), float(edges[-1])
-    for s in range(0, e.size, CHUNK):
-        ec = e[s : s + CHUNK].astype(np.float64)
-        d = np.abs(a[s : s + CHUNK].astype(np.float64) - ec)
-        if relative:
-            d /= np.abs(ec) + REL_EPS
-        fin = np.isfinite(d)
-        nonfinite += int(d.size - np.count_nonzero(fin))
-        d = d[fin]
-        zeros += int(np.count_nonzero(d == 0))
-        d = np.clip(d[d > 0], lo, np.nextafter(hi, 0))
-        counts += np.histogram(d, bins=edges)[0]
-    return counts, zeros, nonfinite
-
-
-@np.errstate(invalid="ignore", over="ignore", divide="ignore")
-def tolerance_curve(expected: np.ndarray, actual: np.ndarray, rtols: np.ndarray) -> np.ndarray:
-    """Fraction of elements whose seed-style relative error exceeds each ``rtol`` (chunked).
-
-    NaN/Inf disagreements fail at every tolerance.
-    """
-    rtols = np.asarray(rtols, np.float64)
-    order = np.argsort(rtols)
-    sorted_tols = rtols[order]
-    e = np.ascontiguousarray(expected).reshape(-1)
-    a = np.ascontiguousarray(actual).reshape(-1)
-    failing = np.zeros(rtols.size, np.int64)
-    for s in range(0, e.size, CHUNK):
-        ec, ac = e[s : s + CHUNK].astype(np.float64), a[s : s + CHUNK].astype(np.float64)
-        rel = np.abs(ac - ec) / (np.abs(ec) + REL_EPS)
-        agree = (ec == ac) | (np.isnan(ec) & np.isnan(ac))
-        rel = np.where(np.isfinite(rel), rel, np.where(agree, 0.0, np.inf))
-        rel.sort()
-        # elements with rel > t: size - (number <= t)
-        failing[order] += rel.size - np.searchsorted(rel, sorted_tols, side="right")
-    return failing / max(1, e.size)

@@ -9,19 +9,17 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 
+from rlx_nb.elements import error_histogram, tolerance_curve
 from rlx_nb.errors import InputError
 from rlx_nb.maps import METRICS, block_argmax, error_map, make_fold, scatter_sample
-from rlx_nb.metrics import error_histogram, tolerance_curve
-from rlx_nb.verdict import MAX_LIMIT
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
 
-    from rlx_nb.report import DivergenceReport
 
 METRIC_LABELS = {
     "abs": "|backend - oracle|",
@@ -365,93 +363,7 @@ def plot_effective_bits(bits: Mapping[str, float], *, ax: Axes | None = None, ti
     return ax
 
 
-class ReportPlotter:
-    """``report.plot``: the plot functions fed from a report (backend and output by name).
-
-    ``backend=None`` picks the first suspect (else the first backend);
-    ``output=None`` picks that backend's worst output.
-    """
-
-    def __init__(self, report: DivergenceReport) -> None:
-        self._report = report
-
-    def _pick(self, backend: str | None, output: str | None) -> tuple[str, str]:
-        r = self._report
-        names = [b for b in r.results.candidates if b not in r.errors]
-        if not names:
-            raise InputError("no backend in this report produced outputs to plot")
-        backend = backend or (r.suspects[0] if r.suspects else names[0])
-        rec = r.record(backend, output)
-        if rec.output is None:
-            raise InputError(f"backend {backend!r} did not run: {rec.reason}")
-        return backend, rec.output
-
-    def heatmap(self, backend: str | None = None, output: str | None = None, *, metric: str = "abs", **kwargs: Any):
-        """:func:`plot_heatmap` of one (backend, output)."""
-        backend, output = self._pick(backend, output)
-        o, b, ref = self._report.arrays(backend, output)
-        rec = self._report.record(backend, output)
-        kwargs.setdefault("title", f"{backend} · {output} · {METRIC_LABELS.get(metric, metric)}")
-        if metric == "abs" and rec.worst_index is not None:
-            kwargs.setdefault("worst", rec.worst_index)
-        return plot_heatmap(o, b, ref, metric=metric, budget=rec.budget_rmse, **kwargs)
-
-    def _pairs(self, output: str | None, backends: Sequence[str] | None) -> tuple[str, dict]:
-        r = self._report
-        _, output = self._pick(backends[0] if backends else None, output)
-        names = list(backends) if backends else [b for b in r.results.candidates if b not in r.errors]
-        pairs = {}
-        for name in names:
-            rec = r.record(name, output)
-            if rec.output is not None and rec.shape is not None and rec.verdict != "skipped":
-                try:
-                    o, b, _ = r.arrays(name, output)
-                except InputError:
-                    continue
-                if o.shape == b.shape and np.issubdtype(o.dtype, np.floating):
-                    pairs[name] = (o, b)
-        return output, pairs
-
-    def histogram(
-        self, output: str | None = None, backends: Sequence[str] | None = None, *, metric: str = "abs", **kwargs: Any
-    ):
-        """:func:`plot_histogram` of one output across backends; the dashed line is each backend's
-        largest absolute error the max-based budget allows (``metric="abs"``) or ``tol_rel`` (``"rel"``)."""
-        output, pairs = self._pairs(output, backends)
-        lines = {}
-        for name in pairs:
-            rec = self._report.record(name, output)
-            lines[name] = rec.tol_rel if metric == "rel" else MAX_LIMIT * rec.budget_max
-        kwargs.setdefault("title", f"{output}: error histogram")
-        return plot_histogram(pairs, metric=metric, lines=lines, **kwargs)
-
-    def scatter(self, backend: str | None = None, output: str | None = None, **kwargs: Any):
-        """:func:`plot_scatter` of one (backend, output)."""
-        backend, output = self._pick(backend, output)
-        o, b, _ = self._report.arrays(backend, output)
-        kwargs.setdefault("tol_rel", self._report.record(backend, output).tol_rel)
-        kwargs.setdefault("title", f"{backend} · {output}: error vs magnitude")
-        return plot_scatter(o, b, **kwargs)
-
-    def effective_bits(self, output: str | None = None, **kwargs: Any):
-        """:func:`plot_effective_bits` of each backend's worst (lowest) reading, or of one output."""
-        bits: dict[str, float] = {}
-        for rec in self._report.records:
-            if (output is None or rec.output == output) and rec.effective_bits == rec.effective_bits:
-                bits[rec.backend] = min(bits.get(rec.backend, 99.0), rec.effective_bits)
-        if not bits:
-            raise InputError("no effective-precision readings in this report (no fp64 reference?)")
-        return plot_effective_bits(bits, **kwargs)
-
-    def tolerance_curve(self, output: str | None = None, backends: Sequence[str] | None = None, **kwargs: Any):
-        """:func:`plot_tolerance_curve` of one output across backends."""
-        output, pairs = self._pairs(output, backends)
-        kwargs.setdefault("title", f"{output}: fraction failing vs tol_rel")
-        return plot_tolerance_curve(pairs, **kwargs)
-
-
 __all__ = [
-    "ReportPlotter",
     "plot_effective_bits",
     "plot_heatmap",
     "plot_histogram",

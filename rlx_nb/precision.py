@@ -17,9 +17,11 @@ from typing import Any
 import pandas as pd
 import torch
 
-from rlx_nb.backends import get_backend, register_backend, unregister_backend
+from rlx_nb.backends import Backend, get_backend
 from rlx_nb.backends.emulated import emulate
+from rlx_nb.backends.registry import device_probe
 from rlx_nb.errors import InputError
+from rlx_nb.verdict import ROUNDOFF, SUSPECT, VERDICT_ERROR
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,18 +109,20 @@ def precision_sweep(
     settings = list(settings) if settings is not None else default_settings()
     if not settings:
         raise InputError("precision_sweep needs at least one setting")
-    names = {}
-    try:
-        for i, s in enumerate(settings):
-            name = f"sweep:{i}"
-            register_backend(
-                name, s.fn, device=s.device, replace=True, default=False, description=f"precision sweep: {s.label}"
-            )
-            names[name] = s
-        report = backend_divergence(model, inputs, backends=list(names), **kwargs)
-    finally:
-        for name in names:
-            unregister_backend(name)
+    # The settings run as Backend objects of their own, never registered: a user's backend can bear any name.
+    names = {f"sweep:{i}": s for i, s in enumerate(settings)}
+    backends = [
+        Backend(
+            name,
+            s.fn,
+            device=s.device,
+            default=False,
+            description=f"precision sweep: {s.label}",
+            probe=device_probe(s.device),
+        )
+        for name, s in names.items()
+    ]
+    report = backend_divergence(model, inputs, backends=backends, **kwargs)
     rows = []
     for name, s in names.items():
         recs = [r for r in report.records if r.backend == name]
@@ -130,9 +134,9 @@ def precision_sweep(
                 "switch": s.switch,
                 "effective_bits": min(bits) if bits else float("nan"),
                 "closest_format": worst.closest_format,
-                "verdict": "error"
+                "verdict": VERDICT_ERROR
                 if name in report.errors
-                else ("SUSPECT" if name in report.suspects else "round-off"),
+                else (SUSPECT if name in report.suspects else ROUNDOFF),
                 "reason": worst.reason,
             }
         )

@@ -5,7 +5,9 @@ from __future__ import annotations
 import functools
 import html
 import math
+import weakref
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pandas as pd
@@ -13,9 +15,9 @@ import torch
 
 from rlx_nb.backends import ORACLE
 from rlx_nb.compare import OutputRecord, compare, on_device
+from rlx_nb.elements import rel_error, top_k, ulp_distance
 from rlx_nb.errors import InputError
 from rlx_nb.frames import backends_frame, element_table, elements_frame, summary_frame, worst_record
-from rlx_nb.metrics import rel_error, top_k, ulp_distance
 from rlx_nb.results import RunResults
 from rlx_nb.verdict import NONDETERMINISTIC, SUSPECT, VERDICT_ERROR, VERDICT_SKIPPED
 
@@ -45,24 +47,42 @@ class DivergenceReport:
         self.records = records
         self.rule = rule
         self.tol_rel = tol_rel
-        self._source: tuple | None = None  # (model, inputs, params) when built by backend_divergence
+        self._source: WeakSource | None = None  # the model and inputs, held weakly, when built by backend_divergence
 
-    def localize(self, backend: str | None = None, *, backward: bool | None = None, **kwargs):
+    def localize(
+        self,
+        backend: str | None = None,
+        *,
+        model: Any = None,
+        inputs: Any = None,
+        params: Any = None,
+        backward: bool | None = None,
+        **kwargs: Any,
+    ):
         """:func:`rlx_nb.localize` this report's model on ``backend`` (default: the first suspect).
 
-        ``backward=None`` localizes the backward when the backend's worst output is a ``grad:`` output.
+        ``model`` and ``inputs`` default to the ones the report was made from, which it holds only
+        weakly (a report keeps no model alive): pass them when those are gone, or for a loaded
+        report.  ``backward=None`` localizes the backward when the backend's worst output is a
+        ``grad:`` output.
         """
         from rlx_nb.localize import localize
 
-        if self._source is None:
-            raise InputError("this report does not hold its model (it was loaded or merged); call rlx_nb.localize")
+        if model is None or inputs is None:
+            held = self._source.get() if self._source is not None else None
+            if held is None:
+                why = "it was loaded or merged" if self._source is None else "they are no longer alive"
+                raise InputError(
+                    f"this report does not hold its model and inputs ({why}): "
+                    "pass them, report.localize(backend, model=model, inputs=inputs)"
+                )
+            model, inputs, params = held if params is None else (*held[:2], params)
         if backend is None:
             if not self.suspects:
                 raise InputError("no SUSPECT backend to localize; name one: report.localize('cpu-inductor')")
             backend = self.suspects[0]
         if backward is None:
             backward = (self.record(backend).output or "").startswith("grad:")
-        model, inputs, params = self._source
         return localize(model, inputs, backend=backend, params=params, backward=backward, **kwargs)
 
     @classmethod
@@ -85,8 +105,8 @@ class DivergenceReport:
     @functools.cached_property
     def plot(self):
         """Plots of this report: ``report.plot.heatmap(backend, output)``, ``.histogram``, ``.scatter``,
-        ``.tolerance_curve`` (see :class:`rlx_nb.plotting.ReportPlotter`)."""
-        from rlx_nb.plotting import ReportPlotter
+        ``.tolerance_curve`` (see :class:`rlx_nb.report_plot.ReportPlotter`)."""
+        from rlx_nb.report_plot import ReportPlotter
 
         return ReportPlotter(self)
 
@@ -222,6 +242,44 @@ class DivergenceReport:
         bf = eb[torch.from_numpy(idx).to(eb.device)].cpu().numpy()
         return _elements_rows(o, r, idx, err, o.reshape(-1)[idx], bf)
 
+    def element(self, backend: str, output: str | None, index: tuple[int, ...]) -> pd.DataFrame:
+        """One element of one output as a one-row frame (the columns of :meth:`elements`).
+
+        Examples
+        --------
+        >>> import torch, rlx_nb
+        >>> r = rlx_nb.backend_divergence(torch.nn.Linear(4, 2), torch.ones(3, 4), backends=["cpu-nomkldnn"])
+        >>> r.element("cpu-nomkldnn", "out", (0, 1))["index"].iloc[0]
+        (0, 1)
+        """
+        o, b, r = self.arrays(backend, output)
+        index = tuple(int(i) for i in index)
+        if len(index) != o.ndim or any(not (0 <= i < n) for i, n in zip(index, o.shape, strict=True)):
+            raise InputError(f"index {index} is not inside the output's shape {o.shape}")
+        flat = np.array([np.ravel_multi_index(index, o.shape) if o.ndim else 0])
+        of, bf = o.reshape(-1)[flat], b.reshape(-1)[flat]
+        with np.errstate(invalid="ignore", over="ignore"):
+            err = np.abs(bf.astype(np.float64) - of.astype(np.float64))
+        return _elements_rows(o, r, flat, err, of, bf)
+
+    def neighbourhood(
+        self, backend: str, output: str | None, index: tuple[int, ...], fold: Any, radius: int = 2
+    ) -> np.ndarray:
+        """``|backend - oracle|`` around ``index`` on a heatmap's folded grid (``fold``, see :mod:`rlx_nb.maps`)."""
+        from rlx_nb.maps import error_window
+
+        o, b, _ = self.arrays(backend, output)
+        return error_window(o, b, fold, index, radius)
+
+    def worst_in_block(
+        self, backend: str, output: str | None, fold: Any, block: tuple[int, int], factors: tuple[int, int]
+    ) -> tuple[int, ...]:
+        """The index of the worst element in one pooled cell of a heatmap (what a click on it picks)."""
+        from rlx_nb.maps import block_argmax
+
+        o, b, _ = self.arrays(backend, output)
+        return block_argmax(o, b, fold, block, factors)
+
     @np.errstate(invalid="ignore", over="ignore", divide="ignore")
     def element_frame(self, backend: str, output: str | None = None, *, max_bytes: float = 5e8) -> pd.DataFrame:
         """Every element of one output as a frame, with compact dtypes — only on explicit request.
@@ -280,6 +338,45 @@ class DivergenceReport:
             f"Suspects: <b>{html.escape(', '.join(self.suspects) or 'none')}</b>.</p>"
         )
         return head + styled.to_html()
+
+
+class WeakSource:
+    """A report's model, inputs and params held by weak reference: the report can localize its model while the
+    caller keeps them, and keeps nothing alive itself (plain values, which cannot be weakly referenced, are held)."""
+
+    def __init__(self, model: Any, inputs: Any, params: Any) -> None:
+        self._refs = _weak((model, inputs, params))
+
+    def get(self) -> tuple[Any, Any, Any] | None:
+        """``(model, inputs, params)``, or None when any of them has been freed."""
+        try:
+            return _strong(self._refs)
+        except LookupError:
+            return None
+
+
+def _weak(obj: Any) -> Any:
+    if isinstance(obj, (tuple, list)):
+        return type(obj)(_weak(v) for v in obj) if not hasattr(obj, "_fields") else obj
+    if isinstance(obj, dict):
+        return {k: _weak(v) for k, v in obj.items()}
+    try:
+        return weakref.ref(obj)
+    except TypeError:
+        return lambda: obj
+
+
+def _strong(refs: Any) -> Any:
+    if isinstance(refs, (tuple, list)) and not hasattr(refs, "_fields"):
+        return type(refs)(_strong(v) for v in refs)
+    if isinstance(refs, dict):
+        return {k: _strong(v) for k, v in refs.items()}
+    if callable(refs):
+        obj = refs()
+        if obj is None and isinstance(refs, weakref.ref):
+            raise LookupError("freed")
+        return obj
+    return refs
 
 
 def _verdict_css(v: str) -> str:

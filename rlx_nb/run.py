@@ -182,7 +182,7 @@ def _backward(run, backend, model, out, fresh, loss, grad_inputs, input_names) -
             run.grad_message = f"{backend.name}'s outputs carry no gradient"
             return
         if value.numel() != 1:
-            raise ValueError(f"loss must be a scalar tensor, got shape {tuple(value.shape)}")
+            raise InputError(f"loss must be a scalar tensor, got shape {tuple(value.shape)}")
         value.backward()
     except Exception as exc:
         run.grad_status, run.grad_message, run.detail = ERROR, describe_error(exc), error_detail(exc)
@@ -234,7 +234,7 @@ def _reduction_lengths(model: torch.nn.Module, sizes: dict[str, int]) -> dict[st
 
 def environment() -> dict[str, Any]:
     """Where this run happened: host, versions, devices."""
-    from rlx_nb import __version__
+    from rlx_nb._version import __version__
 
     env: dict[str, Any] = {
         "host": platform.node(),

@@ -112,7 +112,8 @@ from typing import Any
 import numpy as np
 
 from rlx_nb.chance import isolation, peak_mean, sample_allowance, slice_allowance, slice_lean
-from rlx_nb.metrics import UNIT_ROUNDOFF, ReferenceStats, SliceStats
+from rlx_nb.metrics import UNIT_ROUNDOFF
+from rlx_nb.reference import ReferenceStats, SliceStats
 
 ROUNDOFF = "round-off"
 SUSPECT = "SUSPECT"
@@ -138,7 +139,7 @@ FORMAT_BITS = {"fp32": 24, "tf32/fp16": 11, "bf16": 8}
 
 @dataclasses.dataclass(frozen=True)
 class SliceEvidence:
-    """Per-slice error sums (:class:`~rlx_nb.metrics.SliceStats`) of the backend and of the legitimate runs.
+    """Per-slice error sums (:class:`~rlx_nb.reference.SliceStats`) of the backend and of the legitimate runs.
 
     ``legit``: the fp32 oracle and sequential run; ``at_precision``: the anchor at a reduced-precision
     backend's own width; ``profiles``: ``(whole-output RMSE, slice sums)`` of every precision anchor,
@@ -207,7 +208,7 @@ def judge(e: Evidence) -> Judgement:
 
     Examples
     --------
-    >>> from rlx_nb.metrics import ReferenceStats
+    >>> from rlx_nb.reference import ReferenceStats
     >>> oracle = ReferenceStats(rmse=1e-7, max_err=3e-7, ref_rms=1.0, ref_max=3.0)
     >>> judge(Evidence("b", "forward", "float32", 1000, oracle, oracle)).verdict
     'round-off'
@@ -423,3 +424,4 @@ def _ratio(num: float, den: float) -> float:
     if den > 0:
         return num / den
     return 0.0 if num == 0 else math.inf
+

@@ -15,10 +15,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from rlx_nb.errors import InputError
-from rlx_nb.maps import block_argmax, neighbourhood
-from rlx_nb.metrics import REL_EPS, ulp_distance
+from rlx_nb.frames import worst_first
 from rlx_nb.plotting import HEATMAP_MARGINS
-from rlx_nb.verdict import SUSPECT
+from rlx_nb.verdict import SUSPECT, VERDICT_ERROR, VERDICT_SKIPPED
 
 if TYPE_CHECKING:
     from rlx_nb.report import DivergenceReport
@@ -147,17 +146,10 @@ class Explorer(W.VBox if W is not None else object):
             if r.backend == backend
             and r.output is not None
             and r.shape is not None
-            and r.verdict not in ("skipped", "error")
+            and r.verdict not in (VERDICT_SKIPPED, VERDICT_ERROR)
             and r.numel > 0
         ]
-        recs.sort(
-            key=lambda r: (
-                r.verdict != SUSPECT,
-                -(r.excess if r.excess == r.excess else -1),
-                -(r.max_rel if r.max_rel == r.max_rel else -1),
-            )
-        )
-        return [(f"⚠ {r.output}" if r.verdict == SUSPECT else r.output, r.output) for r in recs]
+        return [(f"⚠ {r.output}" if r.verdict == SUSPECT else r.output, r.output) for r in worst_first(recs)]
 
     def _on_backend(self, _change: Any) -> None:
         options = self._outputs_worst_first(self.backend_picker.value)
@@ -263,9 +255,9 @@ class Explorer(W.VBox if W is not None else object):
         if event.inaxes is not self._heatmap_ax or event.xdata is None:
             return
         image = self._heatmap_ax.images[0]
-        o, b, _ = self._arrays()
         block = (round(event.ydata), round(event.xdata))
-        self.select(block_argmax(o, b, image.rlx_fold, block, image.rlx_factors))
+        backend, output = self.backend_picker.value, self.output_picker.value
+        self.select(self.report.worst_in_block(backend, output, image.rlx_fold, block, image.rlx_factors))
 
     # -- the localization view -----------------------------------------------------------------
 
@@ -319,36 +311,27 @@ class Explorer(W.VBox if W is not None else object):
 
     def select(self, index: tuple[int, ...]) -> None:
         """Show one element (by its index in the output) in the inspector."""
-        o, b, r = self._arrays()
         index = tuple(int(i) for i in index)
-        if len(index) != o.ndim or any(not (0 <= i < n) for i, n in zip(index, o.shape, strict=True)):
-            raise InputError(f"index {index} is not inside the output's shape {o.shape}")
+        backend, output = self.backend_picker.value, self.output_picker.value
+        e = self.report.element(backend, output, index).iloc[0]  # (an InputError for an index outside the output)
         self.selected_index = index
-        ov, bv = o[index], b[index]
-        rv = float(r[index]) if r is not None else float("nan")
-        with np.errstate(invalid="ignore", over="ignore"):
-            abs_err = abs(float(bv) - float(ov))
-            rel_err = abs_err / (abs(float(ov)) + REL_EPS)
-        ulp = int(ulp_distance(np.asarray([ov]), np.asarray([bv]))[0]) if o.dtype.kind == "f" else 0
         image = self._heatmap_ax.images[0] if self._heatmap_ax is not None else None
         rows = [
             ("index", str(index)),
-            ("oracle (cpu fp32)", f"{float(ov):.9g}"),
-            (f"backend ({html.escape(self.backend_picker.value)})", f"{float(bv):.9g}"),
-            ("fp64 reference", f"{rv:.12g}"),
-            ("abs error", f"{abs_err:.3e}"),
-            ("rel error (seed)", f"{rel_err:.3e}"),
-            ("ULP distance", str(ulp)),
-            ("oracle - fp64", f"{float(ov) - rv:.3e}"),
-            ("backend - fp64", f"{float(bv) - rv:.3e}"),
+            ("oracle (cpu fp32)", f"{float(e.oracle):.9g}"),
+            (f"backend ({html.escape(backend)})", f"{float(e.backend):.9g}"),
+            ("fp64 reference", f"{float(e.reference):.12g}"),
+            ("abs error", f"{e.abs_err:.3e}"),
+            ("rel error (seed)", f"{e.rel_err:.3e}"),
+            ("ULP distance", str(int(e.ulp_err))),
+            ("oracle - fp64", f"{e.oracle_err_fp64:.3e}"),
+            ("backend - fp64", f"{e.backend_err_fp64:.3e}"),
         ]
         body = "".join(f"<tr><th style='text-align:left'>{k}</th><td>{v}</td></tr>" for k, v in rows)
         hood = ""
-        if image is not None and o.dtype.kind == "f":
-            with np.errstate(invalid="ignore", over="ignore"):
-                err = np.abs(b.astype(np.float64) - o)
+        if image is not None and self.report.record(backend, output).dtype.startswith(("float", "bfloat")):
             try:
-                window, _, _ = neighbourhood(err, image.rlx_fold, index)
+                window = self.report.neighbourhood(backend, output, index, image.rlx_fold)
                 cells = "".join(
                     "<tr>"
                     + "".join(

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import rlx_nb
-from rlx_nb import demo, device_metrics, metrics
+from rlx_nb import demo, device_metrics, elements, metrics, reference
 from rlx_nb.backends.eager import run_eager
 
 
@@ -65,11 +65,11 @@ def test_torch_reference_stats_and_top_k(rng, monkeypatch):
     monkeypatch.setattr(device_metrics, "CHUNK", 65_536)
     e, a = _pair(rng, 200_001)
     ref = e.astype(np.float64) + rng.standard_normal(e.size) * 1e-7
-    want = metrics.reference_stats(a, ref)
+    want = reference.reference_stats(a, ref)
     got = device_metrics.reference_stats(torch.from_numpy(a), torch.from_numpy(ref))
     assert got.rmse == pytest.approx(want.rmse, rel=1e-9) and got.max_err == want.max_err
     assert got.ref_rms == pytest.approx(want.ref_rms, rel=1e-9) and got.ref_max == want.ref_max
-    i_want, v_want = metrics.top_k(e, a, 25)
+    i_want, v_want = elements.top_k(e, a, 25)
     i_got, v_got = device_metrics.top_k(torch.from_numpy(e), torch.from_numpy(a), 25)
     np.testing.assert_array_equal(i_got, i_want)
     np.testing.assert_allclose(v_got, v_want, rtol=1e-7)
@@ -81,7 +81,7 @@ def test_torch_slice_stats_equal_the_numpy_ones(rng, monkeypatch):
     ref = rng.standard_normal(shape)
     x = (ref + rng.standard_normal(shape) * 1e-7).astype(np.float32)
     x[2, 3, 4] = np.inf
-    want = metrics.slice_stats(x, ref)
+    want = reference.slice_stats(x, ref)
     got = device_metrics.slice_stats(torch.from_numpy(x).reshape(-1), torch.from_numpy(ref).reshape(-1), shape)
     assert got.axes == want.axes == (0, 1, 2)
     for name in ("sums", "squares", "counts"):

@@ -141,11 +141,10 @@ def test_progress_bars_for_localize_backends_and_compare(monkeypatch, capsys):
 
 
 def test_keep_arrays_auto_drops_large_round_off_modules(monkeypatch):
-    import importlib
+    from rlx_nb.localize import search
 
-    loc_mod = importlib.import_module("rlx_nb.localize")  # the module, not the function of that name
     model, inputs = demo.layered(n_layers=2, fault_layer=1)
-    monkeypatch.setattr(loc_mod, "KEEP_ARRAYS_BYTES", 0)  # every module counts as large
+    monkeypatch.setattr(search, "KEEP_ARRAYS_BYTES", 0)  # every module counts as large
     loc = rlx_nb.localize(model, inputs, backend="fault:softmax-row")
     o, b, _ = loc.arrays("blocks.1.attn")  # SUSPECT: kept
     assert o.shape == b.shape
@@ -186,3 +185,20 @@ def test_localize_on_a_compiled_backend_compiles_every_module_it_checks():
     assert len(modules) == 13  # the twelve layers, then the root (nothing below it was beyond round-off)
     assert (modules.verdict != "error").all(), modules.reason.tolist()
     assert modules.notes.str.contains("compiled call\\(s\\) ran").all(), modules.notes.tolist()
+
+
+def test_a_report_holds_its_model_weakly_and_localizes_with_one_passed_in():
+    import gc
+    import weakref
+
+    model, inputs = demo.layered(n_layers=2, fault_layer=1)
+    report = rlx_nb.backend_divergence(model, inputs, backends=["fault:softmax-row"], progress=False)
+    alive = weakref.ref(model)
+    assert report.localize().culprit == "blocks.1.attn :: F.softmax"  # while the caller holds the model
+    del model
+    gc.collect()
+    assert alive() is None  # the report kept nothing alive
+    with pytest.raises(rlx_nb.RlxError, match=r"no longer alive.*model=model, inputs=inputs"):
+        report.localize()
+    model, inputs = demo.layered(n_layers=2, fault_layer=1)
+    assert report.localize(model=model, inputs=inputs).culprit == "blocks.1.attn :: F.softmax"

@@ -6,15 +6,9 @@ import numpy as np
 import pytest
 
 from rlx_nb import metrics
-from rlx_nb.metrics import (
-    error_stats,
-    pair_stats,
-    reference_stats,
-    slice_axes,
-    slice_stats,
-    top_k,
-    ulp_distance,
-)
+from rlx_nb.elements import top_k, ulp_distance
+from rlx_nb.metrics import pair_stats
+from rlx_nb.reference import error_stats, reference_stats, slice_axes, slice_stats
 
 pytestmark = pytest.mark.usefixtures("metrics_path")
 

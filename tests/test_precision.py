@@ -145,3 +145,15 @@ def test_a_reduced_precision_backend_is_judged_against_the_anchor_at_its_precisi
         rlx_nb.unregister_backend("test:bf16-bias-channel")
     assert caught.record("test:bf16-bias-channel").verdict == SUSPECT
     assert caught.record("cpu-bf16").verdict == ROUNDOFF
+
+
+def test_the_sweep_registers_nothing_and_leaves_a_users_backend_alone():
+    rlx_nb.register_backend("sweep:0", lambda m, xs: m(*xs), replace=True, default=False, description="mine")
+    before = rlx_nb.backends.backend_table()
+    try:
+        frame = rlx_nb.precision_sweep(torch.nn.Linear(16, 16), torch.randn(4, 16))
+        assert len(frame) >= 2
+        assert rlx_nb.backends.backend_table() == before  # nothing added, removed or replaced
+        assert rlx_nb.backends.get_backend("sweep:0").description == "mine"
+    finally:
+        rlx_nb.unregister_backend("sweep:0")

@@ -210,7 +210,7 @@ def test_a_class_whose_bias_is_slightly_off_is_caught_by_its_slice_mean():
 def test_a_legitimate_run_never_exceeds_its_own_slice_budget(rng):
     # A slice's mean error is at most its RMS error: judged against itself, the ratio is <= 1 on
     # every slice, however the errors lean (the allowance for the slice's size only adds room).
-    from rlx_nb.metrics import slice_stats
+    from rlx_nb.reference import slice_stats
     from rlx_nb.verdict import slice_ratio
 
     r = rng.standard_normal((16, 32))
@@ -225,7 +225,7 @@ def _slice_ratios(shape, draws, rng, *, rho=2.0, shift=None):
     # Round-off as the verdict sees it: an fp64 reference, the oracle's and the sequential run's errors,
     # and a backend whose independent errors are ``rho`` times as large (legitimate backends measure 1-2x),
     # plus ``shift`` (scale, slice) on one slice; the slice ratio of each draw.
-    from rlx_nb.metrics import error_stats
+    from rlx_nb.reference import error_stats
     from rlx_nb.verdict import slice_ratio
 
     out = []

@@ -41,6 +41,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from rlx_nb.backends.base import Backend
+from rlx_nb.errors import InputError
 
 FAULT_FREE = "_rlx_fault_free"
 """Attribute that exempts a module (and everything it calls) from an injected fault.
@@ -488,7 +489,7 @@ def fault_backend(kind: str, severity: float | None = None) -> Backend:
     """
     fault = CATALOGUE.get(kind) or CATALOGUE.get(f"fault:{kind}")
     if fault is None:
-        raise ValueError(f"unknown fault {kind!r}; the catalogue has: {', '.join(CATALOGUE)}")
+        raise InputError(f"unknown fault {kind!r}; the catalogue has: {', '.join(CATALOGUE)}")
     name = fault.name if severity is None else f"{fault.name}@{severity:g}"
     return Backend(
         name, fault_fn(fault, severity), default=False, description=fault.description, builtin=True, hookable=True

@@ -104,7 +104,7 @@ def register_backend(
     if name in _REGISTRY and not replace:
         raise BackendError(f"backend {name!r} is already registered; pass replace=True to replace it")
     if probe is None and device != "cpu":
-        probe = _device_probe(device)
+        probe = device_probe(device)
     backend = Backend(
         name=name,
         fn=fn,
@@ -131,7 +131,11 @@ def unregister_backend(name: str) -> None:
         _REGISTRY.pop(name, None)
 
 
-def _device_probe(device: str) -> Callable[[], str | None]:
+def device_probe(device: str) -> Callable[[], str | None] | None:
+    """The liveness probe of a backend on ``device`` (None for the CPU, which is always live)."""
+    if device == "cpu":
+        return None
+
     def probe() -> str | None:
         from rlx_nb.backends.eager import device_reason
 
@@ -191,10 +195,11 @@ def backend_table() -> list[dict[str, Any]]:
     return rows
 
 
-def resolve_backends(backends: str | Iterable[str] | None) -> list[Backend]:
+def resolve_backends(backends: str | Iterable[str | Backend] | None) -> list[Backend]:
     """Turn the user's ``backends=`` argument into candidate backends (never the oracle or reference).
 
-    ``None`` means every live default backend.  A name that is unknown raises
+    ``None`` means every live default backend; :class:`Backend` objects in the list run as they are,
+    without being registered.  A name that is unknown raises
     :class:`BackendError` listing the live ones; a known name that is not live
     here is kept so that its run reports the reason as an error row.
     """
@@ -217,8 +222,13 @@ def resolve_backends(backends: str | Iterable[str] | None) -> list[Backend]:
         )
     out: list[Backend] = []
     for n in names:
+        if isinstance(n, Backend):  # an unregistered backend object (a precision sweep's settings)
+            if n.name in (ORACLE, REFERENCE) or n.name in [b.name for b in out]:
+                raise BackendError(f"backend {n.name!r} is named twice or after the oracle or reference")
+            out.append(n)
+            continue
         if not isinstance(n, str):
-            raise BackendError(f"backend names must be strings, got {n!r}")
+            raise BackendError(f"backend names must be strings or Backend objects, got {n!r}")
         if n not in _REGISTRY:
             raise BackendError(f"unknown backend {n!r}; live here: {', '.join(available_backends(include_optin=True))}")
         if n in (ORACLE, REFERENCE):

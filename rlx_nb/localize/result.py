@@ -1,0 +1,129 @@
+"""Localization: the result of a search -- the checks as a frame, the culprit, arrays, plots and the repro."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from rlx_nb.compare import compare
+from rlx_nb.errors import InputError
+from rlx_nb.frames import localization_frame
+from rlx_nb.localize.repro import write_repro
+from rlx_nb.localize.search import KEEP_ARRAYS_BYTES
+
+
+class Localization:
+    """Where along the model a backend's error is born.
+
+    Attributes
+    ----------
+    frame : pandas.DataFrame
+        One row per module (then op) checked, in execution order.
+    culprit : str or None
+        ``"<module>"`` or ``"<module> :: <op>"`` of the first place whose own error is beyond
+        round-off; None when everything checked is within it.
+    culprit_module, culprit_op : str or None
+    preparations : int
+        How many times the backend prepared (ran, compiled or exported) a module or op.
+    """
+
+    def __init__(
+        self,
+        backend: str,
+        backward: bool,
+        rows: list[dict],
+        culprit_module: str | None,
+        culprit_op: str | None,
+        preparations: int,
+        repro_case: dict | None,
+    ) -> None:
+        self.backend = backend
+        self.backward = backward
+        self.frame = localization_frame(rows)
+        self.culprit_module = culprit_module
+        self.culprit_op = culprit_op
+        self.preparations = preparations
+        self._repro_case = repro_case
+        self._checks: dict[str, tuple[Any, str | None]] = {}
+
+    def arrays(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """``(oracle, backend, fp64)`` of the worst output of one checked module or op, run alone."""
+        if name not in self._checks:
+            raise InputError(f"{name!r} was not checked; checked: {', '.join(self._checks)}")
+        results, output = self._checks[name]
+        if results is None:
+            raise InputError(
+                f"the arrays of {name!r} were not kept: it was within round-off and its outputs take "
+                f"{output / 1e6:.0f} MB (above keep_arrays='auto''s {KEEP_ARRAYS_BYTES / 1e6:.0f} MB); "
+                "run localize(..., keep_arrays='all') to keep every checked module's arrays"
+            )
+        run = results.candidates[self.backend]
+        if output is None or output not in run.outputs:
+            raise InputError(f"{name!r} produced no comparable output on {self.backend}")
+        ref = results.reference.outputs.get(output)
+        return (results.oracle.outputs[output].value, run.outputs[output].value, ref.value if ref is not None else None)
+
+    def plot_heatmap(self, name: str, **kwargs: Any):
+        """The error heatmap of one checked module's (or op's) worst output, run alone on the backend."""
+        from rlx_nb.plotting import plot_heatmap
+
+        o, b, r = self.arrays(name)
+        kwargs.setdefault("title", f"{self.backend} · {name} (alone)")
+        if kwargs.get("metric") == "budget":
+            kwargs.setdefault("budget", self._budget(name))
+        return plot_heatmap(o, b, r, **kwargs)
+
+    def _budget(self, name: str) -> float:
+        results, output = self._checks[name]
+        recs = [r for r in compare(results) if r.output == output]
+        return recs[0].budget_rmse if recs else float("nan")
+
+    @property
+    def culprit(self) -> str | None:
+        if self.culprit_module is None:
+            return None
+        label = self.culprit_module or "<root>"
+        return f"{label} :: {self.culprit_op}" if self.culprit_op else label
+
+    def __repr__(self) -> str:
+        what = "backward" if self.backward else "forward"
+        return (
+            f"<Localization {self.backend} ({what}): culprit={self.culprit!r}, "
+            f"{len(self.frame)} checks, {self.preparations} preparations>"
+        )
+
+    def _repr_html_(self) -> str:
+        head = (
+            f"<p><b>{self.backend}</b> ({'backward' if self.backward else 'forward'}): culprit "
+            f"<b>{self.culprit or 'none — every module within round-off'}</b>; "
+            f"{self.preparations} backend preparations.</p>"
+        )
+        return head + self.frame.to_html(index=False, float_format=lambda v: f"{v:.3g}")
+
+    def plot(self, *, ax=None):
+        """Local vs propagated error along the model's depth (see :func:`rlx_nb.plotting.plot_localization`)."""
+        from rlx_nb.plotting import plot_localization
+
+        return plot_localization(self.frame, ax=ax, title=f"{self.backend}: where the error is born")
+
+    def repro(self, path: str | Path) -> Path:
+        """Write a standalone reproduction of the culprit op to ``path`` (a directory).
+
+        Files: ``inputs.npz`` (numpy, loaded with ``allow_pickle=False``),
+        ``case.json`` (the function, the argument structure, the backend) and
+        ``repro.py``, which rebuilds the call, runs it on the CPU oracle and on
+        the backend with :func:`rlx_nb.backend_divergence`, and prints the
+        verdict lines.  Returns the script's path.
+        """
+        if self._repro_case is None:
+            raise InputError(
+                "no culprit op to reproduce: "
+                + (
+                    "nothing is beyond round-off"
+                    if self.culprit_module is None
+                    else f"the culprit {self.culprit!r} was not narrowed to a torch function"
+                )
+            )
+        return write_repro(Path(path), **self._repro_case)

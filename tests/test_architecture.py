@@ -1,0 +1,114 @@
+"""The import layers of docs/architecture.md hold: run -> compare -> present, no upward import, no cycle."""
+
+from __future__ import annotations
+
+import ast
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "rlx_nb"
+DOC = ROOT / "docs" / "architecture.md"
+
+
+def _layers() -> dict[str, int]:
+    # The table in docs/architecture.md: "| <layer> | `module`, `module` | ..." -- the document is the source.
+    layers: dict[str, int] = {}
+    for line in DOC.read_text().splitlines():
+        m = re.match(r"^\| (\d+) \| ([^|]+) \|", line)
+        if m:
+            for name in re.findall(r"`([\w.*]+)`", m.group(2)):
+                layers[name] = int(m.group(1))
+    return layers
+
+
+def _module_name(path: Path) -> str:
+    rel = path.relative_to(ROOT).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _imports(path: Path, *, typing: bool = True) -> set[str]:
+    # Every rlx_nb module this file imports, at module level or inside functions; ``typing=False`` leaves
+    # out the imports under ``if TYPE_CHECKING:``, which never run.
+    out: set[str] = set()
+    tree = ast.parse(path.read_text())
+    skip: set[int] = set()
+    if not typing:
+        for node in ast.walk(tree):
+            if isinstance(node, ast.If) and getattr(node.test, "id", "") == "TYPE_CHECKING":
+                skip.update(id(n) for n in ast.walk(node))
+    for node in ast.walk(tree):
+        if id(node) in skip:
+            continue
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("rlx_nb"):
+            for alias in node.names:
+                full = f"{node.module}.{alias.name}"
+                out.add(full if (PACKAGE.parent / (full.replace(".", "/") + ".py")).exists() else node.module)
+        elif isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name.startswith("rlx_nb"))
+    return out
+
+
+def _layer_of(module: str, layers: dict[str, int]) -> int | None:
+    name = module.removeprefix("rlx_nb.") if module != "rlx_nb" else "rlx_nb"
+    while name:
+        if name in layers:
+            return layers[name]
+        if f"{name}.*" in layers:
+            return layers[f"{name}.*"]
+        name = name.rpartition(".")[0]
+    return None
+
+
+def _modules() -> dict[str, Path]:
+    return {_module_name(p): p for p in PACKAGE.rglob("*.py")}
+
+
+def test_every_module_has_a_layer_in_the_architecture_document():
+    layers = _layers()
+    missing = [m for m in _modules() if _layer_of(m, layers) is None]
+    assert not missing, f"docs/architecture.md does not place: {missing}"
+
+
+def test_no_module_imports_a_later_stage():
+    layers = _layers()
+    upward = []
+    for module, path in _modules().items():
+        own = _layer_of(module, layers)
+        for target in _imports(path):
+            theirs = _layer_of(target, layers)
+            if theirs is not None and theirs > own and not target.startswith(module + "."):
+                upward.append(f"{module} (layer {own}) imports {target} (layer {theirs})")
+    assert not upward, "\n".join(upward)
+
+
+def test_no_import_cycle():
+    modules = _modules()
+    graph = {m: {t for t in _imports(p, typing=False) if t in modules and t != m} for m, p in modules.items()}
+    # a package imports its own submodules; that is its job, not a cycle
+    graph = {m: {t for t in ts if not t.startswith(m + ".")} for m, ts in graph.items()}
+    seen: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(m: str) -> None:
+        seen[m] = 1
+        stack.append(m)
+        for t in graph[m]:
+            if seen.get(t) == 1:
+                raise AssertionError("import cycle: " + " -> ".join([*stack[stack.index(t) :], t]))
+            if t not in seen:
+                visit(t)
+        stack.pop()
+        seen[m] = 2
+
+    for m in graph:
+        if m not in seen:
+            visit(m)
+
+
+def test_modules_stay_small():
+    big = {m: len(p.read_text().splitlines()) for m, p in _modules().items()}
+    assert {m: n for m, n in big.items() if n > 500} == {}, "a module past ~400 lines is asking to be split"
