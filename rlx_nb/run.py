@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import dataclasses
 import functools
 import platform
 import re
@@ -66,15 +67,22 @@ def _default_loss(out: Any) -> torch.Tensor | None:
     return total
 
 
+@dataclasses.dataclass(frozen=True)
+class Task:
+    """What every run of one call does: a backward or not, with which loss, which inputs get gradients."""
+
+    backward: bool = False
+    loss: Callable[[Any], torch.Tensor] | None = None
+    grad_inputs: tuple[int, ...] = ()
+    input_names: tuple[str, ...] = ()
+
+
 def execute(
     backend: Backend,
     base: torch.nn.Module,
     args: tuple,
+    task: Task,
     *,
-    backward: bool,
-    loss: Callable[[Any], torch.Tensor] | None,
-    grad_inputs: list[int],
-    input_names: list[str],
     measure_reductions: bool = False,
     timeout_s: float | None = None,
     scope: Callable[[], Any] | None = None,
@@ -82,27 +90,23 @@ def execute(
     """Run one backend on a fresh copy of the model; never raises for a backend failure.
 
     The run gets new leaf tensors over ``args``' storage, not copies: ``args`` must be the
-    caller's private copy (:func:`run` keeps one in :class:`_PrivateInputs`).  With
+    caller's private copy (:func:`run` keeps one in :class:`~rlx_nb.prepare.PrivateInputs`).  With
     ``timeout_s``, the backend runs in a worker thread; one still running after that long
-    becomes an error row and its thread is abandoned (Python cannot kill a thread).
+    becomes an error row and its thread is abandoned (Python cannot kill a thread).  ``scope`` is a
+    context manager factory entered around the forward and the backward.
     """
     reason = backend.unavailable_reason()
     if reason is not None:
         return BackendRun(backend.name, ERROR, {}, f"not available here: {reason}", compute_dtype=backend.compute_dtype)
-    kwargs = dict(
-        backward=backward,
-        loss=loss,
-        grad_inputs=grad_inputs,
-        input_names=input_names,
-        measure_reductions=measure_reductions,
-        scope=scope,
-    )
+
+    def go() -> BackendRun:
+        with scope() if scope is not None else contextlib.nullcontext():
+            return _execute(backend, base, args, task, measure_reductions)
+
     if timeout_s is None:
-        return _execute(backend, base, args, **kwargs)
+        return go()
     box: list[BackendRun] = []
-    worker = threading.Thread(
-        target=lambda: box.append(_execute(backend, base, args, **kwargs)), daemon=True, name=f"rlx_nb:{backend.name}"
-    )
+    worker = threading.Thread(target=lambda: box.append(go()), daemon=True, name=f"rlx_nb:{backend.name}")
     worker.start()
     worker.join(timeout_s)
     if worker.is_alive() or not box:
@@ -117,32 +121,15 @@ def execute(
     return box[0]
 
 
-def _execute(
-    backend: Backend,
-    base: torch.nn.Module,
-    args: tuple,
-    *,
-    backward: bool,
-    loss: Callable[[Any], torch.Tensor] | None,
-    grad_inputs: list[int],
-    input_names: list[str],
-    measure_reductions: bool,
-    scope: Callable[[], Any] | None = None,
-) -> BackendRun:
-    # ``scope``: a context manager factory entered around the forward and the backward.
-    with scope() if scope is not None else contextlib.nullcontext():
-        return _execute_in(backend, base, args, backward, loss, grad_inputs, input_names, measure_reductions)
-
-
-def _execute_in(backend, base, args, backward, loss, grad_inputs, input_names, measure_reductions) -> BackendRun:
+def _execute(backend: Backend, base: torch.nn.Module, args: tuple, task: Task, measure_reductions: bool) -> BackendRun:
     model = copy.deepcopy(base)
     fresh = fresh_leaves(args)
     start = time.perf_counter()
-    sizes = {} if (backward and measure_reductions) else None
+    sizes = {} if (task.backward and measure_reductions) else None
     hooks = _record_output_sizes(model, sizes) if sizes is not None else []
     try:
-        with collecting() as notes, torch.enable_grad() if backward else torch.no_grad():
-            if backward:
+        with collecting() as notes, torch.enable_grad() if task.backward else torch.no_grad():
+            if task.backward:
                 for p in model.parameters():
                     if p.is_floating_point():
                         p.requires_grad_(True)
@@ -165,18 +152,18 @@ def _execute_in(backend, base, args, backward, loss, grad_inputs, input_names, m
     run = BackendRun(backend.name, OK, outputs, seconds=0.0, compute_dtype=backend.compute_dtype, notes=notes)
     if sizes is not None:
         run.reduction_lengths = _reduction_lengths(model, sizes)
-    if backward:
-        _backward(run, backend, model, out, fresh, loss, grad_inputs, input_names)
+    if task.backward:
+        _backward(run, backend, model, out, fresh, task)
     run.seconds = time.perf_counter() - start
     return run
 
 
-def _backward(run, backend, model, out, fresh, loss, grad_inputs, input_names) -> None:
+def _backward(run: BackendRun, backend: Backend, model: torch.nn.Module, out: Any, fresh: tuple, task: Task) -> None:
     if not backend.differentiable:
         run.grad_status, run.grad_message = SKIPPED, f"{backend.name} cannot differentiate (forward only)"
         return
     try:
-        value = loss(out) if loss is not None else _default_loss(out)
+        value = task.loss(out) if task.loss is not None else _default_loss(out)
         if value is None or not isinstance(value, torch.Tensor) or not value.requires_grad:
             run.grad_status = SKIPPED
             run.grad_message = f"{backend.name}'s outputs carry no gradient"
@@ -191,10 +178,10 @@ def _backward(run, backend, model, out, fresh, loss, grad_inputs, input_names) -
     for name, p in named_params(model):
         if p.grad is not None:
             run.outputs[GRAD_PREFIX + name] = to_leaf(p.grad, keep)
-    for i in grad_inputs:
+    for i in task.grad_inputs:
         g = fresh[i].grad
         if g is not None:
-            run.outputs[GRAD_PREFIX + input_names[i]] = to_leaf(g, keep)
+            run.outputs[GRAD_PREFIX + task.input_names[i]] = to_leaf(g, keep)
     run.grad_status = OK
 
 
@@ -281,13 +268,13 @@ def run(
     grad_inputs = [i for i, x in enumerate(args) if isinstance(x, torch.Tensor) and x.requires_grad]
     if grad_inputs and not backward:
         args = map_tensors(lambda t: t.detach(), args)
-    common = dict(backward=backward, loss=loss, grad_inputs=grad_inputs, input_names=input_names)
+    task = Task(backward, loss, tuple(grad_inputs), tuple(input_names))
 
     say = progress if callable(progress) else (lambda _: None)
     inputs_ = PrivateInputs(args)
 
     def go(backend: Backend, **kw: Any) -> BackendRun:
-        result = execute(backend, base, inputs_.args, **common, **kw)
+        result = execute(backend, base, inputs_.args, task, **kw)
         inputs_.after(result)
         return result
 

@@ -424,4 +424,3 @@ def _ratio(num: float, den: float) -> float:
     if den > 0:
         return num / den
     return 0.0 if num == 0 else math.inf
-
