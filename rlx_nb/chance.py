@@ -3,7 +3,7 @@
 Pure math over statistics (:class:`~rlx_nb.reference.ReferenceStats`, :class:`~rlx_nb.reference.SliceStats`):
 the shortfall of an RMS measured on ``n`` elements (a chi-square quantile), how much round-off leans
 within slices, how far the largest of many slice means strays, and how far a worst element stands out.
-:mod:`rlx_nb.verdict` applies them; their reasoning is written there.
+:mod:`rlx_nb.verdict` applies them; ``docs/verdict.md`` gives the reasoning.
 """
 
 from __future__ import annotations

@@ -1,104 +1,18 @@
 """The verdict: whether one backend's output is round-off or a bug, as pure functions over statistics.
 
-Nothing here reads arrays or runs models: :mod:`rlx_nb.compare` measures the statistics
-(:mod:`rlx_nb.metrics`) and builds the records; this module decides.
+Nothing here reads arrays or runs models: :mod:`rlx_nb.compare` measures the statistics and builds
+the records; this module decides.  The two rules:
 
-The two rules
--------------
-``fixed`` (the seed's): SUSPECT when ``max_rel = max |b - o| / (|o| + 1e-6)``
-exceeds ``tol_rel`` (2e-3 for forward outputs, 1e-2 for gradients).
+- ``fixed`` (the seed's): SUSPECT when ``max_rel = max |b - o| / (|o| + 1e-6)`` exceeds ``tol_rel``
+  (2e-3 for forward outputs, 1e-2 for gradients).
+- ``budget`` (the default, :func:`judge`): the backend's error against the float64 reference over
+  the round-off the legitimate fp32 runs show (the oracle, and a run whose reductions sum with one
+  sequential accumulator), scaled to the backend's format; SUSPECT beyond ``RMSE_LIMIT`` (RMSE),
+  ``MAX_LIMIT`` (largest error) or ``RMSE_LIMIT`` on one slice's mean (:func:`slice_ratio`), when the
+  error is concentrated on a few elements, or when NaN/Inf patterns or shapes differ.
 
-``budget`` (the default): measure the fp32 oracle's own error against the
-float64 reference, and that of a second legitimate fp32 run whose reductions sum
-with one sequential accumulator (:mod:`rlx_nb.reassoc`), and judge the backend by
-how many times that round-off it shows.  For each output, with ``r`` the fp64
-reference, ``o`` the oracle, ``s`` the sequential run and ``b`` the backend::
-
-    floor = FLOOR_UNITS * u32
-    floor_rmse = floor * rms(r)                    floor_max = floor * max|r|
-    q = sample_allowance(n, runs)                  (chance shortfall of an error measured on n elements)
-    budget_rmse = scale * max(q * rmse(o - r), q * rmse(s - r), floor_rmse)
-    budget_max  = scale * max(q * max|o - r|,  q * max|s - r|,  floor_max)
-    ratio_rmse  = rmse(b - r) / budget_rmse        ratio_max = max|b - r| / budget_max
-    SUSPECT  if ratio_rmse > RMSE_LIMIT or ratio_max > MAX_LIMIT
-             or slice_ratio > RMSE_LIMIT (below)
-             or the error is concentrated (below)
-             or NaN/Inf where the oracle has none (or the reverse), or the shape differs
-
-``u32 = 2**-24`` is float32's unit round-off; ``scale`` is the backend's
-compute format's unit round-off over float32's (1 for fp32 backends, 2**13
-for float16 and tf32, 2**16 for bfloat16).  The floor keeps outputs that the
-oracle computes exactly (or nearly) from turning a single-ulp difference into
-a huge ratio.  The sequential run is there because another summation order can
-legitimately drift far beyond the oracle's error, by an amount that depends on
-the terms: Inductor's BatchNorm-bias gradient on the benchmark's conv net is 36x
-the oracle's error and bit for bit what one sequential accumulator gives.  The
-model has no ``s`` when it has no reduction the run would change (``s`` would be
-``o``); if that run failed, a parameter gradient's floor falls back to the old
-guess ``GRAD_FLOOR_UNITS * u32 * sqrt(K)``, ``K`` about the terms summed per element.
-For a reduced-precision backend the precision anchor at its own width (``ANCHOR_OF``: the model
-with its matmuls computed at that precision) is one more legitimate error, taken as it is.
-
-Few elements measure the legitimate error poorly: the RMS of ``n`` independent errors is below
-``1/q`` of its true size with probability ``SAMPLE_ALPHA`` (for two legitimate runs, both are),
-``q`` from the chi-square distribution with ``n`` degrees of freedom -- 8 for a scalar, 1.5 for 8
-elements, 1.13 for 64, 1.03 for 1,000.  The measured errors are widened by ``q``, the floor is not.
-
-Systematic error on a slice: a bug on one row, column or channel (a slice: every element with
-index ``j`` along one axis) leans one way over the whole slice, while round-off errs either way, so
-its mean over a slice is small.  How small depends on the slice's size, on how many slices there
-are, and on how much round-off itself leans, and the clause must hold for any of them -- a pooler
-output of 2 x 64 has 64 slices of two elements.  For slice ``j`` of axis ``k``, with ``n_j``
-elements, ``M`` slices over all axes (outputs of two or more dimensions; axes with two or more
-slices of two or more elements)::
-
-    sigma_j  = scale * max(rms_j(o - r), rms_j(s - r), rmse_legit * profile_j, floor_rmse)
-    lean_k   = max over legitimate runs of  sum_j S_j**2 / n_j  /  sum_j Q_j         (S, Q: sum and sum of
-               squares of the run's errors on each slice; 1/n for independent errors, 1 for shared ones)
-    allow_j  = max(1, c_M * sqrt(max(lean_k, 1 / n_j))),   c_M = z(1 - SLICE_ALPHA / (2 M))
-    peak_k   = the largest |mean_j| any legitimate run shows on axis k
-    slice_ratio = max over k, j of  |mean_j(b - r)| / max(sigma_j * allow_j, peak_k)       SUSPECT above RMSE_LIMIT
-
-The reasoning, term by term:
-
-- ``sigma_j``, the scale of round-off on the slice.  Measured on a slice's own few elements, a
-  legitimate run's RMS error is itself noise: for two elements it is below a quarter of its true
-  size one time in sixteen, and with a limit fixed at 4 the largest of 64 such chance ratios
-  crossed it (the false positives on BERT's and ViT's pooler outputs).  So the whole output's
-  legitimate RMSE (measured on every element) stands in when larger, shared out over the slices as
-  the precision anchors' error is (``profile_j``: slice ``j``'s RMS error over the whole output's in
-  the runs with matmul operands rounded to 8 and 11 bits, at least 1) -- the same model with more
-  round-off shows which channels amplify it (a depthwise convolution's channel behind a sensitive
-  activation).
-- ``allow_j``, how far a mean of round-off strays by chance.  Errors of scale sigma that are
-  independent average to about ``sigma / sqrt(n)`` over ``n`` elements; errors that share one value
-  average to ``sigma``; in general to ``sigma * sqrt(lean)``, and the legitimate runs measure the
-  lean.  The largest of ``M`` such means, each near normal, is about ``c_M`` times that, with
-  ``c_M`` the two-sided normal quantile at family-wise level ``SLICE_ALPHA`` (1 %) over the ``M``
-  slices.  A mean never exceeds the RMS it came from, hence at least 1.
-- ``peak_k``: round-off with rare large events (an activation that flips at reduced precision
-  moves a whole channel) is its own measure of how far a slice may lean.
-- ``RMSE_LIMIT`` (4) on top, as for the whole output: a legitimate backend's error may be several
-  times the oracle's.
-
-So for a legitimate backend as noisy as the oracle the ratio exceeds 1 on about 1 % of outputs and
-4 essentially never; ``tests/test_verdict.py`` checks this over slice sizes 2 to 4,096 and slice counts
-2 to 342.  It finds what the whole-output RMSE dilutes: the conv net's logits (8 x 10) with one
-class's bias off by 1e-5 of itself are 15x the oracle's error but within 4x Inductor's, and that
-column's mean error is 12x what round-off allows there.  ``slice_at`` names the slice (``[:, 0]``).
-
-Concentrated error: a bug on one row or channel leaves most of an output at
-round-off and a few elements far off, which a budget sized for the whole output
-can hide.  Round-off of any summation order is spread like the legitimate runs'
-own error; so with ``isolation(e) = max|e| / (rms(e) * sqrt(2 ln n))`` (about 1
-for errors spread like Gaussian noise)::
-
-    concentration = isolation(b - r) / max(isolation(o - r), isolation(s - r), 1)
-    SUSPECT  if concentration > CONCENTRATION_LIMIT and
-             max|b - r| > CONCENTRATED_OVER_ORACLE * scale * max(max|o - r|, max|s - r|, FLOOR_UNITS * u32 * max|r|)
-
-The detection benchmark's float32 outputs of legitimate backends stay well below
-the limit (bench/results/detection.md gives the highest).
+The rule in full -- every clause, its constants, the reasoning for each and what was measured --
+is ``docs/verdict.md``; the allowances for chance are :mod:`rlx_nb.chance`.
 """
 
 from __future__ import annotations

@@ -1,32 +1,12 @@
 """The fault catalogue: eager backends with one deliberately wrong kernel each.
 
-Each fault is a real kind of kernel bug, injected by swapping one torch
-function for a faulty version through a ``TorchFunctionMode`` while the model
-runs eagerly on the CPU.  They are opt-in backends (not in the default set),
-registered as ``fault:<kind>`` at their default severity; any other severity
-is ``fault_backend(kind, severity)`` (registered as ``fault:<kind>@<severity>``).
-A correct verdict calls each SUSPECT once its error exceeds round-off.
-
-===============================  ==================================================================  =========
-name                             bug (``s`` is the severity)                                         default s
-===============================  ==================================================================  =========
-``fault:softmax-row``            softmax normaliser x(1+s) on the first row only (also the softmax   1e-3
-                                 inside scaled-dot-product attention)
-``fault:attention-scale``        softmax input scaled by (1+s): a wrong attention scale (also in     1e-3
-                                 scaled-dot-product attention)
-``fault:layernorm-eps``          LayerNorm divides by ``sqrt(var) + s*eps`` (eps outside the sqrt)   1
-``fault:layernorm-unbiased``     LayerNorm variance x(1 + s/(N-1)): s=1 is the unbiased N-1 form     1
-``fault:linear-bias-channel``    Linear drops a fraction s of the bias on output channel 0           1
-``fault:mean-off-by-one``        mean over the last reduced axis leaves out a fraction s of its      1
-                                 last element (s=1: an off-by-one in the reduction)
-``fault:gelu-approx``            exact GELU blended a fraction s toward the tanh approximation       1
-``fault:linear-lowp-accum``      Linear with operands rounded to bfloat16 (s=1) or float16 (s=0.5)   1
-``fault:layernorm-backward``     LayerNorm backward drops a fraction s of the mean-gradient term     1
-``fault:rmsnorm-backward``       RMSNorm backward drops a fraction s of the normaliser's own term    1
-                                 (``F.rms_norm``, and RMSNorm modules a model writes out itself)
-``fault:xent-backward``          cross-entropy backward: a fraction s of the last class's exp is     1
-                                 left out of the softmax normaliser (s=1: off by one)
-===============================  ==================================================================  =========
+Each fault is a real kind of kernel bug, injected by swapping one torch function for a faulty
+version through a ``TorchFunctionMode`` while the model runs eagerly on the CPU (and, for kernels
+models write out themselves, such as Llama's RMSNorm, by replacing those modules' outputs).  They
+are opt-in backends (not in the default set), registered as ``fault:<kind>`` at their default
+severity; any other severity is ``fault_backend(kind, severity)`` (named ``fault:<kind>@<severity>``).
+A correct verdict calls each SUSPECT once its error exceeds round-off.  The catalogue, each bug and
+its default severity: ``docs/hardening.md``; :data:`CATALOGUE` holds them.
 """
 
 from __future__ import annotations
