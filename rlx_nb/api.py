@@ -104,7 +104,11 @@ def backend_divergence(
             check_determinism=check_determinism,
         )
     except RlxError as exc:
-        raise type(exc)(str(exc)) from None
+        # The caller's context first, and no traceback through rlx_nb's internals.
+        what = label or (
+            type(model).__name__ if isinstance(model, torch.nn.Module) else getattr(model, "__name__", "model")
+        )
+        raise type(exc)(f"backend_divergence({what}): {exc}") from None
     report = DivergenceReport.from_results(results, rule=rule, tol_rel=tol_rel, progress=progress is not False)
     report._source = WeakSource(model, inputs, params)
     return report
