@@ -182,3 +182,11 @@ def localization_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     return frame.sort_values(["kind", "order"], key=lambda c: c.map(order) if c.name == "kind" else c).reset_index(
         drop=True
     )
+
+
+PRECISION_COLUMNS = ["setting", "switch", "effective_bits", "closest_format", "verdict", "reason"]
+
+
+def precision_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
+    """A precision sweep: one row per setting (:data:`PRECISION_COLUMNS`)."""
+    return pd.DataFrame(rows, columns=PRECISION_COLUMNS)

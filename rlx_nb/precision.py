@@ -12,16 +12,19 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import pandas as pd
 import torch
 
 from rlx_nb.backends import Backend, get_backend
 from rlx_nb.backends.emulated import emulate
 from rlx_nb.backends.registry import device_probe
 from rlx_nb.errors import InputError
+from rlx_nb.frames import precision_frame
 from rlx_nb.verdict import ROUNDOFF, SUSPECT, VERDICT_ERROR
+
+if TYPE_CHECKING:
+    import pandas
 
 
 @dataclasses.dataclass(frozen=True)
@@ -90,7 +93,7 @@ def default_settings() -> list[Setting]:
 
 def precision_sweep(
     model: Any, inputs: Any, *, settings: Iterable[Setting] | None = None, **kwargs: Any
-) -> pd.DataFrame:
+) -> pandas.DataFrame:
     """One row per setting: the worst output's effective bits, the closest format and the verdict.
 
     Every setting is judged as the fp32 it claims to be, so a silent precision mode shows as
@@ -140,7 +143,7 @@ def precision_sweep(
                 "reason": worst.reason,
             }
         )
-    return pd.DataFrame(rows)
+    return precision_frame(rows)
 
 
 __all__ = ["Setting", "default_settings", "precision_sweep"]

@@ -269,3 +269,22 @@ def test_the_slice_clause_still_sees_a_whole_slice_shifted(rng):
     assert (
         _slice_ratios((2, 16, 256), 50, rng, rho=1.0, shift=(6.0, (slice(None), slice(None), 7))) > RMSE_LIMIT
     ).all()
+
+
+def test_judge_on_statistics_alone():
+    # The rule as a pure function: each clause from synthetic statistics, no model, no arrays.
+    from rlx_nb.reference import ReferenceStats
+    from rlx_nb.verdict import Evidence, effective_bits, judge
+
+    oracle = ReferenceStats(rmse=1e-6, max_err=4e-6, ref_rms=1.0, ref_max=4.0)  # above the 2-ulp floor
+    ev = lambda errors, **kw: Evidence("b", "forward", kw.pop("dtype", "float32"), 10_000, errors, oracle, **kw)  # noqa: E731
+    within = judge(ev(ReferenceStats(2e-6, 8e-6, 1.0, 4.0)))
+    assert within.verdict == ROUNDOFF and within.ratio_rmse == pytest.approx(2.0, rel=0.02)  # (10,000 elements: q ~1.02)
+    assert judge(ev(ReferenceStats(5e-6, 8e-6, 1.0, 4.0))).verdict == SUSPECT  # RMSE 5x: over the limit 4
+    assert judge(ev(ReferenceStats(1e-6, 4e-5, 1.0, 4.0))).verdict == SUSPECT  # max 10x: over 8, and isolated
+    assert judge(ev(ReferenceStats(5e-6, 8e-6, 1.0, 4.0), dtype="bfloat16")).verdict == ROUNDOFF  # 2**16 more room
+    tiny = judge(Evidence("b", "forward", "float32", 1, ReferenceStats(5e-6, 5e-6, 1.0, 1.0), oracle))
+    assert tiny.verdict == ROUNDOFF and "widened" in tiny.notes[0]  # one element measures round-off poorly
+    assert judge(ev(ReferenceStats(1e-6, 4e-6, 1.0, 4.0), nonfinite_mismatch=3)).verdict == SUSPECT
+    assert effective_bits(1e-7, 1e-7, {11: 2e-4, 8: 1.6e-3}) == (24.0, "fp32")
+    assert effective_bits(1.6e-3, 1e-7, {11: 2e-4, 8: 1.6e-3}) == (8.0, "bf16")
