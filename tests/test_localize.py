@@ -202,3 +202,56 @@ def test_a_report_holds_its_model_weakly_and_localizes_with_one_passed_in():
         report.localize()
     model, inputs = demo.layered(n_layers=2, fault_layer=1)
     assert report.localize(model=model, inputs=inputs).culprit == "blocks.1.attn :: F.softmax"
+
+
+class _Classifier(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.LayerNorm(16))
+        self.head = torch.nn.Linear(16, 5)
+
+    def forward(self, x):
+        return self.head(self.body(x))
+
+
+def _zero_one_bias(model, inputs):
+    # A backend that reaches into the whole model by attribute: it cannot run a module alone.
+    with torch.no_grad():
+        model.head.bias[3] = 0.0
+    return model(*inputs)
+
+
+def test_localize_never_fails_silently_when_the_backend_cannot_run_modules_alone():
+    rlx_nb.register_backend("test:head-bias", _zero_one_bias, replace=True, default=False)
+    torch.manual_seed(0)
+    model, x = _Classifier(), torch.randn(6, 8)
+    report = rlx_nb.backend_divergence(model, x, backends=["test:head-bias"], progress=False)
+    assert report.suspects == ["test:head-bias"]
+    with pytest.warns(RuntimeWarning, match="cannot run the model's modules alone.*AttributeError"):
+        loc = rlx_nb.localize(model, x, backend="test:head-bias")
+    assert loc.culprit == "head" and "head" in loc.suspects
+    assert "AttributeError" in loc.full_run
+    assert loc.frame.notes.str.startswith("full run").all()
+
+
+def _fails_on_layernorm(model, inputs):
+    if isinstance(getattr(model, "module", model), torch.nn.LayerNorm):
+        raise RuntimeError("no kernel for layer_norm on this device")
+    return model(*inputs)
+
+
+def test_checks_that_fail_are_listed_and_warned_about():
+    rlx_nb.register_backend("test:no-layernorm", _fails_on_layernorm, replace=True, default=False)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 4))
+    with pytest.warns(RuntimeWarning, match=r"1 of \d+ checks .* failed to run.*no kernel for layer_norm"):
+        loc = rlx_nb.localize(model, torch.randn(4, 8), backend="test:no-layernorm")
+    assert loc.errors.name.tolist() == ["1"] and loc.culprit is None
+
+
+def test_every_suspect_is_listed_and_the_culprit_is_the_first_born():
+    model, inputs = demo.layered(n_layers=3, fault_layer=None)  # the fault in every block
+    loc = rlx_nb.localize(model, inputs, backend="fault:softmax-row", ops=False)
+    blocks = [s for s in loc.suspects if s.startswith("blocks.") and s.count(".") == 1]
+    assert blocks == ["blocks.0", "blocks.1", "blocks.2"]
+    assert loc.culprit == "blocks.0.attn"

@@ -24,6 +24,7 @@ How
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 import torch
@@ -97,8 +98,8 @@ def localize(
     state.keep_arrays = keep_arrays
     state.shown = bar(f"rlx_nb localize {backend}", unit="check")
     try:
-        culprit, culprit_op, repro = descend(state, calls, ops)
-        if propagated and not backward:
+        culprit, culprit_op, repro = descend(state, calls, ops, base, args)
+        if propagated and not backward and not state.full_run:
             state.shown.set_postfix_str("propagated error (full run)")
             state.propagate(base, args)
     finally:
@@ -113,6 +114,22 @@ def localize(
         repro,
     )
     loc._checks = state.checks
+    loc.full_run = state.full_run
+    failed = loc.errors
+    if len(failed):
+        warnings.warn(
+            f"rlx_nb.localize: {len(failed)} of {len(loc.frame)} checks of {backend!r} failed to run "
+            f"({failed.reason.iloc[0]}); they are not judged -- see loc.errors",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    if state.full_run:
+        warnings.warn(
+            f"rlx_nb.localize: {backend!r} cannot run the model's modules alone ({state.full_run}); the search "
+            "watched full runs instead, so errors are propagated ones, not each module's own",
+            RuntimeWarning,
+            stacklevel=2,
+        )
     return loc
 
 

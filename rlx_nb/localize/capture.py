@@ -95,6 +95,14 @@ class CallModule(torch.nn.Module):
         args, kwargs = fill(self.template, tensors)
         return self.module(*args, **kwargs)
 
+    def __getattr__(self, name: str) -> Any:
+        # A backend given this wrapper sees the module's own attributes too (``model.weight``), as it would
+        # on the module itself.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(super().__getattr__("module"), name)
+
 
 class OpModule(torch.nn.Module):
     """Replays one captured torch function call ``func(*args, **kwargs)`` with the tensors as inputs."""

@@ -12,6 +12,7 @@ from rlx_nb.errors import InputError
 from rlx_nb.frames import localization_frame
 from rlx_nb.localize.repro import write_repro
 from rlx_nb.localize.search import KEEP_ARRAYS_BYTES
+from rlx_nb.verdict import SUSPECT, VERDICT_ERROR
 
 
 class Localization:
@@ -47,6 +48,7 @@ class Localization:
         self.preparations = preparations
         self._repro_case = repro_case
         self._checks: dict[str, tuple[Any, str | None]] = {}
+        self.full_run = ""  # why the search watched full runs instead of modules alone ("" when it did not)
 
     def arrays(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """``(oracle, backend, fp64)`` of the worst output of one checked module or op, run alone."""
@@ -79,6 +81,21 @@ class Localization:
         results, output = self._checks[name]
         recs = [r for r in compare(results) if r.output == output]
         return recs[0].budget_rmse if recs else float("nan")
+
+    @property
+    def errors(self):
+        """The checks that failed to run (verdict ``error``), with why; not judged."""
+        return self.frame[self.frame.verdict == VERDICT_ERROR].reset_index(drop=True)
+
+    @property
+    def suspects(self) -> list[str]:
+        """Every module and op found beyond round-off, in execution order (modules first).
+
+        :attr:`culprit` is the first suspect module, in execution order, none of whose children is
+        suspect -- where the error is born first; later suspects may be separate bugs, or its error
+        propagated (``propagated_excess`` against ``local_excess`` tells).
+        """
+        return self.frame[self.frame.verdict == SUSPECT].name.tolist()
 
     @property
     def culprit(self) -> str | None:

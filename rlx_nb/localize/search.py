@@ -35,11 +35,19 @@ class Check:
     results: Any = None
 
 
-def descend(state: State, calls: dict[str, Call], ops: bool) -> tuple[str | None, str | None, Any]:
+def descend(
+    state: State, calls: dict[str, Call], ops: bool, base: torch.nn.Module, args: tuple
+) -> tuple[str | None, str | None, Any]:
     # Hierarchical descent from the root's children to the innermost SUSPECT module, then its ops.
+    # The culprit is the first suspect module, in execution order, none of whose children is suspect:
+    # where the error is born first (errors downstream may be that one's, propagated).
     root = next(iter(calls))
     frontier = calls[root].children or [root]
     suspects = state.visit(frontier)
+    if state.rows and all(row["verdict"] == VERDICT_ERROR for row in state.rows):
+        # The backend cannot run the model's modules on their own (it reaches for attributes of the whole
+        # model, say): watch the whole model run on it instead, module by module.
+        return state.full_run_search(base, args), None, None
     if not suspects and frontier != [root]:
         # Nothing below is beyond budget: the error may be born in the root's own code.
         suspects = state.visit([root])
@@ -76,6 +84,7 @@ class State:
         self.preparations = 0
         self.keyword = isinstance(named.get(""), KeywordModule)
         self.shown: Any = bar("", enabled=False)
+        self.full_run = ""  # why the search watched full runs instead of modules alone ("" when it did not)
 
     def _judge(self, adapter: torch.nn.Module, tensors: list[torch.Tensor]) -> Check:
         inputs = tuple(inputs_requiring_grad(tensors)) if self.backward else tuple(tensors)
@@ -182,6 +191,43 @@ class State:
                 }
                 break
         return culprit, repro
+
+    def full_run_search(self, base: torch.nn.Module, args: tuple) -> str | None:
+        """Every module's output in a full run on the backend against the oracle's and fp64's (forward only):
+        the culprit is the first suspect module, in execution order, none of whose children is suspect."""
+        cause = self.rows[0]["reason"]
+        backend = get_backend(self.backend)
+        outs = {
+            who: full_run_outputs(b, base, args)
+            for who, b in (("oracle", get_backend(ORACLE)), ("reference", get_backend(REFERENCE)), ("backend", backend))
+        }
+        if self.backward or not outs["backend"]:
+            why = "its backward" if self.backward else "a full run on it shows no module's output (no hook fired)"
+            raise InputError(
+                f"localize cannot place {self.backend!r}'s error: the backend fails on the model's modules run "
+                f"alone ({cause}), and {why}; let its fn accept any module (it gets each module, or a wrapper "
+                "around one, in place of the whole model), or register it with hookable=True if it runs eagerly"
+            )
+        self.full_run = cause
+        suspects = []
+        for name, call in self.calls.items():
+            o, r, b = (outs[k].get(name) for k in ("oracle", "reference", "backend"))
+            if o is None or b is None or r is None or not o.is_array:
+                continue
+            rec = compare_leaf(
+                o, b, r, rule="budget", backend=self.backend, output=self._label(name), output_index=0, kind="forward",
+                compute_dtype=backend.compute_dtype, tol_rel=default_tol_rel("forward"),
+            )  # fmt: skip
+            self._row(self._label(name), "module", call.order, call.depth, Check(rec, rec.verdict == SUSPECT))
+            row = self.rows[-1]
+            row["propagated_ratio_rmse"], row["propagated_ratio_max"] = rec.ratio_rmse, rec.ratio_max
+            row["propagated_excess"], row["notes"] = rec.excess, "full run on the backend (modules could not run alone)"
+            for key in ("local_ratio_rmse", "local_ratio_max", "local_excess"):
+                row[key] = math.nan
+            if rec.verdict == SUSPECT:
+                suspects.append(name)
+        self.rows = [row for row in self.rows if row["notes"].startswith("full run")]
+        return self.innermost(suspects)
 
     def propagate(self, base: torch.nn.Module, args: tuple) -> None:
         backend = get_backend(self.backend)
