@@ -84,6 +84,8 @@ class OutputRecord:
     reduction_length: int = 1
     effective_bits: float = math.nan
     closest_format: str = ""
+    anchor_likeness: float = math.nan
+    """For a SUSPECT reading near a narrower format: correlation of |error| with that format's anchor."""
     note: str = ""
 
     @property
@@ -259,7 +261,23 @@ def compare_leaf(
         )
     decided = fixed if rule == "fixed" or budget is None else budget
     rec = OutputRecord(*ident[:4], decided, fixed, budget, "", compute_dtype, note="; ".join(notes), **fields)
+    if rec.verdict == SUSPECT and verdict.looks_like_reduced_precision(rec):
+        rec = dataclasses.replace(rec, anchor_likeness=_likeness(o, got, r, profiles or {}, rec.closest_format))
     return dataclasses.replace(rec, reason=verdict.reason(rec, rule))
+
+
+def _likeness(o: np.ndarray, got: Leaf, r: np.ndarray, profiles: dict[int, Leaf | None], fmt: str) -> float:
+    # Correlation, element by element, of the backend's |error| with the anchor's at the format's bits.
+    leaf = profiles.get(verdict.FORMAT_BITS.get(fmt, 0))
+    a = _comparable(leaf, o, r)
+    if a is None or got.value is None or got.value.shape != o.shape:
+        return math.nan
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        x, y = np.abs(got.value - r).ravel(), np.abs(a - r).ravel()
+        ok = np.isfinite(x) & np.isfinite(y)
+        if ok.sum() < 3 or x[ok].std() == 0 or y[ok].std() == 0:
+            return math.nan
+        return float(np.corrcoef(x[ok], y[ok])[0, 1])
 
 
 def _measure(o: np.ndarray, got: Leaf, ref: Leaf | None, output: str, cache: dict) -> tuple | None:

@@ -290,6 +290,40 @@ def looks_like_reduced_precision(r: Any) -> bool:
     return r.compute_dtype == "float32" and r.kind == "forward" and spread and near
 
 
+PRECISION_ALIKE = 0.25
+"""Correlation of a backend's |error| with the precision anchor's, element by element, from which its
+error follows the pattern a reduced-precision mode leaves on the model (on the demo MLP, transformer
+and conv net: autocast bf16/fp16 0.83-1.0, TF32 operand rounding 0.29-0.53 against the anchor's
+autocast-style rounding)."""
+PRECISION_UNLIKE = 0.15
+"""... and below which it does not (a LayerNorm eps off by 10x and a dropped bias channel: -0.1-0.12).
+In between, the reason says it cannot tell."""
+
+
+def _precision_reason(r: Any, worst: float) -> str:
+    # A SUSPECT forward output of a backend claiming fp32, at about a narrower format's bits: a precision
+    # mode, or a kernel error of that size.  How its error follows the anchor's tells them apart, if it does.
+    bits, fmt, like = r.effective_bits, r.closest_format, r.anchor_likeness
+    size = f"about {bits:.0f} effective bits while it claims fp32 (error {worst:.3g}x the fp32 budget)"
+    anchor = (
+        f"correlation {like:.2f} with the {FORMAT_BITS[fmt]}-bit anchor" if like == like else "no anchor to compare"
+    )
+    if like >= PRECISION_ALIKE:
+        return (
+            f"behaves like {fmt}: {size}, and its error follows the pattern {fmt} arithmetic leaves on this model "
+            f"({anchor}) — a reduced-precision mode such as TF32, autocast or a runtime precision hint is likely on"
+        )
+    if like <= PRECISION_UNLIKE:
+        return (
+            f"error of {size}, but it does not follow the pattern a reduced-precision mode leaves on this model "
+            f"({anchor}) — likely a systematic kernel error, not a precision setting"
+        )
+    return (
+        f"{size}: either a reduced-precision mode (TF32, autocast, a runtime precision hint) or a systematic kernel "
+        f"error of that size — its error's pattern does not tell them apart ({anchor})"
+    )
+
+
 def reason(r: Any, rule: str) -> str:
     """The one-line reason of a record (an :class:`~rlx_nb.compare.OutputRecord`'s fields) under ``rule``."""
     if r.nonfinite_mismatch:
@@ -299,12 +333,7 @@ def reason(r: Any, rule: str) -> str:
         worst = max(r.ratio_rmse, r.ratio_max)
         if r.verdict == SUSPECT:
             if looks_like_reduced_precision(r):
-                return (
-                    f"behaves like {r.closest_format}: about {r.effective_bits:.0f} effective bits while it "
-                    f"claims fp32 (error {worst:.3g}x the fp32 budget, spread over the output); a reduced-precision "
-                    "mode such as TF32, autocast or a runtime precision hint is likely on — or a systematic "
-                    "kernel error of that size"
-                )
+                return _precision_reason(r, worst)
             if r.slice_ratio > RMSE_LIMIT and max(r.ratio_rmse / RMSE_LIMIT, r.ratio_max / MAX_LIMIT) <= 1.0:
                 return (
                     f"systematic error on one slice: the mean error of {r.output}{r.slice_at} is {r.slice_ratio:.3g}x "

@@ -157,3 +157,23 @@ def test_the_sweep_registers_nothing_and_leaves_a_users_backend_alone():
         assert rlx_nb.backends.get_backend("sweep:0").description == "mine"
     finally:
         rlx_nb.unregister_backend("sweep:0")
+
+
+def _smooth_drift(model, inputs):
+    # A kernel error of tf32 size that is no rounding: every output scaled by 1 + 6e-4 cos(i).
+    out = model(*inputs)
+    return out * (1 + 6e-4 * torch.cos(torch.arange(out.numel(), dtype=out.dtype).reshape(out.shape)))
+
+
+def test_a_kernel_error_of_tf32_size_is_not_sent_to_the_precision_settings():
+    # A LayerNorm eps 10x too large read "behaves like tf32/fp16 ... a reduced-precision mode such as TF32 ...
+    # is likely on". A precision mode's error follows the pattern the model's matmuls leave at that precision
+    # (the anchor's); a kernel error of the same size does not.
+    rlx_nb.register_backend("test:drift", _smooth_drift, replace=True, default=False)
+    rlx_nb.register_backend("test:fp16-as-fp32", get_backend("cpu-fp16").fn, replace=True, default=False)
+    model, inputs = demo.mlp()
+    report = rlx_nb.backend_divergence(model, inputs, backends=["test:drift", "test:fp16-as-fp32"], progress=False)
+    drift, fp16 = report.record("test:drift"), report.record("test:fp16-as-fp32")
+    assert drift.verdict == fp16.verdict == SUSPECT and drift.closest_format == fp16.closest_format == "tf32/fp16"
+    assert drift.anchor_likeness < 0.15 and "not a precision setting" in drift.reason
+    assert fp16.anchor_likeness > 0.8 and "behaves like tf32/fp16" in fp16.reason and "likely on" in fp16.reason

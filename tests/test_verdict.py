@@ -279,7 +279,9 @@ def test_judge_on_statistics_alone():
     oracle = ReferenceStats(rmse=1e-6, max_err=4e-6, ref_rms=1.0, ref_max=4.0)  # above the 2-ulp floor
     ev = lambda errors, **kw: Evidence("b", "forward", kw.pop("dtype", "float32"), 10_000, errors, oracle, **kw)  # noqa: E731
     within = judge(ev(ReferenceStats(2e-6, 8e-6, 1.0, 4.0)))
-    assert within.verdict == ROUNDOFF and within.ratio_rmse == pytest.approx(2.0, rel=0.02)  # (10,000 elements: q ~1.02)
+    assert within.verdict == ROUNDOFF and within.ratio_rmse == pytest.approx(
+        2.0, rel=0.02
+    )  # (10,000 elements: q ~1.02)
     assert judge(ev(ReferenceStats(5e-6, 8e-6, 1.0, 4.0))).verdict == SUSPECT  # RMSE 5x: over the limit 4
     assert judge(ev(ReferenceStats(1e-6, 4e-5, 1.0, 4.0))).verdict == SUSPECT  # max 10x: over 8, and isolated
     assert judge(ev(ReferenceStats(5e-6, 8e-6, 1.0, 4.0), dtype="bfloat16")).verdict == ROUNDOFF  # 2**16 more room
