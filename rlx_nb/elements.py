@@ -69,26 +69,64 @@ def rel_error(expected: np.ndarray, actual: np.ndarray) -> np.ndarray:
 
 
 @np.errstate(invalid="ignore", over="ignore", divide="ignore")
+def error_range(expected: np.ndarray, actual: np.ndarray, *, metric: str = "abs") -> tuple[float, float]:
+    """The smallest non-zero and the largest finite element error (``metric`` as for :func:`error_histogram`),
+    chunked; ``(inf, 0.0)`` when every error is zero or non-finite."""
+    e = np.ascontiguousarray(expected).reshape(-1)
+    a = np.ascontiguousarray(actual).reshape(-1)
+    lo, hi = np.inf, 0.0
+    for s in range(0, e.size, CHUNK):
+        ec, ac = e[s : s + CHUNK], a[s : s + CHUNK]
+        with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+            if metric == "ulp":
+                d = ulp_distance(ec, ac.astype(ec.dtype)).astype(np.float64)
+                d[~(np.isfinite(ec) & np.isfinite(ac))] = np.nan
+            else:
+                d = np.abs(ac.astype(np.float64) - ec.astype(np.float64))
+                if metric == "rel":
+                    d /= np.abs(ec.astype(np.float64)) + REL_EPS
+        d = d[np.isfinite(d) & (d > 0)]
+        if d.size:
+            lo, hi = min(lo, float(d.min())), max(hi, float(d.max()))
+    return lo, hi
+
+
 def error_histogram(
-    expected: np.ndarray, actual: np.ndarray, edges: np.ndarray, *, relative: bool = False
+    expected: np.ndarray,
+    actual: np.ndarray,
+    edges: np.ndarray,
+    *,
+    relative: bool = False,
+    metric: str | None = None,
+    scale: float = 1.0,
 ) -> tuple[np.ndarray, int, int]:
     """Counts of element errors in ``edges`` (chunked), plus the exact zeros and the non-finite ones.
 
-    ``relative=True`` histograms the seed's ``|a - e| / (|e| + 1e-6)``.
-    Returns ``(counts, zeros, nonfinite)``; counts has ``len(edges) - 1`` bins,
-    values above the last edge land in the last bin and non-zero values below
-    the first in the first.
+    ``metric``: ``"abs"`` (|a - e|, the default), ``"rel"`` (the seed's ``|a - e| / (|e| + 1e-6)``;
+    also ``relative=True``) or ``"ulp"`` (float32/float64 ULP distance); every error is multiplied by
+    ``scale`` (``1 / budget`` with the fp64 reference as ``expected`` gives errors in budgets).
+    Returns ``(counts, zeros, nonfinite)``; counts has ``len(edges) - 1`` bins, values above the last
+    edge land in the last bin and non-zero values below the first in the first.
     """
+    metric = metric or ("rel" if relative else "abs")
+    if metric not in ("abs", "rel", "ulp"):
+        raise InputError(f"error_histogram's metric must be 'abs', 'rel' or 'ulp'; got {metric!r}")
     e = np.ascontiguousarray(expected).reshape(-1)
     a = np.ascontiguousarray(actual).reshape(-1)
     counts = np.zeros(len(edges) - 1, np.int64)
     zeros = nonfinite = 0
     lo, hi = float(edges[0]), float(edges[-1])
     for s in range(0, e.size, CHUNK):
-        ec = e[s : s + CHUNK].astype(np.float64)
-        d = np.abs(a[s : s + CHUNK].astype(np.float64) - ec)
-        if relative:
-            d /= np.abs(ec) + REL_EPS
+        if metric == "ulp":
+            ec, ac = e[s : s + CHUNK], a[s : s + CHUNK]
+            d = ulp_distance(ec, ac.astype(ec.dtype)).astype(np.float64)
+            d[~(np.isfinite(ec) & np.isfinite(ac))] = np.nan
+        else:
+            ec = e[s : s + CHUNK].astype(np.float64)
+            d = np.abs(a[s : s + CHUNK].astype(np.float64) - ec)
+            if metric == "rel":
+                d /= np.abs(ec) + REL_EPS
+        d *= scale
         fin = np.isfinite(d)
         nonfinite += int(d.size - np.count_nonzero(fin))
         d = d[fin]

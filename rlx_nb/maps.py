@@ -108,6 +108,21 @@ class Fold:
         c = int(np.ravel_multi_index([vi[a] for a in self.cols], [vs[a] for a in self.cols])) if self.cols else 0
         return r, c
 
+    def side_label(self, side: str) -> str:
+        """What one side of the grid holds, in the output's own axes: ``axes 0 x 1 (4 x 128 = 512)``."""
+        if self.wrap:
+            h, w = self.grid
+            return f"elements {w} per row" if side == "cols" else f"{h} rows of {w} elements"
+        view_axes = [ax for ax in range(len(self.shape)) if ax not in dict(self.select)]
+        axes = [view_axes[a] for a in (self.rows if side == "rows" else self.cols)]
+        if not axes:
+            return "1"
+        dims = [self.shape[a] for a in axes]
+        total = math.prod(dims)
+        if len(axes) == 1:
+            return f"axis {axes[0]} ({total})"
+        return f"axes {' x '.join(map(str, axes))} ({' x '.join(map(str, dims))} = {total})"
+
     def describe(self) -> str:
         """E.g. ``rows = axes (0, 1, 2), cols = axis (3,)``."""
         if self.wrap:

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from rlx_nb.elements import error_histogram, tolerance_curve
+from rlx_nb.elements import error_histogram, error_range, tolerance_curve
 from rlx_nb.errors import InputError
 from rlx_nb.maps import METRICS, block_argmax, error_map, make_fold, scatter_sample
 
@@ -60,6 +60,29 @@ def _pixel_budget(ax: Axes, max_pixels: int | None) -> int:
     bbox = ax.get_window_extent()
     fit = int(max(16, min(bbox.width, bbox.height)))
     return max(1, min(max_pixels, fit) if max_pixels else fit)
+
+
+EXACT_COLOUR = "#c8c8c8"
+"""How an exact match (error 0) is drawn on the heatmaps."""
+
+
+def _log_ticks(colorbar: Any, norm: Any) -> None:
+    # Plain tick labels ("1e-07", "2.5e-07"), never mathtext (its parser costs ~0.02-0.1 s per label).  Over
+    # more than MINOR_TICK_DECADES: labelled decades only.  Over less than one decade (errors of a few
+    # ulps), a log locator's labels would all round to one value: a handful of ticks labelled to 3 digits.
+    from matplotlib.ticker import FixedLocator, FuncFormatter, LogFormatter, NullLocator
+
+    decades = math.log10(norm.vmax / norm.vmin)
+    axis = colorbar.ax.yaxis
+    if decades < 1.0:
+        axis.set_major_locator(FixedLocator(np.geomspace(norm.vmin, norm.vmax, 4)))
+        axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.3g}"))
+        axis.set_minor_locator(NullLocator())
+        return
+    axis.set_major_formatter(LogFormatter(labelOnlyBase=True))
+    axis.set_minor_formatter(LogFormatter(labelOnlyBase=False))
+    if decades > MINOR_TICK_DECADES:
+        colorbar.ax.minorticks_off()
 
 
 def plot_heatmap(
@@ -110,8 +133,8 @@ def plot_heatmap(
     """
     if metric not in METRICS:
         raise InputError(f"metric must be one of {', '.join(METRICS)}; got {metric!r}")
+    import matplotlib
     from matplotlib.colors import LogNorm
-    from matplotlib.ticker import LogFormatter
 
     ax = _axes(ax, margins=HEATMAP_MARGINS)
     try:
@@ -133,26 +156,26 @@ def plot_heatmap(
         norm, cmap = LogNorm(1.0 / vmax, vmax), cmap or "coolwarm"
     else:
         vmax = float(finite.max()) if finite.size else 1.0
-        norm, cmap = (
-            LogNorm(max(vmax * 1e-6, float(finite.min()) if finite.size else vmax * 1e-6), vmax),
-            cmap or "magma",
-        )
-    shown = np.ma.masked_less_equal(np.where(np.isinf(data), vmax, data), 0.0)
-    image = ax.imshow(shown, norm=norm, cmap=cmap, interpolation="nearest", aspect="auto")
+        vmin = max(vmax * 1e-6, float(finite.min()) if finite.size else vmax * 1e-6)
+        norm, cmap = LogNorm(min(vmin, vmax / 2), vmax), cmap or "magma"
+    # Exact agreement (an error of 0) has no place on a log scale: it is drawn in its own grey, below the
+    # colour bar's range, so an output that matches bit for bit shows as grey, never as blank paper.
+    colours = matplotlib.colormaps[cmap].with_extremes(under=EXACT_COLOUR, bad="white")
+    shown = np.where(np.isinf(data), vmax, np.where(data > 0, data, norm.vmin * 1e-3))
+    image = ax.imshow(np.ma.masked_invalid(shown), norm=norm, cmap=colours, interpolation="nearest", aspect="auto")
     image.rlx_pooled = data  # the exact pooled values, infinities included
     image.rlx_factors = factors
     image.rlx_fold = folded
-    # Plain "1e-07" / "2e-07" tick labels, major and minor: the default 10^-7 and 2x10^-7 labels go
-    # through mathtext, whose parser costs ~0.02-0.1 s per new label — about the whole pooled map of a
-    # 1e8-element output.
-    colorbar = ax.figure.colorbar(image, ax=ax, format=LogFormatter(labelOnlyBase=True))
-    colorbar.ax.yaxis.set_minor_formatter(LogFormatter(labelOnlyBase=False))
-    if math.log10(norm.vmax / norm.vmin) > MINOR_TICK_DECADES:
-        colorbar.ax.minorticks_off()
-    colorbar.set_label(METRIC_LABELS[metric])
-    h, w = folded.grid
-    ax.set_xlabel(f"cols: {w}" + (f" (pooled x{factors[1]})" if factors[1] > 1 else ""))
-    ax.set_ylabel(f"rows: {h}" + (f" (pooled x{factors[0]})" if factors[0] > 1 else ""))
+    exact = float(np.mean(data == 0)) if data.size else 0.0
+    colorbar = ax.figure.colorbar(image, ax=ax, extend="min" if exact else "neither")
+    _log_ticks(colorbar, norm)
+    colorbar.set_label(METRIC_LABELS[metric] + (f"  (grey: exact, {100 * exact:.3g}%)" if exact else ""))
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rows and columns are whole
+    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel(f"cols: {folded.side_label('cols')}" + (f", pooled x{factors[1]}" if factors[1] > 1 else ""))
+    ax.set_ylabel(f"rows: {folded.side_label('rows')}" + (f", pooled x{factors[0]}" if factors[0] > 1 else ""))
     cell = folded.cell(worst) if worst is not None else None
     if mark_worst and data.size and np.nanmax(data) > 0:
         if cell is not None:
@@ -170,6 +193,7 @@ def plot_heatmap(
             markeredgecolor="cyan",
             markeredgewidth=2,
             label="worst",
+            clip_on=False,  # a worst element on the edge is marked whole, not cut in half
         )
         # Keep the label inside the axes: below/left of the marker when it sits near the top/right edge.
         dy = 14 if by < data.shape[0] * 0.15 else -14
@@ -191,63 +215,84 @@ def plot_heatmap(
     return ax
 
 
+SUSPECT_COLOUR = "#b00020"
+"""The one colour that means SUSPECT, on every figure."""
+PALETTE = ["#4c72b0", "#55a868", "#8172b2", "#ccb974", "#64b5cd", "#dd8452", "#8c8c8c", "#937860"]
+"""Colours for backends that are not SUSPECT (no red among them)."""
+LINESTYLES = ["-", "--", ":", "-."]
+
+
 def plot_histogram(
     pairs: Mapping[str, tuple[np.ndarray, np.ndarray]],
     *,
     metric: str = "abs",
     lines: Mapping[str, float] | None = None,
+    scales: Mapping[str, float] | None = None,
+    suspects: Sequence[str] = (),
+    highlight: str | None = None,
     bins: int = 60,
     ax: Axes | None = None,
     title: str | None = None,
 ) -> Axes:
     """Log-binned histogram of element errors, one step line per backend, with tolerance/budget lines.
 
-    ``pairs`` maps a backend name to ``(oracle, backend)`` arrays of one
-    output; ``lines`` maps a name to an error value drawn as a dashed
-    vertical line in that backend's colour (e.g. the largest error the
-    budget allows).  ``metric`` is ``abs`` or ``rel``.
+    ``pairs`` maps a backend name to ``(expected, backend)`` arrays of one output (the oracle, or the
+    fp64 reference for ``metric="budget"``); ``scales`` multiplies each backend's errors (``1 / budget``
+    for ``"budget"``); ``lines`` maps a name to an error value drawn as a dashed vertical line in that
+    backend's colour (e.g. the largest error the budget allows).  ``metric`` is ``abs``, ``rel``,
+    ``ulp`` or ``budget``.  SUSPECT backends (``suspects``) are drawn in :data:`SUSPECT_COLOUR`, the
+    others in colours without red; ``highlight`` draws one backend thick and the others faint; a
+    backend whose histogram repeats an earlier one's says so in the legend, which sits beside the axes.
     """
-    if metric not in ("abs", "rel"):
-        raise InputError(f"the histogram's metric must be 'abs' or 'rel'; got {metric!r}")
+    if metric not in METRICS:
+        raise InputError(f"the histogram's metric must be one of {', '.join(METRICS)}; got {metric!r}")
     if not pairs:
         raise InputError("plot_histogram needs at least one (oracle, backend) pair")
-    ax = _axes(ax)
-    hi = 0.0
-    lo = math.inf
-    for o, b in pairs.values():
-        with np.errstate(invalid="ignore", over="ignore"):
-            d = np.abs(b.astype(np.float64).reshape(-1) - o.reshape(-1))
-            if metric == "rel":
-                d /= np.abs(o.reshape(-1).astype(np.float64)) + 1e-6
-        d = d[np.isfinite(d) & (d > 0)]
-        if d.size:
-            hi, lo = max(hi, float(d.max())), min(lo, float(d.min()))
-    if hi == 0.0:
+    scales = scales or {}
+    kind = "abs" if metric == "budget" else metric
+    ax = _axes(ax, figsize=(7.5, 4.2))
+    hi, lo = 0.0, math.inf
+    for name, (o, b) in pairs.items():
+        lo_b, hi_b = error_range(o, b, metric=kind)
+        hi, lo = max(hi, hi_b * scales.get(name, 1.0)), min(lo, lo_b * scales.get(name, 1.0))
+    if hi == 0.0 or not math.isfinite(lo):
         hi, lo = 1.0, 1e-12
     lo = max(lo, hi * 1e-12)
     edges = np.logspace(math.log10(lo) - 0.01, math.log10(hi) + 0.01, bins + 1)
-    colors = {}
-    for name, (o, b) in pairs.items():
-        counts, zeros, nonfinite = error_histogram(o, b, edges, relative=metric == "rel")
-        extra = ", ".join(
-            s for s in (f"{zeros} exact" if zeros else "", f"{nonfinite} NaN/Inf" if nonfinite else "") if s
+    colours, seen = {}, {}
+    for k, (name, (o, b)) in enumerate(pairs.items()):
+        counts, zeros, nonfinite = error_histogram(o, b, edges, metric=kind, scale=scales.get(name, 1.0))
+        extra = [f"{zeros} exact" if zeros else "", f"{nonfinite} NaN/Inf" if nonfinite else ""]
+        twin = seen.get(counts.tobytes())
+        if twin is not None:
+            extra.append(f"same as {twin}")
+        seen.setdefault(counts.tobytes(), name)
+        colour = SUSPECT_COLOUR if name in suspects else PALETTE[k % len(PALETTE)]
+        faint = highlight is not None and name != highlight
+        ax.stairs(
+            counts,
+            edges,
+            label=name + (f" ({', '.join(x for x in extra if x)})" if any(extra) else ""),
+            linewidth=1.0 if faint else 2.2,
+            alpha=0.45 if faint else 1.0,
+            color=colour,
+            linestyle=LINESTYLES[len(seen) - 1 if twin is None else (k % len(LINESTYLES))],
         )
-        artist = ax.stairs(counts, edges, label=name + (f" ({extra})" if extra else ""), linewidth=1.5)
-        colors[name] = artist.get_edgecolor()
+        colours[name] = colour
     drawn: dict[float, list[str]] = {}
     for name, value in (lines or {}).items():
-        if value and math.isfinite(value) and value > 0:
+        if value and math.isfinite(value) and value > 0 and (highlight is None or name == highlight):
             drawn.setdefault(float(value), []).append(name)
     for value, names in drawn.items():
         # One line per distinct limit; shared limits (same output, same format) are drawn once.
-        color = colors.get(names[0], "black") if len(names) == 1 else "black"
-        who = names[0] if len(names) == 1 else "limit"
-        ax.axvline(value, linestyle="--", color=color, label=f"{who} {value:.2e}")
+        colour = colours.get(names[0], "black") if len(names) == 1 else "black"
+        who = f"{names[0]} limit" if len(names) == 1 else "limit"
+        ax.axvline(value, linestyle="--", color=colour, linewidth=1.2, label=f"{who} {value:.3g}")
     ax.set_xscale("log")
     ax.set_yscale("symlog", linthresh=1)
     ax.set_xlabel(METRIC_LABELS[metric])
     ax.set_ylabel("elements")
-    ax.legend(fontsize=8)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, frameon=False)
     ax.set_title(title or "error histogram", fontsize=9)
     return ax
 

@@ -74,17 +74,38 @@ class ReportPlotter:
         return output, pairs
 
     def histogram(
-        self, output: str | None = None, backends: Sequence[str] | None = None, *, metric: str = "abs", **kwargs: Any
+        self,
+        output: str | None = None,
+        backends: Sequence[str] | None = None,
+        *,
+        metric: str = "abs",
+        highlight: str | None = None,
+        **kwargs: Any,
     ):
-        """:func:`plot_histogram` of one output across backends; the dashed line is each backend's
-        largest absolute error the max-based budget allows (``metric="abs"``) or ``tol_rel`` (``"rel"``)."""
+        """:func:`plot_histogram` of one output across backends (``highlight`` one of them).
+
+        The dashed line is the largest error the verdict allows: the max-based budget's limit
+        (``abs``; ``budget``: in budgets), or ``tol_rel`` (``rel``); none for ``ulp``.
+        """
         output, pairs = self._pairs(output, backends)
-        lines = {}
+        lines, scales = {}, {}
+        r = self._report
+        if metric == "budget":
+            reference = r.results.reference.outputs.get(output)
+            if reference is None or not reference.is_array:
+                raise InputError(f"the 'budget' histogram needs the fp64 reference of {output!r}")
+            pairs = {name: (reference.value, b) for name, (_, b) in pairs.items()}
         for name in pairs:
-            rec = self._report.record(name, output)
-            lines[name] = rec.tol_rel if metric == "rel" else MAX_LIMIT * rec.budget_max
+            rec = r.record(name, output)
+            if metric == "budget":
+                scales[name] = 1.0 / rec.budget_rmse if rec.budget_rmse > 0 else 1.0
+                lines[name] = MAX_LIMIT * rec.budget_max * scales[name]
+            elif metric in ("abs", "rel"):
+                lines[name] = rec.tol_rel if metric == "rel" else MAX_LIMIT * rec.budget_max
         kwargs.setdefault("title", f"{output}: error histogram")
-        return plot_histogram(pairs, metric=metric, lines=lines, **kwargs)
+        return plot_histogram(
+            pairs, metric=metric, lines=lines, scales=scales, suspects=r.suspects, highlight=highlight, **kwargs
+        )
 
     def scatter(self, backend: str | None = None, output: str | None = None, **kwargs: Any):
         """:func:`plot_scatter` of one (backend, output)."""

@@ -27,7 +27,10 @@ try:
 except ImportError:  # pragma: no cover - depends on the environment
     W = None
 
-METRIC_OPTIONS = [("abs", "abs"), ("rel", "rel"), ("ULP", "ulp"), ("x budget", "budget")]
+METRIC_OPTIONS = [("x budget", "budget"), ("abs", "abs"), ("rel", "rel"), ("ULP", "ulp")]
+"""The heatmap's metrics, the default first: errors in round-off budgets show every element (an exact
+match to the oracle is an error of 0 on the others, and a backend that matches it bit for bit would
+open on an empty map)."""
 
 
 def _require_widgets() -> None:
@@ -100,6 +103,7 @@ class Explorer(W.VBox if W is not None else object):
         self.heatmap_data: np.ndarray | None = None
         self.histogram_data: list[np.ndarray] = []
         self._heatmap_ax = None
+        self._picked = None
         self._busy = False
         backends = [b for b in report.results.candidates if b not in report.errors]
         if not backends:
@@ -110,15 +114,15 @@ class Explorer(W.VBox if W is not None else object):
             description="backend",
         )
         self.output_picker = W.Dropdown(description="output")
-        self.metric_toggle = W.ToggleButtons(options=METRIC_OPTIONS, value="abs", description="metric")
-        self.heatmap_out = W.Output(layout=W.Layout(width="50%"))
-        self.histogram_out = W.Output(layout=W.Layout(width="50%"))
+        self.metric_toggle = W.ToggleButtons(options=METRIC_OPTIONS, value="budget", description="metric")
+        self.heatmap_out = W.Output()
+        self.histogram_out = W.Output()
         self.element_picker = W.Select(description="worst", rows=10, layout=W.Layout(width="340px"))
         self.index_box = W.Text(description="index", placeholder="e.g. 0, 3, 17", continuous_update=False)
         self.table = W.HTML()
         self.inspector = W.HTML()
         self.status = W.HTML()
-        self._canvas_box = W.Box(layout=W.Layout(width="50%"))
+        self._canvas_box = W.Box()
         heat = self._canvas_box if interactive else self.heatmap_out
         super().__init__(
             [
@@ -132,7 +136,7 @@ class Explorer(W.VBox if W is not None else object):
         )
         self.backend_picker.observe(self._on_backend, names="value")
         self.output_picker.observe(self._on_output, names="value")
-        self.metric_toggle.observe(lambda _: self._draw_heatmap(), names="value")
+        self.metric_toggle.observe(self._on_metric, names="value")
         self.element_picker.observe(self._on_element, names="value")
         self.index_box.observe(self._on_index, names="value")
         self._on_backend(None)
@@ -173,7 +177,12 @@ class Explorer(W.VBox if W is not None else object):
             f"{html.escape(rec.reason)}"
         )
         has_ref = rec.budget_rmse == rec.budget_rmse
-        self.metric_toggle.options = METRIC_OPTIONS if has_ref else METRIC_OPTIONS[:3]
+        self._busy = True
+        options = METRIC_OPTIONS if has_ref else METRIC_OPTIONS[1:]
+        if self.metric_toggle.options != tuple(options):
+            self.metric_toggle.options = options
+            self.metric_toggle.value = options[0][1]
+        self._busy = False
         frame = self.report.elements(backend, output, top=self.top)
         self._elements = frame
         self.table.value = frame.to_html(index=False, float_format=lambda v: f"{v:.4g}", classes="rlx-elements")
@@ -187,6 +196,11 @@ class Explorer(W.VBox if W is not None else object):
         self._draw_histogram()
         if len(frame):
             self.select(tuple(frame["index"].iloc[0]))
+
+    def _on_metric(self, _change: Any) -> None:
+        if not self._busy:
+            self._draw_heatmap()
+            self._draw_histogram()
 
     def _on_element(self, change: Any) -> None:
         if not self._busy and change["new"] is not None:
@@ -207,7 +221,7 @@ class Explorer(W.VBox if W is not None else object):
     def _arrays(self):
         return self.report.arrays(self.backend_picker.value, self.output_picker.value)
 
-    def _new_axes(self, width: float = 5.5, height: float = 4.2):
+    def _new_axes(self, width: float = 5.0, height: float = 4.0):
         # The heatmap's figure: fixed margins, no layout engine (plotting.HEATMAP_MARGINS says why).
         if self.interactive:
             import matplotlib.pyplot as plt
@@ -235,10 +249,35 @@ class Explorer(W.VBox if W is not None else object):
 
             plt.close(self._heatmap_ax.figure)
         self._heatmap_ax = ax
+        self._picked = None
         if self.interactive:
             canvas = ax.figure.canvas
+            canvas.header_visible = canvas.footer_visible = False  # the figure alone: nothing cut off beside it
+            canvas.toolbar_position = "left"
             canvas.mpl_connect("button_press_event", self._on_click)
             self._canvas_box.children = (canvas,)
+        else:
+            _show_png(self.heatmap_out, _png(ax.figure))
+
+    def _mark(self, index: tuple[int, ...]) -> None:
+        # The picked element, marked on the heatmap (a white ring on its pooled cell).
+        ax = self._heatmap_ax
+        if ax is None or not ax.images:
+            return
+        image = ax.images[0]
+        cell = image.rlx_fold.cell(index)
+        if cell is None:
+            return
+        y, x = cell[0] // image.rlx_factors[0], cell[1] // image.rlx_factors[1]
+        if self._picked is None:
+            (self._picked,) = ax.plot(
+                [x], [y], marker="o", markersize=14, markerfacecolor="none", markeredgecolor="white",
+                markeredgewidth=2.5, clip_on=False, label="picked",
+            )  # fmt: skip
+        else:
+            self._picked.set_data([x], [y])
+        if self.interactive:
+            ax.figure.canvas.draw_idle()
         else:
             _show_png(self.heatmap_out, _png(ax.figure))
 
@@ -246,8 +285,12 @@ class Explorer(W.VBox if W is not None else object):
         # Always a static image: nothing to click on in a histogram.
         from matplotlib.figure import Figure
 
-        ax = Figure(figsize=(5.5, 4.2), layout="constrained").add_subplot()
-        self.report.plot.histogram(self.output_picker.value, ax=ax)
+        ax = Figure(figsize=(6.0, 4.0), layout="constrained").add_subplot()
+        metric = self.metric_toggle.value
+        backend, output = self.backend_picker.value, self.output_picker.value
+        self.report.plot.histogram(
+            output, ax=ax, metric=metric, highlight=backend, title=f"{output}: {backend}'s errors"
+        )
         self.histogram_data = [artist.get_data().values for artist in ax.patches]
         _show_png(self.histogram_out, _png(ax.figure))
 
@@ -346,3 +389,4 @@ class Explorer(W.VBox if W is not None else object):
             except ValueError:
                 hood = ""
         self.inspector.value = f"<table>{body}</table>{hood}"
+        self._mark(index)

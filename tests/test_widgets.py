@@ -46,13 +46,29 @@ def test_changing_backend_updates_outputs_plots_and_table(report):
     assert ex.selected_index == report.record("cpu-nomkldnn", ex.output_picker.value).worst_index
 
 
-def test_metric_toggle_redraws(report):
+def test_metric_toggle_redraws_the_heatmap_and_the_histogram(report):
     ex = rlx_nb.explore(report)
     ex.output_picker.value = "out"
-    abs_map = ex.heatmap_data.copy()
-    ex.metric_toggle.value = "budget"
+    assert ex.metric_toggle.value == "budget"  # opens on a view where every element shows
     assert ex.heatmap_data.max() > 10  # the faulty row, tens of budgets
-    assert ex.heatmap_data.max() != abs_map.max()
+    budget_map, budget_hist = ex.heatmap_data.copy(), [h.copy() for h in ex.histogram_data]
+    ex.metric_toggle.value = "abs"
+    assert ex.heatmap_data.max() != budget_map.max()
+    assert [h.tolist() for h in ex.histogram_data] != [h.tolist() for h in budget_hist]  # the histogram follows
+
+
+def test_the_histogram_follows_the_picked_backend_and_the_picked_element_is_marked(report):
+    ex = rlx_nb.explore(report)
+    ex.output_picker.value = "out"
+    before = ex.histogram_out.outputs[0]["data"]["image/png"]
+    ex.backend_picker.value = "cpu-nomkldnn"
+    ex.output_picker.value = "out"
+    assert ex.histogram_out.outputs[0]["data"]["image/png"] != before
+    ex.select((0, 1, 2))
+    ring = [line for line in ex._heatmap_ax.lines if line.get_label() == "picked"]
+    cell = ex._heatmap_ax.images[0].rlx_fold.cell((0, 1, 2))
+    factors = ex._heatmap_ax.images[0].rlx_factors
+    assert ring and ring[0].get_xydata().tolist() == [[cell[1] // factors[1], cell[0] // factors[0]]]
 
 
 def test_element_inspector_from_picker_and_typed_index(report):
