@@ -72,10 +72,63 @@ LOCALIZE_COLUMNS = [
 _VERDICT_ORDER = {SUSPECT: 0, VERDICT_ERROR: 1}
 
 
+FORMATS: dict[str, str] = {
+    **dict.fromkeys(("max_abs", "mean_abs", "p99_abs", "abs_err", "budget_rmse", "budget_max"), "{:.3e}"),
+    **dict.fromkeys(("oracle_rmse", "backend_rmse", "oracle_max_err", "backend_max_err"), "{:.3e}"),
+    **dict.fromkeys(("sequential_rmse", "sequential_max_err", "oracle_err_fp64", "backend_err_fp64"), "{:.3e}"),
+    **dict.fromkeys(("max_rel", "rel_err", "tol_rel"), "{:.3e}"),
+    **dict.fromkeys(("ratio_rmse", "ratio_max", "excess", "slice_ratio", "concentration", "mismatched_frac"), "{:.3g}"),
+    **dict.fromkeys(("local_ratio_rmse", "local_ratio_max", "local_excess", "amplification"), "{:.3g}"),
+    **dict.fromkeys(("propagated_ratio_rmse", "propagated_ratio_max", "propagated_excess"), "{:.3g}"),
+    **dict.fromkeys(("oracle_value", "backend_value", "oracle", "backend", "reference"), "{:.9g}"),
+    **dict.fromkeys(("reference_value",), "{:.12g}"),
+    **dict.fromkeys(("effective_bits", "anchor_likeness"), "{:.3g}"),
+    **dict.fromkeys(("seconds",), "{:.2f}"),
+}
+"""How a notebook shows each numeric column: enough digits to tell the oracle from the reference, and
+scientific numbers that never wrap inside a cell."""
+PROSE = ("reason", "note", "notes")
+
+
+class Table(pd.DataFrame):
+    """A DataFrame that shows itself readably in a notebook (:data:`FORMATS`; numbers never wrap, prose
+    wraps at a readable width); as data it is an ordinary DataFrame."""
+
+    @property
+    def _constructor(self) -> type:
+        return Table
+
+    def _repr_html_(self) -> str:
+        frame = pd.DataFrame(self)
+        if len(frame) > 200 or frame.columns.duplicated().any():
+            return frame._repr_html_()
+        formats = {c: f for c, f in FORMATS.items() if c in frame.columns and frame[c].dtype.kind == "f"}
+        prose = [c for c in PROSE if c in frame.columns]
+        styled = frame.style.format(formats, na_rep="—").set_table_styles(
+            [{"selector": "td, th", "props": "white-space: nowrap; text-align: right"}]
+        )
+        if prose:
+            styled = styled.set_properties(
+                subset=prose, **{"white-space": "normal", "min-width": "24em", "text-align": "left"}
+            )
+        if VERDICT in frame.columns:
+            styled = styled.map(verdict_css, subset=[VERDICT])
+        return styled.to_html()
+
+
+def verdict_css(v: str) -> str:
+    """The colour of a verdict in tables: red for SUSPECT only."""
+    if v == SUSPECT:
+        return "color: #b00020; font-weight: bold"
+    if v in (VERDICT_ERROR, "skipped"):
+        return "color: #8a6d00"
+    return "color: #1b5e20"
+
+
 def summary_frame(records: Sequence[OutputRecord]) -> pd.DataFrame:
     """One row per (backend, output), in run order."""
     rows = [dataclasses.asdict(r) for r in records]
-    frame = pd.DataFrame(rows, columns=SUMMARY_COLUMNS)
+    frame = Table(rows, columns=SUMMARY_COLUMNS)
     return frame
 
 
@@ -135,7 +188,37 @@ def backends_frame(
                 "note": "; ".join([*notes.get(name, []), *sorted({r.note for r in recs if r.note})])[:600],
             }
         )
-    return pd.DataFrame(rows, columns=BACKEND_COLUMNS)
+    return Table(rows, columns=BACKEND_COLUMNS)
+
+
+COMPACT_COLUMNS = [
+    BACKEND,
+    VERDICT,
+    "worst_output",
+    EXCESS,
+    "ratio_rmse",
+    "ratio_max",
+    "max_abs",
+    "effective_bits",
+    "why",
+]
+
+
+def compact_backends_frame(detail: pd.DataFrame, records: Sequence[OutputRecord]) -> pd.DataFrame:
+    """The backends at a glance: verdict, worst output, how far over the limits, and a few words why
+    (``why``; the whole reason and every other column are in the detailed frame)."""
+    from rlx_nb.verdict import short_reason
+
+    worst = {}
+    for r in records:
+        worst.setdefault(r.backend, []).append(r)
+    why = {name: short_reason(worst_record(recs)) for name, recs in worst.items()}
+    bits = {
+        name: min((r.effective_bits for r in recs if r.effective_bits == r.effective_bits), default=np.nan)
+        for name, recs in worst.items()
+    }
+    frame = detail.assign(why=detail[BACKEND].map(why), effective_bits=detail[BACKEND].map(bits))
+    return Table(frame[COMPACT_COLUMNS])
 
 
 def _worst_of(verdicts: Any) -> str | None:
@@ -147,7 +230,7 @@ def _worst_of(verdicts: Any) -> str | None:
 
 def elements_frame(rows: dict[str, Any]) -> pd.DataFrame:
     """The worst elements of one output, worst first (columns: :data:`ELEMENT_COLUMNS`)."""
-    return pd.DataFrame(rows, columns=ELEMENT_COLUMNS)
+    return Table(rows, columns=ELEMENT_COLUMNS)
 
 
 def element_table(oracle: np.ndarray, backend: np.ndarray, reference: np.ndarray | None) -> pd.DataFrame:
@@ -178,7 +261,7 @@ def backend_table_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
 def localization_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     """The checks of a localization, modules first then ops, each in execution order (:data:`LOCALIZE_COLUMNS`)."""
     order = {"module": 0, "op": 1}
-    frame = pd.DataFrame(rows, columns=LOCALIZE_COLUMNS)
+    frame = Table(rows, columns=LOCALIZE_COLUMNS)
     return frame.sort_values(["kind", "order"], key=lambda c: c.map(order) if c.name == "kind" else c).reset_index(
         drop=True
     )
@@ -189,4 +272,4 @@ PRECISION_COLUMNS = ["setting", "switch", "effective_bits", "closest_format", "v
 
 def precision_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     """A precision sweep: one row per setting (:data:`PRECISION_COLUMNS`)."""
-    return pd.DataFrame(rows, columns=PRECISION_COLUMNS)
+    return Table(rows, columns=PRECISION_COLUMNS)

@@ -17,7 +17,14 @@ from rlx_nb.backends import ORACLE
 from rlx_nb.compare import OutputRecord, compare, on_device
 from rlx_nb.elements import rel_error, top_k, ulp_distance
 from rlx_nb.errors import InputError
-from rlx_nb.frames import backends_frame, element_table, elements_frame, summary_frame, worst_record
+from rlx_nb.frames import (
+    backends_frame,
+    compact_backends_frame,
+    element_table,
+    elements_frame,
+    summary_frame,
+    worst_record,
+)
 from rlx_nb.results import RunResults
 from rlx_nb.verdict import NONDETERMINISTIC, SUSPECT, VERDICT_ERROR, VERDICT_SKIPPED
 
@@ -120,12 +127,19 @@ class DivergenceReport:
         return summary_frame(self.records)
 
     @functools.cached_property
-    def backends(self) -> pd.DataFrame:
-        """One row per backend: its verdict, its worst output and the seed's maxima."""
+    def backends_detail(self) -> pd.DataFrame:
+        """One row per backend, every column: both verdicts, the worst output and its whole reason, the
+        seed's maxima, counts, timing and the backend's notes."""
         runs = self.results.candidates
         return backends_frame(
             self.records, {n: r.seconds for n, r in runs.items()}, {n: list(r.notes) for n, r in runs.items()}
         )
+
+    @property
+    def backends(self) -> pd.DataFrame:
+        """One row per backend at a glance: verdict, worst output, how far over the limits, effective bits
+        and a few words why (the whole reason and the rest: :attr:`backends_detail`)."""
+        return compact_backends_frame(self.backends_detail, self.records)
 
     @property
     def suspects(self) -> list[str]:
@@ -322,22 +336,13 @@ class DivergenceReport:
         return f"<DivergenceReport {self.label!r}: {n} backend(s) vs {ORACLE}, suspects={self.suspects}>"
 
     def _repr_html_(self) -> str:
-        frame = self.backends[
-            ["backend", "verdict", "worst_output", "max_abs", "max_rel", "ratio_rmse", "ratio_max", "reason"]
-        ]
-        styled = (
-            frame.style.format(
-                {"max_abs": "{:.3e}", "max_rel": "{:.3e}", "ratio_rmse": "{:.3g}", "ratio_max": "{:.3g}"}, na_rep="—"
-            )
-            .map(_verdict_css, subset=["verdict"])
-            .hide(axis="index")
-        )
         head = (
             f"<p><b>{html.escape(self.label)}</b>: {len(self.results.candidates)} backend(s) vs the "
             f"<code>{ORACLE}</code> oracle, judged by the <i>{self.rule}</i> rule. "
-            f"Suspects: <b>{html.escape(', '.join(self.suspects) or 'none')}</b>.</p>"
+            f"Suspects: <b>{html.escape(', '.join(self.suspects) or 'none')}</b>. "
+            "<code>report.backends_detail</code> has every column and the whole reasons.</p>"
         )
-        return head + styled.to_html()
+        return head + self.backends._repr_html_()
 
 
 class WeakSource:
@@ -377,14 +382,6 @@ def _strong(refs: Any) -> Any:
             raise LookupError("freed")
         return obj
     return refs
-
-
-def _verdict_css(v: str) -> str:
-    if v == SUSPECT:
-        return "color: #b00020; font-weight: bold"
-    if v in (VERDICT_ERROR, VERDICT_SKIPPED):
-        return "color: #8a6d00"
-    return "color: #1b5e20"
 
 
 def _line(label: str, name: str, recs: list[OutputRecord]) -> str:

@@ -354,6 +354,31 @@ def reason(r: Any, rule: str) -> str:
     return f"max_rel {r.max_rel:.3e} <= tol_rel {r.tol_rel:.1e}"
 
 
+def short_reason(r: Any) -> str:
+    """A few words for a table cell: what decided the record (the whole sentence is ``reason``)."""
+    if r.verdict in (VERDICT_ERROR, VERDICT_SKIPPED):
+        text = r.reason.split(" (at ")[0]
+        return f"{r.verdict}: {text[:70]}{'…' if len(text) > 70 else ''}"
+    if r.verdict == NONDETERMINISTIC:
+        return "the model is nondeterministic"
+    if r.nonfinite_mismatch:
+        return f"{r.nonfinite_mismatch} NaN/Inf mismatches"
+    if r.verdict_budget is None or r.ratio_rmse != r.ratio_rmse:
+        return r.reason[:70]
+    worst = max(r.ratio_rmse, r.ratio_max)
+    if r.verdict != SUSPECT:
+        return f"round-off ({worst:.2g}x budget)"
+    if looks_like_reduced_precision(r):
+        like = r.anchor_likeness
+        verdict = "precision mode" if like >= PRECISION_ALIKE else "kernel error" if like <= PRECISION_UNLIKE else "?"
+        return f"~{r.effective_bits:.0f} bits, like {r.closest_format} ({verdict})"
+    if r.slice_ratio > RMSE_LIMIT and max(r.ratio_rmse / RMSE_LIMIT, r.ratio_max / MAX_LIMIT) <= 1.0:
+        return f"slice {r.slice_at} off {r.slice_ratio:.3g}x"
+    if r.concentrated and r.excess <= 1.0:
+        return "concentrated on few elements"
+    return f"{worst:.3g}x budget"
+
+
 def nondeterministic_reason(difference: float) -> str:
     """Why an output of a model whose two oracle runs differ is not judged."""
     return (

@@ -99,7 +99,7 @@ def test_a_compiled_backend_compiles_every_time_it_is_asked():
         run = report.results.candidates["cpu-inductor"]
         assert run.status == "ok", run.message
         assert any("compiled call(s) ran" in n for n in run.notes), (batch, run.notes)
-        assert "compiled call(s) ran" in report.backends.note.iloc[0]
+        assert "compiled call(s) ran" in report.backends_detail.note.iloc[0]
 
 
 class NeverCompiled(torch.nn.Module):

@@ -16,7 +16,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA d
 def test_cuda_fp32_is_roundoff_and_bf16_within_its_budget(family):
     model, inputs = demo.MODELS[family]()
     report = rlx_nb.backend_divergence(model, inputs, backends=["cuda", "cuda-bf16"], backward=True)
-    rows = report.backends.set_index("backend")
+    rows = report.backends_detail.set_index("backend")
     assert rows.loc["cuda", "verdict"] == "round-off", rows.loc["cuda", "reason"]
     assert rows.loc["cuda-bf16", "verdict"] == "round-off", rows.loc["cuda-bf16", "reason"]
 

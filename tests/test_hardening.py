@@ -119,7 +119,7 @@ def test_misbehaving_backends_are_rows_and_others_survive():
         model, x, backends=["test-hang", "test-oom", "test-raise", "test-nan-all", "cpu-nomkldnn"], timeout_s=2
     )
     assert time.perf_counter() - start < 20
-    rows = report.backends.set_index("backend")
+    rows = report.backends_detail.set_index("backend")
     assert "timed out after 2 s" in rows.loc["test-hang", "reason"]
     assert rows.loc["test-oom", "verdict"] == "error" and "RuntimeError" in rows.loc["test-oom", "reason"]
     assert "unsupported dtype in kernel" in rows.loc["test-raise", "reason"]
@@ -279,7 +279,7 @@ def test_openvino_takes_the_onnx_route_when_its_direct_conversion_fails_and_says
     require_live("openvino")
     report = rlx_nb.backend_divergence(Diff(), torch.randn(4, 8), backends=["openvino"])
     assert report.record("openvino").verdict == "round-off"
-    note = report.backends.note.iloc[0]
+    note = report.backends_detail.note.iloc[0]
     assert "converted through the ONNX export" in note and "No conversion rule found for operations: aten::diff" in note
     direct = rlx_nb.backend_divergence(torch.nn.Linear(8, 8), torch.randn(4, 8), backends=["openvino"])
-    assert "converted directly from PyTorch" in direct.backends.note.iloc[0]
+    assert "converted directly from PyTorch" in direct.backends_detail.note.iloc[0]

@@ -6,7 +6,7 @@ import numpy as np
 import torch
 
 import rlx_nb
-from rlx_nb.frames import BACKEND_COLUMNS, ELEMENT_COLUMNS, SUMMARY_COLUMNS
+from rlx_nb.frames import BACKEND_COLUMNS, COMPACT_COLUMNS, ELEMENT_COLUMNS, SUMMARY_COLUMNS
 
 LINE = re.compile(
     r"^\[(?P<label>[^\]]+)\] +(?P<backend>\S+) vs cpu: max_abs=\d\.\d{3}e[+-]\d\d max_rel=\d\.\d{3}e[+-]\d\d "
@@ -25,7 +25,9 @@ def _report():
 def test_frames_have_their_columns():
     r = _report()
     assert list(r.summary.columns) == SUMMARY_COLUMNS
-    assert list(r.backends.columns) == BACKEND_COLUMNS
+    assert list(r.backends_detail.columns) == BACKEND_COLUMNS
+    assert list(r.backends.columns) == COMPACT_COLUMNS  # the glance: verdict, how far over, a few words why
+    assert r.backends.why.tolist()[1].endswith("x budget") and len(r.backends.why.iloc[1]) < 40
     assert r.backends["backend"].tolist() == ["cpu-nomkldnn", "fault:softmax-row"]
     assert r.suspects == ["fault:softmax-row"] and r.any_suspect
 

@@ -72,7 +72,7 @@ def test_failing_backend_is_an_error_row_and_others_survive():
     report = rlx_nb.backend_divergence(
         torch.nn.Linear(3, 2), torch.ones(2, 3), backends=["test-broken", "cpu-nomkldnn"]
     )
-    rows = report.backends.set_index("backend")
+    rows = report.backends_detail.set_index("backend")
     assert rows.loc["test-broken", "verdict"] == "error"
     assert "kernel exploded" in rows.loc["test-broken", "reason"]
     assert rows.loc["cpu-nomkldnn", "verdict"] == "round-off"

@@ -29,7 +29,7 @@ def test_legitimate_backends_are_roundoff_forward_and_backward(family):
     if not backends:
         pytest.skip("no legitimate candidate backend is live")
     report = demo_report(family, backends)
-    rows = report.backends.set_index("backend")
+    rows = report.backends_detail.set_index("backend")
     for b in backends:
         assert rows.loc[b, "verdict"] == ROUNDOFF, (b, rows.loc[b, "reason"])
     if "onnxruntime" in backends:
