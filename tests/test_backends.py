@@ -120,3 +120,16 @@ def test_a_model_torch_compile_runs_eagerly_is_an_error_row_not_a_compiled_resul
     assert rec.verdict == "error" and rec.output is None
     assert "NotCompiledError" in rec.reason and "ran no compiled code" in rec.reason
     assert report.errors == ["cpu-inductor"] and not report.any_suspect
+
+
+def test_a_notebook_cell_run_twice_registers_its_backend_again():
+    source = "def my_kernel(model, inputs):\n    return model(*inputs)\n"
+    for _ in range(2):  # the same cell, executed twice: a new function object of the same code each time
+        namespace: dict = {"__name__": "__main__"}
+        exec(compile(source, "<cell>", "exec"), namespace)
+        rlx_nb.register_backend("test-rerun", namespace["my_kernel"])
+    other = {"__name__": "__main__"}
+    exec(compile(source.replace("model(*inputs)", "model(*inputs) * 2"), "<cell>", "exec"), other)
+    with pytest.raises(rlx_nb.RlxError, match="already registered"):
+        rlx_nb.register_backend("test-rerun", other["my_kernel"])  # another kernel under that name still asks
+    rlx_nb.unregister_backend("test-rerun")

@@ -64,7 +64,8 @@ def register_backend(
         Where it runs; a ``cuda``/``mps``/``xpu`` backend is live only when
         that device is present (unless ``probe`` says otherwise).
     replace : bool
-        Allow replacing an existing registration.
+        Allow replacing an existing registration.  Registering the same code again under the same
+        name (a notebook cell run twice) replaces it without asking.
     compute_dtype : str
         Format it computes in, for the round-off budget: one of
         ``float32``, ``tf32``, ``float16``, ``bfloat16``, ``float64``.
@@ -101,7 +102,7 @@ def register_backend(
         raise BackendError(f"backend {name!r}: compute_dtype {compute_dtype!r} is not one of {sorted(UNIT_ROUNDOFF)}")
     if name in (ORACLE, REFERENCE):
         raise BackendError(f"{name!r} is the {'oracle' if name == ORACLE else 'fp64 reference'} and cannot be replaced")
-    if name in _REGISTRY and not replace:
+    if name in _REGISTRY and not replace and not _same_definition(_REGISTRY[name], fn):
         raise BackendError(f"backend {name!r} is already registered; pass replace=True to replace it")
     if probe is None and device != "cpu":
         probe = device_probe(device)
@@ -120,6 +121,23 @@ def register_backend(
     with _LOCK:
         _REGISTRY[name] = backend
     return backend
+
+
+def _same_definition(old: Backend, fn: BackendFn) -> bool:
+    # A notebook cell run again registers the same code under the same name: that replaces, silently.
+    if old.builtin:
+        return False
+    a, b = old.fn, fn
+    same_name = getattr(a, "__qualname__", None) == getattr(b, "__qualname__", 0) and getattr(
+        a, "__module__", None
+    ) == getattr(b, "__module__", 0)
+    code_a, code_b = getattr(a, "__code__", None), getattr(b, "__code__", None)
+    return (
+        same_name
+        and code_a is not None
+        and code_b is not None
+        and (code_a.co_code, code_a.co_firstlineno) == (code_b.co_code, code_b.co_firstlineno)
+    )
 
 
 def unregister_backend(name: str) -> None:
