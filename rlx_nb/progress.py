@@ -9,10 +9,14 @@ their outputs); ``progress=False`` does the same for one call.
 from __future__ import annotations
 
 import os
+import threading
+import time
 from typing import Any
 
 DELAY_S = 2.0
 """Seconds before a bar appears; quick steps never show one."""
+TICK_S = 1.0
+"""How often a bar's elapsed time is redrawn while nothing advances it."""
 
 
 class _Silent:
@@ -32,7 +36,7 @@ class _Silent:
         pass
 
 
-def bar(desc: str, *, total: int | None = None, unit: str = "it", enabled: bool = True) -> Any:
+def bar(desc: str, *, total: int | None = None, unit: str = "it", enabled: bool = True, file: Any = None) -> Any:
     """A delayed, notebook-aware bar (a no-op object when tqdm is missing or ``enabled`` is false).
 
     Examples
@@ -47,4 +51,16 @@ def bar(desc: str, *, total: int | None = None, unit: str = "it", enabled: bool 
         from tqdm.auto import tqdm
     except ImportError:  # pragma: no cover - tqdm is a dependency
         return _Silent()
-    return tqdm(desc=desc, total=total, unit=unit, delay=DELAY_S, leave=False)
+    shown = tqdm(desc=desc, total=total, unit=unit, delay=DELAY_S, leave=False, file=file)
+    # A ticker keeps the bar's clock running while one long step (a 20 s compile) holds it still.
+    threading.Thread(target=_tick, args=(shown,), daemon=True, name="rlx_nb:progress").start()
+    return shown
+
+
+def _tick(shown: Any) -> None:
+    while not getattr(shown, "disable", True):
+        time.sleep(TICK_S)
+        try:
+            shown.update(0)
+        except Exception:  # the bar was closed in between
+            return

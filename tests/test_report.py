@@ -94,3 +94,21 @@ def test_element_frame_is_compact_and_refuses_huge_requests():
 
     with pytest.raises(rlx_nb.RlxError, match=r"would take about .* GB \(max_bytes=100\)"):
         r.element_frame("fault:softmax-row", max_bytes=100)
+
+
+def test_a_progress_bar_keeps_its_clock_running_during_one_long_step(monkeypatch):
+    # During a 20 s compile the bar stood at "00:00": nothing updated it until the backend finished.
+    import io
+    import time
+
+    from rlx_nb import progress
+
+    monkeypatch.setattr(progress, "DELAY_S", 0.0)
+    monkeypatch.setattr(progress, "TICK_S", 0.2)
+    monkeypatch.delenv("RLX_NB_PROGRESS", raising=False)
+    out = io.StringIO()
+    shown = progress.bar("compile", total=1, file=out)
+    time.sleep(1.3)
+    shown.close()
+    frames = out.getvalue().split("\r")
+    assert any("00:01" in f for f in frames), frames[-3:]
