@@ -32,6 +32,7 @@ METRIC_LABELS = {
 # every label twice per draw, and the inline backend draws twice (once for bbox_inches="tight"), which
 # made it about a third of a notebook heatmap's time.
 HEATMAP_MARGINS = {"left": 0.13, "right": 0.94, "bottom": 0.12, "top": 0.92}
+HISTOGRAM_MARGINS = {"left": 0.1, "right": 0.66, "bottom": 0.13, "top": 0.91}  # the legend to the right
 # A colour bar spanning more decades than this shows no minor labels, so no minor ticks either:
 # each tick is a few matplotlib objects, and a 6-decade bar had ~50 of them.
 MINOR_TICK_DECADES = 2.0
@@ -250,7 +251,7 @@ def plot_histogram(
         raise InputError("plot_histogram needs at least one (oracle, backend) pair")
     scales = scales or {}
     kind = "abs" if metric == "budget" else metric
-    ax = _axes(ax, figsize=(7.5, 4.2))
+    ax = _axes(ax, figsize=(7.5, 4.2), margins=HISTOGRAM_MARGINS)
     hi, lo = 0.0, math.inf
     for name, (o, b) in pairs.items():
         lo_b, hi_b = error_range(o, b, metric=kind)
@@ -276,7 +277,7 @@ def plot_histogram(
             linewidth=1.0 if faint else 2.2,
             alpha=0.45 if faint else 1.0,
             color=colour,
-            linestyle=LINESTYLES[len(seen) - 1 if twin is None else (k % len(LINESTYLES))],
+            linestyle="-" if twin is None else LINESTYLES[1 + k % (len(LINESTYLES) - 1)],  # a twin shows beside it
         )
         colours[name] = colour
     drawn: dict[float, list[str]] = {}
@@ -290,11 +291,26 @@ def plot_histogram(
         ax.axvline(value, linestyle="--", color=colour, linewidth=1.2, label=f"{who} {value:.3g}")
     ax.set_xscale("log")
     ax.set_yscale("symlog", linthresh=1)
+    _plain_log_ticks(ax, edges)
     ax.set_xlabel(METRIC_LABELS[metric])
     ax.set_ylabel("elements")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, frameon=False)
     ax.set_title(title or "error histogram", fontsize=9)
     return ax
+
+
+def _plain_log_ticks(ax: Axes, edges: np.ndarray) -> None:
+    # Plain labels ("1e-07", "100") instead of mathtext, and no minor ticks over many decades: the
+    # tick machinery was most of an explorer update's time.
+    from matplotlib.ticker import FuncFormatter, LogFormatter, LogLocator, NullLocator
+
+    ax.xaxis.set_major_locator(LogLocator(numticks=6))  # a label every few decades, never crowded
+    ax.xaxis.set_major_formatter(LogFormatter(labelOnlyBase=True))
+    ax.xaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+    if math.log10(edges[-1] / edges[0]) > MINOR_TICK_DECADES:
+        ax.xaxis.set_minor_locator(NullLocator())
+    ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    ax.yaxis.set_minor_locator(NullLocator())
 
 
 def plot_scatter(
@@ -385,24 +401,45 @@ def plot_localization(frame, *, ax: Axes | None = None, title: str | None = None
     return ax
 
 
-def plot_effective_bits(bits: Mapping[str, float], *, ax: Axes | None = None, title: str | None = None) -> Axes:
+def plot_effective_bits(
+    bits: Mapping[str, float],
+    *,
+    verdicts: Mapping[str, str] | None = None,
+    ax: Axes | None = None,
+    title: str | None = None,
+) -> Axes:
     """Bars of effective mantissa bits per backend (or setting), with the standard formats marked.
 
     ``bits`` maps a name to its effective bits (e.g. ``OutputRecord.effective_bits``, or the
-    ``effective_bits`` column of :func:`rlx_nb.precision_sweep`).
+    ``effective_bits`` column of :func:`rlx_nb.precision_sweep`); ``verdicts`` colours each bar by its
+    verdict (red only for SUSPECT).
     """
-    ax = _axes(ax, figsize=(max(6.0, 0.8 * len(bits) + 2), 4.2))
+    ax = _axes(ax, figsize=(max(6.0, 0.8 * len(bits) + 2.5), 4.2))
     names = list(bits)
     values = [float(bits[n]) for n in names]
-    colors = ["#4c72b0" if v >= 20 else "#dd8452" if v >= 9.5 else "#b00020" for v in values]
-    ax.bar(np.arange(len(names)), values, color=colors)
+    verdicts = verdicts or {}
+    colours = [
+        SUSPECT_COLOUR if verdicts.get(n) == "SUSPECT" else "#8c8c8c" if verdicts.get(n) == "error" else PALETTE[0]
+        for n in names
+    ]
+    ax.bar(np.arange(len(names)), values, color=colours)
     for level, label in ((24, "fp32 (24)"), (11, "tf32 / fp16 (11)"), (8, "bf16 (8)")):
         ax.axhline(level, linestyle="--", color="grey", linewidth=1)
-        ax.annotate(
-            label, (len(names) - 0.5, level), xytext=(4, 2), textcoords="offset points", fontsize=8, color="grey"
+        # Labelled inside the axes, at the left, just above the line: nothing cut off at the edge.
+        ax.text(
+            -0.45,
+            level + 0.3,
+            label,
+            fontsize=8,
+            color="dimgrey",
+            va="bottom",
+            ha="left",
+            zorder=3,
+            bbox={"fc": "white", "ec": "none", "alpha": 0.85, "pad": 1},
         )
     ax.set_xticks(np.arange(len(names)), names, rotation=30, ha="right", fontsize=8)
-    ax.set_ylim(0, 26)
+    ax.set_xlim(-0.6, len(names) - 0.4)
+    ax.set_ylim(0, 26.5)
     ax.set_ylabel("effective mantissa bits")
     ax.set_title(title or "effective precision", fontsize=9)
     return ax

@@ -116,14 +116,16 @@ class ReportPlotter:
         return plot_scatter(o, b, **kwargs)
 
     def effective_bits(self, output: str | None = None, **kwargs: Any):
-        """:func:`plot_effective_bits` of each backend's worst (lowest) reading, or of one output."""
+        """:func:`plot_effective_bits` of each backend's worst (lowest) reading, or of one output, coloured
+        by the backend's verdict."""
         bits: dict[str, float] = {}
         for rec in self._report.records:
             if (output is None or rec.output == output) and rec.effective_bits == rec.effective_bits:
                 bits[rec.backend] = min(bits.get(rec.backend, 99.0), rec.effective_bits)
         if not bits:
             raise InputError("no effective-precision readings in this report (no fp64 reference?)")
-        return plot_effective_bits(bits, **kwargs)
+        verdicts = {name: self._report.record(name, output).verdict for name in bits}
+        return plot_effective_bits(bits, verdicts=verdicts, **kwargs)
 
     def tolerance_curve(self, output: str | None = None, backends: Sequence[str] | None = None, **kwargs: Any):
         """:func:`plot_tolerance_curve` of one output across backends."""

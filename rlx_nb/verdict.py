@@ -331,6 +331,8 @@ def reason(r: Any, rule: str) -> str:
     if rule == "budget" and r.verdict_budget is not None:
         fmt = "fp32" if r.compute_dtype == "float32" else r.compute_dtype
         worst = max(r.ratio_rmse, r.ratio_max)
+        if r.verdict != SUSPECT and r.max_abs == 0 and r.backend_rmse == r.oracle_rmse:
+            return "bit for bit identical to the oracle"
         if r.verdict == SUSPECT:
             if looks_like_reduced_precision(r):
                 return _precision_reason(r, worst)
@@ -367,7 +369,7 @@ def short_reason(r: Any) -> str:
         return r.reason[:70]
     worst = max(r.ratio_rmse, r.ratio_max)
     if r.verdict != SUSPECT:
-        return f"round-off ({worst:.2g}x budget)"
+        return "identical" if r.max_abs == 0 else f"round-off ({worst:.2g}x budget)"
     if looks_like_reduced_precision(r):
         like = r.anchor_likeness
         verdict = "precision mode" if like >= PRECISION_ALIKE else "kernel error" if like <= PRECISION_UNLIKE else "?"

@@ -16,7 +16,7 @@ import numpy as np
 
 from rlx_nb.errors import InputError
 from rlx_nb.frames import worst_first
-from rlx_nb.plotting import HEATMAP_MARGINS
+from rlx_nb.plotting import HEATMAP_MARGINS, HISTOGRAM_MARGINS
 from rlx_nb.verdict import SUSPECT, VERDICT_ERROR, VERDICT_SKIPPED
 
 if TYPE_CHECKING:
@@ -192,10 +192,11 @@ class Explorer(W.VBox if W is not None else object):
         ]
         self.element_picker.value = None
         self._busy = False
-        self._draw_heatmap()
+        first = tuple(frame["index"].iloc[0]) if len(frame) else None
+        self._draw_heatmap(picked=first)  # one rendering, the first element already ringed
         self._draw_histogram()
-        if len(frame):
-            self.select(tuple(frame["index"].iloc[0]))
+        if first is not None:
+            self.select(first, redraw=False)
 
     def _on_metric(self, _change: Any) -> None:
         if not self._busy:
@@ -235,7 +236,7 @@ class Explorer(W.VBox if W is not None else object):
         fig.subplots_adjust(**HEATMAP_MARGINS)
         return fig.add_subplot()
 
-    def _draw_heatmap(self) -> None:
+    def _draw_heatmap(self, picked: tuple[int, ...] | None = None) -> None:
         if self.output_picker.value is None:
             return
         ax = self._new_axes()
@@ -250,6 +251,10 @@ class Explorer(W.VBox if W is not None else object):
             plt.close(self._heatmap_ax.figure)
         self._heatmap_ax = ax
         self._picked = None
+        if picked is None and self.selected_index is not None and len(self.selected_index) == len(image.rlx_fold.shape):
+            picked = self.selected_index  # a metric change keeps the picked element ringed
+        if picked is not None:
+            self._mark(picked, render=False)
         if self.interactive:
             canvas = ax.figure.canvas
             canvas.header_visible = canvas.footer_visible = False  # the figure alone: nothing cut off beside it
@@ -259,7 +264,7 @@ class Explorer(W.VBox if W is not None else object):
         else:
             _show_png(self.heatmap_out, _png(ax.figure))
 
-    def _mark(self, index: tuple[int, ...]) -> None:
+    def _mark(self, index: tuple[int, ...], *, render: bool = True) -> None:
         # The picked element, marked on the heatmap (a white ring on its pooled cell).
         ax = self._heatmap_ax
         if ax is None or not ax.images:
@@ -276,6 +281,8 @@ class Explorer(W.VBox if W is not None else object):
             )  # fmt: skip
         else:
             self._picked.set_data([x], [y])
+        if not render:
+            return
         if self.interactive:
             ax.figure.canvas.draw_idle()
         else:
@@ -285,7 +292,9 @@ class Explorer(W.VBox if W is not None else object):
         # Always a static image: nothing to click on in a histogram.
         from matplotlib.figure import Figure
 
-        ax = Figure(figsize=(6.0, 4.0), layout="constrained").add_subplot()
+        fig = Figure(figsize=(6.5, 4.0))
+        fig.subplots_adjust(**HISTOGRAM_MARGINS)  # no layout engine: it measured every label on each draw
+        ax = fig.add_subplot()
         metric = self.metric_toggle.value
         backend, output = self.backend_picker.value, self.output_picker.value
         self.report.plot.histogram(
@@ -352,8 +361,8 @@ class Explorer(W.VBox if W is not None else object):
 
     # -- the element inspector -----------------------------------------------------------------
 
-    def select(self, index: tuple[int, ...]) -> None:
-        """Show one element (by its index in the output) in the inspector."""
+    def select(self, index: tuple[int, ...], *, redraw: bool = True) -> None:
+        """Show one element (by its index in the output) in the inspector, ringed on the heatmap."""
         index = tuple(int(i) for i in index)
         backend, output = self.backend_picker.value, self.output_picker.value
         e = self.report.element(backend, output, index).iloc[0]  # (an InputError for an index outside the output)
@@ -389,4 +398,5 @@ class Explorer(W.VBox if W is not None else object):
             except ValueError:
                 hood = ""
         self.inspector.value = f"<table>{body}</table>{hood}"
-        self._mark(index)
+        if redraw:
+            self._mark(index)
