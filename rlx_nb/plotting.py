@@ -28,10 +28,13 @@ METRIC_LABELS = {
     "budget": "|backend - fp64| / round-off budget",
 }
 
+COLORBAR_LABELS = {"abs": "abs error", "rel": "relative error", "ulp": "ULP distance", "budget": "x round-off budget"}
+"""Short names for the colour bar (the title spells the metric out): a long one ran off a short figure."""
+
 # The heatmap's own figure has fixed margins instead of a layout engine: constrained layout measures
 # every label twice per draw, and the inline backend draws twice (once for bbox_inches="tight"), which
 # made it about a third of a notebook heatmap's time.
-HEATMAP_MARGINS = {"left": 0.13, "right": 0.94, "bottom": 0.12, "top": 0.92}
+HEATMAP_MARGINS = {"left": 0.13, "right": 0.92, "bottom": 0.12, "top": 0.92}
 HISTOGRAM_MARGINS = {"left": 0.1, "right": 0.66, "bottom": 0.13, "top": 0.91}  # the legend to the right
 # A colour bar spanning more decades than this shows no minor labels, so no minor ticks either:
 # each tick is a few matplotlib objects, and a 6-decade bar had ~50 of them.
@@ -77,7 +80,7 @@ def _log_ticks(colorbar: Any, norm: Any) -> None:
     axis = colorbar.ax.yaxis
     if decades < 1.0:
         axis.set_major_locator(FixedLocator(np.geomspace(norm.vmin, norm.vmax, 4)))
-        axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.3g}"))
+        axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.3g}" if 1e-3 <= v < 1e4 else f"{v:.2e}"))
         axis.set_minor_locator(NullLocator())
         return
     axis.set_major_formatter(LogFormatter(labelOnlyBase=True))
@@ -170,7 +173,10 @@ def plot_heatmap(
     exact = float(np.mean(data == 0)) if data.size else 0.0
     colorbar = ax.figure.colorbar(image, ax=ax, extend="min" if exact else "neither")
     _log_ticks(colorbar, norm)
-    colorbar.set_label(METRIC_LABELS[metric] + (f"  (grey: exact, {100 * exact:.3g}%)" if exact else ""))
+    colorbar.set_label(
+        COLORBAR_LABELS[metric] + (f"  (grey: exact, {100 * exact:.3g}%)" if exact else ""), fontsize=9, labelpad=2
+    )
+    colorbar.ax.tick_params(labelsize=8)
     from matplotlib.ticker import MaxNLocator
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rows and columns are whole

@@ -8,6 +8,7 @@ selects the worst element of the clicked block.
 
 from __future__ import annotations
 
+import base64
 import html
 import io
 from typing import TYPE_CHECKING, Any
@@ -47,16 +48,16 @@ def _ipympl_active() -> bool:
 
 def _png(fig) -> bytes:
     buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=80)
+    # The fastest zlib level: the explorer's PNGs are sent once and shown at once, not stored.
+    fig.savefig(buf, format="png", dpi=80, pil_kwargs={"compress_level": 1})
     return buf.getvalue()
 
 
 def _show_png(out, png: bytes) -> None:
+    # One assignment, so the page gets one message and redraws once (clearing first would be two).
     # Works with and without a kernel (``with out:`` captures nothing headless).
-    from IPython.display import Image
-
-    out.outputs = ()
-    out.append_display_data(Image(png))
+    image = {"image/png": base64.b64encode(png).decode("ascii"), "text/plain": "<explorer figure>"}
+    out.outputs = ({"output_type": "display_data", "data": image, "metadata": {}},)
 
 
 def explore(
@@ -122,18 +123,21 @@ class Explorer(W.VBox if W is not None else object):
         self.table = W.HTML()
         self.inspector = W.HTML()
         self.status = W.HTML()
-        self._canvas_box = W.Box()
+        self._canvas_box = W.Box(layout=W.Layout(flex="0 0 auto"))  # the live canvas keeps its size
         heat = self._canvas_box if interactive else self.heatmap_out
         super().__init__(
             [
                 W.HBox([self.backend_picker, self.output_picker]),
                 self.metric_toggle,
                 self.status,
-                W.HBox([heat, self.histogram_out]),
+                # Side by side where the notebook is wide enough, the histogram below the heatmap where not.
+                W.HBox([heat, self.histogram_out], layout=W.Layout(flex_flow="row wrap")),
                 W.HBox([W.VBox([self.element_picker, self.index_box]), self.inspector]),
                 self.table,
             ]
         )
+        self.add_class("rlx-explorer")  # a handle for pages and tests: the explorer's own box
+        heat.add_class("rlx-heatmap")
         self.backend_picker.observe(self._on_backend, names="value")
         self.output_picker.observe(self._on_output, names="value")
         self.metric_toggle.observe(self._on_metric, names="value")
@@ -301,6 +305,7 @@ class Explorer(W.VBox if W is not None else object):
             output, ax=ax, metric=metric, highlight=backend, title=f"{output}: {backend}'s errors"
         )
         self.histogram_data = [artist.get_data().values for artist in ax.patches]
+        self._histogram_ax = ax
         _show_png(self.histogram_out, _png(ax.figure))
 
     def _on_click(self, event: Any) -> None:

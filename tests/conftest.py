@@ -76,3 +76,41 @@ def demo_report(family: str, backends: tuple[str, ...], *, backward: bool = True
             model, inputs, backends=list(backends), backward=backward, label=family
         )
     return _REPORTS[key]
+
+
+@pytest.fixture(scope="session")
+def executed_notebook(tmp_path_factory):
+    """Execute a walkthrough notebook once per session (nbclient, a real kernel) and return the executed copy.
+
+    ``test_notebooks`` checks each ran without an error; ``test_browser`` opens the same executed copies in
+    JupyterLab to look at their figures, so no notebook is executed twice.
+    """
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    out = tmp_path_factory.mktemp("executed")
+    done: dict[str, object] = {}
+
+    def execute(path):
+        if path.name not in done:
+            nb = nbformat.read(path, as_version=4)
+            client = nbclient.NotebookClient(
+                nb,
+                timeout=900,
+                kernel_name="python3",
+                store_widget_state=True,
+                resources={"metadata": {"path": str(path.parent)}},
+            )
+            try:
+                client.execute()  # raises CellExecutionError on the first failing cell
+            except Exception as error:
+                done[path.name] = error
+                raise
+            target = out / path.name
+            nbformat.write(nb, target)
+            done[path.name] = target
+        result = done[path.name]
+        if isinstance(result, Exception):
+            raise result
+        return result
+
+    return execute

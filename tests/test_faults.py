@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 import rlx_nb
@@ -28,9 +30,10 @@ WHERE = {
 def test_catalogue_has_ten_kinds_each_documented():
     assert len(CATALOGUE) >= 10
     assert set(WHERE) == set(CATALOGUE)
-    doc = __import__("rlx_nb.backends.faults", fromlist=["x"]).__doc__
+    # The catalogue is documented once, in docs/hardening.md (the module docstring links there).
+    doc = (Path(__file__).resolve().parents[1] / "docs" / "hardening.md").read_text()
     for name, fault in CATALOGUE.items():
-        assert f"``{name}``" in doc
+        assert f"| `{name}` |" in doc
         assert len(fault.severities) >= 2
         backend = get_backend(name)
         assert backend.description and not backend.default

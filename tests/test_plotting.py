@@ -189,3 +189,82 @@ def test_report_plot_accessor():
     assert len(report.plot.tolerance_curve().lines) == 3
     with pytest.raises(rlx_nb.RlxError, match="metric must be"):
         report.plot.heatmap(metric="nope")
+
+
+def _clipped_text(fig) -> list[str]:
+    """Every drawn text whose box leaves the figure, or leaves the axes that clip it."""
+    from matplotlib.text import Text
+
+    if not hasattr(fig.canvas, "get_renderer"):  # a bare Figure, as the explorer draws
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+        FigureCanvasAgg(fig)
+    renderer = fig.canvas.get_renderer()
+    fig.draw(renderer)
+    frame = fig.bbox
+    out = []
+    for ax in fig.axes:
+        ax_tight = ax.get_tightbbox(renderer)  # the axes with its drawn tick labels, labels, title, legend
+        if ax_tight is not None and not (
+            frame.x0 - 1 <= ax_tight.x0 and ax_tight.x1 <= frame.x1 + 1 and frame.y0 - 1 <= ax_tight.y0
+            and ax_tight.y1 <= frame.y1 + 1
+        ):  # fmt: skip
+            out.append(f"axes {ax.get_title()!r}: {ax_tight} outside the figure {frame}")
+    for text in fig.findobj(Text):
+        if not text.get_visible() or not text.get_text().strip() or text.axes is None or text not in text.axes.texts:
+            continue  # tick labels and titles are in the axes' tight box above
+        box = text.get_window_extent(renderer)
+        limit = text.axes.bbox if text.get_clip_on() else frame
+        if not (
+            limit.x0 - 1 <= box.x0 and box.x1 <= limit.x1 + 1 and limit.y0 - 1 <= box.y0 and box.y1 <= limit.y1 + 1
+        ):
+            out.append(f"{text.get_text()!r} at {box} outside {limit}")
+    return out
+
+
+@pytest.fixture(scope="module")
+def suspect_report():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.LayerNorm(64), torch.nn.Softmax(-1))
+    return rlx_nb.backend_divergence(
+        model, torch.randn(32, 16), backends=["cpu-nomkldnn", "fault:softmax-row", "fault:layernorm-eps"]
+    )
+
+
+FIGURES = {
+    "heatmap 2-D": lambda r: r.plot.heatmap(),
+    "heatmap budget": lambda r: r.plot.heatmap(metric="budget"),
+    "heatmap round-off": lambda r: r.plot.heatmap("cpu-nomkldnn"),
+    "heatmap 1-D": lambda r: plot_heatmap(np.zeros(300, np.float32), np.linspace(0, 1e-6, 300, dtype=np.float32)),
+    "heatmap a few ulps": lambda r: plot_heatmap(
+        np.ones((40, 40), np.float32), np.full((40, 40), 1 + 1.2e-7, np.float32)
+    ),
+    "histogram": lambda r: r.plot.histogram(),
+    "scatter": lambda r: r.plot.scatter("fault:softmax-row"),
+    "tolerance curve": lambda r: r.plot.tolerance_curve(),
+    "effective bits": lambda r: r.plot.effective_bits(),
+}
+
+
+@pytest.mark.parametrize("name", list(FIGURES))
+def test_no_text_is_cut_off(suspect_report, name):
+    ax = FIGURES[name](suspect_report)
+    assert not _clipped_text(ax.figure)
+
+
+def test_the_explorers_figures_cut_off_no_text(suspect_report):
+    ex = rlx_nb.explore(suspect_report)
+    for _, metric in ex.metric_toggle.options:
+        ex.metric_toggle.value = metric
+        assert not _clipped_text(ex._heatmap_ax.figure), metric
+        assert not _clipped_text(ex._histogram_ax.figure), metric
+    ex.backend_picker.value = "cpu-nomkldnn"
+    assert not _clipped_text(ex._heatmap_ax.figure)
+
+
+def test_the_localization_plot_cuts_off_no_text():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 8))
+    loc = rlx_nb.localize(model, torch.randn(16, 16), backend="fault:layernorm-eps")
+    assert loc.culprit.startswith("1")
+    assert not _clipped_text(loc.plot().figure)
