@@ -14,6 +14,7 @@ from rlx_nb.errors import BackendError, InputError, ReportFormatError, RlxError
 from rlx_nb.localize import Localization, localize
 from rlx_nb.merge import merge_reports
 from rlx_nb.precision import precision_sweep
+from rlx_nb.preparations import clear_preparations, kept_preparations
 from rlx_nb.report import DivergenceReport, load_report
 from rlx_nb.results import RunResults
 from rlx_nb.run import run
@@ -38,8 +39,10 @@ __all__ = [
     "__version__",
     "available_backends",
     "backend_divergence",
+    "clear_preparations",
     "compare",
     "explore",
+    "kept_preparations",
     "load_report",
     "localize",
     "merge_reports",

@@ -129,7 +129,7 @@ def save_results(
             "label": results.label,
             "backward": results.backward,
             "environment": _json_value(dict(results.environment)),
-            "fingerprints": results.fingerprints,
+            "fingerprints": dict(results.fingerprints),
             "rule": rule,
             "tol_rel": tol_rel,
             "records": [dataclasses.asdict(r) for r in records] if records is not None else None,

@@ -9,8 +9,9 @@ saves and loads them, :mod:`rlx_nb.compare` judges them.
 
 from __future__ import annotations
 
+import collections.abc
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -101,6 +102,37 @@ class BackendRun:
     """A failed run's whole error (every line, chained causes, where it was raised); ``message`` is its gist."""
 
 
+class Fingerprints(collections.abc.Mapping):
+    """``inputs`` and ``model`` fingerprints, computed the first time something reads them.
+
+    Nothing in a single-node report reads them; saving, merging and gathering do.  ``compute()``
+    returns the dict (a value is ``None`` when it can no longer be computed, e.g. the inputs were
+    changed in place after the run); it runs once and is then dropped.
+    """
+
+    def __init__(self, values: Mapping[str, str | None] | None = None, compute: Callable[[], dict] | None = None):
+        self._values = dict(values) if values is not None else None
+        self._compute = compute
+
+    def _get(self) -> dict:
+        if self._values is None:
+            self._values = self._compute() if self._compute is not None else {}
+            self._compute = None
+        return self._values
+
+    def __getitem__(self, key: str) -> str | None:
+        return self._get()[key]
+
+    def __iter__(self):
+        return iter(self._get())
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+    def __repr__(self) -> str:
+        return repr(self._get()) if self._values is not None else "Fingerprints(<computed when read>)"
+
+
 @dataclasses.dataclass
 class RunResults:
     """The oracle, the fp64 reference and each candidate's outputs, plus the environment."""
@@ -111,8 +143,9 @@ class RunResults:
     candidates: dict[str, BackendRun]
     backward: bool
     environment: dict[str, Any]
-    fingerprints: dict[str, str] = dataclasses.field(default_factory=dict)
-    """``inputs`` and ``model``: sha256 of the tensors' dtypes, shapes and bytes (nodes must agree on inputs)."""
+    fingerprints: Mapping[str, str | None] = dataclasses.field(default_factory=dict)
+    """``inputs`` and ``model``: sha256 of the tensors' dtypes, shapes and bytes (nodes must agree on inputs);
+    a :class:`Fingerprints` computed only when read (saving, merging, gathering)."""
     anchors: dict[int, BackendRun] = dataclasses.field(default_factory=dict)
     """Runs with matmul/conv operands rounded to 8 and 11 bits: the effective-precision scale."""
     sequential: BackendRun | None = None

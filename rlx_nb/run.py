@@ -14,6 +14,7 @@ import platform
 import re
 import threading
 import time
+import weakref
 import zlib
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -21,10 +22,11 @@ from typing import Any
 import numpy as np
 import torch
 
+from rlx_nb import preparations
 from rlx_nb.backends import ORACLE, REFERENCE, Backend, get_backend, resolve_backends
 from rlx_nb.backends.eager import run_eager
 from rlx_nb.backends.emulated import emulate
-from rlx_nb.backends.notes import collecting
+from rlx_nb.backends.notes import add_note, collecting
 from rlx_nb.errors import InputError, describe_error, error_detail
 from rlx_nb.prepare import (
     PrivateInputs,
@@ -37,7 +39,17 @@ from rlx_nb.prepare import (
 )
 from rlx_nb.progress import bar
 from rlx_nb.reassoc import CountReductions, SequentialSums
-from rlx_nb.results import ERROR, GRAD_PREFIX, OK, SKIPPED, BackendRun, RunResults, nondeterministic, to_leaf
+from rlx_nb.results import (
+    ERROR,
+    GRAD_PREFIX,
+    OK,
+    SKIPPED,
+    BackendRun,
+    Fingerprints,
+    RunResults,
+    nondeterministic,
+    to_leaf,
+)
 from rlx_nb.tree import flatten, map_tensors
 
 ANCHOR_BITS = (8, 11)
@@ -121,19 +133,59 @@ def execute(
     return box[0]
 
 
-def _execute(backend: Backend, base: torch.nn.Module, args: tuple, task: Task, measure_reductions: bool) -> BackendRun:
+def _prepared_run(backend: Backend, base: torch.nn.Module, fresh: tuple, task: Task) -> tuple[Any, Any]:
+    # A backend with a prepare step: reuse the preparation an earlier call made for the same model,
+    # input shapes and settings (rlx_nb.preparations), or make one and keep it.  Returns (model, outputs).
+    k = preparations.key(backend, base, fresh, task.backward)
+    prep = preparations.lookup(k)
+    if prep is not None:
+        for p in prep.model.parameters():
+            p.grad = None
+        for note in prep.notes:
+            add_note(note)
+        add_note(
+            f"reused the preparation an earlier call made {time.time() - prep.made_at:.0f} s ago "
+            f"({prep.seconds:.2f} s to make); rlx_nb.clear_preparations() drops it"
+        )
+        try:
+            return prep.model, prep.runner(fresh)
+        except Exception:
+            preparations.forget(k)  # never reuse a preparation that failed
+            raise
     model = copy.deepcopy(base)
+    if task.backward:
+        _require_grads(model)
+    start = time.perf_counter()
+    with collecting() as made:
+        runner = backend.prepare(model, fresh)
+        out = runner(fresh)
+    for note in made:
+        add_note(note)
+    seconds = time.perf_counter() - start
+    preparations.store(k, preparations.Preparation(backend.name, model, runner, made, seconds, time.time()))
+    return model, out
+
+
+def _require_grads(model: torch.nn.Module) -> None:
+    for p in model.parameters():
+        if p.is_floating_point():
+            p.requires_grad_(True)
+
+
+def _execute(backend: Backend, base: torch.nn.Module, args: tuple, task: Task, measure_reductions: bool) -> BackendRun:
     fresh = fresh_leaves(args)
     start = time.perf_counter()
     sizes = {} if (task.backward and measure_reductions) else None
+    model = None if backend.prepare is not None and sizes is None else copy.deepcopy(base)
     hooks = _record_output_sizes(model, sizes) if sizes is not None else []
     try:
         with collecting() as notes, torch.enable_grad() if task.backward else torch.no_grad():
-            if task.backward:
-                for p in model.parameters():
-                    if p.is_floating_point():
-                        p.requires_grad_(True)
-            out = backend.fn(model, fresh)
+            if model is None:
+                model, out = _prepared_run(backend, base, fresh, task)
+            else:
+                if task.backward:
+                    _require_grads(model)
+                out = backend.fn(model, fresh)
         keep = backend.keeps_outputs_on_device
         outputs = {name: to_leaf(v, keep) for name, v in flatten(out)}
         _remove(hooks)
@@ -325,10 +377,35 @@ def run(
             "nondeterministic": unstable,
             "model_was_training": bool(getattr(model, "training", False)),
         },
-        fingerprints={"inputs": fingerprint(args), "model": fingerprint(dict(base.state_dict()))},
+        fingerprints=Fingerprints(compute=_fingerprints_later(args, model, params)),
         anchors={b: a for b, a in anchors.items() if a.status == OK},
         sequential=sequential if sequential is not None and sequential.status == OK else None,  # grads may be missing
     )
+
+
+def _fingerprints_later(args: tuple, model: Any, params: Mapping[str, torch.Tensor] | None) -> Callable[[], dict]:
+    # The fingerprints hash every input and parameter byte (0.13 s per 200 MB here), and only saving,
+    # merging and gathering read them: hash when read, from the user's own tensors, which is what the
+    # run ran on as long as none was changed in place since (their version counters tell).
+    watched = [t for _, t in flatten((args, dict(params or {}))) if isinstance(t, torch.Tensor)]
+    if isinstance(model, torch.nn.Module):
+        watched += [t for t in (*model.parameters(), *model.buffers())]
+    versions = [t._version for t in watched]
+    model_ref = weakref.ref(model) if isinstance(model, torch.nn.Module) else None
+
+    def compute() -> dict:
+        changed = [t._version for t in watched] != versions
+        user_model = model_ref() if model_ref is not None else None
+        inputs = None if changed else fingerprint(args)
+        if changed or (model_ref is not None and user_model is None):
+            state = None  # changed in place since the run, or the model is gone: the run's bytes are not at hand
+        elif user_model is not None:
+            state = fingerprint({**dict(user_model.state_dict()), **dict(params or {})})
+        else:
+            state = fingerprint(dict(params or {}))
+        return {"inputs": inputs, "model": state}
+
+    return compute
 
 
 def _why(run: BackendRun) -> str:

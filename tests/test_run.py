@@ -105,3 +105,31 @@ def test_user_model_and_inputs_untouched():
     x0, mean0 = x.clone(), model.running_mean.clone()
     rlx_nb.backend_divergence(model, x, backends=["cpu-nomkldnn"])
     assert torch.equal(x, x0) and torch.equal(model.running_mean, mean0) and model.training
+
+
+def test_fingerprints_are_computed_only_when_read(monkeypatch, tmp_path):
+    import sys
+
+    run_module = sys.modules["rlx_nb.run"]  # the package's ``rlx_nb.run`` is the function
+    hashed = []
+    real = run_module.fingerprint
+    monkeypatch.setattr(run_module, "fingerprint", lambda obj: hashed.append(1) or real(obj))
+    torch.manual_seed(0)
+    model, x = torch.nn.Linear(8, 4), torch.randn(3, 8)
+    report = rlx_nb.backend_divergence(model, x, backends=["cpu-nomkldnn"], progress=False)
+    print(report)  # the text, the frames: nothing reads the fingerprints
+    assert len(report.backends) == 1
+    assert hashed == []
+    report.save(tmp_path / "r.rlxnb")  # saving does
+    assert len(hashed) == 2
+    fp = dict(report.results.fingerprints)
+    assert fp["inputs"] == real((x,)) and fp["model"] is not None
+    assert rlx_nb.load_report(tmp_path / "r.rlxnb").results.fingerprints == fp
+
+
+def test_inputs_changed_in_place_after_the_run_have_no_fingerprint():
+    torch.manual_seed(0)
+    model, x = torch.nn.Linear(8, 4), torch.randn(3, 8)
+    report = rlx_nb.backend_divergence(model, x, backends=["cpu-nomkldnn"], progress=False)
+    x.add_(1.0)  # the run's bytes are gone: better no fingerprint than a wrong one
+    assert report.results.fingerprints["inputs"] is None

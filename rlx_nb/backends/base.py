@@ -50,6 +50,10 @@ class Backend:
         Keep the outputs where the backend left them and compute the metrics there
         (:mod:`rlx_nb.device_metrics`), moving only summaries and requested slices to the host.
         ``None`` (default): yes for ``cuda`` and ``xpu`` backends (devices with float64).
+    prepare : callable, optional
+        ``prepare(model, inputs) -> runner``, ``runner(inputs) -> outputs``: the backend's costly step
+        (a compile, an export) apart from running, so :mod:`rlx_nb.preparations` can keep it across
+        calls.  ``fn`` must do the same as ``prepare(model, inputs)(inputs)``.
     """
 
     name: str
@@ -63,6 +67,7 @@ class Backend:
     builtin: bool = False
     hookable: bool = False
     compare_on_device: bool | None = None
+    prepare: Callable[[Any, tuple], Callable[[tuple], Any]] | None = None
 
     @property
     def keeps_outputs_on_device(self) -> bool:

@@ -97,36 +97,66 @@ def _why_not(before: dict[str, int], after: dict[str, int]) -> str:
     return "; dynamo: " + " — ".join(lines[:2]).replace("Explanation: ", "")
 
 
-def compile_and_run(model: Any, inputs: tuple, *, call: Callable[[Any, tuple], Any] | None = None) -> Any:
-    """Compile ``model`` with Inductor (static shapes) in a fresh cache region, run it, check it compiled.
+def prepare_compiled(model: Any, inputs: tuple, *, call: Callable[[Any, tuple], Any] | None = None) -> Callable:
+    """Compile ``model`` with Inductor (static shapes) in a fresh cache region; return ``runner(inputs)``.
 
-    ``call(compiled, inputs)`` runs the compiled model (default: ``compiled(*inputs)``).  Raises
-    :class:`NotCompiledError` when no compiled code ran, even after resetting dynamo's caches.
+    The runner checks on every call that compiled code ran (a reused compile included): on the first
+    call, when none did, dynamo's caches are reset and the model compiled once more; if still none ran,
+    or none runs on a later call, it raises :class:`NotCompiledError`.  ``call(compiled, inputs)`` runs
+    the compiled model (default: ``compiled(*inputs)``).
     """
     call = call or (lambda compiled, xs: compiled(*xs))
-    for attempt in range(2):
-        if attempt or not _ISOLATES:
+    state: dict[str, Any] = {"first": True}
+
+    def build(reset: bool) -> None:
+        if reset or not _ISOLATES:
             torch._dynamo.reset()  # a torch without isolated regions, or a retry: start from empty caches
         counter = CountingInductor()
         options: dict[str, Any] = {"backend": counter, "dynamic": False}
         if _ISOLATES:
             options["isolate_recompiles"] = True
-        compiled = torch.compile(model, **options)
-        breaks, untraced = _dynamo_counts()
-        with torch._dynamo.config.patch(accumulated_recompile_limit=_ACCUMULATED_LIMIT):
-            out = call(compiled, inputs)
-        after, untraced_after = _dynamo_counts()
-        breaks = after - breaks
-        if counter.calls:
-            note = f"torch.compile: {counter.graphs} graph(s) compiled, {counter.calls} compiled call(s) ran"
-            if breaks:
-                note += f"; {breaks} graph break(s): the code between graphs ran eagerly, as it does in real use"
-            add_note(note + ("; dynamo's caches were reset to compile it" if attempt else ""))
-            return out
-    raise NotCompiledError(
-        f"torch.compile ran no compiled code for this model ({counter.graphs} graph(s) compiled, {breaks} graph "
-        f"break(s)): the run was eager, so it is not reported as a compiled backend{_why_not(untraced, untraced_after)}"
-    )
+        state.update(counter=counter, compiled=torch.compile(model, **options), reset=reset)
+
+    def runner(xs: tuple) -> Any:
+        attempts = 2 if state["first"] else 1
+        for attempt in range(attempts):
+            counter = state["counter"]
+            graphs, calls = counter.graphs, counter.calls
+            breaks, untraced = _dynamo_counts()
+            with torch._dynamo.config.patch(accumulated_recompile_limit=_ACCUMULATED_LIMIT):
+                out = call(state["compiled"], xs)
+            after, untraced_after = _dynamo_counts()
+            breaks = after - breaks
+            if counter.calls > calls:
+                state["first"] = False
+                if counter.graphs > graphs:
+                    note = f"torch.compile: {counter.graphs - graphs} graph(s) compiled"
+                else:
+                    note = f"torch.compile: reused {counter.graphs} compiled graph(s)"
+                note += f", {counter.calls - calls} compiled call(s) ran"
+                if breaks:
+                    note += f"; {breaks} graph break(s): the code between graphs ran eagerly, as it does in real use"
+                add_note(note + ("; dynamo's caches were reset to compile it" if state["reset"] else ""))
+                return out
+            if attempt + 1 < attempts:
+                build(reset=True)
+        raise NotCompiledError(
+            f"torch.compile ran no compiled code for this model ({counter.graphs} graph(s) compiled, {breaks} "
+            f"graph break(s)): the run was eager, so it is not reported as a compiled backend"
+            f"{_why_not(untraced, untraced_after)}"
+        )
+
+    build(reset=False)
+    return runner
+
+
+def compile_and_run(model: Any, inputs: tuple, *, call: Callable[[Any, tuple], Any] | None = None) -> Any:
+    """Compile ``model`` with Inductor in a fresh cache region, run it once, check it compiled.
+
+    Raises :class:`NotCompiledError` when no compiled code ran, even after resetting dynamo's caches;
+    see :func:`prepare_compiled`.
+    """
+    return prepare_compiled(model, inputs, call=call)(inputs)
 
 
 def run_inductor(model: Any, inputs: tuple) -> Any:
@@ -138,11 +168,20 @@ def run_inductor(model: Any, inputs: tuple) -> Any:
     return compile_and_run(model, inputs)
 
 
-def run_cuda_inductor(model: Any, inputs: tuple) -> Any:
-    """Move to CUDA, compile with Inductor, run with TF32 off."""
+def _cuda(model: Any) -> Any:
     if isinstance(model, torch.nn.Module):
         model.to("cuda")
-    return compile_and_run(model, inputs, call=on_device("cuda"))
+    return model
+
+
+def prepare_cuda_inductor(model: Any, inputs: tuple) -> Callable:
+    """Move to CUDA and compile with Inductor; the runner runs with TF32 off."""
+    return prepare_compiled(_cuda(model), inputs, call=on_device("cuda"))
+
+
+def run_cuda_inductor(model: Any, inputs: tuple) -> Any:
+    """Move to CUDA, compile with Inductor, run with TF32 off."""
+    return prepare_cuda_inductor(model, inputs)(inputs)
 
 
 BACKENDS = [
@@ -150,12 +189,14 @@ BACKENDS = [
         "cpu-inductor",
         run_inductor,
         probe=compiler_reason,
+        prepare=prepare_compiled,
         description="torch.compile (Inductor) on the CPU",
         builtin=True,
     ),
     Backend(
         "cuda-inductor",
         run_cuda_inductor,
+        prepare=prepare_cuda_inductor,
         device="cuda",
         probe=lambda: device_reason("cuda"),
         description="torch.compile (Inductor) on CUDA, TF32 off",

@@ -86,11 +86,12 @@ def _export(wrapper: torch.nn.Module, inputs: tuple, names: list[str]) -> io.Byt
             ) from None
 
 
-def run_onnxruntime(model: Any, inputs: tuple) -> Any:
-    """Export to ONNX (TorchScript exporter, falling back to the dynamo one) and run with ORT.
+def prepare_onnxruntime(model: Any, inputs: tuple) -> Any:
+    """Export to ONNX (TorchScript exporter, falling back to the dynamo one) and open an ORT session.
 
-    Returns a dict of named leaves in the same order and with the same names
-    as the model's own outputs flatten to, so it compares one to one.
+    Returns ``runner(inputs)``, which runs the session on new inputs of the same shapes and returns a
+    dict of named leaves in the same order and with the same names as the model's own outputs flatten
+    to, so it compares one to one.
     """
     import onnxruntime as ort
 
@@ -103,16 +104,27 @@ def run_onnxruntime(model: Any, inputs: tuple) -> Any:
     options = ort.SessionOptions()
     options.log_severity_level = 3
     session = ort.InferenceSession(buf.getvalue(), options, providers=["CPUExecutionProvider"])
-    by_name = dict(zip(names, inputs, strict=True))
-    feeds = {i.name: by_name[i.name].detach().cpu().numpy() for i in session.get_inputs()}
-    results = session.run(None, feeds)
-    return _unflatten(wrapper.leaves, [torch.from_numpy(r) for r in results])
+    leaves = list(wrapper.leaves)
+    wanted = [i.name for i in session.get_inputs()]
+
+    def runner(xs: tuple) -> Any:
+        by_name = dict(zip(names, xs, strict=True))
+        results = session.run(None, {n: by_name[n].detach().cpu().numpy() for n in wanted})
+        return _unflatten(leaves, [torch.from_numpy(r) for r in results])
+
+    return runner
+
+
+def run_onnxruntime(model: Any, inputs: tuple) -> Any:
+    """Export to ONNX and run with ORT once; see :func:`prepare_onnxruntime`."""
+    return prepare_onnxruntime(model, inputs)(inputs)
 
 
 BACKENDS = [
     Backend(
         "onnxruntime",
         run_onnxruntime,
+        prepare=prepare_onnxruntime,
         differentiable=False,
         probe=onnxruntime_reason,
         description="torch.onnx.export + ONNX Runtime CPU provider (forward only)",

@@ -23,7 +23,7 @@ def openvino_reason() -> str | None:
     return None
 
 
-def _run(model: Any, inputs: tuple, config: dict[str, str]) -> Any:
+def _prepare(model: Any, inputs: tuple, config: dict[str, str]) -> Any:
     import openvino as ov
 
     for i, x in enumerate(inputs):
@@ -34,9 +34,13 @@ def _run(model: Any, inputs: tuple, config: dict[str, str]) -> Any:
         wrapper(*inputs)  # records the output names and non-tensor leaves
         converted = _convert(ov, wrapper, inputs)
     compiled = ov.Core().compile_model(converted, "CPU", config)
-    result = compiled([x.detach().cpu().numpy() for x in inputs])
-    tensors = [torch.from_numpy(result[out].copy()) for out in compiled.outputs]
-    return _unflatten(wrapper.leaves, tensors)
+    leaves = list(wrapper.leaves)
+
+    def runner(xs: tuple) -> Any:
+        result = compiled([x.detach().cpu().numpy() for x in xs])
+        return _unflatten(leaves, [torch.from_numpy(result[out].copy()) for out in compiled.outputs])
+
+    return runner
 
 
 def _convert(ov: Any, wrapper: torch.nn.Module, inputs: tuple) -> Any:
@@ -67,20 +71,31 @@ def _convert(ov: Any, wrapper: torch.nn.Module, inputs: tuple) -> Any:
     return converted
 
 
+def prepare_openvino_f32(model: Any, inputs: tuple) -> Any:
+    """Convert and compile for the OpenVINO CPU plugin with ``INFERENCE_PRECISION_HINT=f32``."""
+    return _prepare(model, inputs, {"INFERENCE_PRECISION_HINT": "f32"})
+
+
+def prepare_openvino_default(model: Any, inputs: tuple) -> Any:
+    """Convert and compile for the OpenVINO CPU plugin with its own default settings."""
+    return _prepare(model, inputs, {})
+
+
 def run_openvino_f32(model: Any, inputs: tuple) -> Any:
     """OpenVINO CPU plugin with ``INFERENCE_PRECISION_HINT=f32``: a true fp32 backend."""
-    return _run(model, inputs, {"INFERENCE_PRECISION_HINT": "f32"})
+    return prepare_openvino_f32(model, inputs)(inputs)
 
 
 def run_openvino_default(model: Any, inputs: tuple) -> Any:
     """OpenVINO CPU plugin with its own default settings (whatever precision it picks on this CPU)."""
-    return _run(model, inputs, {})
+    return prepare_openvino_default(model, inputs)(inputs)
 
 
 BACKENDS = [
     Backend(
         "openvino",
         run_openvino_f32,
+        prepare=prepare_openvino_f32,
         differentiable=False,
         probe=openvino_reason,
         builtin=True,
@@ -89,6 +104,7 @@ BACKENDS = [
     Backend(
         "openvino-default",
         run_openvino_default,
+        prepare=prepare_openvino_default,
         differentiable=False,
         probe=openvino_reason,
         default=False,

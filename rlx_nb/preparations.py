@@ -1,0 +1,194 @@
+"""Preparations kept across calls: a compile, an ONNX export, an OpenVINO conversion is made once.
+
+A backend with a ``prepare`` step (``Backend.prepare(model, inputs) -> runner``; the built-in
+``cpu-inductor``, ``cuda-inductor``, ``onnxruntime``, ``openvino`` and ``openvino-default`` have one)
+pays its compile or export on the first call only.  A later call — a re-run cell, a check on new
+input values, every check ``localize`` makes of the same module — reuses the preparation when all of
+these are the same:
+
+- the backend (its registration) and the global settings that change what it computes (float32
+  matmul precision, TF32 and oneDNN switches, deterministic algorithms, thread count);
+- the model's structure: every module's class and name, its plain attributes (an ``eps``, a flag), its
+  hooks; every parameter's, buffer's and tensor attribute's name, dtype, shape **and values** (a hash);
+- the inputs' structure, shapes, dtypes, devices and which require gradients (not their values);
+- forward only, or forward and backward.
+
+Anything else a model's forward reads (a global, a closure of a plain callable) is not seen: call
+:func:`clear_preparations` after changing such state.  A reused compile is still checked on every
+call: compiled code must run (:mod:`rlx_nb.backends.compiled`), or the run is an error row, never an
+eager run under a compiled name.  The run's notes say when a preparation was reused.  At most
+:data:`MAX_ENTRIES` are kept, least recently used first out.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import threading
+import time
+import types
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from rlx_nb.tree import flatten
+
+MAX_ENTRIES = 8
+"""Preparations kept at once; each holds a copy of the model and its compiled or exported form."""
+
+_PLAIN = (bool, int, float, complex, str, bytes, type(None), torch.dtype, torch.device)
+_SKIP_ATTRS = {"_parameters", "_buffers", "_modules", "training", "_compiled_call_impl"}
+
+
+@dataclasses.dataclass
+class Preparation:
+    """One kept preparation: the model copy it was made for and the runner that runs it."""
+
+    backend: str
+    model: Any
+    runner: Callable[[tuple], Any]
+    notes: list[str]
+    seconds: float
+    made_at: float
+    uses: int = 0
+
+
+_CACHE: collections.OrderedDict[tuple, Preparation] = collections.OrderedDict()
+_LOCK = threading.Lock()
+
+
+def _tensor_key(t: torch.Tensor) -> tuple:
+    d = t.detach()
+    h = hashlib.blake2b(digest_size=16)
+    if d.numel():
+        c = d.to("cpu").contiguous()
+        h.update(memoryview(c.reshape(-1).view(torch.uint8).numpy()))
+    return (str(d.dtype), tuple(d.shape), str(d.device), d.requires_grad, h.hexdigest())
+
+
+def _value_key(v: Any, depth: int = 0) -> Any:
+    # Equal for equal values, also across deep copies: plain values and tensors by value, containers
+    # item by item, functions and classes by identity (a deep copy keeps them), other objects by their
+    # attributes (a few levels deep, then by type).
+    if isinstance(v, _PLAIN):
+        return (type(v), v)
+    if isinstance(v, torch.Tensor):
+        return _tensor_key(v)
+    if depth > 3:
+        return (type(v),)
+    if isinstance(v, (tuple, list)):
+        return (type(v), tuple(_value_key(x, depth + 1) for x in v))
+    if isinstance(v, (set, frozenset)):
+        return (type(v), tuple(sorted(repr(_value_key(x, depth + 1)) for x in v)))
+    if isinstance(v, dict):
+        return (dict, tuple(sorted((repr(k), repr(_value_key(x, depth + 1))) for k, x in v.items())))
+    if isinstance(v, (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType)):
+        return (type(v), id(v))  # deep copies share these; the cache keeps them alive, so ids stay unique
+    if hasattr(v, "__dict__"):
+        return (type(v), _value_key(vars(v), depth + 1))
+    return (type(v),)
+
+
+def model_key(model: Any) -> tuple:
+    """What a preparation depends on in ``model``: structure, plain attributes, hooks, tensor values."""
+    if not isinstance(model, torch.nn.Module):
+        return (type(model), id(model))
+    parts: list[Any] = []
+    for name, module in model.named_modules(remove_duplicate=False):
+        attrs = tuple(
+            sorted(
+                (k, _value_key(v))
+                for k, v in vars(module).items()
+                if k not in _SKIP_ATTRS and not (k.startswith("_") and k.endswith("_hooks"))
+            )
+        )
+        hooks = tuple(
+            (k, tuple(id(h) for h in v.values()))
+            for k, v in vars(module).items()
+            if k.endswith("_hooks") and isinstance(v, dict) and v
+        )
+        parts.append((name, type(module), attrs, hooks))
+    for name, t in (*model.named_parameters(remove_duplicate=False), *model.named_buffers(remove_duplicate=False)):
+        parts.append((name, _tensor_key(t)))
+    return tuple(parts)
+
+
+def inputs_key(args: tuple) -> tuple:
+    """The inputs' structure, shapes, dtypes, devices and gradient flags (not their values)."""
+    key = []
+    for name, leaf in flatten(args):
+        if isinstance(leaf, torch.Tensor):
+            key.append((name, str(leaf.dtype), tuple(leaf.shape), str(leaf.device), leaf.requires_grad))
+        else:
+            key.append((name, _value_key(leaf)))
+    return tuple(key)
+
+
+def settings_key() -> tuple:
+    """The global switches that change what a compiled or exported model computes."""
+    return (
+        torch.__version__,
+        torch.get_float32_matmul_precision(),
+        torch.backends.cuda.matmul.allow_tf32,
+        torch.backends.cudnn.allow_tf32,
+        torch.backends.mkldnn.enabled,
+        torch.are_deterministic_algorithms_enabled(),
+        torch.get_num_threads(),
+    )
+
+
+def key(backend: Any, model: Any, args: tuple, backward: bool) -> tuple:
+    """The cache key of one preparation."""
+    return (backend, settings_key(), model_key(model), inputs_key(args), bool(backward))
+
+
+def lookup(k: tuple) -> Preparation | None:
+    with _LOCK:
+        found = _CACHE.get(k)
+        if found is not None:
+            _CACHE.move_to_end(k)
+            found.uses += 1
+        return found
+
+
+def store(k: tuple, prep: Preparation) -> None:
+    with _LOCK:
+        _CACHE[k] = prep
+        _CACHE.move_to_end(k)
+        while len(_CACHE) > MAX_ENTRIES:
+            _CACHE.popitem(last=False)
+
+
+def forget(k: tuple) -> None:
+    with _LOCK:
+        _CACHE.pop(k, None)
+
+
+def clear_preparations() -> int:
+    """Drop every kept preparation (compiles, exports, conversions); returns how many there were.
+
+    Examples
+    --------
+    >>> import rlx_nb
+    >>> rlx_nb.clear_preparations() >= 0
+    True
+    """
+    with _LOCK:
+        n = len(_CACHE)
+        _CACHE.clear()
+    return n
+
+
+def kept_preparations() -> list[dict[str, Any]]:
+    """The kept preparations, oldest first: backend, seconds it took, uses since, age in seconds."""
+    now = time.time()
+    with _LOCK:
+        return [
+            {"backend": p.backend, "seconds": p.seconds, "reuses": p.uses, "age_s": now - p.made_at}
+            for p in _CACHE.values()
+        ]
+
+
+__all__ = ["MAX_ENTRIES", "Preparation", "clear_preparations", "kept_preparations"]

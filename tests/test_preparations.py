@@ -1,0 +1,122 @@
+"""Preparations (compiles, exports, conversions) are made once and reused only when nothing they depend on changed."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import rlx_nb
+from rlx_nb import preparations
+from tests.conftest import require_live
+
+
+class _Net(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 32)
+        self.norm = torch.nn.LayerNorm(32)
+        self.head = torch.nn.Linear(32, 4)
+
+    def forward(self, x):
+        return self.head(torch.nn.functional.gelu(self.norm(self.fc(x))))
+
+
+@pytest.fixture
+def net():
+    rlx_nb.clear_preparations()
+    torch.manual_seed(0)
+    yield _Net(), torch.randn(8, 16)
+    rlx_nb.clear_preparations()
+
+
+def _notes(report, backend: str) -> str:
+    return " ".join(report.backends_detail.set_index("backend").loc[backend, ["note"]].astype(str))
+
+
+def _verdict(report, backend: str) -> str:
+    return report.backends.set_index("backend").loc[backend, "verdict"]
+
+
+def _out(report, backend: str) -> np.ndarray:
+    return report.arrays(backend, "out")[1]
+
+
+@pytest.mark.parametrize("backend", ["cpu-inductor", "onnxruntime", "openvino"])
+def test_a_repeated_call_reuses_the_preparation_and_gives_the_same_numbers(net, backend):
+    require_live(backend)
+    model, x = net
+    first = rlx_nb.backend_divergence(model, x, backends=[backend], progress=False)
+    again = rlx_nb.backend_divergence(model, x, backends=[backend], progress=False)
+    (kept,) = rlx_nb.kept_preparations()
+    assert kept["backend"] == backend and kept["reuses"] == 1
+    assert "reused the preparation" in _notes(again, backend) and "reused" not in _notes(first, backend)
+    np.testing.assert_array_equal(_out(first, backend), _out(again, backend))
+    # New input values, same shapes: the same preparation runs them, and its numbers are the new ones.
+    moved = rlx_nb.backend_divergence(model, x + 1, backends=[backend], progress=False)
+    assert rlx_nb.kept_preparations()[0]["reuses"] == 2
+    assert _verdict(moved, backend) == "round-off"
+    assert not np.allclose(_out(moved, backend), _out(first, backend))
+
+
+def test_a_reused_compile_is_still_checked_to_have_compiled(net):
+    require_live("cpu-inductor")
+    model, x = net
+    rlx_nb.backend_divergence(model, x, backends=["cpu-inductor"], progress=False)
+    for _ in range(3):
+        again = rlx_nb.backend_divergence(model, x, backends=["cpu-inductor"], progress=False)
+        assert "torch.compile: reused 1 compiled graph(s), 1 compiled call(s) ran" in _notes(again, "cpu-inductor")
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        pytest.param(lambda m: m.fc.weight.data.mul_(1.5), id="a weight, in place"),
+        pytest.param(lambda m: setattr(m.norm, "eps", 1e-2), id="a plain attribute"),
+        pytest.param(lambda m: setattr(m, "head", torch.nn.Linear(32, 4)), id="a submodule"),
+    ],
+)
+def test_any_change_to_the_model_makes_a_new_preparation(net, change):
+    require_live("onnxruntime")  # its weights are baked into the export: a stale one would be wrong
+    model, x = net
+    rlx_nb.backend_divergence(model, x, backends=["onnxruntime"], progress=False)
+    change(model)
+    after = rlx_nb.backend_divergence(model, x, backends=["onnxruntime"], progress=False)
+    assert [p["reuses"] for p in rlx_nb.kept_preparations()] == [0, 0]
+    assert _verdict(after, "onnxruntime") == "round-off"  # the new model's numbers, not the old export's
+    assert "reused" not in _notes(after, "onnxruntime")
+
+
+def test_backward_through_a_reused_compile_does_not_accumulate_gradients(net):
+    require_live("cpu-inductor")
+    model, x = net
+    runs = [rlx_nb.backend_divergence(model, x, backends=["cpu-inductor"], backward=True, progress=False) for _ in "ab"]
+    assert rlx_nb.kept_preparations()[0]["reuses"] == 1
+    for name in ("grad:fc.weight", "grad:head.bias"):
+        first, second = (r.arrays("cpu-inductor", name)[1] for r in runs)
+        np.testing.assert_array_equal(first, second)
+    assert _verdict(runs[1], "cpu-inductor") == "round-off"
+
+
+def test_at_most_max_entries_are_kept_and_clearing_drops_them(net, monkeypatch):
+    require_live("onnxruntime")
+    monkeypatch.setattr(preparations, "MAX_ENTRIES", 2)
+    model, _ = net
+    for batch in (1, 2, 3):
+        rlx_nb.backend_divergence(model, torch.randn(batch, 16), backends=["onnxruntime"], progress=False)
+    assert len(rlx_nb.kept_preparations()) == 2
+    assert rlx_nb.clear_preparations() == 2 and rlx_nb.kept_preparations() == []
+
+
+def test_keys_see_values_not_identities():
+    torch.manual_seed(0)
+    model = _Net()
+    import copy
+
+    assert preparations.model_key(copy.deepcopy(model)) == preparations.model_key(copy.deepcopy(model))
+    other = copy.deepcopy(model)
+    other.norm.weight.data[0] += 1e-7
+    assert preparations.model_key(other) != preparations.model_key(model)
+    x = torch.randn(4, 16)
+    assert preparations.inputs_key((x,)) == preparations.inputs_key((x + 1,))
+    assert preparations.inputs_key((x,)) != preparations.inputs_key((x.double(),))
