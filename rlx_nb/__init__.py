@@ -6,6 +6,7 @@ this machine, and judge each backend's gap against a float64 reference.
 
 from __future__ import annotations
 
+from rlx_nb import _warmup
 from rlx_nb._version import __version__
 from rlx_nb.api import backend_divergence, report_backend_divergence
 from rlx_nb.backends import available_backends, register_backend, unregister_backend
@@ -18,6 +19,8 @@ from rlx_nb.preparations import clear_preparations, kept_preparations
 from rlx_nb.report import DivergenceReport, load_report
 from rlx_nb.results import RunResults
 from rlx_nb.run import run
+
+_warmup.start()  # torch._dynamo and the numba kernels load in the background (rlx_nb/_warmup.py)
 
 
 def explore(report, **kwargs):

@@ -72,11 +72,22 @@ def sample_allowance(n: int, samples: int = 1) -> float:
     return math.sqrt(n / _chi2_quantile(n, p))
 
 
+WILSON_HILFERTY_DOF = 1000
+"""Above this many degrees of freedom the chi-square quantile comes from the Wilson-Hilferty cube-root
+normal approximation (relative error under 2e-6 there, 1e-6 in the allowance): the exact series needs
+about sqrt(dof) terms per step, which took 3.6 s at 5e7 elements on a first call."""
+
+
 @functools.lru_cache(maxsize=4096)
 def _chi2_quantile(dof: int, p: float) -> float:
-    # Bisection on the regularized lower incomplete gamma function P(dof/2, x/2).
+    if dof > WILSON_HILFERTY_DOF:
+        z = statistics.NormalDist().inv_cdf(p)
+        h = 2.0 / (9.0 * dof)
+        return dof * (1.0 - h + z * math.sqrt(h)) ** 3
+    # Bisection on the regularized lower incomplete gamma function P(dof/2, x/2); 100 halvings of the
+    # bracket reach double precision.
     lo, hi = 0.0, max(10.0, 4.0 * dof)
-    for _ in range(200):
+    for _ in range(100):
         mid = 0.5 * (lo + hi)
         if _gamma_p(0.5 * dof, 0.5 * mid) < p:
             lo = mid

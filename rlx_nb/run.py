@@ -289,6 +289,17 @@ def environment() -> dict[str, Any]:
     return env
 
 
+def _setup(model: Any, inputs: Any, params: Any, backward: bool, loss: Any) -> tuple[tuple, torch.nn.Module, Task]:
+    # The inputs as positional arguments, the model's private copy and what each run does.
+    args, keys = normalize_inputs(inputs)
+    base = prepare_model(model, params, keys)
+    input_names = keys or [f"input[{i}]" for i in range(len(args))]
+    grad_inputs = [i for i, x in enumerate(args) if isinstance(x, torch.Tensor) and x.requires_grad]
+    if grad_inputs and not backward:
+        args = map_tensors(lambda t: t.detach(), args)
+    return args, base, Task(backward, loss, tuple(grad_inputs), tuple(input_names))
+
+
 def run(
     model: Any,
     inputs: Any,
@@ -314,13 +325,7 @@ def run(
     says so instead of blaming a backend).
     """
     candidates = resolve_backends(backends)
-    args, keys = normalize_inputs(inputs)
-    base = prepare_model(model, params, keys)
-    input_names = keys or [f"input[{i}]" for i in range(len(args))]
-    grad_inputs = [i for i, x in enumerate(args) if isinstance(x, torch.Tensor) and x.requires_grad]
-    if grad_inputs and not backward:
-        args = map_tensors(lambda t: t.detach(), args)
-    task = Task(backward, loss, tuple(grad_inputs), tuple(input_names))
+    args, base, task = _setup(model, inputs, params, backward, loss)
 
     say = progress if callable(progress) else (lambda _: None)
     inputs_ = PrivateInputs(args)
@@ -358,6 +363,14 @@ def run(
         for bits in ANCHOR_BITS:
             anchor = Backend(f"anchor:{bits}", emulate(bits, results=True), hookable=True)
             anchors[bits] = go(anchor, timeout_s=timeout_s)
+    extra = ["fp64 reference: every verdict's yardstick"]
+    if check_determinism:
+        extra.append("oracle, again: the model's own nondeterminism (check_determinism=True)")
+    if sequential is not None:
+        extra.append(f"sequential sums: a second legitimate error ({counter.calls} reductions whose order may change)")
+    if anchors:
+        extra.append(f"precision anchors ({', '.join(f'{b} bits' for b in anchors)}): effective precision, "
+                     f"for {counter.matmuls} matmul/conv calls")  # fmt: skip
     runs = {}
     with bar("rlx_nb backends", total=len(candidates), unit="backend", enabled=progress is not False) as shown:
         for backend in candidates:
@@ -375,6 +388,7 @@ def run(
             **environment(),
             **({"sequential_failed": failed} if failed else {}),
             "nondeterministic": unstable,
+            "extra_runs": extra,
             "model_was_training": bool(getattr(model, "training", False)),
         },
         fingerprints=Fingerprints(compute=_fingerprints_later(args, model, params)),

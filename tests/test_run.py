@@ -133,3 +133,15 @@ def test_inputs_changed_in_place_after_the_run_have_no_fingerprint():
     report = rlx_nb.backend_divergence(model, x, backends=["cpu-nomkldnn"], progress=False)
     x.add_(1.0)  # the run's bytes are gone: better no fingerprint than a wrong one
     assert report.results.fingerprints["inputs"] is None
+
+
+def test_the_report_says_which_extra_runs_were_made_and_why():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
+    extra = rlx_nb.backend_divergence(model, torch.randn(4, 8), backends=["cpu-nomkldnn"], progress=False)
+    runs = extra.results.environment["extra_runs"]
+    assert runs[0].startswith("fp64 reference") and any(r.startswith("oracle, again") for r in runs)
+    assert any(r.startswith("precision anchors (8 bits, 11 bits)") for r in runs)  # a matmul: anchors ran
+    plain = rlx_nb.backend_divergence(torch.nn.GELU(), torch.randn(4, 8), backends=["cpu-nomkldnn"], progress=False,
+                                      check_determinism=False)  # fmt: skip
+    assert plain.results.environment["extra_runs"] == ["fp64 reference: every verdict's yardstick"]
