@@ -36,6 +36,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/metrics_speed.py
 	$(BIN)/python bench/heatmap_speed.py
 	$(BIN)/python bench/end_to_end.py
+	$(BIN)/python bench/notebook_speed.py
 	$(BIN)/python bench/report_memory.py
 	$(BIN)/python bench/growth.py
 	$(BIN)/python bench/gather_speed.py
