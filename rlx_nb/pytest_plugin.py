@@ -1,0 +1,42 @@
+"""The pytest plugin: ``--rlx-nb-report-dir DIR`` keeps the report of every failing backend check.
+
+Installed with rlx_nb (the ``pytest11`` entry point ``rlx_nb``); it does nothing unless the option
+is given, and imports neither rlx_nb nor torch (a project's other tests do not pay for them).  Each
+test's failing :func:`rlx_nb.testing.assert_backends_agree` saves its report as
+``DIR/<test id>--<label>.rlxnb``.  ``-p no:rlx_nb`` turns the plugin off.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+STATE: dict[str, object] = {"report_dir": None, "test": None}
+"""What :mod:`rlx_nb.testing` reads: the report directory and the running test's id."""
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("rlx_nb", "rlx_nb backend-divergence checks")
+    group.addoption(
+        "--rlx-nb-report-dir",
+        metavar="DIR",
+        default=None,
+        help="save the report of every failing rlx_nb.testing.assert_backends_agree in DIR",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    where = config.getoption("--rlx-nb-report-dir", default=None)
+    if where:
+        Path(where).mkdir(parents=True, exist_ok=True)
+        STATE["report_dir"] = Path(where).resolve()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    STATE["test"] = item.nodeid
+    try:
+        yield
+    finally:
+        STATE["test"] = None

@@ -1,0 +1,107 @@
+"""Backend agreement as a test assertion, in the ``torch.testing`` style.
+
+:func:`assert_backends_agree` runs :func:`rlx_nb.backend_divergence` and raises ``AssertionError``
+when a backend is SUSPECT (or, unless ``allow_errors``, when a backend you named could not run).
+The message is the seed's report lines and where the failing report was saved, so a CI log says
+what diverged and the report can be opened later (``rlx_nb.load_report``, ``rlx-nb show``-style
+notebooks, the explorer).
+
+Under pytest, the ``rlx_nb`` plugin (installed with the package) adds ``--rlx-nb-report-dir DIR``:
+every failing check saves its report there, named after the test.  Without the option and without
+``report_dir``, nothing is written.
+
+Examples
+--------
+>>> import torch
+>>> from rlx_nb.testing import assert_backends_agree
+>>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+>>> report = assert_backends_agree(model, torch.randn(4, 8), backends=["cpu-nomkldnn"])
+>>> report.suspects
+[]
+"""
+
+from __future__ import annotations
+
+import re
+import sys
+from pathlib import Path
+from typing import Any
+
+from rlx_nb.api import backend_divergence
+from rlx_nb.errors import InputError
+from rlx_nb.report import DivergenceReport
+
+REPORT_DIR: Path | None = None
+"""Where failing checks save their reports when ``report_dir`` is not given; else the pytest plugin's
+``--rlx-nb-report-dir``."""
+
+
+def _plugin_state(key: str) -> Any:
+    plugin = sys.modules.get("rlx_nb.pytest_plugin")
+    return plugin.STATE.get(key) if plugin is not None else None
+
+
+def _file_name(label: str) -> str:
+    test = _plugin_state("test")
+    stem = f"{test}--{label}" if test else label
+    return (re.sub(r"[^A-Za-z0-9_.+-]+", "_", stem).strip("_")[:180] or "report") + ".rlxnb"
+
+
+def assert_backends_agree(
+    model: Any,
+    inputs: Any,
+    *,
+    backends: Any = None,
+    backward: bool = False,
+    allow_errors: bool = False,
+    report_dir: str | Path | None = None,
+    msg: str | None = None,
+    **kwargs: Any,
+) -> DivergenceReport:
+    """Assert every backend's divergence from the CPU oracle is round-off; return the report.
+
+    Parameters
+    ----------
+    model, inputs, backends, backward
+        As for :func:`rlx_nb.backend_divergence`; other keyword arguments go there too.
+    allow_errors : bool
+        Pass even when a backend could not run (an ``error`` row).  By default a backend named in
+        ``backends`` that fails is a failure; with ``backends=None`` (every live default backend)
+        error rows never fail the check, as a backend that is absent is not a divergence.
+    report_dir : str or Path, optional
+        Save the report of a failing check there (default: :data:`REPORT_DIR`, which the pytest
+        plugin's ``--rlx-nb-report-dir`` sets).
+    msg : str, optional
+        A first line for the failure message.
+
+    Raises
+    ------
+    AssertionError
+        With the seed's report lines, the failing backends and where the report was saved.
+    """
+    if not isinstance(allow_errors, bool):
+        raise InputError(f"allow_errors must be True or False, got {allow_errors!r}")
+    kwargs.setdefault("progress", False)
+    report = backend_divergence(model, inputs, backends=backends, backward=backward, **kwargs)
+    suspects = report.suspects
+    errors = [] if (allow_errors or backends is None) else report.errors
+    if not suspects and not errors:
+        return report
+    lines = [msg] if msg else []
+    what = []
+    if suspects:
+        what.append(f"SUSPECT: {', '.join(suspects)}")
+    if errors:
+        what.append(f"failed to run: {', '.join(errors)}")
+    lines.append(f"backends disagree with the CPU oracle beyond round-off ({'; '.join(what)})")
+    lines += report.lines()
+    target = report_dir if report_dir is not None else REPORT_DIR or _plugin_state("report_dir")
+    if target is not None:
+        path = report.save(Path(target) / _file_name(report.label))
+        lines.append(f"report saved to {path} (rlx_nb.load_report({str(path)!r}), then rlx_nb.explore(report))")
+    else:
+        lines.append("report not saved: pass report_dir=, or run pytest with --rlx-nb-report-dir DIR")
+    raise AssertionError("\n".join(lines))
+
+
+__all__ = ["REPORT_DIR", "assert_backends_agree"]

@@ -1,0 +1,76 @@
+"""rlx_nb.testing.assert_backends_agree and the pytest plugin that keeps failing reports."""
+
+from __future__ import annotations
+
+import textwrap
+
+import pytest
+import torch
+
+import rlx_nb
+from rlx_nb.testing import assert_backends_agree
+
+pytest_plugins = ["pytester"]
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU()), torch.randn(8, 16)
+
+
+def test_round_off_passes_and_returns_the_report():
+    model, x = _model()
+    report = assert_backends_agree(model, x, backends=["cpu-nomkldnn"])
+    assert report.suspects == [] and report.record("cpu-nomkldnn").verdict == "round-off"
+
+
+def test_a_suspect_fails_with_the_seed_lines_and_the_saved_report(tmp_path):
+    model, x = _model()
+    with pytest.raises(AssertionError) as caught:
+        assert_backends_agree(model, x, backends=["cpu-nomkldnn", "fault:gelu-approx"], report_dir=tmp_path, msg="mlp")
+    text = str(caught.value)
+    lines = text.splitlines()
+    assert lines[0] == "mlp" and "SUSPECT: fault:gelu-approx" in lines[1]
+    assert any(line.startswith("[Sequential] fault:gelu-approx vs cpu:") and "SUSPECT" in line for line in lines)
+    (saved,) = tmp_path.glob("*.rlxnb")
+    assert str(saved) in text
+    assert rlx_nb.load_report(saved).suspects == ["fault:gelu-approx"]
+
+
+def test_a_named_backend_that_fails_to_run_fails_unless_allowed():
+    def broken(model, inputs):
+        raise RuntimeError("no kernel for this op")
+
+    rlx_nb.register_backend("test:broken", broken, default=False)
+    model, x = _model()
+    with pytest.raises(AssertionError, match=r"failed to run: test:broken[\s\S]*report not saved"):
+        assert_backends_agree(model, x, backends=["test:broken"])
+    assert assert_backends_agree(model, x, backends=["test:broken"], allow_errors=True).errors == ["test:broken"]
+    with pytest.raises(rlx_nb.InputError, match="allow_errors must be True or False"):
+        assert_backends_agree(model, x, backends=["cpu-nomkldnn"], allow_errors="yes")
+
+
+def test_the_pytest_plugin_keeps_each_failing_report(pytester):
+    pytester.makepyfile(
+        test_user=textwrap.dedent(
+            """
+            import torch
+            from rlx_nb.testing import assert_backends_agree
+
+            def _model():
+                torch.manual_seed(0)
+                return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU()), torch.randn(8, 16)
+
+            def test_clean():
+                assert_backends_agree(*_model(), backends=["cpu-nomkldnn"])
+
+            def test_faulty():
+                assert_backends_agree(*_model(), backends=["fault:gelu-approx"])
+            """
+        )
+    )
+    result = pytester.runpytest_subprocess("--rlx-nb-report-dir", "kept", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1, failed=1)
+    result.stdout.fnmatch_lines(["*SUSPECT: fault:gelu-approx*", "*report saved to *kept*test_faulty*"])
+    kept = sorted(p.name for p in (pytester.path / "kept").iterdir())
+    assert kept == ["test_user.py_test_faulty--Sequential.rlxnb"]
