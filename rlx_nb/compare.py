@@ -63,6 +63,10 @@ class OutputRecord:
     mismatched_frac: float = math.nan
     mean_abs: float = math.nan
     p99_abs: float = math.nan
+    cosine: float = math.nan
+    pcc: float = math.nan
+    sqnr_db: float = math.nan
+    nmse: float = math.nan
     max_ulp: int = 0
     nonfinite_mismatch: int = 0
     oracle_rmse: float = math.nan
@@ -319,6 +323,10 @@ def _pair_fields(stats: PairStats, o: np.ndarray, eo: np.ndarray, eb: Any, r: np
         max_rel=stats.max_rel,
         mean_abs=stats.mean_abs,
         p99_abs=stats.p99_abs,
+        cosine=stats.cosine,
+        pcc=stats.pcc,
+        sqnr_db=stats.sqnr_db,
+        nmse=stats.nmse,
         mismatched=stats.mismatched,
         max_ulp=stats.max_ulp,
         nonfinite_mismatch=stats.nonfinite_mismatch,

@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from rlx_nb.errors import InputError
-from rlx_nb.metrics import REL_EPS, PairStats, _p99_rank, default_tolerance
+from rlx_nb.metrics import REL_EPS, SUM_FIELDS, PairStats, _p99_rank, default_tolerance
 from rlx_nb.reference import ReferenceStats, SliceStats, slice_axes, slices_from_rows
 
 CHUNK = 1 << 24
@@ -57,6 +57,7 @@ def pair_stats(expected: torch.Tensor, actual: torch.Tensor, *, p99: bool = True
     max_abs, worst, max_rel, rel_at = -1.0, -1, -1.0, -1
     total, finite, mism, max_ulp, nonfinite = 0.0, 0, 0, 0, 0
     above, at_least = [], 0
+    sums = [0.0] * 6  # x, y, xx, yy, xy, dd over finite pairs
     for s in range(0, n, CHUNK):
         ec, ac = expected[s : s + CHUNK], actual[s : s + CHUNK]
         e64, a64 = ec.double(), ac.double()
@@ -66,6 +67,9 @@ def pair_stats(expected: torch.Tensor, actual: torch.Tensor, *, p99: bool = True
         finite += int(both.sum())
         d = torch.where(both, (a64 - e64).abs(), 0.0)
         ax = torch.where(both, e64.abs(), 0.0)
+        x, y = torch.where(both, e64, 0.0), torch.where(both, a64, 0.0)
+        for k, v in enumerate((x.sum(), y.sum(), (x * x).sum(), (y * y).sum(), (x * y).sum(), (d * d).sum())):
+            sums[k] += float(v)
         total += float(d.sum())
         m, i = torch.max(d, 0)  # the first index of the maximum
         if float(m) > max_abs:
@@ -102,6 +106,8 @@ def pair_stats(expected: torch.Tensor, actual: torch.Tensor, *, p99: bool = True
         mismatched=mism + nonfinite,
         max_ulp=max_ulp,
         nonfinite_mismatch=nonfinite,
+        **dict(zip(SUM_FIELDS, sums, strict=True)),
+        finite=finite,
     )
 
 

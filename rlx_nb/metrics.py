@@ -71,6 +71,75 @@ class PairStats:
     mismatched: int
     max_ulp: int
     nonfinite_mismatch: int
+    # Sums over the pairs where both sides are finite (float64), for the metrics other toolchains speak.
+    sum_x: float = 0.0
+    sum_y: float = 0.0
+    sum_xx: float = 0.0
+    sum_yy: float = 0.0
+    sum_xy: float = 0.0
+    sum_dd: float = 0.0
+    finite: int = 0
+
+    @property
+    def cosine(self) -> float:
+        """Cosine similarity of the oracle and the backend (1 when both are all zero)."""
+        return cosine(self.sum_xx, self.sum_yy, self.sum_xy)
+
+    @property
+    def pcc(self) -> float:
+        """Pearson correlation (PCC); see :func:`pcc` for the constant cases."""
+        return pcc(self.finite, self.sum_x, self.sum_y, self.sum_xx, self.sum_yy, self.sum_xy, self.sum_dd)
+
+    @property
+    def sqnr_db(self) -> float:
+        """Signal to quantisation-noise ratio, ``10 log10(sum o^2 / sum (b - o)^2)``, in dB."""
+        return sqnr_db(self.sum_xx, self.sum_dd)
+
+    @property
+    def nmse(self) -> float:
+        """Normalised mean squared error, ``sum (b - o)^2 / sum o^2``."""
+        return nmse(self.sum_xx, self.sum_dd)
+
+
+def cosine(sxx: float, syy: float, sxy: float) -> float:
+    """``sxy / sqrt(sxx syy)``; 1 when both vectors are zero, 0 when only one is."""
+    if sxx == 0.0 or syy == 0.0:
+        return 1.0 if sxx == syy else 0.0
+    return max(-1.0, min(1.0, sxy / math.sqrt(sxx * syy)))
+
+
+def pcc(n: int, sx: float, sy: float, sxx: float, syy: float, sxy: float, sdd: float) -> float:
+    """Pearson correlation from the sums over ``n`` pairs, NaN-safe.
+
+    Both sides constant: 1 when they are equal, else 0; one side constant: 0 (no linear relation).
+    Computed from raw float64 sums, so an output whose mean is much larger than its spread loses
+    digits (relative error about 1e-16 (mean / std)^2).
+    """
+    if n == 0:
+        return 1.0
+    vx = max(0.0, sxx - sx * sx / n)
+    vy = max(0.0, syy - sy * sy / n)
+    flat_x = vx <= 1e-13 * sxx or vx == 0.0  # constant, up to the sums' own rounding
+    flat_y = vy <= 1e-13 * syy or vy == 0.0
+    if flat_x or flat_y:
+        return 1.0 if (flat_x and flat_y and sdd == 0.0) else 0.0
+    return max(-1.0, min(1.0, (sxy - sx * sy / n) / math.sqrt(vx * vy)))
+
+
+def sqnr_db(sxx: float, sdd: float) -> float:
+    """``10 log10(sxx / sdd)``: inf for an exact match, -inf for a zero oracle with an error."""
+    if sdd == 0.0:
+        return math.inf
+    if sxx == 0.0:
+        return -math.inf
+    return 10.0 * math.log10(sxx / sdd)
+
+
+def nmse(sxx: float, sdd: float) -> float:
+    """``sdd / sxx``: 0 for an exact match, inf for a zero oracle with an error."""
+    if sdd == 0.0:
+        return 0.0
+    return sdd / sxx if sxx > 0.0 else math.inf
 
 
 def default_tolerance(dtype_name: str) -> tuple[float, float]:
@@ -116,6 +185,9 @@ def _chunk_max_ulp(ec: np.ndarray, ac: np.ndarray, bufs: _Buffers, excluded: np.
     return int(gap.max())
 
 
+SUM_FIELDS = ("sum_x", "sum_y", "sum_xx", "sum_yy", "sum_xy", "sum_dd")
+
+
 @dataclasses.dataclass
 class _Partial:
     max_abs: float = -1.0
@@ -131,6 +203,7 @@ class _Partial:
     above_count: int = 0
     at_least: int = 0
     chunk_max: list = dataclasses.field(default_factory=list)
+    sums: list = dataclasses.field(default_factory=lambda: [0.0] * 6)  # x, y, xx, yy, xy, dd
 
 
 class _Buffers:
@@ -177,6 +250,7 @@ def _pair_range(
             total = float(d.sum(dtype=np.float64))
         part.sum_abs += total
         part.finite += finite
+        _add_sums(part.sums, ec, ac, excluded)
         i = int(d.argmax())
         dmax = float(d[i])
         part.chunk_max.append((s, dmax))
@@ -205,6 +279,21 @@ def _pair_range(
         if exact_ulp and dmax > 0:
             part.max_ulp = max(part.max_ulp, _chunk_max_ulp(ec, ac, bufs, excluded))
     return part
+
+
+def _add_sums(sums: list, ec: np.ndarray, ac: np.ndarray, excluded: np.ndarray | None) -> None:
+    # The six float64 sums of a chunk's finite pairs (the numpy path's extra pass).
+    x, y = ec.astype(np.float64), ac.astype(np.float64)
+    if excluded is not None:
+        x[excluded] = 0.0
+        y[excluded] = 0.0
+    d = y - x
+    sums[0] += float(x.sum())
+    sums[1] += float(y.sum())
+    sums[2] += float(np.dot(x, x))
+    sums[3] += float(np.dot(y, y))
+    sums[4] += float(np.dot(x, y))
+    sums[5] += float(np.dot(d, d))
 
 
 def _exact_worst(e: np.ndarray, a: np.ndarray, total: _Partial) -> tuple[float, int]:
@@ -341,6 +430,7 @@ def pair_stats(
         total.at_least += p.at_least
         total.above.extend(p.above)
         total.chunk_max.extend(p.chunk_max)
+        total.sums = [t + q for t, q in zip(total.sums, p.sums, strict=True)]
     if work != np.float64 and total.max_abs > 0:
         total.max_abs, total.worst_index = _exact_worst(e, a, total)
     p99_abs = 0.0
@@ -359,7 +449,21 @@ def pair_stats(
         mismatched=total.mismatched + total.nonfinite_mismatch,
         max_ulp=total.max_ulp,
         nonfinite_mismatch=total.nonfinite_mismatch,
+        **dict(zip(SUM_FIELDS, total.sums, strict=True)),
+        finite=total.finite,
     )
+
+
+def _sums_from_signed(sx: float, ss: float, sxx: float, sxs: float, sdd: float) -> dict[str, float]:
+    # y = x + s for each finite pair: the six sums from the kernel's five.
+    return {
+        "sum_x": sx,
+        "sum_y": sx + ss,
+        "sum_xx": sxx,
+        "sum_yy": sxx + 2.0 * sxs + sdd,
+        "sum_xy": sxx + sxs,
+        "sum_dd": sdd,
+    }
 
 
 def _fused_pair_stats(e: np.ndarray, a: np.ndarray, rtol: float, atol: float, p99: bool) -> PairStats:
@@ -403,4 +507,6 @@ def _fused_pair_stats(e: np.ndarray, a: np.ndarray, rtol: float, atol: float, p9
         mismatched=sum(f["mismatched"]) + nonfinite,
         max_ulp=int(max(f["max_ulp"])),
         nonfinite_mismatch=nonfinite,
+        **_sums_from_signed(*(float(sum(f[name])) for name in ("sum_x", "sum_s", "sum_xx", "sum_xs", "sum_dd"))),
+        finite=int(finite),
     )

@@ -50,6 +50,9 @@ def test_torch_pair_stats_equal_the_numpy_ones(rng, monkeypatch, n, dtype):
     assert got.max_rel == pytest.approx(want.max_rel, rel=1e-6)
     assert got.p99_abs == pytest.approx(want.p99_abs, rel=1e-6)
     assert got.mean_abs == pytest.approx(want.mean_abs, rel=1e-6)  # numpy sums float16 in float32
+    assert got.finite == want.finite
+    for name in ("cosine", "pcc", "sqnr_db", "nmse"):  # the metrics other toolchains speak, same on device
+        assert getattr(got, name) == pytest.approx(getattr(want, name), rel=1e-9, abs=1e-12), name
 
 
 def test_torch_p99_falls_back_when_the_sample_misses(monkeypatch):
