@@ -72,6 +72,10 @@ def _parser() -> argparse.ArgumentParser:
     _common(check)
     check.add_argument("--save", metavar="DIR", help="also save the report to DIR/<node>.rlxnb (for rlx-nb merge)")
     check.add_argument("--node", help="node name for --save (default: this host's name)")
+    check.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report to FILE")
+    show = sub.add_parser("show", help="print a saved report's lines; --html writes it as one HTML file")
+    show.add_argument("file", help="a report saved with --save or report.save (.rlxnb)")
+    show.add_argument("--html", metavar="FILE", help="write a self-contained HTML report to FILE")
     merge = sub.add_parser("merge", help="merge reports saved by several nodes; judge all against one oracle")
     merge.add_argument("files", nargs="+", help="reports saved with --save (.rlxnb)")
     merge.add_argument("--oracle", help="node whose CPU oracle and fp64 reference to use (default: the first file)")
@@ -105,6 +109,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _demo(args)
         if args.command == "merge":
             return _merge(args)
+        if args.command == "show":
+            return _show(args)
         return _check(args)
     except RlxError as exc:
         print(f"rlx-nb: error: {exc}", file=sys.stderr)
@@ -143,6 +149,19 @@ def _check(args: argparse.Namespace) -> int:
         node = args.node or socket.gethostname()
         path = report.save(Path(args.save) / f"{node}.rlxnb")
         print(f"saved {path}")
+    if args.html:
+        print(f"wrote {report.to_html(args.html)}")
+    return _exit_code([report])
+
+
+def _show(args: argparse.Namespace) -> int:
+    from rlx_nb.report import load_report
+
+    report = load_report(args.file)
+    for line in report.lines():
+        print(line)
+    if args.html:
+        print(f"wrote {report.to_html(args.html)}")
     return _exit_code([report])
 
 

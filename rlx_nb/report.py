@@ -109,6 +109,14 @@ class DivergenceReport:
 
         return save_results(self.results, path, rule=self.rule, tol_rel=self.tol_rel, records=self.records)
 
+    def to_html(self, path, *, localization=None, title: str | None = None) -> Path:
+        """Write one self-contained HTML file (inline images, no script, no network): the verdicts, the
+        backends table, each SUSPECT output's heatmap, histogram and worst elements, the environment, and
+        ``localization`` (a :class:`rlx_nb.Localization`) when given.  No model weights.  Returns the path."""
+        from rlx_nb.html_report import write_html
+
+        return write_html(self, path, localization=localization, title=title)
+
     @functools.cached_property
     def plot(self):
         """Plots of this report: ``report.plot.heatmap(backend, output)``, ``.histogram``, ``.scatter``,

@@ -1,0 +1,81 @@
+"""report.to_html: one self-contained file, under 2 MB for the demo, every SUSPECT output's heatmap in it,
+readable in a real Chromium with the network cut off."""
+
+from __future__ import annotations
+
+import re
+import shutil
+
+import pytest
+
+import rlx_nb
+from rlx_nb import demo
+from rlx_nb.cli import main
+
+
+@pytest.fixture(scope="module")
+def report():
+    model, inputs = demo.transformer()
+    return rlx_nb.backend_divergence(
+        model, inputs, backends=["cpu-nomkldnn", "fault:softmax-row", "fault:layernorm-eps"], progress=False
+    )
+
+
+def _suspect_outputs(report):
+    return [(r.backend, r.output) for r in report.records if r.verdict == "SUSPECT" and r.output is not None]
+
+
+def test_the_html_holds_every_suspect_heatmap_and_nothing_external(report, tmp_path):
+    path = report.to_html(tmp_path / "transformer")
+    assert path.name == "transformer.html"
+    text = path.read_text()
+    assert path.stat().st_size < 2_000_000
+    for backend, output in _suspect_outputs(report):
+        assert f"alt='heatmap of {backend} {output}'" in text
+    assert text.count("src='data:image/png;base64,") >= 2 * len(_suspect_outputs(report))
+    assert not re.search(r"<script|src=['\"]https?:|href=['\"]https?:", text)  # no script, no network
+    for line in report.lines():
+        assert line.split(" — ")[0].replace(">", "&gt;") in text
+    assert "torch" in text  # the environment's versions
+
+
+def test_cli_check_and_show_write_the_html(report, tmp_path):
+    saved = report.save(tmp_path / "r.rlxnb")
+    assert main(["show", str(saved), "--html", str(tmp_path / "shown.html")]) == 1  # a SUSPECT: exit 1
+    assert "SUSPECT" in (tmp_path / "shown.html").read_text()
+
+
+def test_a_localization_goes_in_too(tmp_path):
+    model, inputs = demo.layered(n_layers=2, fault_layer=1)
+    report = rlx_nb.backend_divergence(model, inputs, backends=["fault:softmax-row"], progress=False)
+    loc = report.localize()
+    text = report.to_html(tmp_path / "loc.html", localization=loc).read_text()
+    assert "Localization: fault:softmax-row" in text and "blocks.1.attn" in text and "repro.py" in text
+
+
+@pytest.mark.slow
+def test_it_opens_in_chromium_with_no_network(report, tmp_path):
+    playwright_api = pytest.importorskip("playwright.sync_api")
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser")
+    if chromium is None:
+        pytest.skip("chromium not installed")
+    path = report.to_html(tmp_path / "offline.html")
+    with playwright_api.sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=chromium, args=["--no-sandbox", "--disable-gpu"], headless=True)
+        try:
+            context = browser.new_context(offline=True, java_script_enabled=False)
+            page = context.new_page()
+            asked = []
+            page.on("request", lambda r: asked.append(r.url))
+            page.goto(path.as_uri())
+            images = page.locator("img")
+            assert images.count() >= 2 * len(_suspect_outputs(report))
+            for i in range(images.count()):
+                width = images.nth(i).evaluate("e => e.naturalWidth")
+                assert width > 100, f"image {i} did not load"
+            assert page.locator(".suspect").first.is_visible()
+            assert all(u.startswith(("file:", "data:")) for u in asked), asked
+            if shots := __import__("os").environ.get("RLX_NB_SCREENSHOT_DIR"):
+                page.screenshot(path=f"{shots}/html-report.png", full_page=True)
+        finally:
+            browser.close()
