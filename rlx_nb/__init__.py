@@ -10,6 +10,7 @@ from rlx_nb import _warmup
 from rlx_nb._version import __version__
 from rlx_nb.api import backend_divergence, report_backend_divergence
 from rlx_nb.backends import available_backends, register_backend, unregister_backend
+from rlx_nb.baseline import compare_reports
 from rlx_nb.compare import OutputRecord, compare
 from rlx_nb.errors import BackendError, InputError, ReportFormatError, RlxError
 from rlx_nb.localize import Localization, localize
@@ -44,6 +45,7 @@ __all__ = [
     "backend_divergence",
     "clear_preparations",
     "compare",
+    "compare_reports",
     "explore",
     "kept_preparations",
     "load_report",

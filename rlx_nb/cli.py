@@ -1,8 +1,8 @@
 """``rlx-nb``: the command line, for CI gates and cluster nodes.
 
-Exit codes: 0 every backend is round-off; 1 some backend is SUSPECT; 2 usage
-error or the target cannot be loaded; 3 no SUSPECT but some requested
-backend failed to run.
+Exit codes: 0 every backend is round-off; 1 some backend is SUSPECT (with
+``--baseline``: some backend got worse than in the baseline); 2 usage error or
+the target cannot be loaded; 3 no SUSPECT but some requested backend failed to run.
 """
 
 from __future__ import annotations
@@ -73,6 +73,12 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--save", metavar="DIR", help="also save the report to DIR/<node>.rlxnb (for rlx-nb merge)")
     check.add_argument("--node", help="node name for --save (default: this host's name)")
     check.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report to FILE")
+    check.add_argument(
+        "--baseline",
+        metavar="OLD.rlxnb",
+        help="compare with a report saved before (another torch/ORT/OpenVINO/driver); exit 1 only when some "
+        "backend got worse beyond round-off",
+    )
     show = sub.add_parser("show", help="print a saved report's lines; --html writes it as one HTML file")
     show.add_argument("file", help="a report saved with --save or report.save (.rlxnb)")
     show.add_argument("--html", metavar="FILE", help="write a self-contained HTML report to FILE")
@@ -151,6 +157,13 @@ def _check(args: argparse.Namespace) -> int:
         print(f"saved {path}")
     if args.html:
         print(f"wrote {report.to_html(args.html)}")
+    if args.baseline:
+        from rlx_nb.baseline import compare_reports
+
+        moved = compare_reports(args.baseline, report)
+        for line in moved.lines():
+            print(line)
+        return EXIT_SUSPECT if moved.any_worse else EXIT_BACKEND_FAILED if report.errors else EXIT_OK
     return _exit_code([report])
 
 

@@ -1,0 +1,145 @@
+"""Baselines: how each backend's error moved between two reports of the same model (two versions of the
+stack: torch, ONNX Runtime, OpenVINO, drivers), and whether it got worse beyond round-off.
+
+Records are matched by (backend, output).  A pair **got worse** when the new verdict is SUSPECT and the
+old one was not, or both are SUSPECT and the new error, in multiples of its round-off budget
+(``excess``), is more than :data:`WORSE_FACTOR` times the old one.  Movement within round-off (a
+legitimate change of summation order moves ``excess`` by a few times, below 1) is reported, never
+called worse.  Only the saved records are read, never the arrays, so comparing two saved reports of
+any size takes milliseconds.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from rlx_nb.errors import InputError
+from rlx_nb.verdict import SUSPECT
+
+WORSE_FACTOR = 2.0
+"""Both SUSPECT: worse when the new excess is more than this many times the old one."""
+
+COLUMNS = ["backend", "output", "status", "old_verdict", "new_verdict", "old_excess", "new_excess", "moved"]
+
+
+class BaselineComparison:
+    """Per (backend, output): old and new verdict and excess, how far it moved, and a status."""
+
+    def __init__(self, frame: pd.DataFrame, old_label: str, new_label: str) -> None:
+        self.frame = frame
+        self.old_label, self.new_label = old_label, new_label
+
+    @property
+    def worse(self) -> pd.DataFrame:
+        """The pairs that got worse beyond round-off."""
+        return self.frame[self.frame.status == "worse"].reset_index(drop=True)
+
+    @property
+    def any_worse(self) -> bool:
+        return bool(len(self.worse))
+
+    def lines(self) -> list[str]:
+        """One line per backend: its worst movement, and whether it got worse."""
+        out = []
+        for backend, rows in self.frame.groupby("backend", sort=False):
+            worst = rows.loc[rows.moved.fillna(0).idxmax()] if rows.moved.notna().any() else rows.iloc[0]
+            status = (
+                "WORSE" if (rows.status == "worse").any() else "better" if (rows.status == "better").any() else "same"
+            )
+            out.append(
+                f"[{self.new_label}] {backend}: {status} — worst move x{worst.moved:.3g} on {worst.output} "
+                f"(excess {worst.old_excess:.3g} -> {worst.new_excess:.3g}; {worst.old_verdict} -> {worst.new_verdict})"
+            )
+        return out
+
+    def plot(self, ax: Any = None) -> Any:
+        """Old against new excess per (backend, output), log-log, the budget's limit and y = x drawn."""
+        from rlx_nb.plotting import SUSPECT_COLOUR, _axes
+
+        ax = _axes(ax, figsize=(5.5, 4.5))
+        f = self.frame.dropna(subset=["old_excess", "new_excess"])
+        colours = [SUSPECT_COLOUR if s == "worse" else "#4c72b0" for s in f.status]
+        ax.scatter(f.old_excess.clip(lower=1e-6), f.new_excess.clip(lower=1e-6), c=colours, s=18)
+        lo = 1e-3
+        ax.plot([lo, 1e4], [lo, 1e4], color="grey", linewidth=1, label="unchanged")
+        ax.axhline(1.0, color=SUSPECT_COLOUR, linestyle="--", linewidth=1, label="budget limit (new)")
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel(f"old excess ({self.old_label})")
+        ax.set_ylabel(f"new excess ({self.new_label})")
+        ax.legend(fontsize=8, loc="upper left")
+        ax.set_title("error in multiples of its round-off budget, old vs new", fontsize=9)
+        return ax
+
+    def _repr_html_(self) -> str:
+        return self.frame._repr_html_()
+
+
+def _load(report: Any) -> Any:
+    from rlx_nb.report import DivergenceReport, load_report
+
+    if isinstance(report, DivergenceReport):
+        return report
+    if isinstance(report, (str, Path)):
+        return load_report(report)
+    raise InputError(f"a report or the path of a saved one (.rlxnb) is needed; got {type(report).__name__}")
+
+
+def _status(old: Any, new: Any) -> str:
+    if old is None:
+        return "new"
+    if new is None:
+        return "gone"
+    if new.verdict == SUSPECT and old.verdict != SUSPECT:
+        return "worse"
+    if old.verdict == SUSPECT and new.verdict != SUSPECT:
+        return "better"
+    if new.verdict == SUSPECT and old.verdict == SUSPECT and new.excess > WORSE_FACTOR * old.excess:
+        return "worse"
+    if new.verdict == SUSPECT and old.verdict == SUSPECT and old.excess > WORSE_FACTOR * new.excess:
+        return "better"
+    return "same"
+
+
+def compare_reports(old: Any, new: Any) -> BaselineComparison:
+    """Compare ``new`` against the baseline ``old`` (reports, or paths of saved ones), output by output.
+
+    Examples
+    --------
+    >>> import torch, rlx_nb
+    >>> model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU())
+    >>> x = torch.randn(4, 8)
+    >>> old = rlx_nb.backend_divergence(model, x, backends=["cpu-nomkldnn"])
+    >>> new = rlx_nb.backend_divergence(model, x, backends=["cpu-nomkldnn", "fault:gelu-approx"])
+    >>> rlx_nb.compare_reports(old, new).frame.status.tolist()
+    ['same', 'new']
+    """
+    a, b = _load(old), _load(new)
+    olds = {(r.backend, r.output): r for r in a.records if r.output is not None}
+    news = {(r.backend, r.output): r for r in b.records if r.output is not None}
+    rows = []
+    for key in list(olds) + [k for k in news if k not in olds]:
+        o, n = olds.get(key), news.get(key)
+        oe = o.excess if o is not None else math.nan
+        ne = n.excess if n is not None else math.nan
+        moved = ne / oe if oe and oe == oe and ne == ne and oe > 0 else math.nan
+        rows.append(
+            {
+                "backend": key[0],
+                "output": key[1],
+                "status": _status(o, n),
+                "old_verdict": o.verdict if o is not None else "",
+                "new_verdict": n.verdict if n is not None else "",
+                "old_excess": oe,
+                "new_excess": ne,
+                "moved": moved,
+            }
+        )
+    return BaselineComparison(pd.DataFrame(rows, columns=COLUMNS), a.label, b.label)
+
+
+__all__ = ["WORSE_FACTOR", "BaselineComparison", "compare_reports"]

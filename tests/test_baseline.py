@@ -1,0 +1,73 @@
+"""Baselines: compare_reports and rlx-nb check --baseline, on an upgrade simulated by re-registering a backend."""
+
+from __future__ import annotations
+
+import matplotlib
+
+matplotlib.use("Agg")
+
+import torch
+
+import rlx_nb
+from rlx_nb.cli import main
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.LayerNorm(64), torch.nn.GELU()), torch.randn(32, 16)
+
+
+def _stack_v1(model, inputs):
+    return model(*inputs)
+
+
+def _stack_v2(model, inputs):  # "the upgrade": its GELU became the tanh approximation
+    for m in model.modules():
+        if isinstance(m, torch.nn.GELU):
+            m.approximate = "tanh"
+    return model(*inputs)
+
+
+def test_the_same_stack_is_the_same_and_an_upgrade_that_breaks_is_worse(tmp_path):
+    model, x = _model()
+    rlx_nb.register_backend("test:stack", _stack_v1, default=False, replace=True)
+    old = rlx_nb.backend_divergence(model, x, backends=["cpu-nomkldnn", "test:stack"], progress=False)
+    again = rlx_nb.backend_divergence(model, x, backends=["cpu-nomkldnn", "test:stack"], progress=False)
+    same = rlx_nb.compare_reports(old, again)
+    assert set(same.frame.status) == {"same"} and not same.any_worse
+    rlx_nb.register_backend("test:stack", _stack_v2, default=False, replace=True)
+    new = rlx_nb.backend_divergence(model, x, backends=["cpu-nomkldnn", "test:stack"], progress=False)
+    moved = rlx_nb.compare_reports(old.save(tmp_path / "old.rlxnb"), new)  # a saved baseline reads the same
+    assert moved.worse[["backend", "output", "old_verdict", "new_verdict"]].values.tolist() == [
+        ["test:stack", "out", "round-off", "SUSPECT"]
+    ]
+    assert moved.frame.set_index("backend").loc["cpu-nomkldnn", "status"] == "same"
+    assert any(line.startswith("[Sequential] test:stack: WORSE") for line in moved.lines())
+    assert moved.plot().collections  # old vs new excess
+    back = rlx_nb.compare_reports(new, old)
+    assert back.frame.set_index("backend").loc["test:stack", "status"] == "better"
+
+
+def test_cli_check_baseline_exits_1_only_when_worse(tmp_path):
+    target = tmp_path / "build.py"
+    target.write_text(
+        "import torch\n"
+        "def build():\n"
+        "    torch.manual_seed(0)\n"
+        "    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU()), torch.randn(32, 16)\n"
+    )
+    assert (
+        main(["check", f"{target}:build", "--backends", "cpu-nomkldnn", "--save", str(tmp_path), "--node", "v1"]) == 0
+    )
+    base = str(tmp_path / "v1.rlxnb")
+    assert main(["check", f"{target}:build", "--backends", "cpu-nomkldnn", "--baseline", base]) == 0
+    worse = ["check", f"{target}:build", "--backends", "cpu-nomkldnn,fault:gelu-approx", "--baseline", base]
+    assert main(worse) == 0  # a backend the baseline did not have is new, not worse
+    assert (
+        main(["check", f"{target}:build", "--backends", "fault:gelu-approx", "--save", str(tmp_path), "--node", "v2"])
+        == 1
+    )
+    assert (
+        main(["check", f"{target}:build", "--backends", "fault:gelu-approx", "--baseline", str(tmp_path / "v2.rlxnb")])
+        == 0
+    )
