@@ -496,12 +496,106 @@ print(rlx_nb.backend_divergence(model, inputs, backends=["vendor-gpu"]))""",
     ),
 ]
 
+
+SHARE_AND_GATE = [
+    (
+        "md",
+        """# 06 · Share, gate, and compare with a baseline
+
+Three things people do with a divergence once they have found it: **hand it to someone** who does not have the model (a runtime team, a vendor, an upstream issue), **gate on it** in a test suite, and **compare** today's stack (torch, ONNX Runtime, OpenVINO, drivers) with the one before an upgrade.
+
+The model is a small MLP written here; the "stack" is a backend registered here, so the notebook can simulate an upgrade that changes the numbers.""",
+    ),
+    (
+        "code",
+        """import torch
+import rlx_nb
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+inputs = torch.randn(32, 64)
+
+
+def stack_v1(model, inputs):          # today's runtime: plain eager
+    return model(*inputs)
+
+
+rlx_nb.register_backend("my-stack", stack_v1, default=False, replace=True)
+report = rlx_nb.backend_divergence(model, inputs, backends=["cpu-nomkldnn", "my-stack", "fault:gelu-approx"], label="mlp")
+print(report)""",
+    ),
+    (
+        "md",
+        """## Share: one HTML file
+
+`report.to_html(path)` writes a self-contained page — the verdict lines, the backends table, each SUSPECT output's heatmap, histogram and worst elements, and the environment (versions, CPU flags, backend settings). Images are inline, there is no script and no model weight in it: it opens in any browser and can be attached to an issue. From a shell: `rlx-nb check ... --html FILE`, or `rlx-nb show saved.rlxnb --html FILE`.""",
+    ),
+    (
+        "code",
+        """import pathlib, tempfile
+
+out = pathlib.Path(tempfile.mkdtemp())
+page = report.to_html(out / "mlp.html")
+print(f"{page.name}: {page.stat().st_size / 1e3:.0f} kB, {page.read_text().count('<img')} figures, "
+      f"scripts: {page.read_text().count('<script')}")""",
+    ),
+    (
+        "md",
+        """## Gate: an assertion for the test suite
+
+`rlx_nb.testing.assert_backends_agree` raises `AssertionError` when a backend is SUSPECT (or a backend you named cannot run), with the seed's lines in the message and where the report was saved. Under pytest, `--rlx-nb-report-dir DIR` keeps every failing check's report, named after its test. Here the faulty backend fails the gate and the legitimate ones pass it:""",
+    ),
+    (
+        "code",
+        """from rlx_nb.testing import assert_backends_agree
+
+assert_backends_agree(model, inputs, backends=["cpu-nomkldnn", "my-stack"])   # passes: returns the report
+try:
+    assert_backends_agree(model, inputs, backends=["fault:gelu-approx"], report_dir=out, label="mlp")
+except AssertionError as failure:
+    print(str(failure).replace(str(out), "OUT"))   # OUT: the temporary directory made above""",
+    ),
+    (
+        "md",
+        """## Compare with a baseline
+
+Save the report before an upgrade; after it, compare. Here the "upgrade" re-registers `my-stack` with a GELU that became the tanh approximation — a real kind of change a kernel library makes. `compare_reports` matches (backend, output) pairs and shows how each error moved, in multiples of its round-off budget (`excess`, SUSPECT above 1). A pair is **worse** only when it became SUSPECT, or was SUSPECT and more than doubled; movement within round-off is shown but never called worse. `rlx-nb check ... --baseline old.rlxnb` exits 1 only then.""",
+    ),
+    (
+        "code",
+        """baseline = report.save(out / "before.rlxnb")
+
+
+def stack_v2(model, inputs):          # after the upgrade
+    for m in model.modules():
+        if isinstance(m, torch.nn.GELU):
+            m.approximate = "tanh"
+    return model(*inputs)
+
+
+rlx_nb.register_backend("my-stack", stack_v2, default=False, replace=True)
+after = rlx_nb.backend_divergence(model, inputs, backends=["cpu-nomkldnn", "my-stack", "fault:gelu-approx"], label="mlp")
+moved = rlx_nb.compare_reports(baseline, after)
+print("\\n".join(moved.lines()))
+moved.frame""",
+    ),
+    (
+        "md",
+        """`my-stack` went from round-off to SUSPECT: **worse**. `cpu-nomkldnn` is unchanged, and the catalogue fault was SUSPECT before and after at the same size, so it is the same — a known bug does not fail a baseline gate, a new one does. The plot puts every pair's old excess against its new one; red points got worse, and the dashed line is the budget's limit.""",
+    ),
+    (
+        "code",
+        """moved.plot();""",
+    ),
+]
+
 NOTEBOOKS = {
     "01_find_the_suspect.ipynb": FIND_THE_SUSPECT,
     "02_localize_the_operator.ipynb": LOCALIZE,
     "03_roundoff_or_bug.ipynb": ROUNDOFF_OR_BUG,
     "04_cluster.ipynb": CLUSTER,
     "05_precision.ipynb": PRECISION,
+    "06_share_gate_baseline.ipynb": SHARE_AND_GATE,
 }
 
 
