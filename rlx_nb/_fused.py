@@ -44,7 +44,6 @@ FIELDS = (
     "sum_x",
     "sum_s",
     "sum_xx",
-    "unused",
     "sum_xs",
     "sum_dd",
 )
@@ -69,10 +68,9 @@ def _f32_range(e, a, ei, ai, start, stop, rtol, atol, rel_eps, floor, above):  #
     n_above = 0
     at_least = 0
     sx = 0.0
-    sy = 0.0
+    ss = 0.0
     sxx = 0.0
-    syy = 0.0
-    sxy = 0.0
+    sxs = 0.0
     sdd = 0.0
     for s in range(start, stop, BLOCK):
         m = min(BLOCK, stop - s)
@@ -115,9 +113,9 @@ def _f32_range(e, a, ei, ai, start, stop, rtol, atol, rel_eps, floor, above):  #
         # The sums for cosine, PCC, SQNR and NMSE, over the block again while it is in L1: a plain
         # reduction the compiler vectorises (the guarded form, only for blocks with NaN/Inf, does not).
         b_sx = 0.0
-        b_sy = 0.0
+        b_ss = 0.0
         b_sxx = 0.0
-        b_sxy = 0.0
+        b_sxs = 0.0
         b_sdd = 0.0
         if b_bad == 0:
             eb = e[s : s + m]
@@ -126,9 +124,9 @@ def _f32_range(e, a, ei, ai, start, stop, rtol, atol, rel_eps, floor, above):  #
                 x = np.float64(eb[j])
                 g = np.float64(ab[j]) - x  # the signed error: y = x + g, so the other sums follow exactly
                 b_sx += x
-                b_sy += g
+                b_ss += g
                 b_sxx += x * x
-                b_sxy += x * g
+                b_sxs += x * g
                 b_sdd += g * g
         else:
             for j in range(m):
@@ -136,15 +134,15 @@ def _f32_range(e, a, ei, ai, start, stop, rtol, atol, rel_eps, floor, above):  #
                 g = np.float64(a[s + j]) - x
                 if abs(g) < math.inf:
                     b_sx += x
-                    b_sy += g
+                    b_ss += g
                     b_sxx += x * x
-                    b_sxy += x * g
+                    b_sxs += x * g
                     b_sdd += g * g
         total += b_sum
         sx += b_sx
-        sy += b_sy
+        ss += b_ss
         sxx += b_sxx
-        sxy += b_sxy
+        sxs += b_sxs
         sdd += b_sdd
         mism += b_mism
         at_least += b_at_least
@@ -181,7 +179,7 @@ def _f32_range(e, a, ei, ai, start, stop, rtol, atol, rel_eps, floor, above):  #
     finite = (stop - start) - bad
     return (
         max_abs, worst, max_rel, rel_at, total, finite, mism, max_ulp, nonfinite, n_above, at_least,
-        sx, sy, sxx, syy, sxy, sdd,
+        sx, ss, sxx, sxs, sdd,
     )  # fmt: skip
 
 

@@ -24,15 +24,16 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-import hashlib
 import threading
 import time
 import types
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
+from rlx_nb.prepare import fingerprint
 from rlx_nb.tree import flatten
 
 MAX_ENTRIES = 8
@@ -60,12 +61,8 @@ _LOCK = threading.Lock()
 
 
 def _tensor_key(t: torch.Tensor) -> tuple:
-    d = t.detach()
-    h = hashlib.blake2b(digest_size=16)
-    if d.numel():
-        c = d.to("cpu").contiguous()
-        h.update(memoryview(c.reshape(-1).view(torch.uint8).numpy()))
-    return (str(d.dtype), tuple(d.shape), str(d.device), d.requires_grad, h.hexdigest())
+    # fingerprint: sha256 of the dtype, shape and bytes (the reports' own; SHA-NI makes it the fastest here).
+    return (str(t.device), t.requires_grad, fingerprint(t))
 
 
 def _value_key(v: Any, depth: int = 0) -> Any:
@@ -139,9 +136,22 @@ def settings_key() -> tuple:
     )
 
 
+_MODEL_KEYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def key(backend: Any, model: Any, args: tuple, backward: bool) -> tuple:
-    """The cache key of one preparation."""
-    return (backend, settings_key(), model_key(model), inputs_key(args), bool(backward))
+    """The cache key of one preparation.
+
+    ``model`` is a run's private copy, which no run changes (each runs a deep copy of it): its key, a
+    hash of every weight, is computed once per run, not once per backend.
+    """
+    try:
+        mkey = _MODEL_KEYS[model]
+    except (KeyError, TypeError):
+        mkey = model_key(model)
+        if isinstance(model, torch.nn.Module):
+            _MODEL_KEYS[model] = mkey
+    return (backend, settings_key(), mkey, inputs_key(args), bool(backward))
 
 
 def lookup(k: tuple) -> Preparation | None:

@@ -110,13 +110,13 @@ class Fingerprints(collections.abc.Mapping):
     changed in place after the run); it runs once and is then dropped.
     """
 
-    def __init__(self, values: Mapping[str, str | None] | None = None, compute: Callable[[], dict] | None = None):
-        self._values = dict(values) if values is not None else None
-        self._compute = compute
+    def __init__(self, compute: Callable[[], dict]) -> None:
+        self._values: dict | None = None
+        self._compute: Callable[[], dict] | None = compute
 
     def _get(self) -> dict:
         if self._values is None:
-            self._values = self._compute() if self._compute is not None else {}
+            self._values = self._compute()
             self._compute = None
         return self._values
 

@@ -289,17 +289,6 @@ def environment() -> dict[str, Any]:
     return env
 
 
-def _setup(model: Any, inputs: Any, params: Any, backward: bool, loss: Any) -> tuple[tuple, torch.nn.Module, Task]:
-    # The inputs as positional arguments, the model's private copy and what each run does.
-    args, keys = normalize_inputs(inputs)
-    base = prepare_model(model, params, keys)
-    input_names = keys or [f"input[{i}]" for i in range(len(args))]
-    grad_inputs = [i for i, x in enumerate(args) if isinstance(x, torch.Tensor) and x.requires_grad]
-    if grad_inputs and not backward:
-        args = map_tensors(lambda t: t.detach(), args)
-    return args, base, Task(backward, loss, tuple(grad_inputs), tuple(input_names))
-
-
 def run(
     model: Any,
     inputs: Any,
@@ -325,7 +314,13 @@ def run(
     says so instead of blaming a backend).
     """
     candidates = resolve_backends(backends)
-    args, base, task = _setup(model, inputs, params, backward, loss)
+    args, keys = normalize_inputs(inputs)
+    base = prepare_model(model, params, keys)
+    input_names = keys or [f"input[{i}]" for i in range(len(args))]
+    grad_inputs = [i for i, x in enumerate(args) if isinstance(x, torch.Tensor) and x.requires_grad]
+    if grad_inputs and not backward:
+        args = map_tensors(lambda t: t.detach(), args)
+    task = Task(backward, loss, tuple(grad_inputs), tuple(input_names))
 
     say = progress if callable(progress) else (lambda _: None)
     inputs_ = PrivateInputs(args)
@@ -391,7 +386,7 @@ def run(
             "extra_runs": extra,
             "model_was_training": bool(getattr(model, "training", False)),
         },
-        fingerprints=Fingerprints(compute=_fingerprints_later(args, model, params)),
+        fingerprints=Fingerprints(_fingerprints_later(args, model, params)),
         anchors={b: a for b, a in anchors.items() if a.status == OK},
         sequential=sequential if sequential is not None and sequential.status == OK else None,  # grads may be missing
     )
