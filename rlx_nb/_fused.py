@@ -51,8 +51,9 @@ FIELDS = (
 follow exactly (:func:`rlx_nb.metrics._fused_pair_stats`), in fewer operations per element."""
 
 
-def _f32_range(e, a, ei, ai, start, stop, rtol, atol, rel_eps, floor, above):  # pragma: no cover - compiled
-    # e, a: float32; ei, ai: the same memory as int32; above: float64, room for capacity + BLOCK.
+def _f32_range(e, a, ei, ai, start, stop, rtol, atol, rel_eps, floor, above, sums):  # pragma: no cover - compiled
+    # e, a: float32; ei, ai: the same memory as int32; above: float64, room for capacity + BLOCK;
+    # sums: whether to form the five similarity sums (False only to measure what they cost).
     dbuf = np.empty(BLOCK, np.float64)
     lowest = np.int64(-2147483648)
     cap = above.size - BLOCK
@@ -86,9 +87,15 @@ def _f32_range(e, a, ei, ai, start, stop, rtol, atol, rel_eps, floor, above):  #
         b_at_least = 0
         b_abs_hit = 0
         b_rel_hit = 0
+        # The block as views indexed from 0: numba then knows no index is negative, and the loop
+        # vectorises (indexing e[s + j] costs a wraparound check per element, 2x on the whole pass).
+        eb = e[s : s + m]
+        ab = a[s : s + m]
+        eib = ei[s : s + m]
+        aib = ai[s : s + m]
         for j in range(m):  # vectorised: no branches, no division, only selects
-            x = np.float64(e[s + j])
-            y = np.float64(a[s + j])
+            x = np.float64(eb[j])
+            y = np.float64(ab[j])
             d = abs(y - x)
             ok = d < math.inf  # false when either side is NaN or infinite
             d = d if ok else 0.0
@@ -102,8 +109,8 @@ def _f32_range(e, a, ei, ai, start, stop, rtol, atol, rel_eps, floor, above):  #
             b_abs_hit += 1 if d > abs_bar else 0
             b_rel_hit += 1 if d > 0.0 and d >= rel_bar * (ax + rel_eps) else 0
             # ULP distance: float bits mapped to ordered integers, -0.0 and +0.0 both at 0.
-            ke = np.int64(ei[s + j])
-            ka = np.int64(ai[s + j])
+            ke = np.int64(eib[j])
+            ka = np.int64(aib[j])
             ke = lowest - ke if ke < 0 else ke
             ka = lowest - ka if ka < 0 else ka
             g = ka - ke
@@ -117,9 +124,9 @@ def _f32_range(e, a, ei, ai, start, stop, rtol, atol, rel_eps, floor, above):  #
         b_sxx = 0.0
         b_sxs = 0.0
         b_sdd = 0.0
-        if b_bad == 0:
-            eb = e[s : s + m]
-            ab = a[s : s + m]
+        if not sums:
+            pass
+        elif b_bad == 0:
             for j in range(m):
                 x = np.float64(eb[j])
                 g = np.float64(ab[j]) - x  # the signed error: y = x + g, so the other sums follow exactly
@@ -130,8 +137,8 @@ def _f32_range(e, a, ei, ai, start, stop, rtol, atol, rel_eps, floor, above):  #
                 b_sdd += g * g
         else:
             for j in range(m):
-                x = np.float64(e[s + j])
-                g = np.float64(a[s + j]) - x
+                x = np.float64(eb[j])
+                g = np.float64(ab[j]) - x
                 if abs(g) < math.inf:
                     b_sx += x
                     b_ss += g
@@ -154,7 +161,7 @@ def _f32_range(e, a, ei, ai, start, stop, rtol, atol, rel_eps, floor, above):  #
                     worst = s + j
         if b_rel_hit:  # the seed's relative error, with the division done only here
             for j in range(m):
-                x = np.float64(e[s + j])
+                x = np.float64(eb[j])
                 r = dbuf[j] / (abs(x) + rel_eps)  # non-finite pairs have d == 0: r is 0 or NaN
                 if r > max_rel:
                     max_rel = r
@@ -170,8 +177,8 @@ def _f32_range(e, a, ei, ai, start, stop, rtol, atol, rel_eps, floor, above):  #
         if b_bad:
             bad += b_bad
             for j in range(m):
-                x = e[s + j]
-                y = a[s + j]
+                x = eb[j]
+                y = ab[j]
                 if not (np.isfinite(x) and np.isfinite(y)) and not (x == y or (np.isnan(x) and np.isnan(y))):
                     nonfinite += 1
     if rel_at < 0 and worst >= 0:  # every error is zero: like argmax, the first element
@@ -191,9 +198,11 @@ def _reference_range(x, ref, start, stop):  # pragma: no cover - compiled
     rsq = 0.0
     rmx = 0.0
     count = 0
-    for i in range(start, stop):
-        r = ref[i]
-        d = np.float64(x[i]) - r
+    xs = x[start:stop]  # views indexed from 0: see the block views in _f32_range
+    rs = ref[start:stop]
+    for i in range(xs.size):
+        r = rs[i]
+        d = np.float64(xs[i]) - r
         ok = abs(d) < math.inf and abs(r) < math.inf
         d = d if ok else 0.0
         r = r if ok else 0.0

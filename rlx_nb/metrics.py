@@ -426,8 +426,11 @@ def _sums_from_signed(sx: float, ss: float, sxx: float, sxs: float, sdd: float) 
     }
 
 
-def _fused_pair_stats(e: np.ndarray, a: np.ndarray, rtol: float, atol: float, p99: bool) -> PairStats:
+def _fused_pair_stats(
+    e: np.ndarray, a: np.ndarray, rtol: float, atol: float, p99: bool, sums: bool = True
+) -> PairStats:
     # One compiled pass per core (numba, GIL released); same statistics as the numpy path.
+    # sums=False leaves the similarity sums at 0: only bench/extra_metrics_cost.py asks for it.
     n = e.size
     floor = _p99_floor(e, a, np.dtype(np.float32)) if p99 else math.inf
     if floor < 0:
@@ -440,7 +443,7 @@ def _fused_pair_stats(e: np.ndarray, a: np.ndarray, rtol: float, atol: float, p9
     ei, ai = e.view(np.int32), a.view(np.int32)
     kernel = _fused.kernel()
     parts = on_cores(
-        lambda start, stop: kernel(e, a, ei, ai, start, stop, rtol, atol, REL_EPS, floor, bufs[start]), spans
+        lambda start, stop: kernel(e, a, ei, ai, start, stop, rtol, atol, REL_EPS, floor, bufs[start], sums), spans
     )
     f = {name: [p[i] for p in parts] for i, name in enumerate(_fused.FIELDS)}
     best = max(range(len(parts)), key=lambda k: (f["max_abs"][k], -k))  # ties: the lowest range
