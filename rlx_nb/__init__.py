@@ -21,7 +21,7 @@ from rlx_nb.report import DivergenceReport, load_report
 from rlx_nb.results import RunResults
 from rlx_nb.run import run
 
-_warmup.start()  # torch._dynamo and the numba kernels load in the background (rlx_nb/_warmup.py)
+_warmup.start()  # the numba kernels load in the background (rlx_nb/_warmup.py)
 
 
 def explore(report, **kwargs):

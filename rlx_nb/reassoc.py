@@ -21,7 +21,9 @@ larger of the two (:func:`rlx_nb.compare.compare`).
 
 from __future__ import annotations
 
+import functools
 import math
+import sys
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -156,7 +158,43 @@ _SEQUENTIAL: dict[Any, Callable[[tuple, dict, Any], Any]] = {
 }
 
 
-class SequentialSums(TorchDispatchMode):
+class QuietDispatchMode(TorchDispatchMode):
+    """A dispatch mode whose first op does not import ``torch._dynamo``.
+
+    ``TorchDispatchMode`` wraps each subclass's ``__torch_dispatch__`` in ``torch._disable_dynamo``,
+    which imports ``torch._dynamo`` on its first call: 2.6 s of the first report in a process, for
+    a mode that only counts ops.  Dynamo can only be tracing once it has been imported, so these
+    modes turn it off themselves, and only then.
+    """
+
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # the wrapping is done below, in __init_subclass__
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if "__torch_dispatch__" in cls.__dict__:
+            cls.__torch_dispatch__ = _dynamo_off_once_imported(cls.__dict__["__torch_dispatch__"])
+
+
+def _dynamo_off_once_imported(fn: Callable) -> Callable:
+    # fn run with dynamo disabled (as torch._disable_dynamo does) when torch._dynamo is imported,
+    # and as it is before: nothing can be compiling then, not even while another thread imports it.
+    disabled: list[Callable] = []
+
+    @functools.wraps(fn)
+    def inner(*args: Any, **kwargs: Any) -> Any:
+        if not disabled:
+            disable = getattr(sys.modules.get("torch._dynamo"), "disable", None)
+            if disable is None:
+                return fn(*args, **kwargs)
+            disabled.append(disable(fn, recursive=True, wrapping=False))
+        return disabled[0](*args, **kwargs)
+
+    return inner
+
+
+class SequentialSums(QuietDispatchMode):
     """Within it, float32 CPU reductions sum with one accumulator per output, in memory order.
 
     Enter it around a float32 forward *and* backward (see the module docstring); other
@@ -169,7 +207,7 @@ class SequentialSums(TorchDispatchMode):
         return _SEQUENTIAL[func](args, kwargs, out) if _changes(func, kwargs, out) else out
 
 
-class CountReductions(TorchDispatchMode):
+class CountReductions(QuietDispatchMode):
     """Counts the reductions :class:`SequentialSums` would change, in ``calls``; changes nothing."""
 
     def __init__(self) -> None:

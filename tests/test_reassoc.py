@@ -8,6 +8,7 @@ import torch
 
 import rlx_nb
 from rlx_nb import demo, reassoc
+from rlx_nb.backends import get_backend
 from rlx_nb.reassoc import CountReductions, SequentialSums, sequential_sum
 from rlx_nb.verdict import ROUNDOFF
 from tests.conftest import require_live
@@ -197,3 +198,44 @@ def test_a_failing_sequential_run_falls_back_to_the_length_guess_and_says_so(mon
     rec = report.record("cpu-nomkldnn", "grad:fc2.bias")
     assert rec.verdict == ROUNDOFF and "guessed from the sum's length" in rec.note
     assert rec.sequential_max_err != rec.sequential_max_err  # NaN: not measured
+
+
+def test_an_eager_run_never_imports_dynamo_and_a_compiling_one_still_compiles():
+    # TorchDispatchMode's own wrapper imported torch._dynamo (2.6 s) on the first counted op of every
+    # process; rlx_nb's modes only turn dynamo off once it is imported (QuietDispatchMode).
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch, rlx_nb\n"
+        "m = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))\n"
+        "x = torch.randn(4, 8)\n"
+        "res = rlx_nb.run(m, x, backends=['cpu-nomkldnn'], backward=True, progress=False)\n"
+        "assert res.sequential is not None and res.anchors, 'the counting mode saw no op'\n"
+        "print('eager', 'torch._dynamo' in sys.modules)\n"
+        "res = rlx_nb.run(m, x, backends=['cpu-inductor'], progress=False)\n"
+        "print('compiling', 'torch._dynamo' in sys.modules, res.candidates['cpu-inductor'].status)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.split("\n")
+    assert "eager False" in lines, out.stdout
+    if get_backend("cpu-inductor").live:
+        assert "compiling True ok" in lines, out.stdout
+
+
+def test_the_counting_modes_turn_dynamo_off_once_it_is_imported():
+    import torch._dynamo
+
+    seen = []
+
+    class Probe(reassoc.QuietDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            seen.append(torch._dynamo.is_compiling())
+            return func(*args, **(kwargs or {}))
+
+    compiled = torch.compile(lambda x: (x * 2).sum(0), backend="eager")
+    with Probe(), CountReductions() as counting:
+        y = compiled(torch.ones(4, 3))
+    torch.testing.assert_close(y, torch.full((3,), 8.0))
+    assert counting.calls == 1 and seen and not any(seen)
