@@ -62,8 +62,9 @@ def _child(repeats: int, toggle: bool) -> None:
     print(json.dumps(best))
 
 
-def _run(tree: Path, repeats: int, toggle: bool = False) -> dict:
-    env = dict(os.environ, PYTHONPATH=str(tree), NUMBA_CACHE_DIR=str(tree / ".numba-cache"))
+def _run(tree: Path, cache: Path, repeats: int, toggle: bool = False) -> dict:
+    # Each tree's kernels cached apart (the two sources differ), outside the repository.
+    env = dict(os.environ, PYTHONPATH=str(tree), NUMBA_CACHE_DIR=str(cache))
     out = subprocess.run(
         [sys.executable, __file__, "--child", str(repeats), *(["--toggle"] if toggle else [])],
         env=env,
@@ -93,8 +94,8 @@ def main() -> None:
         try:
             new, old, without = math.inf, math.inf, math.inf
             for _ in range(3):  # alternate, so both see the same machine
-                old = min(old, _run(base, args.repeats)["with"])
-                here = _run(ROOT, args.repeats, toggle=True)
+                old = min(old, _run(base, Path(tmp) / "numba-base", args.repeats)["with"])
+                here = _run(ROOT, Path(tmp) / "numba-here", args.repeats, toggle=True)
                 new, without = min(new, here["with"]), min(without, here["without"])
         finally:
             subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=False)
