@@ -124,9 +124,7 @@ def _f32_range(e, a, ei, ai, start, stop, rtol, atol, rel_eps, floor, above, sum
         b_sxx = 0.0
         b_sxs = 0.0
         b_sdd = 0.0
-        if not sums:
-            pass
-        elif b_bad == 0:
+        if sums and b_bad == 0:
             for j in range(m):
                 x = np.float64(eb[j])
                 g = np.float64(ab[j]) - x  # the signed error: y = x + g, so the other sums follow exactly
@@ -135,7 +133,7 @@ def _f32_range(e, a, ei, ai, start, stop, rtol, atol, rel_eps, floor, above, sum
                 b_sxx += x * x
                 b_sxs += x * g
                 b_sdd += g * g
-        else:
+        elif sums:
             for j in range(m):
                 x = np.float64(eb[j])
                 g = np.float64(ab[j]) - x

@@ -241,6 +241,13 @@ def _pair_range(
     return part
 
 
+def dot(u: np.ndarray, v: np.ndarray) -> float:
+    """``sum(u * v)`` of two 1-D arrays in their dtype, without the BLAS: numpy's bundled OpenBLAS can
+    hang in a threaded dot after the process has forked (OpenMathLib/OpenBLAS#5520, numpy/numpy#30092),
+    and torch.compile forks."""
+    return float(np.einsum("i,i->", u, v))
+
+
 def _add_sums(sums: list, ec: np.ndarray, ac: np.ndarray, excluded: np.ndarray | None) -> None:
     # The six float64 sums of a chunk's finite pairs (the numpy path's extra pass).
     x, y = ec.astype(np.float64), ac.astype(np.float64)
@@ -250,10 +257,10 @@ def _add_sums(sums: list, ec: np.ndarray, ac: np.ndarray, excluded: np.ndarray |
     d = y - x
     sums[0] += float(x.sum())
     sums[1] += float(y.sum())
-    sums[2] += float(np.dot(x, x))
-    sums[3] += float(np.dot(y, y))
-    sums[4] += float(np.dot(x, y))
-    sums[5] += float(np.dot(d, d))
+    sums[2] += dot(x, x)
+    sums[3] += dot(y, y)
+    sums[4] += dot(x, y)
+    sums[5] += dot(d, d)
 
 
 def _exact_worst(e: np.ndarray, a: np.ndarray, total: _Partial) -> tuple[float, int]:

@@ -15,7 +15,7 @@ import numpy as np
 
 from rlx_nb import _fused
 from rlx_nb.errors import InputError
-from rlx_nb.metrics import CHUNK, on_cores, ranges, workers
+from rlx_nb.metrics import CHUNK, dot, on_cores, ranges, workers
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,7 +128,7 @@ def error_stats(x: np.ndarray, reference: np.ndarray) -> tuple[ReferenceStats, S
             scalars.append(
                 (
                     float(np.abs(e).max(initial=0.0)),
-                    _sum_sq(rc.ravel()),
+                    dot(rc.ravel(), rc.ravel()),
                     float(np.abs(rc).max(initial=0.0)),
                 )
             )
@@ -139,12 +139,6 @@ def error_stats(x: np.ndarray, reference: np.ndarray) -> tuple[ReferenceStats, S
         return ReferenceStats(0.0, 0.0, 0.0, 0.0), slices
     mx, rsq, rmx = max(v[0] for v in scalars), sum(v[1] for v in scalars), max(v[2] for v in scalars)
     return ReferenceStats(math.sqrt(float(col[1].sum()) / count), mx, math.sqrt(rsq / count), rmx), slices
-
-
-def _sum_sq(v: np.ndarray) -> float:
-    # Sum of squares without the BLAS: numpy's bundled OpenBLAS can hang in a threaded dot after the
-    # process has forked (OpenMathLib/OpenBLAS#5520, numpy/numpy#30092), and torch.compile forks.
-    return float(np.einsum("i,i->", v, v))
 
 
 @np.errstate(invalid="ignore", over="ignore")
@@ -180,9 +174,9 @@ def reference_stats(x: np.ndarray, reference: np.ndarray) -> ReferenceStats:
             d, rc = d[ok], rc[ok]
         count += d.size
         if d.size:
-            sq += _sum_sq(d)
+            sq += dot(d, d)
             mx = max(mx, float(np.abs(d).max()))
-            rsq += _sum_sq(rc)
+            rsq += dot(rc, rc)
             rmx = max(rmx, float(np.abs(rc).max()))
     if count == 0:
         return ReferenceStats(0.0, 0.0, 0.0, 0.0)
