@@ -395,19 +395,27 @@ def run(
 def _fingerprints_later(args: tuple, model: Any, params: Mapping[str, torch.Tensor] | None) -> Callable[[], dict]:
     # The fingerprints hash every input and parameter byte (0.13 s per 200 MB here), and only saving,
     # merging and gathering read them: hash when read, from the user's own tensors, which is what the
-    # run ran on as long as none was changed in place since (their version counters tell).
-    watched = [t for _, t in flatten((args, dict(params or {}))) if isinstance(t, torch.Tensor)]
-    if isinstance(model, torch.nn.Module):
-        watched += [t for t in (*model.parameters(), *model.buffers())]
-    versions = [t._version for t in watched]
-    model_ref = weakref.ref(model) if isinstance(model, torch.nn.Module) else None
+    # run ran on as long as none was changed in place since (their version counters tell).  The model's
+    # tensors are watched through weak references, so a report does not keep a model's weights alive;
+    # a parameter replaced since the run (not the same tensor any more) counts as a change.
+    given = [t for _, t in flatten((args, dict(params or {}))) if isinstance(t, torch.Tensor)]
+    given_versions = [t._version for t in given]
+    module = model if isinstance(model, torch.nn.Module) else None
+    model_ref = weakref.ref(module) if module is not None else None
+    own = [(weakref.ref(t), t._version) for t in _model_tensors(module)] if module is not None else []
+
+    def model_unchanged(user_model: torch.nn.Module) -> bool:
+        now = _model_tensors(user_model)
+        return len(now) == len(own) and all(
+            ref() is t and t._version == v for (ref, v), t in zip(own, now, strict=True)
+        )
 
     def compute() -> dict:
-        changed = [t._version for t in watched] != versions
         user_model = model_ref() if model_ref is not None else None
+        changed = [t._version for t in given] != given_versions
         inputs = None if changed else fingerprint(args)
-        if changed or (model_ref is not None and user_model is None):
-            state = None  # changed in place since the run, or the model is gone: the run's bytes are not at hand
+        if changed or (model_ref is not None and (user_model is None or not model_unchanged(user_model))):
+            state = None  # changed since the run, or the model is gone: the run's bytes are not at hand
         elif user_model is not None:
             state = fingerprint({**dict(user_model.state_dict()), **dict(params or {})})
         else:
@@ -415,6 +423,10 @@ def _fingerprints_later(args: tuple, model: Any, params: Mapping[str, torch.Tens
         return {"inputs": inputs, "model": state}
 
     return compute
+
+
+def _model_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
+    return [*model.parameters(), *model.buffers()]
 
 
 def _why(run: BackendRun) -> str:

@@ -135,6 +135,25 @@ def test_inputs_changed_in_place_after_the_run_have_no_fingerprint():
     assert report.results.fingerprints["inputs"] is None
 
 
+def test_a_model_changed_or_dropped_after_the_run_has_no_model_fingerprint_and_is_not_kept_alive():
+    import gc
+    import weakref
+
+    torch.manual_seed(0)
+    model, x = torch.nn.Linear(8, 4), torch.randn(3, 8)
+    replaced = rlx_nb.backend_divergence(model, x, backends=["cpu-nomkldnn"], progress=False)
+    model.weight = torch.nn.Parameter(torch.zeros(4, 8))  # a new tensor, version 0: not the run's weights
+    assert replaced.results.fingerprints["model"] is None
+    assert replaced.results.fingerprints["inputs"] is not None
+    model = torch.nn.Linear(8, 4)
+    dropped = rlx_nb.backend_divergence(model, x, backends=["cpu-nomkldnn"], progress=False)
+    weight = weakref.ref(model.weight)
+    del model
+    gc.collect()
+    assert weight() is None  # the unread fingerprints hold no strong reference to the weights
+    assert dropped.results.fingerprints["model"] is None
+
+
 def test_the_report_says_which_extra_runs_were_made_and_why():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
