@@ -1,7 +1,7 @@
 """One self-contained HTML file for a report: to attach to an issue or send to a vendor.
 
 Images are inline PNGs, styles inline; no script and no network is needed to read it.  It holds the
-verdict lines, the backends table, for each SUSPECT output its heatmap, histogram and worst elements,
+verdict lines, the backends and summary tables, for each SUSPECT output its heatmap, histogram and worst elements,
 the environment (versions, CPU flags, backend settings), and a localization when one is given.  It
 holds no model weights: only outputs' statistics, a few elements' values and pictures of the errors.
 """
@@ -19,11 +19,20 @@ from typing import Any
 MAX_SECTIONS = 12
 """At most this many SUSPECT (backend, output) pairs get figures; the rest are listed."""
 
+MAX_SUMMARY_ROWS = 300
+"""Rows of the summary table, SUSPECT first, then by excess over the budget; the rest are counted."""
+
+SUMMARY_COLUMNS = (
+    "backend", "output", "verdict", "shape", "max_abs", "max_rel", "ratio_rmse", "ratio_max", "excess",
+    "mismatched", "max_ulp", "cosine", "pcc", "sqnr_db", "nmse", "effective_bits",
+)  # fmt: skip
+"""The summary's columns in the file (the whole row of every output: the ``.rlxnb`` file)."""
+
 _STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em; color: #222; max-width: 1200px; }
 pre { background: #f6f6f6; padding: 0.8em; white-space: pre-wrap; font-size: 12px; }
 table { border-collapse: collapse; font-size: 12px; margin: 0.5em 0; }
-td, th { border: 1px solid #ddd; padding: 3px 6px; text-align: right; }
+td, th { border: 1px solid #ddd; padding: 3px 6px; text-align: right; white-space: nowrap; }
 th { background: #f0f0f0; }
 td:first-child, th:first-child { text-align: left; }
 .suspect { color: #b00020; font-weight: bold; }
@@ -45,7 +54,16 @@ def _figure(width: float, height: float) -> Any:
 
 
 def _table(frame: Any) -> str:
-    return frame.to_html(index=False, escape=True, border=0, na_rep="", float_format=lambda v: f"{v:.4g}")
+    # Numbers as the notebook shows them (frames.FORMATS: enough digits to tell the oracle from the
+    # backend and the reference, a cosine of 0.999999998 not rounded to 1); other floats in 4 digits.
+    from rlx_nb.frames import FORMATS
+
+    def fmt(spec: str):
+        return lambda v: "" if v != v else spec.format(v)
+
+    floats = [c for c in frame.columns if frame[c].dtype.kind == "f"]
+    formatters = {c: fmt(FORMATS.get(c, "{:.4g}")) for c in floats}
+    return frame.to_html(index=False, escape=True, border=0, na_rep="", formatters=formatters)
 
 
 def _environment(env: dict[str, Any]) -> str:
@@ -54,8 +72,25 @@ def _environment(env: dict[str, Any]) -> str:
         text = value if isinstance(value, str) else json.dumps(value, default=str, sort_keys=True)
         if len(text) > 600:
             text = text[:600] + " …"
-        rows.append(f"<tr><td>{html.escape(str(key))}</td><td style='text-align:left'>{html.escape(text)}</td></tr>")
+        rows.append(
+            f"<tr><td>{html.escape(str(key))}</td><td style='text-align:left; white-space:normal'>{html.escape(text)}</td></tr>"
+        )
     return "<table><tr><th>key</th><th>value</th></tr>" + "".join(rows) + "</table>"
+
+
+def _summary(report: Any) -> str:
+    from rlx_nb.verdict import SUSPECT
+
+    frame = report.summary
+    frame = frame.assign(_first=frame.verdict != SUSPECT).sort_values(["_first", "excess"], ascending=[True, False])
+    cols = [c for c in SUMMARY_COLUMNS if c in frame]
+    rest = len(frame) - MAX_SUMMARY_ROWS
+    more = (
+        f"<p>{rest} more rows, after these in the same order (SUSPECT first, then by excess): the .rlxnb file has every row.</p>"
+        if rest > 0
+        else ""
+    )
+    return "<h2>Summary: one row per backend and output</h2>" + _table(frame[cols].head(MAX_SUMMARY_ROWS)) + more
 
 
 def _suspect_section(report: Any, rec: Any) -> str:
@@ -111,6 +146,7 @@ def report_html(report: Any, *, localization: Any = None, title: str | None = No
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC.</p>",
         "<h2>Verdicts</h2><pre>" + html.escape("\n".join(report.lines())) + "</pre>",
         "<h2>Backends</h2>" + _table(report.backends),
+        _summary(report),
     ]
     if shown:
         parts.append("<h2>SUSPECT outputs</h2>")
@@ -140,4 +176,4 @@ def write_html(report: Any, path: str | Path, *, localization: Any = None, title
     return path
 
 
-__all__ = ["MAX_SECTIONS", "report_html", "write_html"]
+__all__ = ["MAX_SECTIONS", "MAX_SUMMARY_ROWS", "report_html", "write_html"]

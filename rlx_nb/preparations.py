@@ -123,17 +123,22 @@ def inputs_key(args: tuple) -> tuple:
     return tuple(key)
 
 
+def global_settings() -> dict[str, Any]:
+    """The global switches that change what a model computes, compiled, exported or eager."""
+    return {
+        "torch": torch.__version__,
+        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "cuda_matmul_allow_tf32": torch.backends.cuda.matmul.allow_tf32,
+        "cudnn_allow_tf32": torch.backends.cudnn.allow_tf32,
+        "mkldnn_enabled": torch.backends.mkldnn.enabled,
+        "deterministic_algorithms": torch.are_deterministic_algorithms_enabled(),
+        "threads": torch.get_num_threads(),
+    }
+
+
 def settings_key() -> tuple:
-    """The global switches that change what a compiled or exported model computes."""
-    return (
-        torch.__version__,
-        torch.get_float32_matmul_precision(),
-        torch.backends.cuda.matmul.allow_tf32,
-        torch.backends.cudnn.allow_tf32,
-        torch.backends.mkldnn.enabled,
-        torch.are_deterministic_algorithms_enabled(),
-        torch.get_num_threads(),
-    )
+    """:func:`global_settings` as a cache-key part."""
+    return tuple(global_settings().items())
 
 
 _MODEL_KEYS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

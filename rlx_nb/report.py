@@ -111,7 +111,7 @@ class DivergenceReport:
 
     def to_html(self, path, *, localization=None, title: str | None = None) -> Path:
         """Write one self-contained HTML file (inline images, no script, no network): the verdicts, the
-        backends table, each SUSPECT output's heatmap, histogram and worst elements, the environment, and
+        backends and summary tables, each SUSPECT output's heatmap, histogram and worst elements, the environment, and
         ``localization`` (a :class:`rlx_nb.Localization`) when given.  No model weights.  Returns the path."""
         from rlx_nb.html_report import write_html
 

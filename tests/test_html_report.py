@@ -37,6 +37,16 @@ def test_the_html_holds_every_suspect_heatmap_and_nothing_external(report, tmp_p
     for line in report.lines():
         assert line.split(" — ")[0].replace(">", "&gt;") in text
     assert "torch" in text  # the environment's versions
+    for key in ("cpu_simd", "aten_cpu_capability", "settings", "backends"):
+        assert f"<td>{key}</td>" in text  # CPU flags, the global settings, each backend's settings
+    assert "float32_matmul_precision" in text and "torch eager with oneDNN disabled" in text
+    summary = text.split("<h2>Summary: one row per backend and output</h2>")[1].split("</table>")[0]
+    for column in ("ratio_rmse", "excess", "cosine", "pcc", "sqnr_db", "nmse"):
+        assert f"<th>{column}</th>" in summary
+    rows = re.findall(r"<tr>\s*<td>([^<]*)</td>\s*<td>([^<]*)</td>\s*<td>([^<]*)</td>", summary)
+    assert len(rows) == len(report.summary)  # under the row cap: every (backend, output)
+    assert {(b, o) for b, o, v in rows if v == "SUSPECT"} == set(_suspect_outputs(report))
+    assert [v for _, _, v in rows][: len(_suspect_outputs(report))] == ["SUSPECT"] * len(_suspect_outputs(report))
 
 
 def test_cli_check_and_show_write_the_html(report, tmp_path):

@@ -154,6 +154,25 @@ def test_a_model_changed_or_dropped_after_the_run_has_no_model_fingerprint_and_i
     assert dropped.results.fingerprints["model"] is None
 
 
+def test_the_environment_names_the_cpu_its_simd_flags_the_settings_and_each_backend(tmp_path):
+    import platform
+
+    torch.manual_seed(0)
+    report = rlx_nb.backend_divergence(torch.nn.Linear(8, 4), torch.randn(3, 8), backends=["cpu-nomkldnn"])
+    env = report.results.environment
+    assert env["machine"] == platform.machine() and env["cpu"]
+    assert env["aten_cpu_capability"] == torch.backends.cpu.get_cpu_capability()
+    if platform.machine() == "x86_64":
+        assert "sse4_2" in env["cpu_simd"] and all(not f.startswith(("vme", "pae")) for f in env["cpu_simd"])
+    assert env["settings"]["float32_matmul_precision"] == torch.get_float32_matmul_precision()
+    assert env["settings"]["mkldnn_enabled"] is torch.backends.mkldnn.enabled
+    assert env["backends"] == {"cpu-nomkldnn": "torch eager with oneDNN disabled"}
+    loaded = rlx_nb.load_report(report.save(tmp_path / "r.rlxnb")).results.environment
+    assert {k: loaded[k] for k in ("cpu_simd", "settings", "backends")} == {
+        k: env[k] for k in ("cpu_simd", "settings", "backends")
+    }
+
+
 def test_the_report_says_which_extra_runs_were_made_and_why():
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8))
