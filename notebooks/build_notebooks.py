@@ -528,7 +528,7 @@ print(report)""",
         "md",
         """## Share: one HTML file
 
-`report.to_html(path)` writes a self-contained page — the verdict lines, the backends table, each SUSPECT output's heatmap, histogram and worst elements, and the environment (versions, CPU flags, backend settings). Images are inline, there is no script and no model weight in it: it opens in any browser and can be attached to an issue. From a shell: `rlx-nb check ... --html FILE`, or `rlx-nb show saved.rlxnb --html FILE`.""",
+`report.to_html(path)` writes a self-contained page — the verdict lines, the backends and summary tables, each SUSPECT output's heatmap, histogram and worst elements, and the environment (versions, CPU flags, backend settings). Images are inline, there is no script and no model weight in it: it opens in any browser and can be attached to an issue. From a shell: `rlx-nb check ... --html FILE`, or `rlx-nb show saved.rlxnb --html FILE`.""",
     ),
     (
         "code",
