@@ -47,12 +47,16 @@ class BaselineComparison:
         out = []
         for backend, rows in self.frame.groupby("backend", sort=False):
             worst = rows.loc[rows.moved.fillna(0).idxmax()] if rows.moved.notna().any() else rows.iloc[0]
+            statuses = set(rows.status)
             status = (
-                "WORSE" if (rows.status == "worse").any() else "better" if (rows.status == "better").any() else "same"
-            )
+                "WORSE" if "worse" in statuses else "better" if "better" in statuses
+                else statuses.pop() if statuses <= {"new"} or statuses <= {"gone"} else "same"
+            )  # fmt: skip
+            move = f"worst move x{worst.moved:.3g}" if worst.moved == worst.moved else "not in both reports"
             out.append(
-                f"[{self.new_label}] {backend}: {status} — worst move x{worst.moved:.3g} on {worst.output} "
-                f"(excess {worst.old_excess:.3g} -> {worst.new_excess:.3g}; {worst.old_verdict} -> {worst.new_verdict})"
+                f"[{self.new_label}] {backend}: {status} — {move} on {worst.output} "
+                f"(excess {worst.old_excess:.3g} -> {worst.new_excess:.3g}; "
+                f"{worst.old_verdict or '-'} -> {worst.new_verdict or '-'})"
             )
         return out
 
@@ -126,7 +130,7 @@ def compare_reports(old: Any, new: Any) -> BaselineComparison:
         o, n = olds.get(key), news.get(key)
         oe = o.excess if o is not None else math.nan
         ne = n.excess if n is not None else math.nan
-        moved = ne / oe if oe and oe == oe and ne == ne and oe > 0 else math.nan
+        moved = ne / oe if oe > 0 and ne == ne else math.nan  # NaN when either is missing
         rows.append(
             {
                 "backend": key[0],

@@ -48,6 +48,13 @@ def test_the_same_stack_is_the_same_and_an_upgrade_that_breaks_is_worse(tmp_path
     assert back.frame.set_index("backend").loc["test:stack", "status"] == "better"
 
 
+def main_report(target):
+    from rlx_nb.cli import load_target
+
+    model, inputs = load_target(f"{target}:build")
+    return rlx_nb.backend_divergence(model, inputs, backends=["cpu-nomkldnn", "fault:gelu-approx"], progress=False)
+
+
 def test_cli_check_baseline_exits_1_only_when_worse(tmp_path):
     target = tmp_path / "build.py"
     target.write_text(
@@ -63,6 +70,14 @@ def test_cli_check_baseline_exits_1_only_when_worse(tmp_path):
     assert main(["check", f"{target}:build", "--backends", "cpu-nomkldnn", "--baseline", base]) == 0
     worse = ["check", f"{target}:build", "--backends", "cpu-nomkldnn,fault:gelu-approx", "--baseline", base]
     assert main(worse) == 0  # a backend the baseline did not have is new, not worse
+    added = rlx_nb.compare_reports(base, rlx_nb.load_report(base))
+    assert all(" same — worst move x1 " in line for line in added.lines())
+    lines = rlx_nb.compare_reports(base, main_report(target)).lines()
+    assert [line.split(" — ")[0] for line in lines] == [
+        "[Sequential] cpu-nomkldnn: same",
+        "[Sequential] fault:gelu-approx: new",
+    ]
+    assert "not in both reports" in lines[1] and "- -> SUSPECT" in lines[1]
     assert (
         main(["check", f"{target}:build", "--backends", "fault:gelu-approx", "--save", str(tmp_path), "--node", "v2"])
         == 1
