@@ -41,6 +41,8 @@ bench: $(STAMP)
 	$(BIN)/python bench/growth.py
 	$(BIN)/python bench/gather_speed.py
 	$(BIN)/python bench/detection.py
+	$(BIN)/python bench/extra_metrics_cost.py
+	$(BIN)/python bench/baseline_speed.py
 
 notebooks: $(STAMP)
 	$(BIN)/python notebooks/build_notebooks.py
