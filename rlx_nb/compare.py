@@ -218,8 +218,10 @@ def compare_leaf(
     if got is None:
         return _record(*ident, SUSPECT, "output missing: the backend's outputs have a different structure", **base)
     if OPAQUE in (oracle.dtype, got.dtype):
-        what = oracle.value if oracle.dtype == OPAQUE else got.value
-        why = f"not compared: a {what} object that holds no tensors (only tensors and plain values are compared)"
+        if oracle.dtype == OPAQUE:
+            why = f"not compared: a {oracle.value} object that holds no tensors (only tensors and plain values are compared)"
+        else:
+            why = f"not compared: the backend gives <{got.value}> where the oracle has a {oracle.dtype} output"
         return _record(*ident, VERDICT_SKIPPED, why, **base)
     if not oracle.is_array or not got.is_array:
         if not oracle.is_array and not got.is_array and _equal(oracle.value, got.value):

@@ -95,7 +95,7 @@ def _walkable(obj: Any) -> bool:
 
 
 def _flatten(obj: Any, prefix: str, out: list[tuple[str, Any]], depth: int, seen: set[int]) -> None:
-    if isinstance(obj, torch.Tensor) or isinstance(obj, PLAIN):
+    if isinstance(obj, (torch.Tensor, Opaque)) or isinstance(obj, PLAIN):
         out.append((prefix, obj))
         return
     if id(obj) in seen or depth > MAX_DEPTH:

@@ -100,6 +100,18 @@ def _qwen2(t: Any, gen: torch.Generator, batch: int):
     return t.Qwen2ForCausalLM(t.Qwen2Config(**_LM)), {**inputs, "labels": inputs["input_ids"].clone()}
 
 
+def _mistral(t: Any, gen: torch.Generator, batch: int):
+    # A sliding window shorter than the text: its cache layers keep their length as a number, which
+    # export tracing turns into a tensor.
+    return t.MistralModel(t.MistralConfig(**_LM, sliding_window=TEXT_LEN // 2)), _text(gen, batch)
+
+
+def _mamba(t: Any, gen: torch.Generator, batch: int):
+    # A state-space model: no attention; its cache's convolution and recurrent states are written in place.
+    config = t.MambaConfig(vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=2, conv_kernel=4)
+    return t.MambaModel(config), {"input_ids": _text(gen, batch)["input_ids"]}
+
+
 def _t5(t: Any, gen: torch.Generator, batch: int):
     config = t.T5Config(
         vocab_size=VOCAB, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, decoder_start_token_id=0
@@ -209,6 +221,8 @@ BUILDERS: dict[str, Callable[[Any, torch.Generator, int], tuple[torch.nn.Module,
     "gpt2": _gpt2,
     "llama": _llama,
     "qwen2": _qwen2,
+    "mistral": _mistral,
+    "mamba": _mamba,
     "t5": _t5,
     "whisper": _whisper,
     "vit": _vit,

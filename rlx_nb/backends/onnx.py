@@ -3,19 +3,22 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 import importlib.util
 import io
 import os
+import re
 import sys
 import tempfile
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
 from rlx_nb.backends.base import Backend
-from rlx_nb.tree import flatten
+from rlx_nb.backends.notes import add_note
+from rlx_nb.tree import Opaque, flatten
 
 
 def onnxruntime_reason() -> str | None:
@@ -26,21 +29,74 @@ def onnxruntime_reason() -> str | None:
 
 
 class _FlatOutputs(torch.nn.Module):
-    # Export needs a flat tuple of tensors; remember the names and the
-    # non-tensor leaves so the structure can be rebuilt after ORT runs.
+    # Export needs a flat tuple of tensors.  The first call runs eagerly and fixes the outputs: their
+    # names and non-tensor leaves, to rebuild the structure after the runtime runs.  Later calls (the
+    # exporters' traces) return the tensors at those names only: under tracing a number the model keeps
+    # in an object (a sliding-window cache's length) can be a tensor, and it is not one of its outputs.
+    # An output that is not a tensor under tracing (a cache the model builds only when not exported)
+    # is left out of the graph and named in ``dropped``.
     def __init__(self, model: Any) -> None:
         super().__init__()
         self.model = model
-        self.leaves: list[tuple[str, Any]] = []
+        self.leaves: list[tuple[str, Any]] | None = None
+        self.dropped = _Shared()
 
     def forward(self, *args: Any) -> tuple:
-        self.leaves = flatten(self.model(*args))
-        return tuple(v for _, v in self.leaves if isinstance(v, torch.Tensor))
+        leaves = flatten(self.model(*args))
+        if self.leaves is None:
+            self.leaves = leaves
+            return tuple(v for _, v in leaves if isinstance(v, torch.Tensor))
+        traced = dict(leaves)
+        wanted = [n for n, v in self.leaves if isinstance(v, torch.Tensor)]
+        # Kept over calls: an exporter may also run the model untraced after its trace (every output there).
+        self.dropped.extend(n for n in wanted if n not in self.dropped and not isinstance(traced.get(n), torch.Tensor))
+        return tuple(traced[n] for n in wanted if isinstance(traced.get(n), torch.Tensor))
+
+    def record(self, inputs: tuple) -> list[tuple[str, Any]]:
+        """Run the model eagerly once (no gradients) to fix the output names; returns them."""
+        with torch.no_grad():
+            self(*inputs)
+        return list(self.leaves or [])
+
+    def rebuild(self, count: int, what: str) -> Callable[[list[torch.Tensor]], dict[str, Any]]:
+        """``unflatten(tensors)`` for a converted graph with ``count`` outputs: the model's named leaves, with
+        an :class:`~rlx_nb.tree.Opaque` marker (not compared) for each output the conversion left out."""
+        leaves = list(self.leaves or [])
+        kept = [n for n, v in leaves if isinstance(v, torch.Tensor) and n not in self.dropped]
+        if count != len(kept):
+            raise RuntimeError(
+                f"{what} has {count} output(s) where the model returns {len(kept)} tensor(s) "
+                f"({', '.join(kept[:4])}{', ...' if len(kept) > 4 else ''}): the conversion dropped or added "
+                "outputs, so its results cannot be matched to the model's"
+            )
+        if not kept:
+            raise RuntimeError(f"{what} returns none of the model's tensor outputs")
+        dropped = set(self.dropped)
+        if dropped:
+            add_note(
+                f"{what} leaves out {len(dropped)} output(s) that are not tensors when the model is traced for "
+                f"export ({', '.join(sorted(dropped)[:4])}{', ...' if len(dropped) > 4 else ''}): not compared"
+            )
+        missing = Opaque("not exported")
+
+        def unflatten(tensors: list[torch.Tensor]) -> dict[str, Any]:
+            it = iter(tensors)
+            return {
+                name: (missing if name in dropped else next(it)) if isinstance(v, torch.Tensor) else v
+                for name, v in leaves
+            }
+
+        return unflatten
 
 
-def _unflatten(leaves: list[tuple[str, Any]], tensors: list[torch.Tensor]) -> dict[str, Any]:
-    it = iter(tensors)
-    return {name: next(it) if isinstance(v, torch.Tensor) else v for name, v in leaves}
+class _Shared(list):
+    # The outputs a trace left out.  torch.export puts back copies of the module attributes a trace
+    # changed, and a failed route's copy of the wrapper must report to the same list: copies are itself.
+    def __copy__(self) -> _Shared:
+        return self
+
+    def __deepcopy__(self, memo: dict) -> _Shared:
+        return self
 
 
 @contextlib.contextmanager
@@ -66,24 +122,58 @@ def _quiet() -> Iterator[None]:
                 os.close(fd)
 
 
-def _export(wrapper: torch.nn.Module, inputs: tuple, names: list[str]) -> io.BytesIO:
-    """TorchScript exporter first (fast), then the dynamo exporter; the first error is kept if both fail."""
-    buf = io.BytesIO()
+def _export(wrapper: _FlatOutputs, inputs: tuple, names: list[str]) -> io.BytesIO:
+    """TorchScript exporter first (fast), then the dynamo exporter; the first error is kept if both fail.
+
+    The graph's outputs are named ``output_0``, ``output_1``, ... in the model's order (without names the
+    dynamo exporter can merge outputs a model writes in place, such as a Mamba cache's states).
+    """
+    outputs = [f"output_{k}" for k in range(sum(isinstance(v, torch.Tensor) for _, v in wrapper.leaves or []))]
+
+    def export(w: torch.nn.Module, dynamo: bool) -> io.BytesIO:
+        buf = io.BytesIO()
+        extra = {"verbose": False} if dynamo else {}
+        torch.onnx.export(w, inputs, buf, dynamo=dynamo, input_names=names, output_names=outputs, **extra)
+        return buf
+
     with _quiet():
         try:
-            torch.onnx.export(wrapper, inputs, buf, dynamo=False, input_names=names)
-            return buf
+            return attempt(wrapper, lambda w: export(w, False))
         except Exception as first:
             legacy_error = first
-        buf = io.BytesIO()
         try:
-            torch.onnx.export(wrapper, inputs, buf, dynamo=True, input_names=names, verbose=False)
-            return buf
+            wrapper.dropped.clear()
+            return export(wrapper, True)
         except Exception as second:
             raise RuntimeError(
-                f"ONNX export failed: dynamo exporter: {type(second).__name__}: {str(second).splitlines()[0]}; "
-                f"TorchScript exporter: {type(legacy_error).__name__}: {str(legacy_error).splitlines()[0]}"
+                f"ONNX export failed: dynamo exporter: {_summary(second)}; TorchScript exporter: {_summary(legacy_error)}"
             ) from None
+
+
+def attempt(wrapper: _FlatOutputs, convert: Callable[[_FlatOutputs], Any]) -> Any:
+    """``convert`` a copy of ``wrapper``, leaving the original as it was for the next route if it fails.
+
+    A failed conversion can leave state behind on the model it traced (after a failed TorchScript
+    export, the dynamo exporter drops a Mamba model's cache outputs).
+    """
+    trial = copy.deepcopy(wrapper)
+    wrapper.dropped.clear()  # shared with the copy
+    return convert(trial)
+
+
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _summary(exc: BaseException) -> str:
+    # The exception's first line, and its root cause's when it has one (the dynamo exporter wraps the
+    # model's own error in a generic "Failed to export the model" with terminal colours).
+    def line(e: BaseException) -> str:
+        return f"{type(e).__name__}: {_ANSI.sub('', str(e)).strip().splitlines()[0] if str(e).strip() else ''}"
+
+    root = exc
+    while root.__cause__ is not None and root.__cause__ is not root:
+        root = root.__cause__
+    return line(exc) if root is exc else f"{line(exc)} (caused by {line(root)})"
 
 
 def prepare_onnxruntime(model: Any, inputs: tuple) -> Any:
@@ -99,20 +189,32 @@ def prepare_onnxruntime(model: Any, inputs: tuple) -> Any:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"ONNX export needs tensor inputs; input {i} is {type(x).__name__}")
     wrapper = _FlatOutputs(model)
+    wrapper.record(tuple(inputs))
     names = [f"input_{i}" for i in range(len(inputs))]
     buf = _export(wrapper, tuple(inputs), names)
     options = ort.SessionOptions()
     options.log_severity_level = 3
     session = ort.InferenceSession(buf.getvalue(), options, providers=["CPUExecutionProvider"])
-    leaves = list(wrapper.leaves)
+    produced = [o.name for o in session.get_outputs()]
+    unflatten = wrapper.rebuild(len(produced), "the ONNX export")
+    order = _model_order(produced)
     wanted = [i.name for i in session.get_inputs()]
 
     def runner(xs: tuple) -> Any:
         by_name = dict(zip(names, xs, strict=True))
         results = session.run(None, {n: by_name[n].detach().cpu().numpy() for n in wanted})
-        return _unflatten(leaves, [torch.from_numpy(r) for r in results])
+        return unflatten([torch.from_numpy(results[k]) for k in order])
 
     return runner
+
+
+def _model_order(produced: list[str]) -> list[int]:
+    # The session's outputs in the model's order: by the ``output_<k>`` names _export gives them, or as the
+    # session lists them where the names are not all of that form.
+    ks = [name.removeprefix("output_") for name in produced]
+    if all(name.startswith("output_") and k.isdigit() for name, k in zip(produced, ks, strict=True)):
+        return sorted(range(len(produced)), key=lambda j: int(ks[j]))
+    return list(range(len(produced)))
 
 
 def run_onnxruntime(model: Any, inputs: tuple) -> Any:

@@ -14,7 +14,7 @@ import torch
 
 from rlx_nb.backends.base import Backend
 from rlx_nb.backends.notes import add_note
-from rlx_nb.backends.onnx import _export, _FlatOutputs, _quiet, _unflatten
+from rlx_nb.backends.onnx import _export, _FlatOutputs, _quiet, attempt
 
 
 def openvino_reason() -> str | None:
@@ -30,15 +30,15 @@ def _prepare(model: Any, inputs: tuple, config: dict[str, str]) -> Any:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"OpenVINO conversion needs tensor inputs; input {i} is {type(x).__name__}")
     wrapper = _FlatOutputs(model)
+    wrapper.record(tuple(inputs))
     with torch.no_grad():
-        wrapper(*inputs)  # records the output names and non-tensor leaves
         converted = _convert(ov, wrapper, inputs)
     compiled = ov.Core().compile_model(converted, "CPU", config)
-    leaves = list(wrapper.leaves)
+    unflatten = wrapper.rebuild(len(compiled.outputs), "OpenVINO's converted model")
 
     def runner(xs: tuple) -> Any:
         result = compiled([x.detach().cpu().numpy() for x in xs])
-        return _unflatten(leaves, [torch.from_numpy(result[out].copy()) for out in compiled.outputs])
+        return unflatten([torch.from_numpy(result[out].copy()) for out in compiled.outputs])
 
     return runner
 
@@ -50,7 +50,7 @@ def _convert(ov: Any, wrapper: torch.nn.Module, inputs: tuple) -> Any:
 
     try:
         with _quiet():
-            converted = ov.convert_model(wrapper, example_input=tuple(inputs))
+            converted = attempt(wrapper, lambda w: ov.convert_model(w, example_input=tuple(inputs)))
     except Exception as direct:
         first = describe_error(direct)
         try:
