@@ -241,6 +241,28 @@ def slice_ratio(
     return worst, at
 
 
+ANCHORS_APART = 0.5
+"""Two precision anchors that differ from each other by less than this times the wider one's error against
+fp64 share a difference that is not rounding (rounding at 8 bits puts them ~8x that apart: 3.1-9.4x on 19
+architectures; 0.015x where the anchored runs left nn.TransformerEncoder's fast path and its zeroed padding)."""
+ANCHORS_MATTER = 4.0
+"""... checked only where the wider anchor's error is this many times the oracle's own (or the floor): below
+that the anchors repeat the oracle, their matmuls a small part of its error."""
+
+
+def anchors_took_another_path(oracle_rmse: float, floor: float, wide_rmse: float, apart_rmse: float) -> bool:
+    """Whether two precision anchors' errors are a code-path difference rather than rounding.
+
+    Examples
+    --------
+    >>> anchors_took_another_path(1e-7, 1e-7, 1e-3, 8e-3)   # rounding: 8 bits is ~8x further than 11
+    False
+    >>> anchors_took_another_path(1e-7, 1e-7, 0.25, 0.004)  # both far from fp64, close to each other
+    True
+    """
+    return wide_rmse > ANCHORS_MATTER * max(oracle_rmse, floor) and apart_rmse < ANCHORS_APART * wide_rmse
+
+
 def effective_bits(backend_rmse: float, oracle_rmse: float, anchors: dict[int, float]) -> tuple[float, str]:
     """Effective mantissa bits of a backend's error, and the closest standard format.
 

@@ -177,3 +177,51 @@ def test_a_kernel_error_of_tf32_size_is_not_sent_to_the_precision_settings():
     assert drift.verdict == fp16.verdict == SUSPECT and drift.closest_format == fp16.closest_format == "tf32/fp16"
     assert drift.anchor_likeness < 0.15 and "not a precision setting" in drift.reason
     assert fp16.anchor_likeness > 0.8 and "behaves like tf32/fp16" in fp16.reason and "likely on" in fp16.reason
+
+
+class _PaddedEncoder(torch.nn.Module):
+    # nn.TransformerEncoder with a padding mask: in eval mode, PyTorch's fused fast path (nested tensors)
+    # writes the padded positions as 0; off the fast path they hold computed values.
+    def __init__(self) -> None:
+        super().__init__()
+        layer = torch.nn.TransformerEncoderLayer(32, 4, 64, dropout=0.0, batch_first=True)
+        self.enc = torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=True)
+
+    def forward(self, x, pad):
+        return self.enc(x, src_key_padding_mask=pad)
+
+
+def test_precision_anchors_that_left_the_oracles_path_are_not_a_yardstick():
+    # The anchors round matmuls under a torch-function mode, which turns the fast path off: their "error"
+    # was the padded positions, 0.25 RMS at 8 and 11 bits alike.  As a bfloat16 budget it passed a backend
+    # that computes the padding (a real difference from the oracle's zeros) as round-off, and it called
+    # every fp32 backend off the fast path "behaves like tf32/fp16".
+    torch.manual_seed(0)
+    model = _PaddedEncoder().eval()
+    x, pad = torch.randn(2, 12, 32), torch.zeros(2, 12, dtype=torch.bool)
+    pad[1, 7:] = True
+
+    class PassThrough(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    def off_the_fast_path(model, inputs):
+        with PassThrough():  # any torch-function mode leaves the fast path
+            return model(*inputs)
+
+    rlx_nb.register_backend("test:slow-path-bf16", off_the_fast_path, compute_dtype="bfloat16", replace=True)
+    try:
+        report = rlx_nb.backend_divergence(model, (x, pad), backends=["test:slow-path-bf16", "cpu-nomkldnn"])
+    finally:
+        rlx_nb.unregister_backend("test:slow-path-bf16")
+    slow, legit = report.record("test:slow-path-bf16"), report.record("cpu-nomkldnn")
+    assert report.results.anchors, "the model has matmuls: the anchors ran"
+    assert "precision anchors left out" in slow.note and "another code path" in slow.note
+    assert slow.verdict == SUSPECT and "tf32" not in slow.reason
+    assert legit.verdict == ROUNDOFF
+
+
+def test_precision_anchors_are_kept_where_they_measure_rounding():
+    report = rlx_nb.backend_divergence(*demo.transformer(), backends=["cpu-bf16"])
+    assert report.results.anchors
+    assert not any("anchors left out" in r.note for r in report.records)
