@@ -23,6 +23,7 @@ from rlx_nb.errors import InputError
 from rlx_nb.metrics import PairStats, pair_stats
 from rlx_nb.progress import bar
 from rlx_nb.reference import ReferenceStats, SliceStats, error_stats, reference_stats
+from rlx_nb.zeros import zero_split
 from rlx_nb.results import GRAD_PREFIX, OK, OPAQUE, SKIPPED, BackendRun, Leaf, RunResults
 from rlx_nb.verdict import (
     ANCHOR_OF,
@@ -90,6 +91,11 @@ class OutputRecord:
     closest_format: str = ""
     anchor_likeness: float = math.nan
     """For a SUSPECT reading near a narrower format: correlation of |error| with that format's anchor."""
+    zero_mismatch: int = 0
+    """For a SUSPECT output: elements where the oracle and fp64 are exactly 0 and the backend is not (:mod:`rlx_nb.zeros`)."""
+    zero_mismatch_max: float = math.nan
+    excess_elsewhere: float = math.nan
+    """... and the budget excess (as ``excess``, RMSE and max) over every other element."""
     note: str = ""
 
     @property
@@ -272,9 +278,24 @@ def compare_leaf(
         )
     decided = fixed if rule == "fixed" or budget is None else budget
     rec = OutputRecord(*ident[:4], decided, fixed, budget, "", compute_dtype, note="; ".join(notes), **fields)
+    if budget == SUSPECT and r is not None and not on_device(o, got):
+        rec = _zero_positions(rec, o, got.value, r)
     if rec.verdict == SUSPECT and verdict.looks_like_reduced_precision(rec):
         rec = dataclasses.replace(rec, anchor_likeness=_likeness(o, got, r, profiles or {}, rec.closest_format))
     return dataclasses.replace(rec, reason=verdict.reason(rec, rule))
+
+
+def _zero_positions(rec: OutputRecord, o: np.ndarray, b: np.ndarray, r: np.ndarray) -> OutputRecord:
+    # A SUSPECT output split where the oracle and fp64 are exactly 0 (rlx_nb.zeros): how many of those the
+    # backend computes as nonzero, and its budget excess over the other elements.
+    if o.dtype.kind != "f" or b.dtype.kind != "f" or r.dtype.kind != "f" or not (o.shape == b.shape == r.shape):
+        return rec
+    split = zero_split(o, b, r)
+    if split is None:
+        return rec
+    e = split.elsewhere
+    excess = max(verdict._ratio(e.rmse, rec.budget_rmse) / verdict.RMSE_LIMIT, verdict._ratio(e.max_err, rec.budget_max) / verdict.MAX_LIMIT)
+    return dataclasses.replace(rec, zero_mismatch=split.nonzero, zero_mismatch_max=split.largest, excess_elsewhere=excess)
 
 
 def _likeness(o: np.ndarray, got: Leaf, r: np.ndarray, profiles: dict[int, Leaf | None], fmt: str) -> float:

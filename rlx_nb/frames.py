@@ -84,7 +84,7 @@ FORMATS: dict[str, str] = {
     **dict.fromkeys(("propagated_ratio_rmse", "propagated_ratio_max", "propagated_excess"), "{:.3g}"),
     **dict.fromkeys(("oracle_value", "backend_value", "oracle", "backend", "reference"), "{:.9g}"),
     **dict.fromkeys(("reference_value",), "{:.12g}"),
-    **dict.fromkeys(("effective_bits", "anchor_likeness"), "{:.3g}"),
+    **dict.fromkeys(("effective_bits", "anchor_likeness", "excess_elsewhere", "zero_mismatch_max"), "{:.3g}"),
     **dict.fromkeys(("seconds",), "{:.2f}"),
 }
 """How a notebook shows each numeric column: enough digits to tell the oracle from the reference, and

@@ -356,6 +356,15 @@ def reason(r: Any, rule: str) -> str:
         if r.verdict != SUSPECT and r.max_abs == 0 and r.backend_rmse == r.oracle_rmse:
             return "bit for bit identical to the oracle"
         if r.verdict == SUSPECT:
+            if r.zero_mismatch and r.excess_elsewhere <= 1.0:
+                share = r.zero_mismatch / max(r.numel, 1)
+                return (
+                    f"differs where the model writes zeros: {r.zero_mismatch} element(s) ({share:.2%}) that the "
+                    f"oracle and fp64 both give as exactly 0 are nonzero here (up to {r.zero_mismatch_max:.3g}) — "
+                    "positions the eager model sets rather than computes, such as padding a fused inference fast "
+                    f"path skips or a mask; everywhere else it is {fmt} round-off ({r.excess_elsewhere:.2g} of the "
+                    "budget's limit)"
+                )
             if looks_like_reduced_precision(r):
                 return _precision_reason(r, worst)
             if r.slice_ratio > RMSE_LIMIT and max(r.ratio_rmse / RMSE_LIMIT, r.ratio_max / MAX_LIMIT) <= 1.0:
@@ -392,6 +401,8 @@ def short_reason(r: Any) -> str:
     worst = max(r.ratio_rmse, r.ratio_max)
     if r.verdict != SUSPECT:
         return "identical" if r.max_abs == 0 else f"round-off ({worst:.2g}x budget)"
+    if r.zero_mismatch and r.excess_elsewhere <= 1.0:
+        return f"{r.zero_mismatch} zeroed positions computed"
     if looks_like_reduced_precision(r):
         like = r.anchor_likeness
         verdict = "precision mode" if like >= PRECISION_ALIKE else "kernel error" if like <= PRECISION_UNLIKE else "?"

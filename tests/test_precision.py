@@ -225,3 +225,42 @@ def test_precision_anchors_are_kept_where_they_measure_rounding():
     report = rlx_nb.backend_divergence(*demo.transformer(), backends=["cpu-bf16"])
     assert report.results.anchors
     assert not any("anchors left out" in r.note for r in report.records)
+
+
+def test_a_backend_that_computes_the_positions_the_oracle_zeroes_is_told_apart_from_a_kernel_bug():
+    # Off the fast path the padded positions hold computed values where the oracle and fp64 have exact
+    # zeros: SUSPECT (the numbers differ), said as such, with the rest of the output round-off.  A real
+    # fault off the fast path errs elsewhere too and keeps the plain reason.
+    torch.manual_seed(0)
+    model = _PaddedEncoder().eval()
+    x, pad = torch.randn(2, 12, 32), torch.zeros(2, 12, dtype=torch.bool)
+    pad[1, 7:] = True
+    fault = get_backend("fault:layernorm-eps").fn  # a torch-function mode: off the fast path as well
+
+    class PassThrough(torch.overrides.TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    def slow(model, inputs):
+        with PassThrough():
+            return model(*inputs)
+
+    rlx_nb.register_backend("test:slow-path", slow, replace=True)
+    try:
+        report = rlx_nb.backend_divergence(model, (x, pad), backends=["test:slow-path"])
+    finally:
+        rlx_nb.unregister_backend("test:slow-path")
+    rec = report.record("test:slow-path")
+    assert rec.verdict == SUSPECT
+    assert rec.zero_mismatch == 5 * 32 and rec.excess_elsewhere <= 1.0
+    assert rec.reason.startswith("differs where the model writes zeros: 160 element(s)"), rec.reason
+    assert "round-off" in rec.reason and "kernel bug" not in rec.reason
+
+    rlx_nb.register_backend("test:slow-path-fault", fault, replace=True)
+    try:
+        faulty = rlx_nb.backend_divergence(model, (x, pad), backends=["test:slow-path-fault"])
+    finally:
+        rlx_nb.unregister_backend("test:slow-path-fault")
+    rec = faulty.record("test:slow-path-fault")
+    assert rec.verdict == SUSPECT and rec.zero_mismatch == 160 and rec.excess_elsewhere > 1.0
+    assert "writes zeros" not in rec.reason
