@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import warnings
 
 import matplotlib
 
@@ -255,3 +256,58 @@ def test_every_suspect_is_listed_and_the_culprit_is_the_first_born():
     blocks = [s for s in loc.suspects if s.startswith("blocks.") and s.count(".") == 1]
     assert blocks == ["blocks.0", "blocks.1", "blocks.2"]
     assert loc.culprit == "blocks.0.attn"
+
+
+class _Cache:
+    """Keys appended by each layer, as a decoder's cache object is (it is passed to every layer)."""
+
+    def __init__(self) -> None:
+        self.keys: list[torch.Tensor] = []
+
+
+class _Layer(torch.nn.Module):
+    def __init__(self, index: int) -> None:
+        super().__init__()
+        self.index = index
+        self.key = torch.nn.Linear(8, 8)
+        self.norm = torch.nn.LayerNorm(8)
+
+    def forward(self, x, cache):
+        # Like an attention mask built for the positions so far: the layer needs the cache it was given.
+        if len(cache.keys) != self.index:
+            raise ValueError(f"layer {self.index} got a cache holding {len(cache.keys)} layers' keys")
+        cache.keys.append(self.key(x))
+        seen = torch.stack(cache.keys, dim=-1)  # every key so far
+        return self.norm(x + seen.mean(-1))
+
+
+class _Decoder(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList([_Layer(i) for i in range(3)])
+
+    def forward(self, x):
+        cache = _Cache()
+        for layer in self.layers:
+            x = layer(x, cache)
+        return x
+
+
+def test_each_layer_is_replayed_with_the_cache_as_it_saw_it():
+    # The cache a layer is called with is changed by every later layer: captured by reference, a replay of
+    # layer 0 read all three layers' keys and failed ("the model fails on the CPU oracle"), and so did every
+    # decoder layer of Hugging Face's OPT.  Captured as it was at the call, and copied for each replay.
+    # (Forward, the search fell back to watching full runs, with a warning; backward, it raised InputError.)
+    torch.manual_seed(0)
+    x = torch.randn(4, 8)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        loc = rlx_nb.localize(_Decoder(), x, backend="fault:layernorm-eps")
+        backward = rlx_nb.localize(_Decoder(), x, backend="cpu-fp16", backward=True)
+    assert loc.full_run == "" and backward.full_run == ""
+    rows = loc.frame.set_index("name")
+    for i in range(3):
+        assert rows.loc[f"layers.{i}", "verdict"] == "SUSPECT", rows.loc[f"layers.{i}", "reason"]
+    assert loc.culprit is not None and loc.culprit.startswith("layers.0")
+    assert set(backward.frame.name) >= {"layers.0", "layers.1", "layers.2"}
+    assert not (backward.frame.verdict == "error").any(), backward.frame.reason.tolist()

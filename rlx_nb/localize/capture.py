@@ -14,6 +14,8 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 
+from rlx_nb.tree import PLAIN, map_tensors
+
 # Pure data movement: exact on every backend, not worth a preparation each.
 _SKIP_OPS = {
     "view",
@@ -51,18 +53,33 @@ _SKIP_OPS = {
 
 
 def split_call(obj: Any) -> tuple[Any, list[torch.Tensor]]:
-    # A template with tensors replaced by their position, and the tensors.
+    # A template with tensors replaced by their position, and the tensors.  An object that holds tensors
+    # (a Hugging Face cache passed to each decoder layer) is copied as it is at the call, with slots for
+    # its tensors: the model goes on changing it (every layer appends its keys), and a replay of one layer
+    # must see the cache that layer saw.
     tensors: list[torch.Tensor] = []
+
+    def slot(t: torch.Tensor) -> Slot:
+        tensors.append(t.detach().clone())
+        return Slot(len(tensors) - 1)
 
     def walk(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
-            tensors.append(x.detach().clone())
-            return Slot(len(tensors) - 1)
+            return slot(x)
         if isinstance(x, dict):
             return {k: walk(v) for k, v in x.items()}
         if isinstance(x, (list, tuple)):
             return type(x)(walk(v) for v in x) if not hasattr(x, "_fields") else type(x)(*(walk(v) for v in x))
-        return x
+        if isinstance(x, PLAIN) or isinstance(x, torch.nn.Module) or callable(x):
+            return x
+        first = len(tensors)
+        try:
+            held = map_tensors(slot, x)
+            held = copy.deepcopy(x) if held is x else held  # no tensor yet (an empty cache): still its state
+        except Exception:  # an object that cannot be copied is passed as it is
+            del tensors[first:]
+            return x
+        return Held(held, tuple(Slot(i) for i in range(first, len(tensors))))
 
     return walk(obj), tensors
 
@@ -72,15 +89,47 @@ class Slot:
     i: int
 
 
+@dataclasses.dataclass(frozen=True)
+class Held:
+    """An object holding tensors, copied at the call with :class:`Slot` s where its tensors were."""
+
+    obj: Any
+    slots: tuple[Slot, ...]
+
+
 def fill(template: Any, tensors: tuple) -> Any:
     if isinstance(template, Slot):
         return tensors[template.i]
+    if isinstance(template, Held):
+        # A fresh copy for every replay (the module changes it), around this replay's tensors.
+        found = [s for _, s in _slots(template.obj)]
+        memo: dict[int, Any] = {id(s): tensors[s.i] for s in found}
+        memo[id(memo)] = found
+        return copy.deepcopy(template.obj, memo)
     if isinstance(template, dict):
         return {k: fill(v, tensors) for k, v in template.items()}
     if isinstance(template, (list, tuple)):
         items = [fill(v, tensors) for v in template]
         return type(template)(*items) if hasattr(template, "_fields") else type(template)(items)
     return template
+
+
+def _slots(obj: Any, seen: set[int] | None = None) -> list[tuple[int, Slot]]:
+    # The Slot objects inside a copied object, by attribute, list, tuple and dict.
+    seen = set() if seen is None else seen
+    if isinstance(obj, Slot):
+        return [(id(obj), obj)]
+    if id(obj) in seen or isinstance(obj, (torch.Tensor, torch.nn.Module, type)) or isinstance(obj, PLAIN):
+        return []
+    seen.add(id(obj))
+    if isinstance(obj, dict):
+        values = list(obj.values())
+    elif isinstance(obj, (list, tuple, set)):
+        values = list(obj)
+    else:
+        values = list(vars(obj).values()) if hasattr(obj, "__dict__") else []
+        values += [getattr(obj, n) for c in type(obj).__mro__ for n in getattr(c, "__slots__", ()) if hasattr(obj, n)]
+    return [found for v in values for found in _slots(v, seen)]
 
 
 class CallModule(torch.nn.Module):
