@@ -23,7 +23,6 @@ from rlx_nb.errors import InputError
 from rlx_nb.metrics import PairStats, pair_stats
 from rlx_nb.progress import bar
 from rlx_nb.reference import ReferenceStats, SliceStats, error_stats, reference_stats
-from rlx_nb.zeros import zero_split
 from rlx_nb.results import GRAD_PREFIX, OK, OPAQUE, SKIPPED, BackendRun, Leaf, RunResults
 from rlx_nb.verdict import (
     ANCHOR_OF,
@@ -36,6 +35,7 @@ from rlx_nb.verdict import (
     Evidence,
     SliceEvidence,
 )
+from rlx_nb.zeros import zero_split
 
 
 @dataclasses.dataclass(frozen=True)
@@ -160,22 +160,22 @@ def _compare_run(
             anchors = {}
         own = anchors.get(bits) if bits is not None else None
         rec = compare_leaf(
-                leaf,
-                run.outputs.get(name),
-                results.reference.outputs.get(name) if results.reference.status == OK else None,
-                rule=rule,
-                backend=run.backend,
-                output=name,
-                output_index=index,
-                kind=kind,
-                compute_dtype=run.compute_dtype,
-                tol_rel=tol_rel if tol_rel is not None else verdict.default_tol_rel(kind),
-                reduction_length=results.oracle.reduction_lengths.get(name, 1),
-                cache=cache,
-                sequential=results.sequential.outputs.get(name) if results.sequential is not None else None,
-                anchor=(bits, own.outputs.get(name)) if own is not None else None,
-                profiles={b: a.outputs.get(name) for b, a in anchors.items()},
-            )
+            leaf,
+            run.outputs.get(name),
+            results.reference.outputs.get(name) if results.reference.status == OK else None,
+            rule=rule,
+            backend=run.backend,
+            output=name,
+            output_index=index,
+            kind=kind,
+            compute_dtype=run.compute_dtype,
+            tol_rel=tol_rel if tol_rel is not None else verdict.default_tol_rel(kind),
+            reduction_length=results.oracle.reduction_lengths.get(name, 1),
+            cache=cache,
+            sequential=results.sequential.outputs.get(name) if results.sequential is not None else None,
+            anchor=(bits, own.outputs.get(name)) if own is not None else None,
+            profiles={b: a.outputs.get(name) for b, a in anchors.items()},
+        )
         if left_out and rec.verdict_budget is not None:
             rec = dataclasses.replace(rec, note="; ".join(n for n in (rec.note, left_out) if n))
         out.append(rec)
@@ -294,8 +294,13 @@ def _zero_positions(rec: OutputRecord, o: np.ndarray, b: np.ndarray, r: np.ndarr
     if split is None:
         return rec
     e = split.elsewhere
-    excess = max(verdict._ratio(e.rmse, rec.budget_rmse) / verdict.RMSE_LIMIT, verdict._ratio(e.max_err, rec.budget_max) / verdict.MAX_LIMIT)
-    return dataclasses.replace(rec, zero_mismatch=split.nonzero, zero_mismatch_max=split.largest, excess_elsewhere=excess)
+    excess = max(
+        verdict._ratio(e.rmse, rec.budget_rmse) / verdict.RMSE_LIMIT,
+        verdict._ratio(e.max_err, rec.budget_max) / verdict.MAX_LIMIT,
+    )
+    return dataclasses.replace(
+        rec, zero_mismatch=split.nonzero, zero_mismatch_max=split.largest, excess_elsewhere=excess
+    )
 
 
 def _likeness(o: np.ndarray, got: Leaf, r: np.ndarray, profiles: dict[int, Leaf | None], fmt: str) -> float:
