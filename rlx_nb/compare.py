@@ -17,12 +17,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlx_nb import device_metrics, verdict
+from rlx_nb import device_metrics, evidence, verdict
 from rlx_nb.elements import rel_error
 from rlx_nb.errors import InputError
 from rlx_nb.metrics import PairStats, pair_stats
 from rlx_nb.progress import bar
-from rlx_nb.reference import ReferenceStats, SliceStats, error_stats, reference_stats
+from rlx_nb.reference import error_stats, reference_stats
 from rlx_nb.results import GRAD_PREFIX, OK, OPAQUE, SKIPPED, BackendRun, Leaf, RunResults
 from rlx_nb.verdict import (
     ANCHOR_OF,
@@ -32,8 +32,6 @@ from rlx_nb.verdict import (
     SUSPECT,
     VERDICT_ERROR,
     VERDICT_SKIPPED,
-    Evidence,
-    SliceEvidence,
 )
 from rlx_nb.zeros import zero_split
 
@@ -155,7 +153,7 @@ def _compare_run(
             continue
         bits = ANCHOR_OF.get(run.compute_dtype)
         anchors = results.anchors
-        left_out = _anchors_left_out(results, name, cache)
+        left_out = evidence.anchors_left_out(results, name, cache)
         if left_out:
             anchors = {}
         own = anchors.get(bits) if bits is not None else None
@@ -255,16 +253,16 @@ def compare_leaf(
     if r is None:
         notes.append("no fp64 reference for this output; the budget verdict is unavailable")
     else:
-        evidence = _evidence(ident, fields, o, eo, r, errors, own_slices, sequential, anchor, profiles or {}, cache)
-        judged = verdict.judge(evidence)
+        read = evidence.evidence(ident, fields, o, eo, r, errors, own_slices, sequential, anchor, profiles or {}, cache)
+        judged = verdict.judge(read)
         budget = judged.verdict
         fields.update(
-            oracle_rmse=evidence.oracle.rmse,
+            oracle_rmse=read.oracle.rmse,
             backend_rmse=errors.rmse,
-            oracle_max_err=evidence.oracle.max_err,
+            oracle_max_err=read.oracle.max_err,
             backend_max_err=errors.max_err,
-            sequential_rmse=evidence.sequential.rmse if evidence.sequential is not None else math.nan,
-            sequential_max_err=evidence.sequential.max_err if evidence.sequential is not None else math.nan,
+            sequential_rmse=read.sequential.rmse if read.sequential is not None else math.nan,
+            sequential_max_err=read.sequential.max_err if read.sequential is not None else math.nan,
             **{
                 f.name: getattr(judged, f.name)
                 for f in dataclasses.fields(judged)
@@ -272,16 +270,14 @@ def compare_leaf(
             },
         )
         notes += judged.notes
-        bits = _anchor_rmse(o, r, output, profiles or {}, cache)
-        fields["effective_bits"], fields["closest_format"] = verdict.effective_bits(
-            errors.rmse, evidence.oracle.rmse, bits
-        )
+        bits = evidence.anchor_rmse(o, r, output, profiles or {}, cache)
+        fields["effective_bits"], fields["closest_format"] = verdict.effective_bits(errors.rmse, read.oracle.rmse, bits)
     decided = fixed if rule == "fixed" or budget is None else budget
     rec = OutputRecord(*ident[:4], decided, fixed, budget, "", compute_dtype, note="; ".join(notes), **fields)
     if budget == SUSPECT and r is not None and not on_device(o, got):
         rec = _zero_positions(rec, o, got.value, r)
     if rec.verdict == SUSPECT and verdict.looks_like_reduced_precision(rec):
-        rec = dataclasses.replace(rec, anchor_likeness=_likeness(o, got, r, profiles or {}, rec.closest_format))
+        rec = dataclasses.replace(rec, anchor_likeness=evidence.likeness(o, got, r, profiles or {}, rec.closest_format))
     return dataclasses.replace(rec, reason=verdict.reason(rec, rule))
 
 
@@ -301,20 +297,6 @@ def _zero_positions(rec: OutputRecord, o: np.ndarray, b: np.ndarray, r: np.ndarr
     return dataclasses.replace(
         rec, zero_mismatch=split.nonzero, zero_mismatch_max=split.largest, excess_elsewhere=excess
     )
-
-
-def _likeness(o: np.ndarray, got: Leaf, r: np.ndarray, profiles: dict[int, Leaf | None], fmt: str) -> float:
-    # Correlation, element by element, of the backend's |error| with the anchor's at the format's bits.
-    leaf = profiles.get(verdict.FORMAT_BITS.get(fmt, 0))
-    a = _comparable(leaf, o, r)
-    if a is None or got.value is None or got.value.shape != o.shape:
-        return math.nan
-    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        x, y = np.abs(got.value - r).ravel(), np.abs(a - r).ravel()
-        ok = np.isfinite(x) & np.isfinite(y)
-        if ok.sum() < 3 or x[ok].std() == 0 or y[ok].std() == 0:
-            return math.nan
-        return float(np.corrcoef(x[ok], y[ok])[0, 1])
 
 
 def _measure(o: np.ndarray, got: Leaf, ref: Leaf | None, output: str, cache: dict) -> tuple | None:
@@ -374,123 +356,6 @@ def _pair_fields(stats: PairStats, o: np.ndarray, eo: np.ndarray, eb: Any, r: np
         if r is not None:
             fields["reference_value"] = float(np.asarray(r).reshape(-1)[flat])
     return fields
-
-
-def _evidence(
-    ident: tuple,
-    fields: dict,
-    o: np.ndarray,
-    eo: np.ndarray,
-    r: np.ndarray,
-    errors: ReferenceStats,
-    own: SliceStats | None,
-    sequential: Leaf | None,
-    anchor: tuple[int, Leaf | None] | None,
-    profiles: dict[int, Leaf | None],
-    cache: dict,
-) -> Evidence:
-    # What the verdict reads: the backend's and the legitimate runs' errors against fp64 (cached per output;
-    # ``eo`` is the oracle's output in ``r``'s layout, interleaved for complex outputs).
-    backend, output, _, kind, compute_dtype = ident
-    oracle, oracle_slices = _errors(eo, r, output, "oracle", cache)
-    legit_slices = [oracle_slices]
-    seq = _comparable(sequential, o, r)
-    seq_stats = None
-    if seq is not None:
-        seq_stats, seq_slices = _errors(seq, r, output, "sequential", cache)
-        legit_slices.append(seq_slices)
-    own_anchor = at_precision = None
-    if anchor is not None and (a := _comparable(anchor[1], o, r)) is not None:
-        stats, at_precision = _errors(a, r, output, f"anchor:{anchor[0]}", cache)
-        own_anchor = (anchor[0], stats)
-    slices = None
-    if own is not None and all(st is not None and st.axes == own.axes for st in legit_slices):
-        shapes = []
-        for bits, leaf in profiles.items():
-            if (p := _comparable(leaf, o, r)) is not None:
-                whole, st = _errors(p, r, output, f"anchor:{bits}", cache)
-                if st is not None and st.axes == own.axes and whole.rmse > 0:
-                    shapes.append((whole.rmse, st))
-        precision = (at_precision,) if at_precision is not None and at_precision.axes == own.axes else ()
-        slices = SliceEvidence(own, tuple(legit_slices), precision, tuple(shapes))
-    return Evidence(
-        backend,
-        kind,
-        compute_dtype,
-        fields["numel"],
-        errors,
-        oracle,
-        seq_stats,
-        own_anchor,
-        slices,
-        fields["nonfinite_mismatch"],
-        fields["reduction_length"],
-    )
-
-
-def _anchors_left_out(results: RunResults, output: str, cache: dict) -> str:
-    # Why the precision anchors cannot be read on this output ("" when they can).  An anchor is the model
-    # with its matmuls rounded to fewer bits: its error is rounding only if it shrinks as the bits grow.
-    # Two anchors closer to each other than the wider one is to fp64 (while the oracle is close to fp64)
-    # share a difference that is not rounding: their run took another code path than the oracle's (the
-    # torch-function mode that rounds turns PyTorch's fused inference fast paths off).
-    key = ("anchors-left-out", output)
-    if key in cache:
-        return cache[key]
-    cache[key] = why = ""
-    if len(results.anchors) < 2 or results.reference.status != OK:
-        return why
-    narrow, wide = min(results.anchors), max(results.anchors)
-    o, r = results.oracle.outputs.get(output), results.reference.outputs.get(output)
-    lo, hi = results.anchors[narrow].outputs.get(output), results.anchors[wide].outputs.get(output)
-    if o is None or r is None or not o.is_array or not r.is_array or o.value.dtype.kind != "f":
-        return why
-    a, b = _comparable(lo, o.value, r.value), _comparable(hi, o.value, r.value)
-    if a is None or b is None or r.value.shape != o.value.shape:
-        return why
-    oracle = _errors(o.value, r.value, output, "oracle", cache)[0]
-    wide_err = _errors(b, r.value, output, f"anchor:{wide}", cache)[0]
-    apart = reference_stats(a, b).rmse
-    floor = verdict.FLOOR_UNITS * verdict.UNIT_ROUNDOFF["float32"] * oracle.ref_rms
-    if verdict.anchors_took_another_path(oracle.rmse, floor, wide_err.rmse, apart):
-        why = (
-            f"precision anchors left out on this output: the {narrow}- and {wide}-bit runs differ from each other by "
-            f"{apart:.3g} (RMS) but from fp64 by {wide_err.rmse:.3g}, so what they share is not rounding — they took "
-            "another code path than the oracle (rounding runs under a torch-function mode, which turns PyTorch's "
-            "fused inference fast paths off)"
-        )
-    cache[key] = why
-    return why
-
-
-def _anchor_rmse(o: np.ndarray, r: np.ndarray, output: str, profiles: dict[int, Leaf | None], cache: dict) -> dict:
-    # Each precision anchor's RMSE against fp64 on this output: the effective-precision scale.
-    out = {}
-    for bits, leaf in profiles.items():
-        if (a := _comparable(leaf, o, r, complex_ok=True)) is not None:
-            out[bits] = _errors(a, r, output, f"anchor:{bits}", cache)[0].rmse
-    return out
-
-
-def _errors(x: np.ndarray, r: np.ndarray, output: str, what: str, cache: dict) -> tuple[ReferenceStats, Any]:
-    # A legitimate run's error against fp64 is the same for every candidate: computed once per output,
-    # with its slice sums (SliceStats) in the same pass for outputs of two or more dimensions.
-    key = (f"{what}-vs-fp64", output)
-    if key not in cache:
-        sliced = x.ndim >= 2 and x.dtype.kind == "f" and x.shape == r.shape  # not complex's interleaved view
-        cache[key] = error_stats(x, r) if sliced else (reference_stats(x, r), None)
-    return cache[key]
-
-
-def _comparable(leaf: Leaf | None, o: np.ndarray, r: np.ndarray, *, complex_ok: bool = False) -> np.ndarray | None:
-    # A helper run's (sequential, anchor) output where it can be compared like the oracle's, else None
-    # (complex outputs as interleaved floats, where ``r`` is already that view).
-    if leaf is None or not leaf.is_array or leaf.value.shape != o.shape or leaf.value.dtype != o.dtype:
-        return None
-    v = leaf.value
-    if np.iscomplexobj(v):
-        return np.ascontiguousarray(v).view(v.real.dtype).reshape(r.shape) if complex_ok else None
-    return v if v.dtype.kind == "f" and r.shape == o.shape else None
 
 
 def on_device(oracle: np.ndarray, got: Leaf) -> bool:
