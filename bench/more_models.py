@@ -247,10 +247,19 @@ BUILDERS = {
 }
 
 
+PADDING = (
+    "the eager oracle (and fp64) run nn.TransformerEncoder's fused fast path, which writes the padded positions "
+    "as 0; this backend computes them, so those elements differ for real and the rest is round-off (the reason "
+    "says 'differs where the model writes zeros')"
+)
+
+
 def main() -> None:
     import real_models
 
     zoo.BUILDERS.update(BUILDERS)
+    for backend in ("cpu-inductor", "onnxruntime", "openvino"):
+        real_models.KNOWN_BUGS[("torch-encoder", backend, "forward")] = PADDING
     args = sys.argv[1:]
     defaults = {"--models": ",".join(BUILDERS), "--batches": "2", "--seeds": "0", "--name": "more_models"}
     for flag, value in defaults.items():

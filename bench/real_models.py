@@ -1,6 +1,6 @@
 """Real-architecture benchmark: rlx_nb's verdict on Hugging Face models nobody on the project wrote.
 
-Each case is one model of :mod:`rlx_nb.zoo` (BERT, DistilBERT, GPT-2, Llama, Qwen2, T5, Whisper, ViT,
+Each case is one model of :mod:`rlx_nb.zoo` (BERT, DistilBERT, GPT-2, Llama, Qwen2, Mistral, Mamba, T5, Whisper, ViT,
 ConvNeXt, ResNet, MobileNetV2, EfficientNet, Swin — random weights from small configs, passed as
 they are with their own keyword inputs and outputs) at one batch size and seed, in one direction:
 
@@ -54,7 +54,7 @@ KNOWN_BUGS = {
         "ceil_mode=True), so every gradient upstream of the pool comes out ~1e-5 of its size"
     ),
 }
-"""Real kernel bugs of a legitimate backend the benchmark meets: SUSPECT there is a catch, not a false positive
+"""Real differences of a legitimate backend the benchmark meets: SUSPECT there is a catch, not a false positive
 (``tests/test_real_models.py`` reproduces each on a minimal model)."""
 
 
@@ -228,7 +228,7 @@ def summary(df: pd.DataFrame) -> str:
         cases = bugs[(bugs.model == model) & (bugs.backend == backend) & (bugs.direction == direction)]
         if len(cases):
             out.append(
-                f"Not counted above: {backend} on {model} ({direction}) is a real kernel bug, SUSPECT in "
+                f"Not counted above: {backend} on {model} ({direction}) differs for real (not round-off), SUSPECT in "
                 f"{int(cases.suspect.sum())} of {len(cases)} cases: {why}."
             )
             out.append("")
