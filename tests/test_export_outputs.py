@@ -91,3 +91,19 @@ def test_real_caches_come_back_whole_from_the_exported_backends(name):
     assert any(o.startswith("cache.") for o in outputs), outputs
     for r in report.records:
         assert r.verdict == ROUNDOFF, (r.backend, r.output, r.reason)
+
+
+def test_an_exporter_error_is_said_by_its_root_cause_without_terminal_colours():
+    from rlx_nb.backends.onnx import _summary
+
+    try:
+        try:
+            raise ValueError("the model's own message\nmore lines")
+        except ValueError as inner:
+            raise RuntimeError("\x1b[96mFailed to export the model\x1b[0m with torch.export. Next steps: ...") from inner
+    except RuntimeError as outer:
+        text = _summary(outer)
+    assert text == (
+        "RuntimeError: Failed to export the model with torch.export. Next steps: ... "
+        "(caused by ValueError: the model's own message)"
+    )
