@@ -100,7 +100,9 @@ def test_an_exporter_error_is_said_by_its_root_cause_without_terminal_colours():
         try:
             raise ValueError("the model's own message\nmore lines")
         except ValueError as inner:
-            raise RuntimeError("\x1b[96mFailed to export the model\x1b[0m with torch.export. Next steps: ...") from inner
+            raise RuntimeError(
+                "\x1b[96mFailed to export the model\x1b[0m with torch.export. Next steps: ..."
+            ) from inner
     except RuntimeError as outer:
         text = _summary(outer)
     assert text == (
