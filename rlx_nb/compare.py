@@ -152,10 +152,8 @@ def _compare_run(
                 out.append(_record(run.backend, GRAD_PREFIX + "*", index, kind, run.compute_dtype, status, why))
             continue
         bits = ANCHOR_OF.get(run.compute_dtype)
-        anchors = results.anchors
         left_out = evidence.anchors_left_out(results, name, cache)
-        if left_out:
-            anchors = {}
+        anchors = {} if left_out else results.anchors
         own = anchors.get(bits) if bits is not None else None
         rec = compare_leaf(
             leaf,
@@ -290,10 +288,7 @@ def _zero_positions(rec: OutputRecord, o: np.ndarray, b: np.ndarray, r: np.ndarr
     if split is None:
         return rec
     e = split.elsewhere
-    excess = max(
-        verdict._ratio(e.rmse, rec.budget_rmse) / verdict.RMSE_LIMIT,
-        verdict._ratio(e.max_err, rec.budget_max) / verdict.MAX_LIMIT,
-    )
+    excess = verdict.excess_within(e.rmse, e.max_err, rec.budget_rmse, rec.budget_max)
     return dataclasses.replace(
         rec, zero_mismatch=split.nonzero, zero_mismatch_max=split.largest, excess_elsewhere=excess
     )

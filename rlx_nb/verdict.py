@@ -155,7 +155,7 @@ def judge(e: Evidence) -> Judgement:
             "larger here than the scaled fp32 round-off"
         )
     ratio_rmse, ratio_max = _ratio(sb.rmse, budget_rmse), _ratio(sb.max_err, budget_max)
-    excess = max(ratio_rmse / RMSE_LIMIT, ratio_max / MAX_LIMIT)
+    excess = whole_excess(ratio_rmse, ratio_max)
     ratio_slice, slice_at = math.nan, ""
     if e.slices is not None and e.slices.legit:
         ratio_slice, slice_at = slice_ratio(
@@ -195,6 +195,22 @@ def judge(e: Evidence) -> Judgement:
         concentrated,
         tuple(notes),
     )
+
+
+def whole_excess(ratio_rmse: float, ratio_max: float) -> float:
+    """How far an error's RMSE and max ratios to their budgets go past the limits (> 1: SUSPECT).
+
+    Examples
+    --------
+    >>> whole_excess(2.0, 16.0)
+    2.0
+    """
+    return max(ratio_rmse / RMSE_LIMIT, ratio_max / MAX_LIMIT)
+
+
+def excess_within(err_rmse: float, err_max: float, budget_rmse: float, budget_max: float) -> float:
+    """:func:`whole_excess` of an error (RMSE and max) against a budget."""
+    return whole_excess(_ratio(err_rmse, budget_rmse), _ratio(err_max, budget_max))
 
 
 def slice_ratio(
@@ -367,7 +383,7 @@ def reason(r: Any, rule: str) -> str:
                 )
             if looks_like_reduced_precision(r):
                 return _precision_reason(r, worst)
-            if r.slice_ratio > RMSE_LIMIT and max(r.ratio_rmse / RMSE_LIMIT, r.ratio_max / MAX_LIMIT) <= 1.0:
+            if r.slice_ratio > RMSE_LIMIT and whole_excess(r.ratio_rmse, r.ratio_max) <= 1.0:
                 return (
                     f"systematic error on one slice: the mean error of {r.output}{r.slice_at} is {r.slice_ratio:.3g}x "
                     f"what round-off allows there, while the output as a whole is within {worst:.3g}x the "
@@ -407,7 +423,7 @@ def short_reason(r: Any) -> str:
         like = r.anchor_likeness
         verdict = "precision mode" if like >= PRECISION_ALIKE else "kernel error" if like <= PRECISION_UNLIKE else "?"
         return f"~{r.effective_bits:.0f} bits, like {r.closest_format} ({verdict})"
-    if r.slice_ratio > RMSE_LIMIT and max(r.ratio_rmse / RMSE_LIMIT, r.ratio_max / MAX_LIMIT) <= 1.0:
+    if r.slice_ratio > RMSE_LIMIT and whole_excess(r.ratio_rmse, r.ratio_max) <= 1.0:
         return f"slice {r.slice_at} off {r.slice_ratio:.3g}x"
     if r.concentrated and r.excess <= 1.0:
         return "concentrated on few elements"
