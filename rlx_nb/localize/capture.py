@@ -59,13 +59,14 @@ def split_call(obj: Any) -> tuple[Any, list[torch.Tensor]]:
     # must see the cache that layer saw.
     tensors: list[torch.Tensor] = []
 
-    def slot(t: torch.Tensor) -> Slot:
+    def keep(t: torch.Tensor) -> torch.Tensor:
         tensors.append(t.detach().clone())
-        return Slot(len(tensors) - 1)
+        return tensors[-1]
 
     def walk(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
-            return slot(x)
+            keep(x)
+            return Slot(len(tensors) - 1)
         if isinstance(x, dict):
             return {k: walk(v) for k, v in x.items()}
         if isinstance(x, (list, tuple)):
@@ -74,12 +75,12 @@ def split_call(obj: Any) -> tuple[Any, list[torch.Tensor]]:
             return x
         first = len(tensors)
         try:
-            held = map_tensors(slot, x)
+            held = map_tensors(keep, x)  # a copy around the kept clones
             held = copy.deepcopy(x) if held is x else held  # no tensor yet (an empty cache): still its state
         except Exception:  # an object that cannot be copied is passed as it is
             del tensors[first:]
             return x
-        return Held(held, tuple(Slot(i) for i in range(first, len(tensors))))
+        return Held(held, tuple(range(first, len(tensors))), tuple(tensors[first:]))
 
     return walk(obj), tensors
 
@@ -91,20 +92,21 @@ class Slot:
 
 @dataclasses.dataclass(frozen=True)
 class Held:
-    """An object holding tensors, copied at the call with :class:`Slot` s where its tensors were."""
+    """An object holding tensors, copied at the call around the captured tensors ``kept`` (positions ``at``)."""
 
     obj: Any
-    slots: tuple[Slot, ...]
+    at: tuple[int, ...]
+    kept: tuple[torch.Tensor, ...]
 
 
 def fill(template: Any, tensors: tuple) -> Any:
     if isinstance(template, Slot):
         return tensors[template.i]
     if isinstance(template, Held):
-        # A fresh copy for every replay (the module changes it), around this replay's tensors.
-        found = [s for _, s in _slots(template.obj)]
-        memo: dict[int, Any] = {id(s): tensors[s.i] for s in found}
-        memo[id(memo)] = found
+        # A fresh copy for every replay (the module changes it), around this replay's tensors: the deep
+        # copy's memo maps each captured tensor to its replacement, as tree.map_tensors does.
+        memo: dict[int, Any] = {id(t): tensors[i] for i, t in zip(template.at, template.kept, strict=True)}
+        memo[id(memo)] = list(template.kept)
         return copy.deepcopy(template.obj, memo)
     if isinstance(template, dict):
         return {k: fill(v, tensors) for k, v in template.items()}
@@ -112,24 +114,6 @@ def fill(template: Any, tensors: tuple) -> Any:
         items = [fill(v, tensors) for v in template]
         return type(template)(*items) if hasattr(template, "_fields") else type(template)(items)
     return template
-
-
-def _slots(obj: Any, seen: set[int] | None = None) -> list[tuple[int, Slot]]:
-    # The Slot objects inside a copied object, by attribute, list, tuple and dict.
-    seen = set() if seen is None else seen
-    if isinstance(obj, Slot):
-        return [(id(obj), obj)]
-    if id(obj) in seen or isinstance(obj, (torch.Tensor, torch.nn.Module, type)) or isinstance(obj, PLAIN):
-        return []
-    seen.add(id(obj))
-    if isinstance(obj, dict):
-        values = list(obj.values())
-    elif isinstance(obj, (list, tuple, set)):
-        values = list(obj)
-    else:
-        values = list(vars(obj).values()) if hasattr(obj, "__dict__") else []
-        values += [getattr(obj, n) for c in type(obj).__mro__ for n in getattr(c, "__slots__", ()) if hasattr(obj, n)]
-    return [found for v in values for found in _slots(v, seen)]
 
 
 class CallModule(torch.nn.Module):
