@@ -59,8 +59,8 @@ def zero_split(oracle: np.ndarray, backend: np.ndarray, reference: np.ndarray) -
         moved = there[there != 0]
         nonzero += int(moved.size)
         largest = max(largest, float(np.abs(moved[np.isfinite(moved)]).max(initial=0.0)))
-        d = bc[~z].astype(np.float64) - rc[~z]
         rest = rc[~z]
+        d = bc[~z].astype(np.float64) - rest
         ok = np.isfinite(d) & np.isfinite(rest)
         d, rest = d[ok], rest[ok]
         count += int(d.size)

@@ -52,11 +52,10 @@ class _FlatOutputs(torch.nn.Module):
         self.dropped.extend(n for n in wanted if n not in self.dropped and not isinstance(traced.get(n), torch.Tensor))
         return tuple(traced[n] for n in wanted if isinstance(traced.get(n), torch.Tensor))
 
-    def record(self, inputs: tuple) -> list[tuple[str, Any]]:
-        """Run the model eagerly once (no gradients) to fix the output names; returns them."""
+    def record(self, inputs: tuple) -> None:
+        """Run the model eagerly once (no gradients) to fix the output names."""
         with torch.no_grad():
             self(*inputs)
-        return list(self.leaves or [])
 
     def rebuild(self, count: int, what: str) -> Callable[[list[torch.Tensor]], dict[str, Any]]:
         """``unflatten(tensors)`` for a converted graph with ``count`` outputs: the model's named leaves, with
