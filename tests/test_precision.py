@@ -191,27 +191,33 @@ class _PaddedEncoder(torch.nn.Module):
         return self.enc(x, src_key_padding_mask=pad)
 
 
+def _padded_case() -> tuple[torch.nn.Module, tuple[torch.Tensor, torch.Tensor]]:
+    # The encoder in eval mode and a batch of 2 whose second row ends in 5 padded positions.
+    torch.manual_seed(0)
+    x, pad = torch.randn(2, 12, 32), torch.zeros(2, 12, dtype=torch.bool)
+    pad[1, 7:] = True
+    return _PaddedEncoder().eval(), (x, pad)
+
+
+class _PassThrough(torch.overrides.TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _off_the_fast_path(model, inputs):
+    with _PassThrough():  # any torch-function mode leaves the fast path
+        return model(*inputs)
+
+
 def test_precision_anchors_that_left_the_oracles_path_are_not_a_yardstick():
     # The anchors round matmuls under a torch-function mode, which turns the fast path off: their "error"
     # was the padded positions, 0.25 RMS at 8 and 11 bits alike.  As a bfloat16 budget it passed a backend
     # that computes the padding (a real difference from the oracle's zeros) as round-off, and it called
     # every fp32 backend off the fast path "behaves like tf32/fp16".
-    torch.manual_seed(0)
-    model = _PaddedEncoder().eval()
-    x, pad = torch.randn(2, 12, 32), torch.zeros(2, 12, dtype=torch.bool)
-    pad[1, 7:] = True
-
-    class PassThrough(torch.overrides.TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            return func(*args, **(kwargs or {}))
-
-    def off_the_fast_path(model, inputs):
-        with PassThrough():  # any torch-function mode leaves the fast path
-            return model(*inputs)
-
-    rlx_nb.register_backend("test:slow-path-bf16", off_the_fast_path, compute_dtype="bfloat16", replace=True)
+    model, inputs = _padded_case()
+    rlx_nb.register_backend("test:slow-path-bf16", _off_the_fast_path, compute_dtype="bfloat16", replace=True)
     try:
-        report = rlx_nb.backend_divergence(model, (x, pad), backends=["test:slow-path-bf16", "cpu-nomkldnn"])
+        report = rlx_nb.backend_divergence(model, inputs, backends=["test:slow-path-bf16", "cpu-nomkldnn"])
     finally:
         rlx_nb.unregister_backend("test:slow-path-bf16")
     slow, legit = report.record("test:slow-path-bf16"), report.record("cpu-nomkldnn")
@@ -231,23 +237,11 @@ def test_a_backend_that_computes_the_positions_the_oracle_zeroes_is_told_apart_f
     # Off the fast path the padded positions hold computed values where the oracle and fp64 have exact
     # zeros: SUSPECT (the numbers differ), said as such, with the rest of the output round-off.  A real
     # fault off the fast path errs elsewhere too and keeps the plain reason.
-    torch.manual_seed(0)
-    model = _PaddedEncoder().eval()
-    x, pad = torch.randn(2, 12, 32), torch.zeros(2, 12, dtype=torch.bool)
-    pad[1, 7:] = True
+    model, inputs = _padded_case()
     fault = get_backend("fault:layernorm-eps").fn  # a torch-function mode: off the fast path as well
-
-    class PassThrough(torch.overrides.TorchFunctionMode):
-        def __torch_function__(self, func, types, args=(), kwargs=None):
-            return func(*args, **(kwargs or {}))
-
-    def slow(model, inputs):
-        with PassThrough():
-            return model(*inputs)
-
-    rlx_nb.register_backend("test:slow-path", slow, replace=True)
+    rlx_nb.register_backend("test:slow-path", _off_the_fast_path, replace=True)
     try:
-        report = rlx_nb.backend_divergence(model, (x, pad), backends=["test:slow-path"])
+        report = rlx_nb.backend_divergence(model, inputs, backends=["test:slow-path"])
     finally:
         rlx_nb.unregister_backend("test:slow-path")
     rec = report.record("test:slow-path")
@@ -258,7 +252,7 @@ def test_a_backend_that_computes_the_positions_the_oracle_zeroes_is_told_apart_f
 
     rlx_nb.register_backend("test:slow-path-fault", fault, replace=True)
     try:
-        faulty = rlx_nb.backend_divergence(model, (x, pad), backends=["test:slow-path-fault"])
+        faulty = rlx_nb.backend_divergence(model, inputs, backends=["test:slow-path-fault"])
     finally:
         rlx_nb.unregister_backend("test:slow-path-fault")
     rec = faulty.record("test:slow-path-fault")
