@@ -122,4 +122,9 @@ def openvino_default_precision() -> str:
     with _quiet():
         converted = ov.convert_model(model, example_input=(torch.zeros(1, 4),))
     compiled = ov.Core().compile_model(converted, "CPU", {})
-    return str(compiled.get_property("INFERENCE_PRECISION_HINT")).lower().replace("<type: '", "").rstrip("'>")
+    name = str(compiled.get_property("INFERENCE_PRECISION_HINT")).lower().replace("<type: '", "").rstrip("'>")
+    # OpenVINO names its element types both ways ("bf16" in hints, "bfloat16" in a Type's str).
+    return _SHORT_TYPE.get(name, name)
+
+
+_SHORT_TYPE = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
