@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from rlx_nb import _warmup
 from rlx_nb._version import __version__
-from rlx_nb.api import backend_divergence, report_backend_divergence
+from rlx_nb.api import backend_divergence, interrupted_report, report_backend_divergence
 from rlx_nb.backends import available_backends, register_backend, unregister_backend
 from rlx_nb.baseline import compare_reports
 from rlx_nb.compare import OutputRecord, compare
@@ -47,6 +47,7 @@ __all__ = [
     "compare",
     "compare_reports",
     "explore",
+    "interrupted_report",
     "kept_preparations",
     "load_report",
     "localize",

@@ -22,8 +22,11 @@ _ALIGN = 64
 def private_copy(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A detached copy of ``t`` (cast to ``dtype`` if given) with the same values, shape and strides.
 
-    Large contiguous CPU tensors get numpy-allocated (huge-page) memory; anything else (other
-    devices, subclasses, sparse, strided views, conjugate bits) is copied by torch itself.
+    The layout is the user's: a channels-last tensor stays channels-last, and a non-contiguous view (a
+    slice with a step, a transpose, an expanded tensor) keeps its strides and its alignment, because
+    kernels take other paths on such inputs and a layout-dependent bug must show in the copy
+    (pytorch/pytorch#177839).  Large contiguous CPU tensors get numpy-allocated (huge-page) memory;
+    anything else (other devices, subclasses, sparse, conjugate bits) is copied by torch itself.
 
     Examples
     --------
@@ -31,6 +34,8 @@ def private_copy(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Ten
     >>> y = private_copy(x, torch.float64)
     >>> y.dtype, bool((y == x).all()), y.data_ptr() != x.data_ptr()
     (torch.float64, True, True)
+    >>> private_copy(torch.zeros(4, 6)[:, ::2]).stride()
+    (6, 2)
     """
     d = t.detach()
     dtype = dtype or d.dtype
@@ -40,12 +45,37 @@ def private_copy(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Ten
         and d.device.type == "cpu"
         and d.layout == torch.strided
         and not (d.is_quantized or d.is_conj() or d.is_neg())
-        and d.is_contiguous()
     )
-    if not plain or nbytes < HUGE_COPY_BYTES:
-        return d.to(dtype) if dtype != d.dtype else d.clone()
+    if plain and not d.is_contiguous() and not _dense(d):
+        return _same_layout(d, dtype)
+    if not plain or not d.is_contiguous() or nbytes < HUGE_COPY_BYTES:
+        return d.to(dtype) if dtype != d.dtype else d.clone()  # (both keep a dense layout: channels-last)
     raw = np.empty(nbytes + _ALIGN, np.uint8)
     start = -raw.ctypes.data % _ALIGN
     out = torch.from_numpy(raw[start : start + nbytes]).view(dtype).view(d.shape)
     out.copy_(d)
     return out
+
+
+SPREAD_LIMIT = 4
+"""A strided view spanning more than this many times its elements' memory is copied contiguous instead
+(a small view of a huge tensor: keeping its strides would copy the memory between its elements)."""
+
+
+def _dense(d: torch.Tensor) -> bool:
+    # Non-overlapping and dense (contiguous in some order, e.g. channels-last): clone keeps such strides.
+    return d._is_non_overlapping_and_dense() if hasattr(d, "_is_non_overlapping_and_dense") else d.is_contiguous()
+
+
+def _same_layout(d: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    # The memory a strided view spans, copied from its first element, with the view's strides over it and
+    # its first element as far from a 64-byte boundary as the user's.
+    if d.numel() == 0 or any(s < 0 for s in d.stride()):
+        return d.to(dtype) if dtype != d.dtype else d.clone()
+    extent = 1 + sum((n - 1) * s for n, s in zip(d.shape, d.stride(), strict=True))
+    if extent > SPREAD_LIMIT * d.numel() + _ALIGN:
+        return d.to(dtype) if dtype != d.dtype else d.clone()
+    shift = (d.data_ptr() % _ALIGN) // d.element_size()
+    buf = torch.empty(extent + shift, dtype=dtype, device=d.device)
+    buf[shift:].copy_(d.as_strided((extent,), (1,)))
+    return buf.as_strided(d.shape, d.stride(), shift)

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from rlx_nb import interrupted
 from rlx_nb.errors import InputError, RlxError
 from rlx_nb.report import DivergenceReport, WeakSource
 from rlx_nb.run import run
@@ -109,9 +110,33 @@ def backend_divergence(
             type(model).__name__ if isinstance(model, torch.nn.Module) else getattr(model, "__name__", "model")
         )
         raise type(exc)(f"backend_divergence({what}): {exc}") from None
-    report = DivergenceReport.from_results(results, rule=rule, tol_rel=tol_rel, progress=progress is not False)
+    try:
+        report = DivergenceReport.from_results(results, rule=rule, tol_rel=tol_rel, progress=progress is not False)
+    except (KeyboardInterrupt, SystemExit) as exc:  # every backend ran: keep them for interrupted_report()
+        interrupted.keep(results, exc)
+        raise
     report._source = WeakSource(model, inputs, params)
     return report
+
+
+def interrupted_report(*, rule: str = "budget") -> DivergenceReport | None:
+    """The report of the backends that had finished when the last call was interrupted (Ctrl-C), or ``None``.
+
+    An interrupt is never swallowed: it propagates (every switch restored), with a note saying this
+    function has what finished.  The report is marked incomplete: ``report.incomplete`` and its last text
+    line say which backends did not run.  It is kept until the next interrupt
+    (``rlx_nb.interrupted.clear()`` drops it).
+
+    Examples
+    --------
+    >>> import rlx_nb
+    >>> rlx_nb.interrupted.clear(); rlx_nb.interrupted_report() is None
+    True
+    """
+    if rule not in RULES:
+        raise InputError(f"rule must be one of {', '.join(RULES)}; got {rule!r}")
+    results = interrupted.latest()
+    return None if results is None else DivergenceReport.from_results(results, rule=rule, progress=False)
 
 
 def _print_progress(name: str) -> None:

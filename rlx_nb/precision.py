@@ -11,11 +11,10 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-import torch
-
+from rlx_nb import switches
 from rlx_nb.backends import Backend, get_backend
 from rlx_nb.backends.emulated import emulate
 from rlx_nb.backends.registry import device_probe
@@ -37,14 +36,8 @@ class Setting:
     device: str = "cpu"
 
 
-@contextlib.contextmanager
-def _matmul_precision(level: str) -> Iterator[None]:
-    before = torch.get_float32_matmul_precision()
-    torch.set_float32_matmul_precision(level)
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(before)
+def _matmul_precision(level: str) -> contextlib.AbstractContextManager:
+    return switches.flipped(float32_matmul_precision=level)
 
 
 def _under(ctx: Callable[[], contextlib.AbstractContextManager], base: Callable) -> Callable:

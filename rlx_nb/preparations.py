@@ -33,7 +33,7 @@ from typing import Any
 
 import torch
 
-from rlx_nb.prepare import fingerprint
+from rlx_nb.fingerprints import fingerprint
 from rlx_nb.tree import flatten
 
 MAX_ENTRIES = 8

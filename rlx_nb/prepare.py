@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import copy
 import functools
-import hashlib
 import re
 import sys
 import warnings
@@ -18,6 +17,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rlx_nb import switches
 from rlx_nb._memory import private_copy
 from rlx_nb.errors import InputError
 from rlx_nb.results import OK, BackendRun
@@ -139,8 +139,13 @@ def _load_params(module: torch.nn.Module, params: Mapping[str, torch.Tensor]) ->
             target.copy_(value.to(target.dtype))
 
 
-def _clone_inputs(args: tuple) -> tuple:
-    return map_tensors(lambda t: private_copy(t).requires_grad_(t.requires_grad), args)
+def _clone_inputs(args: tuple, narrow: bool = False) -> tuple:
+    # Copies with the user's layout (rlx_nb._memory); ``narrow``: float64 tensors become float32.
+    def copy(t: torch.Tensor) -> torch.Tensor:
+        dtype = torch.float32 if narrow and t.dtype == torch.float64 else None
+        return private_copy(t, dtype).requires_grad_(t.requires_grad)
+
+    return map_tensors(copy, args)
 
 
 def fresh_leaves(args: tuple) -> tuple:
@@ -154,15 +159,18 @@ class PrivateInputs:
     Copying large inputs for every run costs a copy's time and memory each; instead the runs share
     one copy and tensor version counters (bumped by every in-place op, also through detached views)
     tell when a model wrote into its inputs, and the next run then gets a new copy.  The user's own
-    tensors are never handed to a model.
+    tensors are never handed to a model.  The copies keep the user's memory layout (strides,
+    channels-last, a view's alignment) and are ordinary tensors even when the user's were made under
+    ``torch.inference_mode``.
     """
 
-    def __init__(self, user_args: tuple) -> None:
+    def __init__(self, user_args: tuple, *, cast: str = "") -> None:
         self.user_args = user_args
+        self.narrow = bool(cast)  # float64 inputs become float32 (a float64 default dtype: rlx_nb.run)
         self._renew()
 
     def _renew(self) -> None:
-        self.args = _clone_inputs(self.user_args)
+        self.args = _clone_inputs(self.user_args, self.narrow)
         self.versions = self._versions()
 
     def _versions(self) -> list[int]:
@@ -202,16 +210,39 @@ def named_params(model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
         yield user_name(model, name), p
 
 
-def fingerprint(obj: Any) -> str:
-    """sha256 over every tensor leaf's name, dtype, shape and bytes (and plain leaves' reprs)."""
-    h = hashlib.sha256()
-    for name, leaf in flatten(obj):
-        h.update(name.encode())
-        if isinstance(leaf, torch.Tensor):
-            t = leaf.detach().to("cpu").contiguous()
-            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-            if t.numel():
-                h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))  # no copy of the bytes
-        else:
-            h.update(repr(leaf).encode())
-    return h.hexdigest()[:32]
+def float32_default(inputs: Any, during: dict[str, Any]) -> str:
+    # The oracle computes in float32: under a float64 default dtype (torch.set_default_dtype), tensors a
+    # forward creates would be float64 and clash with the float32 parameters.  For the rest of the run the
+    # default is float32 (the user's is restored at its end, rlx_nb.switches) and float64 inputs are cast
+    # to float32; returns what is cast ("" if nothing).
+    default = torch.get_default_dtype()
+    if default == torch.float32:
+        return ""
+    wide = _float64_inputs(inputs)
+    cast = f"{', '.join(wide)} cast from float64 to float32" if wide else ""
+    warnings.warn(
+        f"rlx_nb: torch's default dtype is {str(default).removeprefix('torch.')}; the oracle runs the model in "
+        "float32, so the run uses float32 as the default dtype (yours is restored after)"
+        + (f" and {cast}" if cast else ""),
+        UserWarning,
+        stacklevel=4,
+    )
+    switches.hold(during, "default_dtype", torch.float32)
+    return cast
+
+
+def _float64_inputs(inputs: Any) -> list[str]:
+    args, keys = normalize_inputs(inputs)
+    named = dict(zip(keys or [f"input[{i}]" for i in range(len(args))], args, strict=True))
+    return [n for n, t in flatten(named) if isinstance(t, torch.Tensor) and t.dtype == torch.float64]
+
+
+def dtype_hint(inputs: Any) -> str:
+    # What to change when the oracle fails and an input is float64 (the parameters were cast to float32).
+    wide = _float64_inputs(inputs)
+    if not wide:
+        return ""
+    return (
+        f" — {', '.join(wide)} {'is' if len(wide) == 1 else 'are'} float64, while the oracle runs the model in "
+        "float32 (its parameters are cast to float32): pass float32 inputs"
+    )

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -228,3 +229,22 @@ def _changes(func: Any, kwargs: dict, out: Any) -> bool:
         return False
     leaves = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
     return bool(leaves) and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in leaves)
+
+
+# aten ops (overload packet names) that multiply matrices: what the anchors' torch-level targets
+# (F.linear, matmul, bmm, convolutions, ...) and PyTorch's fused attention/transformer kernels
+# dispatch to.  Generous on purpose: a false match only runs the anchors when they were not needed.
+_MATMUL_LIKE = re.compile(r"mm|conv|attention|transformer|linear|matmul|dot|mv$|einsum")
+
+
+class CountCalls(CountReductions):
+    """:class:`~rlx_nb.reassoc.CountReductions` that also counts matmul-like aten ops in ``matmuls``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.matmuls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if _MATMUL_LIKE.search(func.overloadpacket.__name__):
+            self.matmuls += 1
+        return super().__torch_dispatch__(func, types, args, kwargs)

@@ -328,13 +328,20 @@ class DivergenceReport:
     def lines(self) -> list[str]:
         """The seed's report lines, one per backend."""
         label = self.label
-        if not self.results.candidates:
+        if not self.results.candidates and not self.incomplete:
             return [f"[{label}] backend divergence: CPU-only node — nothing to compare"]
         out = []
         for name in self.results.candidates:
             recs = [r for r in self.records if r.backend == name]
             out.append(_line(label, name, recs))
+        if self.incomplete:
+            out.append(f"[{label}] INCOMPLETE: {self.incomplete}")
         return out
+
+    @property
+    def incomplete(self) -> str:
+        """Why the report is incomplete (an interrupt stopped its call: which backends did not run), or ""."""
+        return str(self.results.environment.get("incomplete") or "")
 
     def __str__(self) -> str:
         return "\n".join(self.lines())

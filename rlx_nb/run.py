@@ -10,11 +10,7 @@ import contextlib
 import copy
 import dataclasses
 import functools
-import platform
-import re
-import threading
 import time
-import weakref
 import zlib
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -22,15 +18,17 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlx_nb import preparations
+from rlx_nb import fingerprints, interrupted, preparations, switches
 from rlx_nb.backends import ORACLE, REFERENCE, Backend, get_backend, resolve_backends
 from rlx_nb.backends.eager import run_eager
 from rlx_nb.backends.emulated import emulate
 from rlx_nb.backends.notes import add_note, collecting
+from rlx_nb.environment import environment as probe_environment
 from rlx_nb.errors import InputError, describe_error, error_detail
 from rlx_nb.prepare import (
     PrivateInputs,
-    fingerprint,
+    dtype_hint,
+    float32_default,
     fresh_leaves,
     named_params,
     normalize_inputs,
@@ -38,7 +36,7 @@ from rlx_nb.prepare import (
     user_name,
 )
 from rlx_nb.progress import bar
-from rlx_nb.reassoc import CountReductions, SequentialSums
+from rlx_nb.reassoc import CountCalls, SequentialSums
 from rlx_nb.results import (
     ERROR,
     GRAD_PREFIX,
@@ -98,14 +96,19 @@ def execute(
     measure_reductions: bool = False,
     timeout_s: float | None = None,
     scope: Callable[[], Any] | None = None,
+    saved: dict[str, Any] | None = None,
 ) -> BackendRun:
     """Run one backend on a fresh copy of the model; never raises for a backend failure.
 
     The run gets new leaf tensors over ``args``' storage, not copies: ``args`` must be the
     caller's private copy (:func:`run` keeps one in :class:`~rlx_nb.prepare.PrivateInputs`).  With
     ``timeout_s``, the backend runs in a worker thread; one still running after that long
-    becomes an error row and its thread is abandoned (Python cannot kill a thread).  ``scope`` is a
-    context manager factory entered around the forward and the backward.
+    becomes an error row and its thread is abandoned (Python cannot kill a thread): the switches are
+    put back to ``saved`` (the run's snapshot, :mod:`rlx_nb.switches`) at once, and the thread can no
+    longer flip one.  ``scope`` is a context manager factory entered around the forward and the backward.
+
+    ``KeyboardInterrupt`` and ``SystemExit``, raised by the backend or by the user while it runs, are
+    never a row: they propagate (after the thread is abandoned and the switches restored).
     """
     reason = backend.unavailable_reason()
     if reason is not None:
@@ -118,15 +121,31 @@ def execute(
     if timeout_s is None:
         return go()
     box: list[BackendRun] = []
-    worker = threading.Thread(target=lambda: box.append(go()), daemon=True, name=f"rlx_nb:{backend.name}")
-    worker.start()
-    worker.join(timeout_s)
-    if worker.is_alive() or not box:
+    raised: list[BaseException] = []
+
+    def target() -> None:
+        try:
+            box.append(go())
+        except BaseException as exc:  # an interrupt or exit inside the backend: the caller re-raises it
+            raised.append(exc)
+
+    thread = switches.worker(target, name=f"rlx_nb:{backend.name}")
+    thread.start()
+    try:
+        thread.join(timeout_s)
+    except BaseException:  # Ctrl-C (or any exception) while waiting: leave the backend behind, switches restored
+        switches.abandon(thread, saved if saved is not None else {})
+        raise
+    if raised:
+        raise raised[0]
+    if thread.is_alive() or not box:
+        switches.abandon(thread, saved if saved is not None else {})
         return BackendRun(
             backend.name,
             ERROR,
             {},
-            f"timed out after {timeout_s:g} s (raise timeout_s if it is only slow); its thread was abandoned",
+            f"timed out after {timeout_s:g} s (raise timeout_s if it is only slow); its thread was abandoned "
+            "and every switch it may have changed restored",
             float(timeout_s),
             compute_dtype=backend.compute_dtype,
         )
@@ -271,64 +290,6 @@ def _reduction_lengths(model: torch.nn.Module, sizes: dict[str, int]) -> dict[st
     return lengths
 
 
-def environment() -> dict[str, Any]:
-    """Where this run happened: host, versions, the CPU and its SIMD flags, devices, global settings."""
-    from rlx_nb._version import __version__
-
-    env: dict[str, Any] = {
-        "host": platform.node(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "numpy": np.__version__,
-        "rlx_nb": __version__,
-        **_backend_versions(),
-        "cuda": torch.version.cuda,
-        "threads": torch.get_num_threads(),
-        **_cpu(),
-        "settings": {k: v for k, v in preparations.global_settings().items() if k not in ("torch", "threads")},
-    }
-    if torch.cuda.is_available():
-        env["devices"] = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-    return env
-
-
-# Instruction-set flags that change which kernels run (and so the rounding): vector widths, FMA, bf16/fp16.
-_SIMD = re.compile(r"^(sse4_[12]|avx\w*|fma|f16c|amx\w*|neon|asimd\w*|sve\w*)$")
-
-
-@functools.cache
-def _cpu() -> dict[str, Any]:
-    # The CPU model and its SIMD flags (Linux /proc/cpuinfo; elsewhere what platform knows), and the
-    # vector ISA ATen's CPU kernels dispatch to here.
-    name, flags = platform.processor() or platform.machine(), []
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                key = key.strip()
-                if key in ("model name", "Hardware", "cpu model") and name in ("", platform.machine()):
-                    name = value.strip()
-                elif key in ("flags", "Features") and not flags:
-                    flags = sorted(v for v in value.split() if _SIMD.match(v))
-    except OSError:
-        pass
-    capability = getattr(torch.backends.cpu, "get_cpu_capability", lambda: None)()
-    return {"machine": platform.machine(), "cpu": name, "cpu_simd": flags, "aten_cpu_capability": capability}
-
-
-def _backend_versions() -> dict[str, str]:
-    # The runtimes other backends use, when installed (read from their metadata: nothing is imported).
-    from importlib import metadata
-
-    found = {}
-    for dist in ("onnxruntime", "openvino", "onnx"):
-        try:
-            found[dist] = metadata.version(dist)
-        except metadata.PackageNotFoundError:
-            pass
-    return found
-
-
 def run(
     model: Any,
     inputs: Any,
@@ -353,121 +314,107 @@ def run(
     nondeterminism and are recorded in ``environment["nondeterministic"]`` (the comparison then
     says so instead of blaming a backend).
     """
-    candidates = resolve_backends(backends)
-    args, keys = normalize_inputs(inputs)
-    base = prepare_model(model, params, keys)
-    input_names = keys or [f"input[{i}]" for i in range(len(args))]
-    grad_inputs = [i for i, x in enumerate(args) if isinstance(x, torch.Tensor) and x.requires_grad]
-    if grad_inputs and not backward:
-        args = map_tensors(lambda t: t.detach(), args)
-    task = Task(backward, loss, tuple(grad_inputs), tuple(input_names))
-
     say = progress if callable(progress) else (lambda _: None)
-    inputs_ = PrivateInputs(args)
+    candidates = resolve_backends(backends)
+    with switches.exclusive(say) as saved:
+        cast = float32_default(inputs, saved)
+        args, keys = normalize_inputs(inputs)
+        base = prepare_model(model, params, keys)
+        input_names = keys or [f"input[{i}]" for i in range(len(args))]
+        grad_inputs = [i for i, x in enumerate(args) if isinstance(x, torch.Tensor) and x.requires_grad]
+        if grad_inputs and not backward:
+            args = map_tensors(lambda t: t.detach(), args)
+        task = Task(backward, loss, tuple(grad_inputs), tuple(input_names))
+        inputs_ = PrivateInputs(args, cast=cast)
 
-    def go(backend: Backend, **kw: Any) -> BackendRun:
-        result = execute(backend, base, inputs_.args, task, **kw)
-        inputs_.after(result)
-        return result
+        def go(backend: Backend, **kw: Any) -> BackendRun:
+            result = execute(backend, base, inputs_.args, task, saved=saved, **kw)
+            left = switches.restore(saved)  # what the backend left changed (a user's backend, an abandoned one)
+            if left:
+                result.notes.append(f"left process-wide switches changed: {switches.describe_changes(left)}")
+            inputs_.after(result)
+            return result
 
-    # A run under this dispatch mode counts the matmul-like calls the precision anchors would round
-    # (without any, the anchors would only repeat the oracle, so they are not run) and the reductions a
-    # plain sequential kernel would sum in another order.  A dispatch mode sees the ops the model's own
-    # run executes and changes none of them: a torch-function mode would not do, because it turns off
-    # PyTorch's inference fast paths (nn.TransformerEncoderLayer, nn.MultiheadAttention).
-    counter = _CountCalls()
-    say(ORACLE)
-    # Without a second run to count in, the oracle's own run counts.
-    oracle = go(get_backend(ORACLE), measure_reductions=True, scope=None if check_determinism else lambda: counter)
-    if oracle.status != OK:
-        raise InputError(f"the model fails on the CPU oracle, so nothing can be compared: {oracle.message}")
-    if backward and oracle.grad_status != OK:
-        raise InputError(f"backward=True but the oracle's backward did not run: {oracle.grad_message}")
-    unstable = {}
-    if check_determinism:
-        unstable = nondeterministic(oracle, go(get_backend(ORACLE), scope=lambda: counter))
-    say(REFERENCE)
-    reference = go(get_backend(REFERENCE), timeout_s=timeout_s)
-    sequential = None
-    if counter.calls != 0:
-        say("sequential")
-        sequential = go(Backend("sequential", run_eager, hookable=True), timeout_s=timeout_s, scope=SequentialSums)
-    failed = _why(sequential) if sequential is not None else ""
-    anchors = {}
-    if effective_precision and counter.matmuls != 0:
-        for bits in ANCHOR_BITS:
-            anchor = Backend(f"anchor:{bits}", emulate(bits, results=True), hookable=True)
-            anchors[bits] = go(anchor, timeout_s=timeout_s)
-    extra = ["fp64 reference: every verdict's yardstick"]
-    if check_determinism:
-        extra.append("oracle, again: the model's own nondeterminism (check_determinism=True)")
-    if sequential is not None:
-        extra.append(f"sequential sums: a second legitimate error ({counter.calls} reductions whose order may change)")
-    if anchors:
-        extra.append(f"precision anchors ({', '.join(f'{b} bits' for b in anchors)}): effective precision, "
-                     f"for {counter.matmuls} matmul/conv calls")  # fmt: skip
-    runs = {}
-    with bar("rlx_nb backends", total=len(candidates), unit="backend", enabled=progress is not False) as shown:
-        for backend in candidates:
-            say(backend.name)
-            shown.set_postfix_str(backend.name)  # compiling backends (inductor, ONNX export) show here
-            runs[backend.name] = go(backend, timeout_s=timeout_s)
-            shown.update()
-    return RunResults(
-        label=label or _default_label(model),
-        oracle=oracle,
-        reference=reference,
-        candidates=runs,
-        backward=backward,
-        environment={
-            **environment(),
-            **({"sequential_failed": failed} if failed else {}),
-            "nondeterministic": unstable,
-            "extra_runs": extra,
-            "backends": {b.name: b.description for b in candidates},
-            "model_was_training": bool(getattr(model, "training", False)),
-        },
-        fingerprints=Fingerprints(_fingerprints_later(args, model, params)),
-        anchors={b: a for b, a in anchors.items() if a.status == OK},
-        sequential=sequential if sequential is not None and sequential.status == OK else None,  # grads may be missing
-    )
+        # A run under this dispatch mode counts the matmul-like calls the precision anchors would round
+        # (without any, the anchors would only repeat the oracle, so they are not run) and the reductions a
+        # plain sequential kernel would sum in another order.  A dispatch mode sees the ops the model's own
+        # run executes and changes none of them: a torch-function mode would not do, because it turns off
+        # PyTorch's inference fast paths (nn.TransformerEncoderLayer, nn.MultiheadAttention).
+        counter = CountCalls()
+        say(ORACLE)
+        # Without a second run to count in, the oracle's own run counts.
+        oracle = go(get_backend(ORACLE), measure_reductions=True, scope=None if check_determinism else lambda: counter)
+        if oracle.status != OK:
+            raise InputError(
+                f"the model fails on the CPU oracle, so nothing can be compared: {oracle.message}{dtype_hint(inputs)}"
+            )
+        if backward and oracle.grad_status != OK:
+            raise InputError(f"backward=True but the oracle's backward did not run: {oracle.grad_message}")
+        unstable = {}
+        if check_determinism:
+            unstable = nondeterministic(oracle, go(get_backend(ORACLE), scope=lambda: counter))
+        say(REFERENCE)
+        reference = go(get_backend(REFERENCE), timeout_s=timeout_s)
+        sequential = None
+        if counter.calls != 0:
+            say("sequential")
+            sequential = go(Backend("sequential", run_eager, hookable=True), timeout_s=timeout_s, scope=SequentialSums)
+        failed = _why(sequential) if sequential is not None else ""
+        anchors = {}
+        if effective_precision and counter.matmuls != 0:
+            for bits in ANCHOR_BITS:
+                anchor = Backend(f"anchor:{bits}", emulate(bits, results=True), hookable=True)
+                anchors[bits] = go(anchor, timeout_s=timeout_s)
+        extra = ["fp64 reference: every verdict's yardstick"]
+        if check_determinism:
+            extra.append("oracle, again: the model's own nondeterminism (check_determinism=True)")
+        if sequential is not None:
+            extra.append(
+                f"sequential sums: a second legitimate error ({counter.calls} reductions whose order may change)"
+            )
+        if anchors:
+            extra.append(f"precision anchors ({', '.join(f'{b} bits' for b in anchors)}): effective precision, "
+                         f"for {counter.matmuls} matmul/conv calls")  # fmt: skip
+        prints = Fingerprints(fingerprints.later(args, model, params))
 
+        def results(runs: dict[str, BackendRun], incomplete: str = "") -> RunResults:
+            return RunResults(
+                label=label or _default_label(model),
+                oracle=oracle,
+                reference=reference,
+                candidates=runs,
+                backward=backward,
+                environment={
+                    **probe_environment(),
+                    **({"sequential_failed": failed} if failed else {}),
+                    **({"inputs_cast": cast} if cast else {}),
+                    **({"incomplete": incomplete} if incomplete else {}),
+                    "nondeterministic": unstable,
+                    "extra_runs": extra,
+                    "backends": {b.name: b.description for b in candidates},
+                    "model_was_training": bool(getattr(model, "training", False)),
+                },
+                fingerprints=prints,
+                anchors={b: a for b, a in anchors.items() if a.status == OK},
+                # (grads may be missing from a sequential run whose backward failed)
+                sequential=sequential if sequential is not None and sequential.status == OK else None,
+            )
 
-def _fingerprints_later(args: tuple, model: Any, params: Mapping[str, torch.Tensor] | None) -> Callable[[], dict]:
-    # The fingerprints hash every input and parameter byte (0.13 s per 200 MB here), and only saving,
-    # merging and gathering read them: hash when read, from the user's own tensors, which is what the
-    # run ran on as long as none was changed in place since (their version counters tell).  The model's
-    # tensors are watched through weak references, so a report does not keep a model's weights alive;
-    # a parameter replaced since the run (not the same tensor any more) counts as a change.
-    given = [t for _, t in flatten((args, dict(params or {}))) if isinstance(t, torch.Tensor)]
-    given_versions = [t._version for t in given]
-    module = model if isinstance(model, torch.nn.Module) else None
-    model_ref = weakref.ref(module) if module is not None else None
-    own = [(weakref.ref(t), t._version) for t in _model_tensors(module)] if module is not None else []
-
-    def model_unchanged(user_model: torch.nn.Module) -> bool:
-        now = _model_tensors(user_model)
-        return len(now) == len(own) and all(
-            ref() is t and t._version == v for (ref, v), t in zip(own, now, strict=True)
-        )
-
-    def compute() -> dict:
-        user_model = model_ref() if model_ref is not None else None
-        changed = [t._version for t in given] != given_versions
-        inputs = None if changed else fingerprint(args)
-        if changed or (model_ref is not None and (user_model is None or not model_unchanged(user_model))):
-            state = None  # changed since the run, or the model is gone: the run's bytes are not at hand
-        elif user_model is not None:
-            state = fingerprint({**dict(user_model.state_dict()), **dict(params or {})})
-        else:
-            state = fingerprint(dict(params or {}))
-        return {"inputs": inputs, "model": state}
-
-    return compute
-
-
-def _model_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
-    return [*model.parameters(), *model.buffers()]
+        runs: dict[str, BackendRun] = {}
+        try:
+            with bar("rlx_nb backends", total=len(candidates), unit="backend", enabled=progress is not False) as shown:
+                for backend in candidates:
+                    say(backend.name)
+                    shown.set_postfix_str(backend.name)  # compiling backends (inductor, ONNX export) show here
+                    runs[backend.name] = go(backend, timeout_s=timeout_s)
+                    shown.update()
+        except (KeyboardInterrupt, SystemExit) as exc:
+            left = [b.name for b in candidates if b.name not in runs]
+            why = f"interrupted ({type(exc).__name__}) while {left[0]} ran" if left else "interrupted"
+            why += f"; not run: {', '.join(left[1:])}" if len(left) > 1 else ""
+            interrupted.keep(results(dict(runs), why), exc)
+            raise
+        return results(runs)
 
 
 def _why(run: BackendRun) -> str:
@@ -475,25 +422,6 @@ def _why(run: BackendRun) -> str:
     if run.status != OK:
         return run.message
     return run.grad_message if run.grad_status not in (None, OK) else ""
-
-
-# aten ops (overload packet names) that multiply matrices: what the anchors' torch-level targets
-# (F.linear, matmul, bmm, convolutions, ...) and PyTorch's fused attention/transformer kernels
-# dispatch to.  Generous on purpose: a false match only runs the anchors when they were not needed.
-_MATMUL_LIKE = re.compile(r"mm|conv|attention|transformer|linear|matmul|dot|mv$|einsum")
-
-
-class _CountCalls(CountReductions):
-    """:class:`~rlx_nb.reassoc.CountReductions` that also counts matmul-like aten ops in ``matmuls``."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.matmuls = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if _MATMUL_LIKE.search(func.overloadpacket.__name__):
-            self.matmuls += 1
-        return super().__torch_dispatch__(func, types, args, kwargs)
 
 
 def _default_label(model: Any) -> str:

@@ -108,12 +108,11 @@ def test_user_model_and_inputs_untouched():
 
 
 def test_fingerprints_are_computed_only_when_read(monkeypatch, tmp_path):
-    import sys
+    from rlx_nb import fingerprints
 
-    run_module = sys.modules["rlx_nb.run"]  # the package's ``rlx_nb.run`` is the function
     hashed = []
-    real = run_module.fingerprint
-    monkeypatch.setattr(run_module, "fingerprint", lambda obj: hashed.append(1) or real(obj))
+    real = fingerprints.fingerprint
+    monkeypatch.setattr(fingerprints, "fingerprint", lambda obj: hashed.append(1) or real(obj))
     torch.manual_seed(0)
     model, x = torch.nn.Linear(8, 4), torch.randn(3, 8)
     report = rlx_nb.backend_divergence(model, x, backends=["cpu-nomkldnn"], progress=False)
@@ -124,6 +123,7 @@ def test_fingerprints_are_computed_only_when_read(monkeypatch, tmp_path):
     assert len(hashed) == 2
     fp = dict(report.results.fingerprints)
     assert fp["inputs"] == real((x,)) and fp["model"] is not None
+    assert fp["input_structure"].startswith("1 tensor(s), 24 element(s): out[0] float32 (3, 8)")
     assert rlx_nb.load_report(tmp_path / "r.rlxnb").results.fingerprints == fp
 
 
@@ -183,3 +183,93 @@ def test_the_report_says_which_extra_runs_were_made_and_why():
     plain = rlx_nb.backend_divergence(torch.nn.GELU(), torch.randn(4, 8), backends=["cpu-nomkldnn"], progress=False,
                                       check_determinism=False)  # fmt: skip
     assert plain.results.environment["extra_runs"] == ["fp64 reference: every verdict's yardstick"]
+
+
+# -- the user's own state: inference mode, default dtype, memory layout ------------------------------
+
+
+def test_inference_mode_inputs_and_calls_are_honoured():
+    # A raw "Inference tensors do not track version counter" before.
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.GELU())
+    with torch.inference_mode():
+        x = torch.randn(3, 4)
+    report = rlx_nb.backend_divergence(model, x, backends=["cpu-nomkldnn"], backward=True, progress=False)
+    assert report.record("cpu-nomkldnn").verdict == "round-off" and "grad:0.weight" in report.results.oracle.outputs
+    assert report.results.fingerprints["inputs"] is not None  # hashed at once: no version counter to watch
+    with torch.inference_mode():
+        inside = rlx_nb.backend_divergence(model, torch.randn(3, 4), backends=["cpu-nomkldnn"], backward=True)
+        assert torch.is_inference_mode_enabled()  # still the user's block afterwards
+    assert inside.record("cpu-nomkldnn").verdict == "round-off"
+    with torch.inference_mode():
+        built = torch.nn.Linear(4, 4)  # parameters that are inference tensors too
+    report = rlx_nb.backend_divergence(built, torch.randn(2, 4), backends=["cpu-nomkldnn"], backward=True)
+    assert report.results.fingerprints["model"] is not None
+
+
+class MakesTensors(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        return self.lin(x) + torch.ones(4)  # created in the default dtype
+
+
+def test_a_float64_default_dtype_runs_the_oracle_in_float32_and_is_restored():
+    # "mat1 and mat2 must have the same dtype, but got Double and Float", with no word on what to change.
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        model, x = MakesTensors(), torch.randn(3, 4)
+        assert x.dtype == torch.float64
+        with pytest.warns(UserWarning, match="default dtype is float64.*input\\[0\\] cast from float64 to float32"):
+            report = rlx_nb.backend_divergence(model, x, backends=["cpu-nomkldnn"], backward=True, progress=False)
+        assert torch.get_default_dtype() == torch.float64  # the user's, after
+        assert report.record("cpu-nomkldnn").verdict == "round-off"
+        assert report.results.oracle.outputs["out"].dtype == "float32"
+        assert "input[0] cast from float64" in report.results.environment["inputs_cast"]
+        assert x.dtype == torch.float64  # the user's tensor is untouched
+    finally:
+        torch.set_default_dtype(before)
+
+
+def test_float64_inputs_under_a_float32_default_are_a_clear_error():
+    with pytest.raises(rlx_nb.InputError, match=r"input\[0\] is float64, while the oracle runs the model in float32"):
+        rlx_nb.backend_divergence(torch.nn.Linear(4, 4), torch.randn(3, 4, dtype=torch.float64), backends=["cpu"])
+
+
+def test_private_copies_keep_the_users_memory_layout():
+    seen = []
+
+    def spy(model, inputs):
+        seen.append((inputs[0].stride(), inputs[0].data_ptr() % 64))
+        return model(*inputs)
+
+    rlx_nb.register_backend("test-layout-spy", spy, replace=True)
+    try:
+        base = torch.randn(9, 16)
+        for view in (base[:, ::2], base[1:, 1:], base.t(), torch.randn(2, 8, 3, 3).to(memory_format=torch.channels_last)):
+            seen.clear()
+            model = torch.nn.Identity()
+            rlx_nb.backend_divergence(model, view, backends=["test-layout-spy"], progress=False)
+            assert seen == [(view.stride(), view.data_ptr() % 64)], view.stride()
+    finally:
+        rlx_nb.unregister_backend("test-layout-spy")
+
+
+def test_a_layout_dependent_kernel_bug_shows_inside_rlx_nb():
+    # pytorch/pytorch#177839: logit(eps=0.51) gave -0.04 on a sliced tensor and +0.04 on a contiguous copy.
+    # The private copy made inputs contiguous, so such a bug vanished inside rlx_nb.  This backend's kernel
+    # is wrong only on non-contiguous inputs, as that one was.
+    def strided_bug(model, inputs):
+        out = model(*inputs)
+        return out if inputs[0].is_contiguous() else -out
+
+    rlx_nb.register_backend("test-strided-bug", strided_bug, replace=True)
+    try:
+        x = torch.rand(2, 20, generator=torch.Generator().manual_seed(0))[:, :17]
+        model = lambda t: torch.special.logit(t, eps=0.1)  # noqa: E731
+        report = rlx_nb.backend_divergence(model, x, backends=["test-strided-bug", "cpu-nomkldnn"], progress=False)
+    finally:
+        rlx_nb.unregister_backend("test-strided-bug")
+    assert report.suspects == ["test-strided-bug"]

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-import warnings
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from rlx_nb import switches
 from rlx_nb._memory import private_copy
 from rlx_nb.backends.base import ORACLE, REFERENCE, Backend
 from rlx_nb.tree import map_tensors
@@ -34,12 +33,12 @@ def run_float64(model: Any, inputs: tuple) -> Any:
 
 
 def run_nomkldnn(model: Any, inputs: tuple) -> Any:
-    """Eager with oneDNN (mkldnn) disabled: other kernels on the same chip."""
-    with warnings.catch_warnings():
-        # torch warns about Intel-GPU TF32 whenever these flags are touched.
-        warnings.filterwarnings("ignore", message="TF32 acceleration on top of oneDNN")
-        with torch.backends.mkldnn.flags(enabled=False):
-            return model(*inputs)
+    """Eager with oneDNN (mkldnn) disabled: other kernels on the same chip.
+
+    The switch is process-wide; :mod:`rlx_nb.switches` keeps it from outliving the run.
+    """
+    with switches.flipped(mkldnn_enabled=False):
+        return model(*inputs)
 
 
 def device_reason(device: str) -> str | None:
@@ -57,17 +56,9 @@ def device_reason(device: str) -> str | None:
     return f"unknown device {device!r}"
 
 
-@contextlib.contextmanager
-def cuda_tf32(enabled: bool) -> Iterator[None]:
-    """Set TF32 for CUDA matmuls and cuDNN convolutions, restoring the previous state."""
-    matmul, cudnn = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = enabled
-    torch.backends.cudnn.allow_tf32 = enabled
-    try:
-        yield
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = matmul
-        torch.backends.cudnn.allow_tf32 = cudnn
+def cuda_tf32(enabled: bool) -> contextlib.AbstractContextManager:
+    """Set TF32 for CUDA matmuls and cuDNN convolutions, restoring the previous state (:mod:`rlx_nb.switches`)."""
+    return switches.flipped(cuda_matmul_allow_tf32=enabled, cudnn_allow_tf32=enabled)
 
 
 def to_cpu_float(x: torch.Tensor) -> torch.Tensor:

@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from rlx_nb import switches
 from rlx_nb.backends import ORACLE, REFERENCE, get_backend
 from rlx_nb.errors import InputError
 from rlx_nb.localize.capture import CallModule, OpModule, capture_calls
@@ -90,20 +91,22 @@ def localize(
         raise InputError(f"backend {backend!r} is not available here: {reason}")
     if backward and not cand.differentiable:
         raise InputError(f"backend {backend!r} cannot differentiate, so its backward cannot be localized")
-    args, keys = normalize_inputs(inputs)
-    base = prepare_model(model, params, keys)
-    calls = capture_calls(base, args)
-    named = dict(base.named_modules())
-    state = State(backend, backward, calls, named)
-    state.keep_arrays = keep_arrays
-    state.shown = bar(f"rlx_nb localize {backend}", unit="check")
-    try:
-        culprit, culprit_op, repro = descend(state, calls, ops, base, args)
-        if propagated and not backward and not state.full_run:
-            state.shown.set_postfix_str("propagated error (full run)")
-            state.propagate(base, args)
-    finally:
-        state.shown.close()
+    # One rlx_nb run at a time, every switch restored (rlx_nb.switches): the search runs the backend directly.
+    with switches.exclusive():
+        args, keys = normalize_inputs(inputs)
+        base = prepare_model(model, params, keys)
+        calls = capture_calls(base, args)
+        named = dict(base.named_modules())
+        state = State(backend, backward, calls, named)
+        state.keep_arrays = keep_arrays
+        state.shown = bar(f"rlx_nb localize {backend}", unit="check")
+        try:
+            culprit, culprit_op, repro = descend(state, calls, ops, base, args)
+            if propagated and not backward and not state.full_run:
+                state.shown.set_postfix_str("propagated error (full run)")
+                state.propagate(base, args)
+        finally:
+            state.shown.close()
     loc = Localization(
         backend,
         backward,

@@ -1,0 +1,311 @@
+"""Process-wide switches: the ones a backend may flip, and how rlx_nb never leaves one flipped.
+
+Some backends *are* a process-wide switch: ``cpu-nomkldnn`` is ``torch.backends.mkldnn`` turned off for
+the whole process, a precision sweep sets ``torch.set_float32_matmul_precision``, ``cuda-tf32`` the TF32
+flags; a user's backend may set anything.  Python cannot stop a thread, so a backend that runs past its
+timeout (or is left behind by Ctrl-C) keeps running.  Three rules keep the user's process as it was:
+
+1. **One rlx_nb run at a time in a process** (:class:`exclusive`).  A second thread's call waits for
+   the first and says so, instead of running its oracle while the first has oneDNN off (and then
+   restoring the flag the first set, which left it off for good).  The threads an rlx_nb run starts
+   for its backends belong to that run (a backend may call rlx_nb itself).
+2. **Snapshot and restore.**  A run notes every switch of :data:`SWITCHES` (and the calling thread's
+   grad, inference and autocast modes) when it starts, puts back what a backend changed after each
+   backend, and puts everything back when it ends, an interrupt included.
+3. **An abandoned backend cannot flip anything through rlx_nb.**  When a backend's thread is left
+   running (timeout, interrupt), :func:`abandon` marks it, under the same lock :func:`flipped` takes:
+   from then on :func:`flipped` refuses to set a switch in that thread, and does not "restore" one when
+   the backend finally leaves it (which would undo what the user has set since).
+
+A switch a user's backend flips with torch's own API from a thread it was abandoned in cannot be
+stopped (the thread runs on); rule 2 still puts it back when the run ends, and a backend that left a
+switch changed gets a note saying so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import threading
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import torch
+
+
+def _dynamo_get(name: str) -> Callable[[], Any]:
+    # A torch._dynamo config value, read only when dynamo is imported already (importing it costs 2.6 s).
+    def get() -> Any:
+        config = sys.modules.get("torch._dynamo.config")
+        return getattr(config, name, None) if config is not None else None
+
+    return get
+
+
+def _dynamo_set(name: str) -> Callable[[Any], None]:
+    def put(value: Any) -> None:
+        config = sys.modules.get("torch._dynamo.config")
+        if config is not None and value is not None:
+            setattr(config, name, value)
+
+    return put
+
+
+def _attr(owner: Callable[[], Any], name: str) -> tuple[Callable[[], Any], Callable[[Any], None]]:
+    return (lambda: getattr(owner(), name)), (lambda v: setattr(owner(), name, v))
+
+
+def _deterministic() -> tuple[bool, bool]:
+    return torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled()
+
+
+SWITCHES: dict[str, tuple[Callable[[], Any], Callable[[Any], None]]] = {
+    # float32_matmul_precision first: setting it also sets the per-backend fp32_precision entries below.
+    "float32_matmul_precision": (torch.get_float32_matmul_precision, torch.set_float32_matmul_precision),
+    "mkldnn_enabled": (torch._C._get_mkldnn_enabled, torch._C._set_mkldnn_enabled),
+    "nnpack_enabled": (torch._C._get_nnpack_enabled, torch._C._set_nnpack_enabled),
+    "cuda_matmul_allow_tf32": _attr(lambda: torch.backends.cuda.matmul, "allow_tf32"),
+    "cuda_matmul_fp16_reduction": _attr(lambda: torch.backends.cuda.matmul, "allow_fp16_reduced_precision_reduction"),
+    "cuda_matmul_bf16_reduction": _attr(lambda: torch.backends.cuda.matmul, "allow_bf16_reduced_precision_reduction"),
+    "cudnn_enabled": _attr(lambda: torch.backends.cudnn, "enabled"),
+    "cudnn_allow_tf32": _attr(lambda: torch.backends.cudnn, "allow_tf32"),
+    "cudnn_benchmark": _attr(lambda: torch.backends.cudnn, "benchmark"),
+    "cudnn_deterministic": _attr(lambda: torch.backends.cudnn, "deterministic"),
+    "deterministic_algorithms": (_deterministic, lambda v: torch.use_deterministic_algorithms(v[0], warn_only=v[1])),
+    "default_dtype": (torch.get_default_dtype, torch.set_default_dtype),
+    "threads": (torch.get_num_threads, torch.set_num_threads),
+    "dynamo_accumulated_recompile_limit": (
+        _dynamo_get("accumulated_recompile_limit"),
+        _dynamo_set("accumulated_recompile_limit"),
+    ),
+}
+"""Every process-wide switch rlx_nb watches: ``name -> (get, set)``.  Absent ones (an older torch) are skipped."""
+
+for _owner, _prefix in (
+    (lambda: torch.backends, "fp32_precision"),
+    (lambda: torch.backends.mkldnn, "mkldnn_fp32_precision"),
+    (lambda: torch.backends.mkldnn.matmul, "mkldnn_matmul_fp32_precision"),
+    (lambda: torch.backends.mkldnn.conv, "mkldnn_conv_fp32_precision"),
+    (lambda: torch.backends.cuda.matmul, "cuda_matmul_fp32_precision"),
+    (lambda: torch.backends.cudnn, "cudnn_fp32_precision"),
+):
+    try:
+        _owner().fp32_precision  # noqa: B018 - probing the newer precision API (torch >= 2.9)
+    except Exception:
+        continue
+    SWITCHES[_prefix] = _attr(_owner, "fp32_precision")
+
+_AUTOCAST_DEVICES = ("cpu", "cuda")
+
+
+def snapshot() -> dict[str, Any]:
+    """The value of every process-wide switch now (:data:`SWITCHES`)."""
+    values = {}
+    for name, (get, _) in SWITCHES.items():
+        try:
+            value = get()
+        except Exception:  # a switch this build lacks
+            continue
+        if value is not None:  # (None: a dynamo setting before dynamo is imported)
+            values[name] = value
+    return values
+
+
+def restore(saved: dict[str, Any]) -> dict[str, tuple[Any, Any]]:
+    """Put every switch back to ``saved``; returns ``{name: (found, restored)}`` for those that had changed."""
+    changed = {}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # torch warns about TF32 / the legacy precision API when these are set
+        for name, value in saved.items():
+            get, put = SWITCHES[name]
+            try:
+                now = get()
+                if now != value:
+                    put(value)
+                    changed[name] = (now, value)
+            except Exception:
+                continue
+    return changed
+
+
+def thread_modes() -> dict[str, Any]:
+    """The calling thread's own modes: grad, inference, autocast per device."""
+    modes: dict[str, Any] = {"grad": torch.is_grad_enabled(), "inference": torch.is_inference_mode_enabled()}
+    for device in _AUTOCAST_DEVICES:
+        with contextlib.suppress(Exception):
+            modes[f"autocast_{device}"] = (torch.is_autocast_enabled(device), torch.get_autocast_dtype(device))
+    return modes
+
+
+def restore_thread_modes(saved: dict[str, Any]) -> None:
+    """Put the calling thread's grad and autocast modes back (inference mode is left by its own context)."""
+    torch.set_grad_enabled(saved["grad"])
+    for device in _AUTOCAST_DEVICES:
+        if f"autocast_{device}" in saved:
+            enabled, dtype = saved[f"autocast_{device}"]
+            with contextlib.suppress(Exception):
+                torch.set_autocast_enabled(device, enabled)
+                torch.set_autocast_dtype(device, dtype)
+
+
+# -- rule 1: one run at a time ----------------------------------------------------------------------
+
+_OWNER_ATTR = "_rlx_nb_owner"
+_ABANDONED_ATTR = "_rlx_nb_abandoned"
+
+
+def _run_owner() -> threading.Thread:
+    # The thread a run belongs to: a backend's worker thread belongs to the run that started it.
+    me = threading.current_thread()
+    return getattr(me, _OWNER_ATTR, None) or me
+
+
+def worker(target: Callable[[], None], name: str) -> threading.Thread:
+    """A daemon thread for one backend, belonging to the calling thread's run (started by the caller)."""
+    thread = threading.Thread(target=target, daemon=True, name=name)
+    setattr(thread, _OWNER_ATTR, _run_owner())
+    return thread
+
+
+class _RunLock:
+    # Re-entrant for the thread that holds it and for the worker threads its run started.
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._owner: threading.Thread | None = None
+        self._depth = 0
+
+    def acquire(self, say: Callable[[str], None]) -> None:
+        me = _run_owner()
+        with self._cond:
+            if self._owner is me:
+                self._depth += 1
+                return
+            if self._owner is not None:
+                say(
+                    f"waiting for another rlx_nb run in this process (thread {self._owner.name!r}) to finish: "
+                    "runs are one at a time, because backends such as cpu-nomkldnn flip process-wide switches"
+                )
+            while self._owner is not None:
+                self._cond.wait()
+            self._owner, self._depth = me, 1
+
+    def release(self) -> None:
+        with self._cond:
+            self._depth -= 1
+            if self._depth == 0:
+                self._owner = None
+                self._cond.notify_all()
+
+    @property
+    def held(self) -> bool:
+        return self._owner is not None
+
+
+_RUN_LOCK = _RunLock()
+
+
+@contextlib.contextmanager
+def exclusive(say: Callable[[str], None] = lambda _: None) -> Iterator[dict[str, Any]]:
+    """One rlx_nb run at a time (rule 1), every switch and the caller's modes restored at the end (rule 2).
+
+    Yields the values every backend's run returns the switches to (what :func:`restore` puts back after
+    each backend): the switches as they were on entry, unless the run itself sets one for all its runs
+    (:func:`hold`).  Nested entries (``localize`` runs inside a run, a backend calling rlx_nb) share the
+    outer run's lock.  Inside, the calling thread runs without the user's ``torch.autocast`` and
+    ``torch.inference_mode`` (their blocks are theirs again after).
+    """
+    _RUN_LOCK.acquire(say)
+    before, modes = snapshot(), thread_modes()
+    try:
+        with _neutral():
+            yield dict(before)
+    finally:
+        with _FLIP_LOCK:
+            restore(before)
+        restore_thread_modes(modes)
+        _RUN_LOCK.release()
+
+
+@contextlib.contextmanager
+def _neutral() -> Iterator[None]:
+    # The calling thread's own modes off for the run: the oracle is float32 eager even inside the user's
+    # torch.autocast or torch.inference_mode block (the backends' worker threads start without them).
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.inference_mode(False))
+        for device in _AUTOCAST_DEVICES:
+            if device == "cpu" or (device == "cuda" and torch.cuda.is_available()):
+                stack.enter_context(torch.autocast(device, enabled=False))
+        yield
+
+
+def hold(during: dict[str, Any], name: str, value: Any) -> None:
+    """Set switch ``name`` for the rest of a run: its backends return to ``value``, the run's end to the user's."""
+    SWITCHES[name][1](value)
+    during[name] = value
+
+
+# -- rule 3: abandoned threads flip nothing ---------------------------------------------------------
+
+_FLIP_LOCK = threading.Lock()
+
+
+class Abandoned(RuntimeError):
+    """Raised in a backend's thread that its run has given up on, where it would flip a switch."""
+
+
+def abandon(thread: threading.Thread, saved: dict[str, Any]) -> None:
+    """Give up on ``thread`` (still running a backend) and put every switch back to ``saved`` at once."""
+    with _FLIP_LOCK:
+        setattr(thread, _ABANDONED_ATTR, True)
+        restore(saved)
+
+
+def abandoned() -> bool:
+    """Whether the calling thread is a backend's thread its run has given up on."""
+    return bool(getattr(threading.current_thread(), _ABANDONED_ATTR, False))
+
+
+@contextlib.contextmanager
+def flipped(**values: Any) -> Iterator[None]:
+    """Set switches of :data:`SWITCHES` (``mkldnn_enabled=False``) inside the block, restored after.
+
+    In an abandoned thread (rule 3) it raises :class:`Abandoned` instead of setting anything, and on the
+    way out of a block its thread was abandoned in, it leaves the switches as the run restored them.
+    """
+    unknown = [n for n in values if n not in SWITCHES]
+    if unknown:
+        raise KeyError(f"unknown switch(es) {unknown}; known: {', '.join(SWITCHES)}")
+    with _FLIP_LOCK:
+        if abandoned():
+            raise Abandoned("this backend's run gave up on it (timeout or interrupt); it may not flip switches")
+        before = {name: SWITCHES[name][0]() for name in values}
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for name, value in values.items():
+                SWITCHES[name][1](value)
+    try:
+        yield
+    finally:
+        with _FLIP_LOCK:
+            if not abandoned():
+                restore(before)
+
+
+def describe_changes(changed: dict[str, tuple[Any, Any]]) -> str:
+    """One note for switches a backend left changed: ``mkldnn_enabled (False, restored to True)``."""
+    return ", ".join(f"{name} ({found!r}, restored to {value!r})" for name, (found, value) in changed.items())
+
+
+__all__ = [
+    "SWITCHES",
+    "Abandoned",
+    "abandon",
+    "abandoned",
+    "exclusive",
+    "flipped",
+    "hold",
+    "restore",
+    "snapshot",
+    "worker",
+]

@@ -1,0 +1,189 @@
+"""Interrupts, threads and process-wide switches: nothing swallowed, nothing left changed (rlx_nb.switches)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+
+import pytest
+import torch
+
+import rlx_nb
+from rlx_nb import switches
+
+
+class SlowWithoutOneDNN(torch.nn.Module):
+    """A conv whose forward, with oneDNN off (cpu-nomkldnn), signals ``entered`` and then takes ``slow`` seconds."""
+
+    signals: dict[int, threading.Event] = {}  # (outside the module: rlx_nb deep-copies models, not events)
+
+    def __init__(self, slow: float = 0.0) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.conv = torch.nn.Conv2d(3, 8, 3)
+        self.slow = slow
+        self.token = len(self.signals)
+        self.signals[self.token] = threading.Event()
+
+    @property
+    def entered(self) -> threading.Event:
+        return self.signals[self.token]
+
+    def forward(self, x):
+        if not torch.backends.mkldnn.enabled:
+            self.entered.set()
+            end = time.monotonic() + self.slow
+            while time.monotonic() < end:
+                time.sleep(0.01)
+        return self.conv(x)
+
+
+def _eager(model: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model.conv(x)
+
+
+@pytest.fixture
+def x():
+    return torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+
+
+def _register(name, fn):
+    rlx_nb.register_backend(name, fn, replace=True)
+    return name
+
+
+@pytest.mark.parametrize("kind", [KeyboardInterrupt, SystemExit])
+@pytest.mark.parametrize("timeout_s", [600.0, None])
+def test_an_interrupt_raised_inside_a_backend_propagates(kind, timeout_s, x):
+    # It was swallowed and reported as "timed out after 600 s", 0.1 s in.
+    def raises(model, inputs):
+        raise kind()
+
+    name = _register("test-raises-interrupt", raises)
+    try:
+        start = time.monotonic()
+        with pytest.raises(kind):
+            rlx_nb.backend_divergence(
+                SlowWithoutOneDNN(), x, backends=["cpu-nomkldnn", name], timeout_s=timeout_s, progress=False
+            )
+        assert time.monotonic() - start < 60
+        kept = rlx_nb.interrupted_report()  # what had finished is kept, marked incomplete
+        assert kept is not None and list(kept.results.candidates) == ["cpu-nomkldnn"]
+        assert f"while {name} ran" in kept.incomplete and kept.lines()[-1].startswith("[SlowWithoutOneDNN] INCOMPLETE")
+        assert kept.record("cpu-nomkldnn").verdict == "round-off"
+    finally:
+        rlx_nb.unregister_backend(name)
+    assert torch.backends.mkldnn.enabled
+
+
+def _interrupt_when(event: threading.Event) -> threading.Thread:
+    # A real Ctrl-C: SIGINT to this process once ``event`` is set (the backend is inside its slow part).
+    def fire():
+        if event.wait(60):
+            os.kill(os.getpid(), signal.SIGINT)
+
+    thread = threading.Thread(target=fire, daemon=True)
+    thread.start()
+    return thread
+
+
+def test_ctrl_c_while_cpu_nomkldnn_runs_leaves_onednn_on(x):
+    # oneDNN stayed disabled process-wide until the abandoned worker ended: the next call's oracle ran
+    # without oneDNN.
+    model = SlowWithoutOneDNN(slow=3.0)
+    _interrupt_when(model.entered)
+    with pytest.raises(KeyboardInterrupt) as caught:
+        rlx_nb.backend_divergence(model, x, backends=["cpu-nomkldnn"], progress=False)
+    assert any("rlx_nb.interrupted_report()" in note for note in getattr(caught.value, "__notes__", []))
+    assert torch.backends.mkldnn.enabled  # at once, while the abandoned worker still sleeps with it "off"
+    again = rlx_nb.backend_divergence(SlowWithoutOneDNN(), x, backends=["cpu-nomkldnn"], progress=False)
+    oracle = again.results.oracle.outputs["out"].value
+    assert (torch.from_numpy(oracle) == _eager(SlowWithoutOneDNN(), x)).all()  # the oracle ran with oneDNN
+    time.sleep(3.5)  # the abandoned worker has left its switch block by now ...
+    assert torch.backends.mkldnn.enabled  # ... without "restoring" anything
+
+
+def test_concurrent_calls_are_one_at_a_time_and_leave_onednn_on(x):
+    # Two threads each calling with cpu-nomkldnn: one's oracle ran while the other had oneDNN off, and
+    # oneDNN could be left off afterwards.
+    waited: list[str] = []
+    exact: dict[int, bool] = {}
+    go = threading.Barrier(3)
+
+    def job(i: int) -> None:
+        model = SlowWithoutOneDNN(slow=0.3)
+        go.wait()
+        report = rlx_nb.backend_divergence(model, x, backends=["cpu-nomkldnn"], progress=waited.append)
+        exact[i] = bool((torch.from_numpy(report.results.oracle.outputs["out"].value) == _eager(model, x)).all())
+
+    threads = [threading.Thread(target=job, args=(i,)) for i in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert exact == {0: True, 1: True, 2: True}
+    assert torch.backends.mkldnn.enabled
+    assert any("waiting for another rlx_nb run" in m for m in waited)  # and says so
+
+
+def test_a_backend_abandoned_after_its_timeout_cannot_flip_a_switch(x):
+    events: list[str] = []
+
+    def late(model, inputs):
+        time.sleep(1.0)  # past its timeout: abandoned before it reaches its switch
+        try:
+            with switches.flipped(mkldnn_enabled=False):
+                events.append("flipped")
+        except switches.Abandoned:
+            events.append("refused")
+        return model(*inputs)
+
+    name = _register("test-late-flip", late)
+    try:
+        report = rlx_nb.backend_divergence(SlowWithoutOneDNN(), x, backends=[name], timeout_s=0.2, progress=False)
+    finally:
+        rlx_nb.unregister_backend(name)
+    assert "timed out after 0.2 s" in report.record(name).reason
+    time.sleep(1.5)
+    assert events == ["refused"] and torch.backends.mkldnn.enabled
+
+
+def test_switches_a_backend_leaves_changed_are_restored_and_named(x):
+    def careless(model, inputs):
+        torch.set_num_threads(1)
+        torch.set_float32_matmul_precision("medium")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        torch.backends.mkldnn.enabled = False
+        return model(*inputs)
+
+    before = switches.snapshot()
+    name = _register("test-careless", careless)
+    try:
+        report = rlx_nb.backend_divergence(SlowWithoutOneDNN(), x, backends=[name, "cpu-nomkldnn"], progress=False)
+    finally:
+        rlx_nb.unregister_backend(name)
+    after = switches.snapshot()
+    assert {k: after[k] for k in before} == before
+    note = report.backends_detail.set_index("backend").loc[name, "note"]
+    assert "left process-wide switches changed" in note and "mkldnn_enabled (False, restored to True)" in note
+    # the next backend ran with the user's settings: oneDNN-off eager differs from oneDNN eager in bits
+    assert report.record("cpu-nomkldnn").verdict == "round-off"
+
+
+def test_the_callers_grad_and_autocast_modes_are_theirs_after_a_call(x):
+    with torch.no_grad():
+        report = rlx_nb.backend_divergence(SlowWithoutOneDNN(), x, backends=["cpu-nomkldnn"], backward=True)
+        assert not torch.is_grad_enabled()
+    assert any(n.startswith("grad:") for n in report.results.oracle.outputs)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        report = rlx_nb.backend_divergence(SlowWithoutOneDNN(), x, backends=["cpu-nomkldnn"])
+        assert torch.is_autocast_enabled("cpu")
+    assert report.results.oracle.outputs["out"].dtype == "float32"  # the oracle is float32 even so
+
+
+def test_flipped_refuses_unknown_switches():
+    with pytest.raises(KeyError, match="unknown switch"), switches.flipped(no_such_switch=True):
+        pass
