@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import html
 from collections.abc import Sequence
 from typing import Any
 
@@ -101,9 +102,9 @@ class Table(pd.DataFrame):
         return Table
 
     def _repr_html_(self) -> str:
-        frame = pd.DataFrame(self)
+        frame = _escaped(pd.DataFrame(self))
         if len(frame) > 200 or frame.columns.duplicated().any():
-            return frame._repr_html_()
+            return frame.to_html(escape=False, max_rows=60)  # (escaped above, once)
         formats = {c: f for c, f in FORMATS.items() if c in frame.columns and frame[c].dtype.kind == "f"}
         prose = [c for c in PROSE if c in frame.columns]
         styled = frame.style.format(formats, na_rep="—").set_table_styles(
@@ -116,6 +117,24 @@ class Table(pd.DataFrame):
         if VERDICT in frame.columns:
             styled = styled.map(verdict_css, subset=[VERDICT])
         return styled.to_html()
+
+
+def _escaped(frame: pd.DataFrame) -> pd.DataFrame:
+    # Every text a model, a backend, an exception or a received file put in a frame (names, reasons,
+    # notes; column and index labels), HTML-escaped: a notebook renders Styler's HTML as it is.  Numbers
+    # and missing values stay themselves so their formats apply.
+    def cell(v: Any) -> Any:
+        if v is None or isinstance(v, (bool, int, float, np.number, np.bool_)):
+            return v
+        return html.escape(str(v))
+
+    out = frame.copy()
+    for c in out.columns:
+        if out[c].dtype.kind not in "biufc":
+            out[c] = out[c].map(cell).astype(object)
+    out.columns = pd.Index([cell(c) for c in out.columns])
+    out.index = pd.Index([cell(i) for i in out.index])
+    return out
 
 
 def verdict_css(v: str) -> str:

@@ -16,6 +16,7 @@ import numpy as np
 from rlx_nb.elements import error_histogram, error_range, tolerance_curve
 from rlx_nb.errors import InputError
 from rlx_nb.maps import METRICS, block_argmax, error_map, make_fold, scatter_sample
+from rlx_nb.safe import plot_text
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -218,7 +219,7 @@ def plot_heatmap(
             bbox={"boxstyle": "round", "fc": "black", "alpha": 0.6, "lw": 0},
         )
         ax.rlx_worst_index = index
-    ax.set_title(title or f"{METRIC_LABELS[metric]}  [{folded.describe()}]", fontsize=9)
+    ax.set_title(plot_text(title) if title else f"{METRIC_LABELS[metric]}  [{folded.describe()}]", fontsize=9)
     return ax
 
 
@@ -279,7 +280,7 @@ def plot_histogram(
         ax.stairs(
             counts,
             edges,
-            label=name + (f" ({', '.join(x for x in extra if x)})" if any(extra) else ""),
+            label=plot_text(name) + (f" ({plot_text(', '.join(x for x in extra if x))})" if any(extra) else ""),
             linewidth=1.0 if faint else 2.2,
             alpha=0.45 if faint else 1.0,
             color=colour,
@@ -293,7 +294,7 @@ def plot_histogram(
     for value, names in drawn.items():
         # One line per distinct limit; shared limits (same output, same format) are drawn once.
         colour = colours.get(names[0], "black") if len(names) == 1 else "black"
-        who = f"{names[0]} limit" if len(names) == 1 else "limit"
+        who = f"{plot_text(names[0])} limit" if len(names) == 1 else "limit"
         ax.axvline(value, linestyle="--", color=colour, linewidth=1.2, label=f"{who} {value:.3g}")
     ax.set_xscale("log")
     ax.set_yscale("symlog", linthresh=1)
@@ -301,7 +302,7 @@ def plot_histogram(
     ax.set_xlabel(METRIC_LABELS[metric])
     ax.set_ylabel("elements")
     ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, frameon=False)
-    ax.set_title(title or "error histogram", fontsize=9)
+    ax.set_title(plot_text(title or "error histogram"), fontsize=9)
     return ax
 
 
@@ -346,7 +347,7 @@ def plot_scatter(
     ax.set_xlabel("|oracle|")
     ax.set_ylabel("|backend - oracle|")
     ax.legend(fontsize=8)
-    ax.set_title(title or "error vs magnitude", fontsize=9)
+    ax.set_title(plot_text(title or "error vs magnitude"), fontsize=9)
     return ax
 
 
@@ -362,7 +363,7 @@ def plot_tolerance_curve(
     ax = _axes(ax)
     rtols = np.logspace(-9, 1, 81) if rtols is None else np.asarray(rtols)
     for name, (o, b) in pairs.items():
-        ax.plot(rtols, tolerance_curve(o, b, rtols), label=name)
+        ax.plot(rtols, tolerance_curve(o, b, rtols), label=plot_text(name))
     if mark:
         ax.axvline(mark, linestyle="--", color="grey", label=f"tol_rel {mark:g}")
     ax.set_xscale("log")
@@ -370,7 +371,7 @@ def plot_tolerance_curve(
     ax.set_xlabel("relative tolerance")
     ax.set_ylabel("fraction of elements failing")
     ax.legend(fontsize=8)
-    ax.set_title(title or "tolerance curve", fontsize=9)
+    ax.set_title(plot_text(title or "tolerance curve"), fontsize=9)
     return ax
 
 
@@ -400,10 +401,10 @@ def plot_localization(frame, *, ax: Axes | None = None, title: str | None = None
         )
     ax.axhline(1.0, linestyle="--", color="grey", label="budget limit")
     ax.set_yscale("log")
-    ax.set_xticks(x, [f"{n}" for n in frame["name"]], rotation=60, ha="right", fontsize=7)
+    ax.set_xticks(x, [plot_text(n) for n in frame["name"]], rotation=60, ha="right", fontsize=7)
     ax.set_ylabel("x round-off budget (excess)")
     ax.legend(fontsize=8)
-    ax.set_title(title or "where the error is born", fontsize=9)
+    ax.set_title(plot_text(title or "where the error is born"), fontsize=9)
     return ax
 
 
@@ -443,11 +444,11 @@ def plot_effective_bits(
             zorder=3,
             bbox={"fc": "white", "ec": "none", "alpha": 0.85, "pad": 1},
         )
-    ax.set_xticks(np.arange(len(names)), names, rotation=30, ha="right", fontsize=8)
+    ax.set_xticks(np.arange(len(names)), [plot_text(n) for n in names], rotation=30, ha="right", fontsize=8)
     ax.set_xlim(-0.6, len(names) - 0.4)
     ax.set_ylim(0, 26.5)
     ax.set_ylabel("effective mantissa bits")
-    ax.set_title(title or "effective precision", fontsize=9)
+    ax.set_title(plot_text(title or "effective precision"), fontsize=9)
     return ax
 
 

@@ -52,8 +52,11 @@ class ReportPlotter:
         backend, output = self._pick(backend, output)
         o, b, ref = self._report.arrays(backend, output)
         rec = self._report.record(backend, output)
-        kwargs.setdefault("title", f"{backend} · {output} · {METRIC_LABELS.get(metric, metric)}")
-        if metric == "abs" and rec.worst_index is not None:
+        complex_ = _is_complex(o, b)
+        o, b, ref = _real(o), _real(b), _real(ref)
+        what = " (real, imag)" if complex_ else ""
+        kwargs.setdefault("title", f"{backend} · {output}{what} · {METRIC_LABELS.get(metric, metric)}")
+        if metric == "abs" and rec.worst_index is not None and not complex_:
             kwargs.setdefault("worst", rec.worst_index)
         return plot_heatmap(o, b, ref, metric=metric, budget=rec.budget_rmse, **kwargs)
 
@@ -69,6 +72,7 @@ class ReportPlotter:
                     o, b, _ = r.arrays(name, output)
                 except InputError:
                     continue
+                o, b = _real(o), _real(b)
                 if o.shape == b.shape and np.issubdtype(o.dtype, np.floating):
                     pairs[name] = (o, b)
         return output, pairs
@@ -94,7 +98,7 @@ class ReportPlotter:
             reference = r.results.reference.outputs.get(output)
             if reference is None or not reference.is_array:
                 raise InputError(f"the 'budget' histogram needs the fp64 reference of {output!r}")
-            pairs = {name: (reference.value, b) for name, (_, b) in pairs.items()}
+            pairs = {name: (_real(reference.value), b) for name, (_, b) in pairs.items()}
         for name in pairs:
             rec = r.record(name, output)
             if metric == "budget":
@@ -111,6 +115,7 @@ class ReportPlotter:
         """:func:`plot_scatter` of one (backend, output)."""
         backend, output = self._pick(backend, output)
         o, b, _ = self._report.arrays(backend, output)
+        o, b = _real(o), _real(b)
         kwargs.setdefault("tol_rel", self._report.record(backend, output).tol_rel)
         kwargs.setdefault("title", f"{backend} · {output}: error vs magnitude")
         return plot_scatter(o, b, **kwargs)
@@ -132,3 +137,20 @@ class ReportPlotter:
         output, pairs = self._pairs(output, backends)
         kwargs.setdefault("title", f"{output}: fraction failing vs tol_rel")
         return plot_tolerance_curve(pairs, **kwargs)
+
+
+def _is_complex(*arrays: Any) -> bool:
+    return any(a is not None and np.iscomplexobj(a) for a in arrays)
+
+
+def _real(x: Any) -> Any:
+    # A complex output is drawn as its (real, imag) parts, a last axis of 2: the interleaved view the
+    # comparison measures (rlx_nb.compare).
+    if x is None or not np.iscomplexobj(x):
+        return x
+    wide = np.complex128 if x.dtype == np.complex128 else np.complex64
+    return (
+        np.ascontiguousarray(x.astype(wide, copy=False))
+        .view(np.float64 if wide is np.complex128 else np.float32)
+        .reshape(*x.shape, 2)
+    )

@@ -177,7 +177,7 @@ class Explorer(W.VBox if W is not None else object):
         rec = self.report.record(backend, output)
         self.status.value = (
             f"<b>{html.escape(backend)}</b> · <code>{html.escape(output)}</code>: "
-            f"<span style='color:{'#b00020' if rec.verdict == SUSPECT else '#1b5e20'}'><b>{rec.verdict}</b></span> — "
+            f"<span style='color:{'#b00020' if rec.verdict == SUSPECT else '#1b5e20'}'><b>{html.escape(rec.verdict)}</b></span> — "
             f"{html.escape(rec.reason)}"
         )
         has_ref = rec.budget_rmse == rec.budget_rmse
@@ -189,7 +189,9 @@ class Explorer(W.VBox if W is not None else object):
         self._busy = False
         frame = self.report.elements(backend, output, top=self.top)
         self._elements = frame
-        self.table.value = frame.to_html(index=False, float_format=lambda v: f"{v:.4g}", classes="rlx-elements")
+        self.table.value = frame.to_html(
+            index=False, escape=True, float_format=lambda v: f"{v:.4g}", classes="rlx-elements"
+        )
         self._busy = True
         self.element_picker.options = [
             (f"#{r.rank} {tuple(r.index)} abs={r.abs_err:.2e}", tuple(r.index)) for r in frame.itertuples()

@@ -7,6 +7,7 @@ import re
 import shutil
 
 import pytest
+import torch
 
 import rlx_nb
 from rlx_nb import demo
@@ -89,3 +90,21 @@ def test_it_opens_in_chromium_with_no_network(report, tmp_path):
                 page.screenshot(path=f"{shots}/html-report.png", full_page=True)
         finally:
             browser.close()
+
+
+def test_a_suspect_complex_output_gets_its_figures(tmp_path):
+    # to_html raised InputError and wrote nothing: the histogram had no real pair to draw.
+    class Complex(torch.nn.Module):
+        def forward(self, x):
+            return torch.complex(x, -x)
+
+    rlx_nb.register_backend("test-complex-fault", lambda m, xs: m(*xs) * (1 + 1e-2j), replace=True)
+    try:
+        report = rlx_nb.backend_divergence(Complex(), torch.randn(6, 4), backends=["test-complex-fault"])
+    finally:
+        rlx_nb.unregister_backend("test-complex-fault")
+    assert report.suspects == ["test-complex-fault"]
+    text = report.to_html(tmp_path / "complex").read_text()
+    assert "alt='heatmap of test-complex-fault out'" in text and "alt='histogram of out'" in text
+    ax = report.plot.heatmap(metric="abs")
+    assert "(real, imag)" in ax.get_title()  # drawn as its parts, side by side

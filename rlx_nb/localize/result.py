@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import html
 from pathlib import Path
 from typing import Any
 
@@ -113,11 +114,11 @@ class Localization:
 
     def _repr_html_(self) -> str:
         head = (
-            f"<p><b>{self.backend}</b> ({'backward' if self.backward else 'forward'}): culprit "
-            f"<b>{self.culprit or 'none — every module within round-off'}</b>; "
+            f"<p><b>{html.escape(self.backend)}</b> ({'backward' if self.backward else 'forward'}): culprit "
+            f"<b>{html.escape(self.culprit or 'none — every module within round-off')}</b>; "
             f"{self.preparations} backend preparations.</p>"
         )
-        return head + self.frame.to_html(index=False, float_format=lambda v: f"{v:.3g}")
+        return head + self.frame.to_html(index=False, escape=True, float_format=lambda v: f"{v:.3g}")
 
     def plot(self, *, ax=None):
         """Local vs propagated error along the model's depth (see :func:`rlx_nb.plotting.plot_localization`)."""
