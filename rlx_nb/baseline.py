@@ -27,11 +27,16 @@ COLUMNS = ["backend", "output", "status", "old_verdict", "new_verdict", "old_exc
 
 
 class BaselineComparison:
-    """Per (backend, output): old and new verdict and excess, how far it moved, and a status."""
+    """Per (backend, output): old and new verdict and excess, how far it moved, and a status.
 
-    def __init__(self, frame: pd.DataFrame, old_label: str, new_label: str) -> None:
+    ``notes`` says what of the two reports' models and inputs differs (compared anyway with
+    ``allow_different_model=True``) or could not be checked.
+    """
+
+    def __init__(self, frame: pd.DataFrame, old_label: str, new_label: str, notes: list[str] | None = None) -> None:
         self.frame = frame
         self.old_label, self.new_label = old_label, new_label
+        self.notes = list(notes or [])
 
     @property
     def worse(self) -> pd.DataFrame:
@@ -43,8 +48,8 @@ class BaselineComparison:
         return bool(len(self.worse))
 
     def lines(self) -> list[str]:
-        """One line per backend: its worst movement, and whether it got worse."""
-        out = []
+        """One line per backend: its worst movement, and whether it got worse (after a line per note)."""
+        out = [f"[{self.new_label}] baseline: {note}" for note in self.notes]
         for backend, rows in self.frame.groupby("backend", sort=False):
             worst = rows.loc[rows.moved.fillna(0).idxmax()] if rows.moved.notna().any() else rows.iloc[0]
             statuses = set(rows.status)
@@ -63,6 +68,7 @@ class BaselineComparison:
     def plot(self, ax: Any = None) -> Any:
         """Old against new excess per (backend, output), log-log, the budget's limit and y = x drawn."""
         from rlx_nb.plotting import SUSPECT_COLOUR, _axes
+        from rlx_nb.safe import plot_text
 
         ax = _axes(ax, figsize=(5.5, 4.5))
         f = self.frame.dropna(subset=["old_excess", "new_excess"])
@@ -73,8 +79,8 @@ class BaselineComparison:
         ax.axhline(1.0, color=SUSPECT_COLOUR, linestyle="--", linewidth=1, label="budget limit (new)")
         ax.set_xscale("log")
         ax.set_yscale("log")
-        ax.set_xlabel(f"old excess ({self.old_label})")
-        ax.set_ylabel(f"new excess ({self.new_label})")
+        ax.set_xlabel(plot_text(f"old excess ({self.old_label})"))
+        ax.set_ylabel(plot_text(f"new excess ({self.new_label})"))
         ax.legend(fontsize=8, loc="upper left")
         ax.set_title("error in multiples of its round-off budget, old vs new", fontsize=9)
         return ax
@@ -109,8 +115,14 @@ def _status(old: Any, new: Any) -> str:
     return "same"
 
 
-def compare_reports(old: Any, new: Any) -> BaselineComparison:
+def compare_reports(old: Any, new: Any, *, allow_different_model: bool = False) -> BaselineComparison:
     """Compare ``new`` against the baseline ``old`` (reports, or paths of saved ones), output by output.
+
+    A baseline only means something for the same model on the same inputs: their saved fingerprints
+    (the structure -- names, dtypes, shapes -- and the values of the inputs and of the weights) are
+    checked first, and a difference is an :class:`~rlx_nb.InputError` naming it, unless
+    ``allow_different_model=True`` (then it is a note in ``.notes`` and ``.lines()``).  A fingerprint
+    one report lacks (an older file, inputs changed in place after the run) is a note too.
 
     Examples
     --------
@@ -122,7 +134,17 @@ def compare_reports(old: Any, new: Any) -> BaselineComparison:
     >>> rlx_nb.compare_reports(old, new).frame.status.tolist()
     ['same', 'new']
     """
+    if not isinstance(allow_different_model, bool):
+        raise InputError(f"allow_different_model must be True or False, got {allow_different_model!r}")
     a, b = _load(old), _load(new)
+    differ, unchecked = fingerprint_differences(a.results.fingerprints, b.results.fingerprints)
+    if differ and not allow_different_model:
+        raise InputError(
+            f"the baseline and the new report were not made from the same model and inputs: {'; '.join(differ)} "
+            "-- a baseline compares one model across versions of the stack; pass allow_different_model=True "
+            "(--allow-different-model) to compare them anyway"
+        )
+    notes = [f"compared although {d}" for d in differ] + unchecked
     olds = {(r.backend, r.output): r for r in a.records if r.output is not None}
     news = {(r.backend, r.output): r for r in b.records if r.output is not None}
     rows = []
@@ -143,7 +165,31 @@ def compare_reports(old: Any, new: Any) -> BaselineComparison:
                 "moved": moved,
             }
         )
-    return BaselineComparison(pd.DataFrame(rows, columns=COLUMNS), a.label, b.label)
+    return BaselineComparison(pd.DataFrame(rows, columns=COLUMNS), a.label, b.label, notes)
 
 
-__all__ = ["WORSE_FACTOR", "BaselineComparison", "compare_reports"]
+_CHECKED = (
+    ("input_structure", "the inputs' structure (names, dtypes, shapes)", "inputs", "the inputs' values"),
+    ("model_structure", "the model's structure (parameter and buffer names, dtypes, shapes)", "model", "the weights"),
+)
+
+
+def fingerprint_differences(old: Any, new: Any) -> tuple[list[str], list[str]]:
+    """``(differences, unchecked)`` between two reports' fingerprints, each a phrase.
+
+    Structures first; the values' hashes only where the structures agree (other shapes, other values).
+    """
+    differ, unchecked = [], []
+    for structure, structure_words, values, value_words in _CHECKED:
+        so, sn = old.get(structure), new.get(structure)
+        if so is not None and sn is not None and so != sn:
+            differ.append(f"{structure_words} differs: {so} vs {sn}")
+            continue
+        vo, vn = old.get(values), new.get(values)
+        if vo is None or vn is None:
+            who = "the baseline" if vo is None else "the new report"
+            unchecked.append(f"{value_words} not checked: {who} has no fingerprint of them (an older file, or "
+                             "changed in place after its run)")  # fmt: skip
+        elif vo != vn:
+            differ.append(f"{value_words} differ (fingerprint {vo} vs {vn})")
+    return differ, unchecked

@@ -77,7 +77,12 @@ def _parser() -> argparse.ArgumentParser:
         "--baseline",
         metavar="OLD.rlxnb",
         help="compare with a report saved before (another torch/ORT/OpenVINO/driver); exit 1 only when some "
-        "backend got worse beyond round-off",
+        "backend got worse beyond round-off; exit 2 when the baseline was made from another model or inputs",
+    )
+    check.add_argument(
+        "--allow-different-model",
+        action="store_true",
+        help="with --baseline: compare even when the saved model or input fingerprints differ (said in the lines)",
     )
     show = sub.add_parser("show", help="print a saved report's lines; --html writes it as one HTML file")
     show.add_argument("file", help="a report saved with --save or report.save (.rlxnb)")
@@ -160,7 +165,7 @@ def _check(args: argparse.Namespace) -> int:
     if args.baseline:
         from rlx_nb.baseline import compare_reports
 
-        moved = compare_reports(args.baseline, report)
+        moved = compare_reports(args.baseline, report, allow_different_model=args.allow_different_model)
         for line in moved.lines():
             print(line)
         return EXIT_SUSPECT if moved.any_worse else EXIT_BACKEND_FAILED if report.errors else EXIT_OK

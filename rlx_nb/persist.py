@@ -35,6 +35,7 @@ from typing import Any
 
 import numpy as np
 
+from rlx_nb import schema
 from rlx_nb.errors import ReportFormatError
 from rlx_nb.results import GRAD_PREFIX, BackendRun, Leaf, RunResults
 
@@ -149,8 +150,32 @@ def _fail(path: Any, why: str) -> ReportFormatError:
     return ReportFormatError(f"cannot load report {str(path)!r}: {why}")
 
 
+MAX_EXPANSION = 64
+"""A compressed entry may inflate to at most this many times its stored size (past 64 MB): rlx_nb writes
+arrays uncompressed, and a small file declaring a huge array must not allocate it (a 1 MB file inflating
+to 1 GiB took 15 s and 1.3 GB before it was refused)."""
+_SMALL = 64 << 20
+
+
+def _check_entry(info: zipfile.ZipInfo, where: Any) -> None:
+    # Before reading an entry: its inflated size against its stored size.
+    if info.compress_type == zipfile.ZIP_STORED and info.file_size != info.compress_size:
+        raise _fail(where, f"{info.filename!r} declares {info.file_size} bytes but stores {info.compress_size}")
+    if info.file_size > _SMALL and info.file_size > MAX_EXPANSION * max(info.compress_size, 1):
+        raise _fail(
+            where,
+            f"{info.filename!r} would inflate from {info.compress_size} to {info.file_size} bytes, more than "
+            f"{MAX_EXPANSION}x: refused before allocating it",
+        )
+
+
 def load_results(source: str | Path | bytes | memoryview) -> tuple[RunResults, dict]:
-    """Read results saved by :func:`save_results`; returns ``(results, meta)``.  Arrays load lazily."""
+    """Read results saved by :func:`save_results`; returns ``(results, meta)``.  Arrays load lazily.
+
+    Every field is checked first (:mod:`rlx_nb.schema`), and every array's stored header (dtype, shape,
+    bytes) against what ``meta.json`` declares, so anything malformed is a :class:`ReportFormatError`
+    here and no array is ever allocated at a size its bytes do not back.
+    """
     in_memory = isinstance(source, (bytes, bytearray, memoryview))
     where = "<bytes>" if in_memory else source
     try:
@@ -161,6 +186,7 @@ def load_results(source: str | Path | bytes | memoryview) -> tuple[RunResults, d
         raise _fail(where, f"not an rlx_nb report (not a readable zip: {type(exc).__name__}: {exc})") from None
     try:
         info = zf.getinfo("meta.json")
+        _check_entry(info, where)
         if info.file_size > _MAX_META:
             raise _fail(where, f"meta.json is {info.file_size} bytes, more than the {_MAX_META} allowed")
         meta = json.loads(zf.read("meta.json"))
@@ -172,106 +198,145 @@ def load_results(source: str | Path | bytes | memoryview) -> tuple[RunResults, d
         raise _fail(where, f"meta.json is unreadable ({type(exc).__name__}: {exc})") from None
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise _fail(where, f"format is {meta.get('format') if isinstance(meta, dict) else None!r}, not {FORMAT!r}")
-    if meta.get("version") not in READS:
+    if meta.get("version") not in READS or isinstance(meta.get("version"), bool):
         raise _fail(
             where,
             f"version {meta.get('version')!r} is not supported (this rlx_nb reads versions {', '.join(map(str, READS))})",
         )
-    names = set(zf.namelist())
     try:
-        runs = meta["runs"]
-        results = RunResults(
-            label=str(meta["label"]),
-            oracle=_read_run(zf, names, runs["oracle"], where),
-            reference=_read_run(zf, names, runs["reference"], where),
-            candidates={str(k): _read_run(zf, names, v, where) for k, v in runs["candidates"].items()},
-            backward=bool(meta["backward"]),
-            environment=dict(meta.get("environment") or {}),
-            fingerprints=dict(meta.get("fingerprints") or {}),
-            anchors={int(k): _read_run(zf, names, v, where) for k, v in (runs.get("anchors") or {}).items()},
-            sequential=_read_run(zf, names, runs["sequential"], where) if runs.get("sequential") else None,
-        )
-    except ReportFormatError:
-        raise
+        results = _results(zf, meta, where)
+    except ReportFormatError as exc:
+        raise _fail(where, str(exc).removeprefix(f"cannot load report {str(where)!r}: ")) from None
     except Exception as exc:
         raise _fail(where, f"meta.json is malformed ({type(exc).__name__}: {exc})") from None
-    if "nondeterministic" in results.environment:  # the verdicts need it as numbers
-        results.environment["nondeterministic"] = _unstable(results.environment["nondeterministic"], where)
     if meta["version"] == 1:  # its anchors' gradients are the zeros of the old rounding (see above)
         for anchor in results.anchors.values():
             anchor.outputs = {n: leaf for n, leaf in anchor.outputs.items() if not n.startswith(GRAD_PREFIX)}
     return results, meta
 
 
-def _read_run(zf: zipfile.ZipFile, names: set[str], spec: dict, where: Any) -> BackendRun:
-    outputs = {}
-    for name, out in spec["outputs"].items():
-        if "array" in out:
-            entry = str(out["array"])
-            if entry not in names:
-                raise _fail(where, f"array {entry!r} of output {name!r} is missing")
-            shape = tuple(int(n) for n in out["shape"])
-            outputs[str(name)] = Leaf(None, str(out["dtype"]), shape, loader=_array_loader(zf, entry, shape, where))
-        else:
-            outputs[str(name)] = Leaf(out.get("value"), str(out.get("dtype", "")), None)
-    return BackendRun(
-        backend=str(spec["backend"]),
-        status=str(spec["status"]),
-        outputs=outputs,
-        message=str(spec.get("message", "")),
-        seconds=float(spec.get("seconds", 0.0)),
-        grad_status=spec.get("grad_status"),
-        grad_message=str(spec.get("grad_message", "")),
-        compute_dtype=str(spec.get("compute_dtype", "float32")),
-        reduction_lengths={str(k): int(v) for k, v in (spec.get("reduction_lengths") or {}).items()},
-        notes=[str(n) for n in spec.get("notes") or []],
-        detail=str(spec.get("detail", "")),
+def _results(zf: zipfile.ZipFile, meta: dict, where: Any) -> RunResults:
+    runs = schema.mapping(meta.get("runs"), "runs")
+    candidates = schema.mapping(runs.get("candidates"), "runs.candidates")
+    anchors = schema.mapping(runs.get("anchors") or {}, "runs.anchors")
+    if any(not k.isdigit() or not 1 <= int(k) <= 53 for k in anchors):
+        raise schema.fail("runs.anchors", "keyed by mantissa bits (1-53)", list(anchors))
+    environment = schema.mapping(meta.get("environment") or {}, "environment")
+    rule, tol = meta.get("rule"), meta.get("tol_rel")
+    if rule is not None:
+        schema.one_of(rule, ("budget", "fixed"), "rule")
+    if tol is not None:
+        schema.number(tol, "tol_rel", finite=True, low=0.0)
+    if not isinstance(meta.get("backward"), bool):
+        raise schema.fail("backward", "true or false", meta.get("backward"))
+    reader = _Reader(zf, where)
+    results = RunResults(
+        label=schema.string(meta.get("label"), "label"),
+        oracle=reader.run(runs.get("oracle"), "runs.oracle"),
+        reference=reader.run(runs.get("reference"), "runs.reference"),
+        candidates={k: reader.run(v, f"runs.candidates[{k!r}]") for k, v in candidates.items()},
+        backward=meta["backward"],
+        environment=dict(environment),
+        fingerprints=schema.fingerprints(meta.get("fingerprints")),
+        anchors={int(k): reader.run(v, f"runs.anchors[{k!r}]") for k, v in anchors.items()},
+        sequential=reader.run(runs["sequential"], "runs.sequential") if runs.get("sequential") else None,
     )
+    if "nondeterministic" in results.environment:  # the verdicts need it as numbers
+        results.environment["nondeterministic"] = _unstable(results.environment["nondeterministic"], where)
+    return results
 
 
-def _array_loader(zf: zipfile.ZipFile, entry: str, shape: tuple[int, ...], where: Any):
-    def load() -> np.ndarray:
+class _Reader:
+    # Runs read from one zip: each array's header is checked against meta.json now, its data read lazily.
+    def __init__(self, zf: zipfile.ZipFile, where: Any) -> None:
+        self.zf, self.where = zf, where
+        self.names = set(zf.namelist())
+
+    def run(self, spec: Any, at: str) -> BackendRun:
+        checked = schema.run(spec, at)
+        outputs = {}
+        for name, out in checked["outputs"].items():
+            if "array" in out:
+                entry = out["array"]
+                if entry not in self.names:
+                    raise schema.fail(f"{at}.outputs[{name!r}].array", "an entry of the file", entry)
+                self._check_array(entry, out["shape"])
+                loader = _array_loader(self.zf, entry, out["shape"], self.where)
+                outputs[name] = Leaf(None, out["dtype"], out["shape"], loader=loader)
+            else:
+                outputs[name] = Leaf(out["value"], out["dtype"], None)
+        return BackendRun(**{k: v for k, v in checked.items() if k != "outputs"}, outputs=outputs)
+
+    def _check_array(self, entry: str, shape: tuple[int, ...]) -> None:
+        info = self.zf.getinfo(entry)
+        _check_entry(info, self.where)
         try:
-            with zf.open(entry) as f:
-                version = np.lib.format.read_magic(f)
-                header = (
-                    np.lib.format.read_array_header_1_0 if version == (1, 0) else np.lib.format.read_array_header_2_0
-                )(f)
-                stored_shape, _, dtype = header
-                if dtype.hasobject:
-                    raise _fail(where, f"array {entry!r} holds Python objects; refusing to unpickle it")
-                # Scalar outputs were written as shape (1,) before that was fixed: read them back 0-d.
-                scalar = shape == () and tuple(stored_shape) == (1,)
-                if tuple(stored_shape) != shape and not scalar:
-                    raise _fail(where, f"array {entry!r} has shape {tuple(stored_shape)}, meta.json says {shape}")
-            with zf.open(entry) as f:
-                arr = np.lib.format.read_array(f, allow_pickle=False)
-            arr = arr.reshape(()) if scalar else arr
+            with self.zf.open(entry) as f:
+                dtype, stored, offset = _npy_header(f)
         except ReportFormatError:
             raise
         except Exception as exc:
+            raise _fail(self.where, f"array {entry!r} is unreadable ({type(exc).__name__}: {exc})") from None
+        if dtype.hasobject or dtype.kind not in "biufc" or dtype.fields is not None:
+            raise _fail(self.where, f"array {entry!r} holds {dtype}, not numbers; refusing to read it")
+        # Scalar outputs were written as shape (1,) before that was fixed: read them back 0-d.
+        if stored != shape and not (shape == () and stored == (1,)):
+            raise _fail(self.where, f"array {entry!r} has shape {stored}, meta.json says {shape}")
+        if offset + math.prod(stored) * dtype.itemsize != info.file_size:
+            raise _fail(
+                self.where,
+                f"array {entry!r} declares {math.prod(stored)} {dtype} elements, but its entry holds "
+                f"{info.file_size - offset} bytes of data",
+            )
+
+
+def _npy_header(f: Any) -> tuple[np.dtype, tuple[int, ...], int]:
+    # (dtype, shape, data offset) of an .npy stream, without reading its data.
+    version = np.lib.format.read_magic(f)
+    read = {(1, 0): np.lib.format.read_array_header_1_0, (2, 0): np.lib.format.read_array_header_2_0}.get(version)
+    if read is None:
+        raise ValueError(f"npy format version {version} is not one rlx_nb writes")
+    stored, fortran, dtype = read(f)
+    if fortran and len(stored) > 1:
+        raise ValueError("Fortran-ordered arrays are not written by rlx_nb")
+    return dtype, tuple(int(n) for n in stored), f.tell()
+
+
+def _array_loader(zf: zipfile.ZipFile, entry: str, shape: tuple[int, ...], where: Any):
+    # The header was checked on load (_Reader): the data is exactly the declared elements.
+    def load() -> np.ndarray:
+        try:
+            with zf.open(entry) as f:
+                arr = np.lib.format.read_array(f, allow_pickle=False)
+        except Exception as exc:
             raise _fail(where, f"array {entry!r} is unreadable ({type(exc).__name__}: {exc})") from None
-        return arr
+        return arr.reshape(()) if shape == () else arr
 
     return load
 
 
-def records_from_meta(meta: dict, where: Any = "<report>") -> list | None:
-    """The saved per-(backend, output) records, or None when the file has none."""
+def records_from_meta(meta: dict, where: Any = "<report>", results: RunResults | None = None) -> list | None:
+    """The saved per-(backend, output) records, or None when the file has none.
+
+    With ``results`` (the runs read from the same file), each record is checked against them
+    (:func:`rlx_nb.schema.records`): its backend is a candidate, its output one the runs have.
+    """
     from rlx_nb.compare import OutputRecord
 
     raw = meta.get("records")
     if raw is None:
         return None
-    fields = {f.name for f in dataclasses.fields(OutputRecord)}
     try:
-        out = []
-        for r in raw:
-            r = {k: v for k, v in r.items() if k in fields}
-            for key in ("shape", "worst_index"):
-                if r.get(key) is not None:
-                    r[key] = tuple(int(i) for i in r[key])
-            out.append(OutputRecord(**r))
-        return out
+        if results is not None:
+            outputs = {name: set(run.outputs) for name, run in results.candidates.items()}
+            oracle = {name: leaf.shape for name, leaf in results.oracle.outputs.items()}
+        else:
+            outputs = {
+                r.get("backend"): set() for r in raw if isinstance(r, dict) and isinstance(r.get("backend"), str)
+            }
+            oracle = {}
+        return [OutputRecord(**r) for r in schema.records(raw, OutputRecord, outputs, oracle)]
+    except ReportFormatError as exc:
+        raise _fail(where, f"saved records are malformed: {exc}") from None
     except Exception as exc:
         raise _fail(where, f"saved records are malformed ({type(exc).__name__}: {exc})") from None

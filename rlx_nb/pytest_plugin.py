@@ -3,11 +3,14 @@
 Installed with rlx_nb (the ``pytest11`` entry point ``rlx_nb``); it does nothing unless the option
 is given, and imports neither rlx_nb nor torch (a project's other tests do not pay for them).  Each
 test's failing :func:`rlx_nb.testing.assert_backends_agree` saves its report as
-``DIR/<test id>--<label>.rlxnb``.  ``-p no:rlx_nb`` turns the plugin off.
+``DIR/<test id>--<label>.rlxnb`` (``-2``, ``-3``, ... for further failing checks of the same test and
+label: a report is never overwritten).  A ``DIR`` that cannot be made or written is a usage error at
+start-up.  ``-p no:rlx_nb`` turns the plugin off.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -29,8 +32,22 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 def pytest_configure(config: pytest.Config) -> None:
     where = config.getoption("--rlx-nb-report-dir", default=None)
     if where:
-        Path(where).mkdir(parents=True, exist_ok=True)
-        STATE["report_dir"] = Path(where).resolve()
+        STATE["report_dir"] = usable_dir(where)
+
+
+def usable_dir(where: str) -> Path:
+    """``where`` as a directory reports can be written to (made if missing), or a usage error saying why not."""
+    path = Path(where)
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise pytest.UsageError(
+            f"--rlx-nb-report-dir {where}: cannot be made a directory ({exc.strerror or exc}); "
+            "give a directory, or a path where one can be created"
+        ) from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise pytest.UsageError(f"--rlx-nb-report-dir {where}: the directory cannot be written to")
+    return path.resolve()
 
 
 @pytest.hookimpl(hookwrapper=True)

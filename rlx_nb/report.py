@@ -426,17 +426,12 @@ def load_report(path) -> DivergenceReport:
     Raises :class:`rlx_nb.persist.ReportFormatError` (an :class:`RlxError`) for anything that is not
     a readable report of this version; never unpickles or executes anything.
     """
-    from rlx_nb.errors import ReportFormatError
     from rlx_nb.persist import load_results, records_from_meta
 
-    results, meta = load_results(path)
-    rule = meta.get("rule") if meta.get("rule") in ("budget", "fixed") else "budget"
-    tol = meta.get("tol_rel")
-    try:
-        tol = float(tol) if tol is not None else None
-    except (TypeError, ValueError):
-        raise ReportFormatError(f"cannot load report {str(path)!r}: tol_rel {tol!r} is not a number") from None
-    records = records_from_meta(meta, path)
+    results, meta = load_results(path)  # (rule and tol_rel checked there)
+    rule = meta.get("rule") or "budget"
+    tol = float(meta["tol_rel"]) if meta.get("tol_rel") is not None else None
+    records = records_from_meta(meta, path, results)
     if records is None:
         return DivergenceReport.from_results(results, rule=rule, tol_rel=tol)
     return DivergenceReport(results, records, rule=rule, tol_rel=tol)

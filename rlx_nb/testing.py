@@ -28,7 +28,7 @@ from pathlib import Path
 from typing import Any
 
 from rlx_nb.api import backend_divergence
-from rlx_nb.errors import InputError
+from rlx_nb.errors import InputError, RlxError
 from rlx_nb.report import DivergenceReport
 
 REPORT_DIR: Path | None = None
@@ -45,6 +45,22 @@ def _file_name(label: str) -> str:
     test = _plugin_state("test")
     stem = f"{test}--{label}" if test else label
     return (re.sub(r"[^A-Za-z0-9_.+-]+", "_", stem).strip("_")[:180] or "report") + ".rlxnb"
+
+
+def _save(report: DivergenceReport, target: Path) -> str:
+    # Save under a name no earlier check took (a test may fail several checks with one label); the line to
+    # add to the failure message.  A failed save never hides the assertion: the line says why instead.
+    name = _file_name(report.label)
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        path, n = target / name, 1
+        while path.exists():
+            n += 1
+            path = target / f"{name.removesuffix('.rlxnb')}-{n}.rlxnb"
+        path = report.save(path)
+    except (OSError, RlxError) as exc:
+        return f"report NOT saved: {target / name} could not be written ({type(exc).__name__}: {exc})"
+    return f"report saved to {path} (rlx_nb.load_report({str(path)!r}), then rlx_nb.explore(report))"
 
 
 def assert_backends_agree(
@@ -97,8 +113,7 @@ def assert_backends_agree(
     lines += report.lines()
     target = report_dir if report_dir is not None else REPORT_DIR or _plugin_state("report_dir")
     if target is not None:
-        path = report.save(Path(target) / _file_name(report.label))
-        lines.append(f"report saved to {path} (rlx_nb.load_report({str(path)!r}), then rlx_nb.explore(report))")
+        lines.append(_save(report, Path(target)))
     else:
         lines.append("report not saved: pass report_dir=, or run pytest with --rlx-nb-report-dir DIR")
     raise AssertionError("\n".join(lines))

@@ -6,6 +6,7 @@ import matplotlib
 
 matplotlib.use("Agg")
 
+import pytest
 import torch
 
 import rlx_nb
@@ -73,6 +74,9 @@ def test_cli_check_baseline_exits_1_only_when_worse(tmp_path):
     added = rlx_nb.compare_reports(base, rlx_nb.load_report(base))
     assert all(" same — worst move x1 " in line for line in added.lines())
     lines = rlx_nb.compare_reports(base, main_report(target)).lines()
+    # (main_report's model is gone: its weights cannot be hashed any more, and the first line says so)
+    assert lines[0].startswith("[Sequential] baseline: the weights not checked: the new report has no fingerprint")
+    lines = lines[1:]
     assert [line.split(" — ")[0] for line in lines] == [
         "[Sequential] cpu-nomkldnn: same",
         "[Sequential] fault:gelu-approx: new",
@@ -86,3 +90,43 @@ def test_cli_check_baseline_exits_1_only_when_worse(tmp_path):
         main(["check", f"{target}:build", "--backends", "fault:gelu-approx", "--baseline", str(tmp_path / "v2.rlxnb")])
         == 0
     )
+
+
+def test_a_baseline_of_another_model_or_inputs_is_refused_unless_allowed(tmp_path, capsys):
+    # compare_reports / --baseline compared reports of different models silently, exit 0.
+    model, x = _model()
+    old = rlx_nb.backend_divergence(model, x, backends=["cpu-nomkldnn"], progress=False)
+    other_weights = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.LayerNorm(64), torch.nn.GELU())
+    cases = {
+        "weights": (other_weights, x, "the weights differ"),
+        "inputs": (model, x + 1, "the inputs' values differ"),
+        "shapes": (
+            model,
+            x[:8],
+            r"the inputs' structure \(names, dtypes, shapes\) differs: .*\(32, 16\).* vs .*\(8, 16\)",
+        ),
+        "structure": (torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU()), x, "the model's structure"),
+    }
+    for name, (m, inputs, says) in cases.items():
+        new = rlx_nb.backend_divergence(m, inputs, backends=["cpu-nomkldnn"], progress=False)
+        with pytest.raises(rlx_nb.InputError, match=says):
+            rlx_nb.compare_reports(old, new)
+        allowed = rlx_nb.compare_reports(old, new, allow_different_model=True)
+        assert any("compared although" in line for line in allowed.lines()), name
+    same = rlx_nb.compare_reports(old, rlx_nb.backend_divergence(model, x, backends=["cpu-nomkldnn"], progress=False))
+    assert same.notes == []
+    saved = old.save(tmp_path / "old.rlxnb")
+    target = tmp_path / "target.py"
+    target.write_text(
+        "import torch\n"
+        "def build():\n"
+        "    torch.manual_seed(1)\n"
+        "    return torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU()), torch.randn(32, 16)\n"
+    )
+    code = main(["check", f"{target}:build", "--backends", "cpu-nomkldnn", "--baseline", str(saved)])
+    err = capsys.readouterr().err
+    assert code == 2 and "not made from the same model and inputs" in err and err.count("\n") == 1
+    code = main(
+        ["check", f"{target}:build", "--backends", "cpu-nomkldnn", "--baseline", str(saved), "--allow-different-model"]
+    )
+    assert code == 0 and "compared although the model's structure" in capsys.readouterr().out

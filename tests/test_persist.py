@@ -91,9 +91,8 @@ def test_bad_files_raise_a_clear_error_and_never_execute(report, tmp_path):
                 np.save(buf, np.array([Bomb_()], dtype=object), allow_pickle=True)
                 data = buf.getvalue()
             dst.writestr(item, data)
-    loaded = rlx_nb.load_report(inner)  # metadata is fine; the array is refused when read
-    with pytest.raises(ReportFormatError, match="refusing to unpickle"):
-        _ = loaded.results.oracle.outputs["out"].value
+    with pytest.raises(ReportFormatError, match="holds object, not numbers; refusing to read it"):
+        rlx_nb.load_report(inner)  # the metadata is fine; every array's header is checked on load
     assert not (tmp_path / "PWNED").exists()
 
 
@@ -281,3 +280,70 @@ def test_scalar_outputs_round_trip_as_scalars(tmp_path):
                 data = buf.getvalue()
             dst.writestr(name, data)
     assert rlx_nb.load_report(path).results.oracle.outputs["loss"].value.shape == ()
+
+
+def test_received_records_of_the_wrong_type_are_a_format_error_and_the_cli_says_so(report, tmp_path, capsys):
+    # "max_abs": "abc" made `rlx-nb show` print a traceback and exit 1, the SUSPECT code.
+    path = report.save(tmp_path / "typed")
+    _edit_meta(path, lambda meta: meta["records"][0].update(max_abs="abc"))
+    with pytest.raises(ReportFormatError, match=r"records\[0\]\.max_abs must be a number, got 'abc'"):
+        rlx_nb.load_report(path)
+    from rlx_nb.cli import main
+
+    assert main(["show", str(path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0 and "records[0].max_abs must be a number" in err and "Traceback" not in err
+    for edit, field in [
+        (lambda m: m["records"][1].update(verdict="<b>bogus</b>"), r"records\[1\]\.verdict must be one of"),
+        (lambda m: m["records"][0].update(worst_index=[10**6, 0, 0]), r"records\[0\]\.worst_index must be an index"),
+        (lambda m: m["records"][0].update(backend="nobody"), r"records\[0\]\.backend must be a candidate"),
+        (lambda m: m["runs"]["candidates"]["cpu-nomkldnn"].update(status="fine"), r"\.status must be one of"),
+        (lambda m: m["runs"]["oracle"]["outputs"]["out"].update(shape=[-1, 4]), r"shape\[0\] must be an integer"),
+        (lambda m: m.update(backward="yes"), "backward must be true or false"),
+        (lambda m: m.update(tol_rel="tiny"), "tol_rel must be a number"),
+        (lambda m: m["fingerprints"].update(inputs=5), r"fingerprints\['inputs'\] must be a string"),
+    ]:
+        path = report.save(tmp_path / "typed")
+        _edit_meta(path, edit)
+        with pytest.raises(ReportFormatError, match=field):
+            rlx_nb.load_report(path)
+
+
+def _npy_header(shape: tuple[int, ...]) -> bytes:
+    buf = __import__("io").BytesIO()
+    np.lib.format.write_array_header_1_0(buf, {"descr": "<f4", "fortran_order": False, "shape": shape})
+    return buf.getvalue()
+
+
+def test_a_small_file_declaring_a_huge_array_is_refused_before_allocating(tmp_path):
+    # A 1 MB file declaring a 1 GiB array took 15 s and 1.3 GB before an InputError.
+    import time
+    import tracemalloc
+
+    small = rlx_nb.backend_divergence(torch.nn.Linear(4, 4), torch.randn(2, 4), backends=["cpu-nomkldnn"])
+    good = small.save(tmp_path / "good")
+    with zipfile.ZipFile(good) as zf:
+        items = {n: zf.read(n) for n in zf.namelist()}
+    meta = json.loads(items["meta.json"])
+    entry = meta["runs"]["oracle"]["outputs"]["out"]["array"]
+    huge = (1 << 28,)  # 1 GiB of float32
+    meta["runs"]["oracle"]["outputs"]["out"]["shape"] = list(huge)
+    items["meta.json"] = json.dumps(meta).encode()
+    cases = {
+        "short": {**items, entry: _npy_header(huge) + b"\0" * 1024},  # the header claims 1 GiB, the entry has 1 KB
+        "inflating": {**items, entry: _npy_header(huge) + bytes(1 << 27)},  # deflates 128 MB of zeros to ~130 KB
+    }
+    for name, content in cases.items():
+        path = tmp_path / f"{name}.rlxnb"
+        with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_DEFLATED) as zf:
+            for n, d in content.items():
+                zf.writestr(n, d)
+        assert path.stat().st_size < 1 << 20
+        tracemalloc.start()
+        start = time.perf_counter()
+        with pytest.raises(ReportFormatError, match=r"declares|inflate") as caught:
+            rlx_nb.load_report(path)
+        seconds = time.perf_counter() - start
+        peak = tracemalloc.get_traced_memory()[1]
+        tracemalloc.stop()
+        assert peak < 32 << 20 and seconds < 5, (name, peak, seconds, caught.value)

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import io
+import json
 import math
 import random
+import zipfile
 
 import numpy as np
 import pytest
@@ -94,28 +96,99 @@ def saved_report(tmp_path_factory):
     return report.save(tmp_path_factory.mktemp("fuzz") / "r").read_bytes()
 
 
-def _load_everything(data: bytes) -> None:
+def _use(data: bytes, views: int, tmp_path) -> None:
+    # Load, then what a reader does first: the text lines, the frames, every record, every array; the
+    # notebook view (views >= 1) and the HTML report (views >= 2) for a sample (they take milliseconds and
+    # a second each).
     report = rlx_nb.load_report(io.BytesIO(data))
+    assert report.lines() and len(report.backends) == len(report.results.candidates)
+    for name in report.results.candidates:
+        report.record(name)
     for run in [report.results.oracle, report.results.reference, *report.results.candidates.values()]:
         for leaf in run.outputs.values():
             _ = leaf.value
+    if views >= 1:
+        assert report._repr_html_() and report.summary._repr_html_()
+    if views >= 2:
+        report.to_html(tmp_path / "fuzzed.html")
 
 
-def test_loader_fuzz_only_raises_rlx_errors(saved_report):
+# Values a mutated field may take: other types, out-of-range numbers, markup, deep nesting.
+ODD_VALUES = [
+    None, True, False, 0, -1, 2**70, 1.5, -1e308, float("nan"), float("inf"), "", "abc", "nan", "<script>x</script>",
+    [], [1, 2], [-3], [2**40, 2**40], ["a"], {}, {"a": 1}, [[[[[]]]]], "SUSPECT", "round-off", "float32", "grad",
+]  # fmt: skip
+
+
+def _paths(node, prefix=()):
+    # Every (container, key) pair inside a JSON document.
+    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+    for key, value in items:
+        yield node, key
+        yield from _paths(value, (*prefix, key))
+
+
+def _mutate_json(meta: dict, rng: random.Random) -> dict:
+    meta = json.loads(json.dumps(meta))
+    spots = list(_paths(meta))
+    for _ in range(rng.randint(1, 3)):
+        node, key = rng.choice(spots)
+        roll = rng.random()
+        if roll < 0.15 and isinstance(node, dict):
+            node.pop(key, None)
+        elif roll < 0.25 and isinstance(node, list) and node:
+            node.append(node[rng.randrange(len(node))])
+        else:
+            node[key] = rng.choice(ODD_VALUES)
+    return meta
+
+
+def _rezip(items: dict[str, bytes]) -> bytes:
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        for name, data in items.items():
+            zf.writestr(name, data)
+    return buf.getvalue()
+
+
+def _mutated_files(good: bytes, n: int, rng: random.Random):
+    with zipfile.ZipFile(io.BytesIO(good)) as zf:
+        items = {name: zf.read(name) for name in zf.namelist()}
+    meta = json.loads(items["meta.json"])
+    arrays = [name for name in items if name.endswith(".npy")]
+    for i in range(n):
+        kind = i % 5
+        if kind in (0, 1, 2):  # a field of meta.json (the CRC stays right: the loader must read the field)
+            yield _rezip({**items, "meta.json": json.dumps(_mutate_json(meta, rng)).encode()})
+        elif kind == 3:  # an array's header or bytes
+            name = rng.choice(arrays)
+            data = bytearray(items[name])
+            for _ in range(rng.randint(1, 4)):
+                j = rng.randrange(min(len(data), 128) if rng.random() < 0.7 else len(data))
+                data[j] = rng.randrange(256)
+            if rng.random() < 0.3:
+                data = data[: rng.randrange(len(data))]
+            yield _rezip({**items, name: bytes(data)})
+        else:  # the zip itself: flipped bits, a truncation
+            data = bytearray(good)
+            for _ in range(rng.randint(1, 8)):
+                j = rng.randrange(len(data))
+                data[j] ^= 1 << rng.randrange(8)
+            yield bytes(data[: rng.randrange(len(data))] if rng.random() < 0.2 else data)
+
+
+FUZZ_CASES = 10_000
+
+
+def test_mutated_report_files_load_only_as_report_format_errors(saved_report, tmp_path):
+    """10,000 mutated files: each loads and works in every first view, or is a ReportFormatError."""
     rng = random.Random(0)
-    cases = [bytes(rng.getrandbits(8) for _ in range(rng.randint(0, 400))) for _ in range(200)]
-    cases += [saved_report[: rng.randint(0, len(saved_report))] for _ in range(200)]
-    for _ in range(600):
-        b = bytearray(saved_report)
-        for _ in range(rng.randint(1, 8)):
-            i = rng.randrange(len(b))
-            b[i] ^= 1 << rng.randrange(8)
-        cases.append(bytes(b))
     outcomes = {"ok": 0, "refused": 0}
-    for data in cases:
+    for data in _mutated_files(saved_report, FUZZ_CASES, rng):
         try:
-            _load_everything(data)
+            _use(data, views=2 if outcomes["ok"] % 97 == 0 else 1 if outcomes["ok"] % 9 == 0 else 0, tmp_path=tmp_path)
             outcomes["ok"] += 1
-        except rlx_nb.RlxError:
+        except rlx_nb.ReportFormatError:
             outcomes["refused"] += 1
-    assert outcomes["refused"] > 500  # most corruptions are caught; the rest are harmless flips in data
+    assert sum(outcomes.values()) == FUZZ_CASES
+    assert outcomes["refused"] > FUZZ_CASES // 2, outcomes  # most mutations are caught; the rest are harmless

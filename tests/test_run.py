@@ -248,7 +248,12 @@ def test_private_copies_keep_the_users_memory_layout():
     rlx_nb.register_backend("test-layout-spy", spy, replace=True)
     try:
         base = torch.randn(9, 16)
-        for view in (base[:, ::2], base[1:, 1:], base.t(), torch.randn(2, 8, 3, 3).to(memory_format=torch.channels_last)):
+        for view in (
+            base[:, ::2],
+            base[1:, 1:],
+            base.t(),
+            torch.randn(2, 8, 3, 3).to(memory_format=torch.channels_last),
+        ):
             seen.clear()
             model = torch.nn.Identity()
             rlx_nb.backend_divergence(model, view, backends=["test-layout-spy"], progress=False)

@@ -6,6 +6,7 @@ import os
 import signal
 import threading
 import time
+import typing
 
 import pytest
 import torch
@@ -17,7 +18,9 @@ from rlx_nb import switches
 class SlowWithoutOneDNN(torch.nn.Module):
     """A conv whose forward, with oneDNN off (cpu-nomkldnn), signals ``entered`` and then takes ``slow`` seconds."""
 
-    signals: dict[int, threading.Event] = {}  # (outside the module: rlx_nb deep-copies models, not events)
+    signals: typing.ClassVar[
+        dict[int, threading.Event]
+    ] = {}  # (outside the module: rlx_nb deep-copies models, not events)
 
     def __init__(self, slow: float = 0.0) -> None:
         super().__init__()

@@ -74,3 +74,42 @@ def test_the_pytest_plugin_keeps_each_failing_report(pytester):
     result.stdout.fnmatch_lines(["*SUSPECT: fault:gelu-approx*", "*report saved to *kept*test_faulty*"])
     kept = sorted(p.name for p in (pytester.path / "kept").iterdir())
     assert kept == ["test_user.py_test_faulty--Sequential.rlxnb"]
+
+
+def test_the_plugin_keeps_one_file_per_failing_check_and_refuses_a_bad_directory(pytester):
+    pytester.makepyfile(
+        test_twice=textwrap.dedent(
+            """
+            import pytest, torch
+            from rlx_nb.testing import assert_backends_agree
+
+            def test_two_checks_one_label():
+                torch.manual_seed(0)
+                model, x = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU()), torch.randn(8, 16)
+                for _ in range(2):
+                    with pytest.raises(AssertionError):
+                        assert_backends_agree(model, x, backends=["fault:gelu-approx"], label="same")
+            """
+        )
+    )
+    result = pytester.runpytest_subprocess("--rlx-nb-report-dir", "kept", "-p", "no:cacheprovider")
+    result.assert_outcomes(passed=1)
+    kept = sorted(p.name for p in (pytester.path / "kept").iterdir())
+    assert kept == [
+        "test_twice.py_test_two_checks_one_label--same-2.rlxnb",
+        "test_twice.py_test_two_checks_one_label--same.rlxnb",
+    ]
+    (pytester.path / "a_file").write_text("not a directory")
+    result = pytester.runpytest_subprocess("--rlx-nb-report-dir", "a_file/reports", "-p", "no:cacheprovider")
+    assert result.ret == pytest.ExitCode.USAGE_ERROR  # not INTERNALERROR, and no test ran
+    result.stderr.fnmatch_lines(["*--rlx-nb-report-dir a_file/reports: cannot be made a directory*"])
+
+
+def test_a_report_that_cannot_be_saved_never_hides_the_assertion(tmp_path):
+    (tmp_path / "a_file").write_text("not a directory")
+    model, x = _model()
+    with pytest.raises(AssertionError) as caught:
+        assert_backends_agree(model, x, backends=["fault:gelu-approx"], report_dir=tmp_path / "a_file" / "reports")
+    text = str(caught.value)
+    assert "SUSPECT: fault:gelu-approx" in text and "fault:gelu-approx vs cpu" in text  # the lines are all there
+    assert "report NOT saved" in text and "could not be written" in text
