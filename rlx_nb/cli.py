@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from rlx_nb.errors import RlxError, TargetError
+from rlx_nb.safe import term_text
 
 EXIT_OK, EXIT_SUSPECT, EXIT_USAGE, EXIT_BACKEND_FAILED = 0, 1, 2, 3
 
@@ -124,7 +125,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _show(args)
         return _check(args)
     except RlxError as exc:
-        print(f"rlx-nb: error: {exc}", file=sys.stderr)
+        print(term_text(f"rlx-nb: error: {exc}"), file=sys.stderr)
         return EXIT_USAGE
 
 
@@ -153,7 +154,7 @@ def _check(args: argparse.Namespace) -> int:
         rule=args.rule,
     )
     for line in report.lines():
-        print(line)
+        print(term_text(line))
     if args.save:
         import socket
 
@@ -167,7 +168,7 @@ def _check(args: argparse.Namespace) -> int:
 
         moved = compare_reports(args.baseline, report, allow_different_model=args.allow_different_model)
         for line in moved.lines():
-            print(line)
+            print(term_text(line))
         return EXIT_SUSPECT if moved.any_worse else EXIT_BACKEND_FAILED if report.errors else EXIT_OK
     return _exit_code([report])
 
@@ -177,7 +178,7 @@ def _show(args: argparse.Namespace) -> int:
 
     report = load_report(args.file)
     for line in report.lines():
-        print(line)
+        print(term_text(line))
     if args.html:
         print(f"wrote {report.to_html(args.html)}")
     return _exit_code([report])
@@ -190,7 +191,7 @@ def _merge(args: argparse.Namespace) -> int:
     if args.label:
         report.results.label = args.label
     for line in report.lines():
-        print(line)
+        print(term_text(line))
     return _exit_code([report])
 
 
@@ -221,7 +222,7 @@ def _demo(args: argparse.Namespace) -> int:
             rule=args.rule,
         )
         for line in report.lines():
-            print(line, flush=True)
+            print(term_text(line), flush=True)
         reports.append(report)
     caught = sorted({b for r in reports for b in r.suspects if b in demo.FAULTS})
     wrong = sorted({b for r in reports for b in r.suspects if b not in demo.FAULTS})

@@ -6,6 +6,8 @@ math text or control characters.  Every view rlx_nb draws passes them through he
 
 - :func:`html_text`: escaped, so markup shows as text and never runs (a notebook renders HTML reprs as
   they are); lone surrogates, which no encoder can write, are replaced.
+- :func:`term_text`: printed to a terminal or a CI log: control characters (an ANSI escape sequence
+  could recolour or rewrite the log) show as ``\x1b``-style escapes.
 - :func:`plot_text`: shown literally by matplotlib: a ``$`` never starts math text (``$\\x$`` made
   ``to_html`` crash inside the math parser), control characters show as ``\\x07``-style escapes (the
   fonts have no glyphs for them), lone surrogates (which crash matplotlib's text engine) are replaced.
@@ -34,6 +36,17 @@ def html_text(value: object) -> str:
     return html.escape(_no_surrogates(str(value)))
 
 
+def term_text(value: object) -> str:
+    """``value`` as text for a terminal: control characters other than newlines and tabs escaped.
+
+    Examples
+    --------
+    >>> term_text("red\x1b[31m")
+    'red\\\\x1b[31m'
+    """
+    return _CONTROL.sub(lambda m: f"\\x{ord(m.group()):02x}", _no_surrogates(str(value)))
+
+
 def plot_text(value: object) -> str:
     """``value`` as text matplotlib shows literally: no math text, control characters escaped.
 
@@ -48,4 +61,4 @@ def plot_text(value: object) -> str:
     return text.replace("$", r"\$")
 
 
-__all__ = ["html_text", "plot_text"]
+__all__ = ["html_text", "plot_text", "term_text"]

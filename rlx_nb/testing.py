@@ -30,6 +30,7 @@ from typing import Any
 from rlx_nb.api import backend_divergence
 from rlx_nb.errors import InputError, RlxError
 from rlx_nb.report import DivergenceReport
+from rlx_nb.safe import term_text
 
 REPORT_DIR: Path | None = None
 """Where failing checks save their reports when ``report_dir`` is not given; else the pytest plugin's
@@ -116,7 +117,7 @@ def assert_backends_agree(
         lines.append(_save(report, Path(target)))
     else:
         lines.append("report not saved: pass report_dir=, or run pytest with --rlx-nb-report-dir DIR")
-    raise AssertionError("\n".join(lines))
+    raise AssertionError(term_text("\n".join(lines)))  # (a CI log: no terminal escapes from a name or message)
 
 
 __all__ = ["REPORT_DIR", "assert_backends_agree"]

@@ -130,7 +130,7 @@ def _every_view(report: rlx_nb.DivergenceReport, tmp_path: Path, *, figures: boo
 
 
 @pytest.mark.parametrize("name", HOSTILE, ids=range(len(HOSTILE)))
-def test_hostile_names_and_messages_never_become_markup(name, tmp_path):
+def test_hostile_names_and_messages_never_become_markup(name, tmp_path, capsys):
     rlx_nb.register_backend("test-hostile-fault", _faulty(name), replace=True)
     rlx_nb.register_backend("test-hostile-error", _raises(name), replace=True)
     try:
@@ -152,6 +152,11 @@ def test_hostile_names_and_messages_never_become_markup(name, tmp_path):
     loaded = rlx_nb.load_report(saved)
     assert loaded.suspects == [name]
     _every_view(loaded, tmp_path)
+    from rlx_nb.cli import main
+
+    assert main(["show", str(saved)]) == 1
+    printed = capsys.readouterr().out
+    assert "SUSPECT" in printed and not any(c in printed for c in "\x00\x07\x1b")  # no terminal escapes in a CI log
     loc = rlx_nb.localize(Hostile(name), torch.randn(4, 6), backend="cpu-nomkldnn")
     assert_safe_html(loc._repr_html_())
     loc.plot().figure.savefig(tmp_path / "loc.png")
