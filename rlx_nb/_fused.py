@@ -326,3 +326,27 @@ def sequential_kernel():
     import numba
 
     return numba.njit(nogil=True, cache=True)(_sequential_rows)
+
+
+def _round_bits(src, dst, drop):  # pragma: no cover - compiled
+    # float32 bit patterns (as uint32) rounded to 24 - drop bits, nearest even; NaN/Inf kept: the same
+    # arithmetic as rlx_nb.backends.emulated._round, in one pass.
+    half = np.uint32((1 << (drop - 1)) - 1)
+    mask = ~np.uint32((1 << drop) - 1)
+    for k in range(src.size):
+        i = src[k]
+        if (i & np.uint32(0x7F800000)) == np.uint32(0x7F800000):
+            dst[k] = i
+        else:
+            lsb = (i >> np.uint32(drop)) & np.uint32(1)
+            dst[k] = (i + half + lsb) & mask
+
+
+@functools.cache
+def round_kernel():
+    """:func:`_round_bits` compiled (no fast-math: exact integer work), or ``None`` like :func:`kernel`."""
+    if kernel() is None:
+        return None
+    import numba
+
+    return numba.njit(nogil=True, cache=True)(_round_bits)

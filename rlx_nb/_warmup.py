@@ -23,7 +23,7 @@ def _load_kernels() -> None:
     try:
         from rlx_nb import _fused
 
-        for load in (_fused.kernel, _fused.reference_kernel, _fused.slice_kernel):
+        for load in (_fused.kernel, _fused.reference_kernel, _fused.slice_kernel, _fused.round_kernel):
             load()
     except Exception:  # a warm-up must never break the import; the first call then pays as before
         pass

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -9,8 +10,11 @@ from typing import Any
 import torch
 
 from rlx_nb import interrupted
+from rlx_nb.compare import compare
 from rlx_nb.errors import InputError, RlxError
+from rlx_nb.progress import Board
 from rlx_nb.report import DivergenceReport, WeakSource
+from rlx_nb.results import RunResults
 from rlx_nb.run import run
 from rlx_nb.verdict import RULES
 
@@ -29,6 +33,7 @@ def backend_divergence(
     progress: bool | Callable[[str], None] | None = None,
     timeout_s: float | None = 600.0,
     check_determinism: bool = True,
+    memory_budget: float | None = None,
 ) -> DivergenceReport:
     """Run ``model`` on the CPU oracle and on every other backend, and judge each one's gap.
 
@@ -69,6 +74,11 @@ def backend_divergence(
         nondeterminism and get the verdict ``nondeterministic``, not SUSPECT.
         ``False`` saves that model run; the model's nondeterminism is then
         not measured, and any would count against the backends.
+    memory_budget : float, optional
+        Bytes the call may use beyond what the process holds when it starts.  By default, what the
+        kernel says is available.  Before each phase that needs much memory (the fp64 reference, a
+        conversion) its need is estimated against this; one that would not fit becomes a ``skipped``
+        row saying so (kept preparations of earlier calls are dropped first), never a killed kernel.
 
     Returns
     -------
@@ -88,9 +98,14 @@ def backend_divergence(
         raise InputError(f"tol_rel must be a positive number, got {tol_rel!r}")
     if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
         raise InputError(f"timeout_s must be a positive number of seconds or None, got {timeout_s!r}")
+    if memory_budget is not None and not (
+        isinstance(memory_budget, (int, float)) and not isinstance(memory_budget, bool) and memory_budget > 0
+    ):
+        raise InputError(f"memory_budget must be a positive number of bytes or None, got {memory_budget!r}")
     if loss is not None and not callable(loss):
         raise InputError(f"loss must be a callable loss(outputs) -> scalar tensor, got {type(loss).__name__}")
     say = progress if callable(progress) else (_print_progress if progress is True else progress)
+    early = EarlyVerdicts(rule=rule, tol_rel=tol_rel, shown=progress is not False)
     try:
         results = run(
             model,
@@ -103,6 +118,8 @@ def backend_divergence(
             progress=say,
             timeout_s=timeout_s,
             check_determinism=check_determinism,
+            memory_budget=memory_budget,
+            on_backend=early.judge,
         )
     except RlxError as exc:
         # The caller's context first, and no traceback through rlx_nb's internals.
@@ -110,8 +127,10 @@ def backend_divergence(
             type(model).__name__ if isinstance(model, torch.nn.Module) else getattr(model, "__name__", "model")
         )
         raise type(exc)(f"backend_divergence({what}): {exc}") from None
+    finally:
+        early.board.close()
     try:
-        report = DivergenceReport.from_results(results, rule=rule, tol_rel=tol_rel, progress=progress is not False)
+        report = DivergenceReport(results, early.records(results), rule=rule, tol_rel=tol_rel)
     except (KeyboardInterrupt, SystemExit) as exc:  # every backend ran: keep them for interrupted_report()
         interrupted.keep(results, exc)
         raise
@@ -137,6 +156,40 @@ def interrupted_report(*, rule: str = "budget") -> DivergenceReport | None:
         raise InputError(f"rule must be one of {', '.join(RULES)}; got {rule!r}")
     results = interrupted.latest()
     return None if results is None else DivergenceReport.from_results(results, rule=rule, progress=False)
+
+
+class EarlyVerdicts:
+    """Each backend judged as soon as it has run: its line shown while the next runs (a long call says what it
+    found so far, :class:`rlx_nb.progress.Board`), its records kept for the report (nothing compared twice)."""
+
+    def __init__(self, *, rule: str, tol_rel: float | None, shown: bool) -> None:
+        self.rule, self.tol_rel = rule, tol_rel
+        self.board = Board(enabled=shown)
+        self.by_backend: dict[str, list] = {}
+        self.without_anchors: set[str] = set()
+
+    def judge(self, results: RunResults, name: str) -> bool:
+        """Judge backend ``name``; whether its verdict may change with the precision anchors (it is SUSPECT
+        without them: they widen budgets)."""
+        alone = dataclasses.replace(results, candidates={name: results.candidates[name]})
+        records = compare(alone, tol_rel=self.tol_rel, rule=self.rule, progress=False)
+        self.by_backend[name] = records
+        self.board.add(f"rlx_nb: {DivergenceReport(alone, records, rule=self.rule, tol_rel=self.tol_rel).lines()[0]}")
+        if results.anchors:
+            return False
+        self.without_anchors.add(name)
+        return any(r.suspect for r in records)
+
+    def records(self, results: RunResults) -> list:
+        if results.anchors:  # they ran after all: judge again what was judged without them (effective bits too)
+            for name in self.without_anchors:
+                self.by_backend.pop(name, None)
+        missing = [n for n in results.candidates if n not in self.by_backend]
+        if missing:  # (not judged early: compare them now)
+            rest = dataclasses.replace(results, candidates={n: results.candidates[n] for n in missing})
+            for rec in compare(rest, tol_rel=self.tol_rel, rule=self.rule, progress=False):
+                self.by_backend.setdefault(rec.backend, []).append(rec)
+        return [rec for name in results.candidates for rec in self.by_backend[name]]
 
 
 def _print_progress(name: str) -> None:

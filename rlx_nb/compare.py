@@ -136,8 +136,9 @@ def compare(
 def _compare_run(
     results: RunResults, run: BackendRun, tol_rel: float | None, rule: str, shown: Any, cache: dict
 ) -> list[OutputRecord]:
-    if run.status != OK:
-        return [_record(run.backend, None, -1, "forward", run.compute_dtype, VERDICT_ERROR, run.message)]
+    if run.status != OK:  # (skipped: the run did not fit in memory)
+        status = VERDICT_SKIPPED if run.status == SKIPPED else VERDICT_ERROR
+        return [_record(run.backend, None, -1, "forward", run.compute_dtype, status, run.message)]
     out: list[OutputRecord] = []
     for index, (name, leaf) in enumerate(results.oracle.outputs.items()):
         shown.update()
@@ -174,6 +175,9 @@ def _compare_run(
         )
         if left_out and rec.verdict_budget is not None:
             rec = dataclasses.replace(rec, note="; ".join(n for n in (rec.note, left_out) if n))
+        if results.reference.status != OK and rec.verdict_budget is None and rec.note:
+            why = f"the fp64 reference did not run ({results.reference.message}), so the fixed rule decides"
+            rec = dataclasses.replace(rec, note=f"{rec.note}; {why}")
         out.append(rec)
     extra = [n for n in run.outputs if n not in results.oracle.outputs]
     if extra:

@@ -87,6 +87,7 @@ FORMATS: dict[str, str] = {
     **dict.fromkeys(("reference_value",), "{:.12g}"),
     **dict.fromkeys(("effective_bits", "anchor_likeness", "excess_elsewhere", "zero_mismatch_max"), "{:.3g}"),
     **dict.fromkeys(("seconds",), "{:.2f}"),
+    **dict.fromkeys(("peak_bytes", "rss_after_bytes"), "{:,.0f}"),
 }
 """How a notebook shows each numeric column: enough digits to tell the oracle from the reference, and
 scientific numbers that never wrap inside a cell."""
@@ -294,3 +295,22 @@ PRECISION_COLUMNS = ["setting", "switch", "effective_bits", "closest_format", "v
 def precision_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     """A precision sweep: one row per setting (:data:`PRECISION_COLUMNS`)."""
     return Table(rows, columns=PRECISION_COLUMNS)
+
+
+TIMING_COLUMNS = ["phase", "seconds", "peak_bytes", "rss_after_bytes"]
+
+
+def timings_frame(phases: dict[str, Any]) -> pd.DataFrame:
+    """A call's phases in the order they ran (:data:`TIMING_COLUMNS`); values a file got wrong are NaN."""
+
+    def number(v: Any) -> float:
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else float("nan")
+
+    rows = [
+        {
+            "phase": str(name),
+            **{c: number(v.get(c)) if isinstance(v, dict) else float("nan") for c in TIMING_COLUMNS[1:]},
+        }
+        for name, v in phases.items()
+    ]
+    return Table(rows, columns=TIMING_COLUMNS)

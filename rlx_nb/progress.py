@@ -64,3 +64,60 @@ def _tick(shown: Any) -> None:
             shown.update(0)
         except Exception:  # the bar was closed in between
             return
+
+
+def _in_notebook() -> bool:
+    try:
+        from IPython import get_ipython
+    except ImportError:  # pragma: no cover - IPython comes with the notebook extra
+        return False
+    shell = get_ipython()
+    return shell is not None and type(shell).__name__ == "ZMQInteractiveShell"
+
+
+class Board:
+    """Lines that land one by one during a long call (each backend's verdict as it is judged).
+
+    In a notebook they are one output that grows in place, removed when the call returns (the report
+    then shows everything), like the bars; elsewhere each line goes to stderr as it lands.  Nothing
+    shows before the call has run :data:`DELAY_S` seconds, and nothing with ``enabled=False`` or
+    ``RLX_NB_PROGRESS=0``.
+    """
+
+    def __init__(self, *, enabled: bool = True) -> None:
+        self.enabled = enabled and os.environ.get("RLX_NB_PROGRESS", "1") != "0"
+        self.start = time.monotonic()
+        self.lines: list[str] = []
+        self._handle: Any = None
+
+    def add(self, line: str) -> None:
+        self.lines.append(line)
+        if not self.enabled or time.monotonic() - self.start <= DELAY_S:
+            return
+        if _in_notebook():
+            from IPython.display import display
+
+            from rlx_nb.safe import html_text
+
+            text = "\n".join(self.lines)
+            bundle = {"text/plain": text, "text/html": f"<pre>{html_text(text)}</pre>"}
+            if self._handle is None:
+                self._handle = display(bundle, raw=True, display_id=True)
+            else:
+                self._handle.update(bundle, raw=True)
+            return
+        import sys
+
+        from rlx_nb.safe import term_text
+
+        try:
+            from tqdm import tqdm
+
+            tqdm.write(term_text(line), file=sys.stderr)  # (moves a bar on the same stream out of the way)
+        except ImportError:  # pragma: no cover - tqdm is a dependency
+            print(term_text(line), file=sys.stderr, flush=True)
+
+    def close(self) -> None:
+        if self._handle is not None:
+            self._handle.update({"text/plain": ""}, raw=True)
+            self._handle = None

@@ -23,6 +23,7 @@ from rlx_nb.frames import (
     element_table,
     elements_frame,
     summary_frame,
+    timings_frame,
     worst_record,
 )
 from rlx_nb.results import RunResults
@@ -339,6 +340,16 @@ class DivergenceReport:
         return out
 
     @property
+    def timings(self) -> pd.DataFrame:
+        """Where the call's time and memory went: one row per phase (the private copy, the oracle, its
+        determinism rerun, the fp64 reference, the sequential-sums run, the precision anchors, each backend
+        and, for one with a preparation, its ``: prepare`` and ``: first run`` inside it), with ``seconds``,
+        ``peak_bytes`` (the process's resident memory at its highest during the phase) and
+        ``rss_after_bytes``.  Empty for reports saved before it existed or merged from several nodes."""
+        found = self.results.environment.get("timings") or {}
+        return timings_frame(found if isinstance(found, dict) else {})
+
+    @property
     def incomplete(self) -> str:
         """Why the report is incomplete (an interrupt stopped its call: which backends did not run), or ""."""
         return str(self.results.environment.get("incomplete") or "")
@@ -401,8 +412,8 @@ def _strong(refs: Any) -> Any:
 
 def _line(label: str, name: str, recs: list[OutputRecord]) -> str:
     worst = worst_record(recs)
-    if worst.verdict == VERDICT_ERROR and worst.output is None:
-        return f"[{label}] {name:>6} vs cpu: ERROR — {worst.reason}"
+    if worst.verdict in (VERDICT_ERROR, VERDICT_SKIPPED) and worst.output is None:
+        return f"[{label}] {name:>6} vs cpu: {worst.verdict.upper()} — {worst.reason}"
     arrays = [r for r in recs if r.max_rel == r.max_rel]
     max_abs = max((r.max_abs for r in arrays), default=math.nan)
     rel = max(arrays, key=lambda r: r.max_rel) if arrays else worst

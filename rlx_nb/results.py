@@ -100,6 +100,8 @@ class BackendRun:
     """What the backend said about how it ran (:func:`rlx_nb.backends.notes.add_note`): a route, graph breaks."""
     detail: str = ""
     """A failed run's whole error (every line, chained causes, where it was raised); ``message`` is its gist."""
+    abandoned: bool = dataclasses.field(default=False, repr=False, compare=False)
+    """Its thread was left running after its timeout (not saved: a run's own business)."""
 
 
 class Fingerprints(collections.abc.Mapping):
@@ -163,7 +165,9 @@ OPAQUE = "opaque"
 """The dtype of a leaf that is neither a tensor nor a plain value: it is named, never compared."""
 
 
-def to_leaf(value: Any, keep_on_device: bool = False) -> Leaf:
+def to_leaf(value: Any, keep_on_device: bool = False, *, copy: bool = False) -> Leaf:
+    """One output as a :class:`Leaf`: a host array sharing the tensor's memory (``copy``: its own), or the
+    device tensor itself (``keep_on_device``)."""
     if isinstance(value, Opaque):
         return Leaf(value.type_name, OPAQUE, None)
     if not isinstance(value, torch.Tensor):
@@ -177,6 +181,8 @@ def to_leaf(value: Any, keep_on_device: bool = False) -> Leaf:
     arr = t.to("cpu").resolve_conj().resolve_neg().numpy()
     if not arr.flags.c_contiguous:
         arr = np.ascontiguousarray(arr)  # (not on 0-d outputs: it would make them 1-d)
+    elif copy:
+        arr = arr.copy()
     return Leaf(arr, dtype, tuple(arr.shape))
 
 

@@ -64,3 +64,105 @@ def test_a_model_that_writes_into_a_large_input_leaves_the_users_tensor_alone():
     assert torch.equal(x, before)
     assert report.record("cpu-nomkldnn").verdict == "round-off"
     np.testing.assert_array_equal(report.results.oracle.outputs["out"].value, (before * 2 + 1).numpy())
+
+
+# -- one private model for every run: shared weights, writes detected, the reference lent the weights ------
+
+
+class Tall(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.a, self.b = torch.nn.Linear(16, 32), torch.nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.b(torch.tanh(self.a(x)))
+
+
+def _spy(seen: dict, name: str):
+    def fn(model, inputs):
+        seen[name] = model.a.weight.data_ptr()
+        return model(*inputs)
+
+    return fn
+
+
+def test_backends_share_the_private_models_weights_and_never_the_users():
+    seen: dict[str, int] = {}
+    model = Tall()
+    for name in ("test-share-1", "test-share-2"):
+        rlx_nb.register_backend(name, _spy(seen, name), replace=True)
+    try:
+        rlx_nb.backend_divergence(model, torch.randn(4, 16), backends=["test-share-1", "test-share-2"], progress=False)
+    finally:
+        for name in ("test-share-1", "test-share-2"):
+            rlx_nb.unregister_backend(name)
+    assert seen["test-share-1"] == seen["test-share-2"]  # one copy of the weights for every run
+    assert seen["test-share-1"] != model.a.weight.data_ptr()  # never the user's own
+
+
+def test_a_backend_that_writes_its_weights_is_detected_and_gets_its_own_copy_from_then_on():
+    # Even through .data, which no version counter sees: the storage's crc32 does.
+    seen: dict[str, int] = {}
+
+    def fuses_in_place(model, inputs):
+        seen["writer"] = model.a.weight.data_ptr()
+        model.a.weight.data.mul_(2.0)  # e.g. folding a scale into the weights, as a vendor runtime may
+        return model(*inputs)
+
+    rlx_nb.register_backend("test-writes", fuses_in_place, replace=True)
+    rlx_nb.register_backend("test-share-after", _spy(seen, "after"), replace=True)
+    model, x = Tall(), torch.randn(4, 16)
+    before = model.a.weight.detach().clone()
+    try:
+        report = rlx_nb.backend_divergence(model, x, backends=["test-writes", "test-share-after", "cpu-nomkldnn"])
+        assert report.record("test-writes").verdict == "SUSPECT"  # its own doing, judged as such
+        assert report.record("cpu-nomkldnn").verdict == "round-off"  # the runs after it saw the true weights
+        assert report.record("test-share-after").max_abs == 0.0
+        note = report.backends_detail.set_index("backend").loc["test-writes", "note"]
+        assert "test-writes wrote to its model's parameters or buffers" in note
+        again = rlx_nb.backend_divergence(model, x, backends=["test-writes", "test-share-after"], progress=False)
+        assert seen["writer"] != seen["after"]  # a whole copy of its own now
+        assert "wrote to" not in again.backends_detail.set_index("backend").loc["test-writes", "note"]
+    finally:
+        rlx_nb.unregister_backend("test-writes")
+        rlx_nb.unregister_backend("test-share-after")
+        rlx_nb.prepare.PrivateModel.WRITERS.discard("test-writes")
+    assert torch.equal(model.a.weight, before)  # the user's weights, untouched
+
+
+class CountsCalls(torch.nn.Module):
+    """A model that writes a buffer in its forward (as a static cache or a step counter does)."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(8, 8)
+        self.register_buffer("calls", torch.zeros(()))
+
+    def forward(self, x):
+        self.calls += 1
+        return self.lin(x) * self.calls
+
+
+def test_a_model_that_writes_its_own_buffers_gets_a_whole_copy_for_every_run():
+    model = CountsCalls()
+    report = rlx_nb.backend_divergence(model, torch.randn(3, 8), backends=["cpu-nomkldnn"], progress=False)
+    assert report.record("cpu-nomkldnn").verdict == "round-off"  # every run started from calls == 0
+    assert report.results.oracle.notes and "writes to its own parameters or buffers" in report.results.oracle.notes[0]
+    assert model.calls.item() == 0
+
+
+def test_the_fp64_reference_lent_the_weights_is_bit_for_bit_the_whole_copy_reference():
+    import copy
+
+    from rlx_nb.backends.eager import run_float64
+    from rlx_nb.prepare import normalize_inputs, prepare_model
+
+    model, x = Tall(), torch.randn(4, 16)
+    report = rlx_nb.backend_divergence(model, x, backends=["cpu-nomkldnn"], backward=True, progress=False)
+    _, keys = normalize_inputs(x)
+    whole = copy.deepcopy(prepare_model(model, None, keys))
+    expected = run_float64(whole, (x,))
+    got = report.results.reference.outputs["out"].value
+    assert got.dtype == np.float64 and np.array_equal(got, expected.detach().numpy())

@@ -278,3 +278,74 @@ def test_a_layout_dependent_kernel_bug_shows_inside_rlx_nb():
     finally:
         rlx_nb.unregister_backend("test-strided-bug")
     assert report.suspects == ["test-strided-bug"]
+
+
+# -- real sizes: the per-phase account, memory, anchors only where a verdict needs them, early verdicts ---
+
+
+def test_the_report_accounts_for_every_phase():
+    model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
+    report = rlx_nb.backend_divergence(model, torch.randn(32, 64), backends=["cpu-nomkldnn", "onnxruntime"])
+    frame = report.timings
+    phases = list(frame.phase)
+    for phase in ("private copy", "oracle", "determinism rerun", "fp64 reference", "anchor 8 bits", "cpu-nomkldnn",
+                  "onnxruntime", "onnxruntime: prepare", "ONNX export", "onnxruntime: first run"):  # fmt: skip
+        assert phase in phases, phase
+    assert (frame.seconds >= 0).all() and (frame.peak_bytes >= frame.rss_after_bytes * 0.5).all()
+    assert (
+        frame.set_index("phase").loc["onnxruntime", "seconds"] >= frame.set_index("phase").loc["ONNX export", "seconds"]
+    )
+    memory = report.results.environment["memory"]
+    assert memory["weights_bytes"] == 4 * sum(p.numel() for p in model.parameters())
+
+
+def test_a_phase_that_would_not_fit_in_memory_is_a_row_that_says_so():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(2048, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 2048))  # 134 MB
+    x = torch.randn(8, 2048)
+    report = rlx_nb.backend_divergence(model, x, backends=["cpu-nomkldnn", "onnxruntime"], memory_budget=120e6)
+    rows = report.backends_detail.set_index("backend")
+    assert rows.loc["onnxruntime", "verdict"] == "skipped"
+    assert "not run for memory: its conversion needs ~" in rows.loc["onnxruntime", "reason"]
+    assert "memory_budget= to override" in rows.loc["onnxruntime", "reason"]
+    assert rows.loc["cpu-nomkldnn", "verdict"] == "round-off"  # what fits still runs
+    assert "onnxruntime vs cpu: SKIPPED — not run for memory" in "\n".join(report.lines())
+    assert report.errors == []  # not a failure of the backend: exit code 0, not 3
+    with pytest.raises(rlx_nb.InputError, match="memory_budget must be a positive number of bytes"):
+        rlx_nb.backend_divergence(model, x, backends=["cpu-nomkldnn"], memory_budget=-1)
+
+
+def test_on_a_large_model_the_anchors_run_only_where_a_verdict_needs_them(monkeypatch):
+    import sys
+
+    monkeypatch.setattr(sys.modules["rlx_nb.run"], "ANCHORS_CHEAP_S", -1.0)  # every model counts as large
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+    x = torch.randn(16, 32)
+    clean = rlx_nb.backend_divergence(model, x, backends=["cpu-nomkldnn"], progress=False)
+    assert clean.results.anchors == {} and clean.record("cpu-nomkldnn").verdict == "round-off"
+    assert any("precision anchors not run" in e for e in clean.results.environment["extra_runs"])
+    faulty = rlx_nb.backend_divergence(model, x, backends=["cpu-nomkldnn", "fault:gelu-approx"], progress=False)
+    assert sorted(faulty.results.anchors) == [8, 11]  # run after the candidates: a backend was SUSPECT
+    assert any("run because a backend was SUSPECT" in e for e in faulty.results.environment["extra_runs"])
+    monkeypatch.setattr(sys.modules["rlx_nb.run"], "ANCHORS_CHEAP_S", 1e9)
+    eager = rlx_nb.backend_divergence(model, x, backends=["cpu-nomkldnn", "fault:gelu-approx"], progress=False)
+    assert faulty.summary.drop(columns="note").equals(eager.summary.drop(columns="note"))  # the same judgement
+    monkeypatch.setattr(sys.modules["rlx_nb.run"], "ANCHORS_CHEAP_S", -1.0)
+    bf16 = rlx_nb.backend_divergence(model, x, backends=["cpu-bf16"], progress=False)
+    assert sorted(bf16.results.anchors) == [8, 11]  # a reduced-precision budget is its anchor: always run
+
+
+def test_each_backends_verdict_is_shown_as_it_lands(monkeypatch, capsys):
+    from rlx_nb import progress
+
+    monkeypatch.setattr(progress, "DELAY_S", -1.0)  # (a call is quiet for its first 2 s)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU())
+    report = rlx_nb.backend_divergence(model, torch.randn(8, 32), backends=["cpu-nomkldnn", "fault:gelu-approx"])
+    err = capsys.readouterr().err
+    shown = [line for line in err.splitlines() if line.startswith("rlx_nb: [Sequential]")]
+    assert len(shown) == 2 and "cpu-nomkldnn vs cpu" in shown[0] and "SUSPECT" in shown[1]
+    assert [line.removeprefix("rlx_nb: ") for line in shown] == report.lines()  # the report's own lines
+    quiet = rlx_nb.backend_divergence(model, torch.randn(8, 32), backends=["cpu-nomkldnn"], progress=False)
+    assert "rlx_nb: [" not in capsys.readouterr().err and quiet.lines()

@@ -6,15 +6,14 @@ kind of machine: max_abs 3.1e-3, ~9,400x the fp32 round-off on an MLP).
 from __future__ import annotations
 
 import importlib.util
-import tempfile
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from rlx_nb import phases
 from rlx_nb.backends.base import Backend
 from rlx_nb.backends.notes import add_note
-from rlx_nb.backends.onnx import _export, _FlatOutputs, _quiet, attempt
+from rlx_nb.backends.onnx import _FlatOutputs, _quiet, attempt, exported
 
 
 def openvino_reason() -> str | None:
@@ -33,7 +32,8 @@ def _prepare(model: Any, inputs: tuple, config: dict[str, str]) -> Any:
     wrapper.record(tuple(inputs))
     with torch.no_grad():
         converted = _convert(ov, wrapper, inputs)
-    compiled = ov.Core().compile_model(converted, "CPU", config)
+    with phases.step("openvino: compile"):
+        compiled = ov.Core().compile_model(converted, "CPU", config)
     unflatten = wrapper.rebuild(len(compiled.outputs), "OpenVINO's converted model")
 
     def runner(xs: tuple) -> Any:
@@ -49,17 +49,15 @@ def _convert(ov: Any, wrapper: torch.nn.Module, inputs: tuple) -> Any:
     from rlx_nb.errors import describe_error
 
     try:
-        with _quiet():
+        with _quiet(), phases.step("openvino: direct conversion"):
             converted = attempt(wrapper, lambda w: ov.convert_model(w, example_input=tuple(inputs)))
     except Exception as direct:
         first = describe_error(direct)
         try:
             names = [f"input_{i}" for i in range(len(inputs))]
-            buf = _export(wrapper, tuple(inputs), names)
-            with tempfile.TemporaryDirectory() as tmp, _quiet():
-                path = Path(tmp) / "model.onnx"
-                path.write_bytes(buf.getvalue())
-                converted = ov.convert_model(str(path))
+            onnx_file = exported(wrapper, tuple(inputs), names)  # (the run's ONNX export, if ONNX Runtime made one)
+            with _quiet(), phases.step("openvino: conversion of the ONNX export"):
+                converted = ov.convert_model(str(onnx_file.path))
         except Exception as second:
             raise RuntimeError(
                 f"OpenVINO could not convert the model by either route: directly: {first}; "

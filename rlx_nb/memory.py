@@ -1,0 +1,87 @@
+"""What a phase of a run needs in memory, against what is free: a phase that would not fit is skipped, said.
+
+A 1.1B-parameter model's float64 reference, an ONNX export, an OpenVINO conversion each need gigabytes;
+a process killed for memory loses every result and the kernel.  :class:`Memory` estimates each phase's
+need before it runs (from the weights' size and what the oracle's forward added) against what is free,
+drops kept preparations first to make room, and otherwise makes the phase a ``skipped`` row saying what
+it needed and what was free.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from rlx_nb import phases, preparations
+from rlx_nb.backends import REFERENCE, Backend
+from rlx_nb.phases import available_bytes, rss_bytes
+
+
+def _size(n: float) -> str:
+    return f"{n / 1e9:.1f} GB" if n >= 1e9 else f"{n / 1e6:.0f} MB"
+
+
+class Memory:
+    """What each phase of a run may need, against what is free: a phase that would not fit is skipped, said.
+
+    ``P`` is the weights' size (float32), ``A`` what the oracle's forward added to the process (its
+    activations and outputs), measured once it has run.  Estimates: the fp64 reference ``P + 2A`` (it
+    holds the weights in float64, lent, not copied); an eager run ``A``; a compiling backend ``P/2 + A``;
+    a converting one (ONNX Runtime, OpenVINO) ``2P + 2A`` (its own copy of the weights, and the export on
+    the way).  Free is ``memory_budget`` less what the process holds beyond its start, or what the
+    kernel says is available; kept preparations are dropped first, least recently used, to make room.
+    """
+
+    def __init__(self, model: torch.nn.Module, budget: float | None) -> None:
+        self.weights = sum(t.numel() * t.element_size() for t in {id(t): t for t in model.parameters()}.values())
+        self.budget = budget
+        self.start_rss = rss_bytes()
+        self.activations = 0
+        free = self.free()
+        self.keep_bytes = int(0.5 * free) if free is not None else None
+        """Kept preparations may hold up to this much (half of what was free when the call began)."""
+
+    def free(self) -> int | None:
+        if self.budget is not None:
+            return int(self.budget) - max(0, rss_bytes() - self.start_rss)
+        return available_bytes()
+
+    def need(self, backend: Backend, phase: str) -> int:
+        p, a = self.weights, self.activations
+        if backend.name == REFERENCE:
+            return p + 2 * a
+        if backend.prepare is None or phase in ("oracle", "determinism rerun"):
+            return a
+        return p // 2 + a if backend.differentiable else 2 * p + 2 * a
+
+    def shortfall(self, backend: Backend, phase: str) -> str:
+        """Why ``phase`` cannot run in the memory left ("" when it can)."""
+        if phase == "oracle":
+            return ""  # the oracle must run: the user's model, as it is
+        need = self.need(backend, phase)
+        free = self.free()
+        while free is not None and need > free and preparations.drop_oldest():
+            free = self.free()
+        if free is None or need <= free:
+            return ""
+        what = {REFERENCE: "the fp64 reference (the weights in float64)"}.get(backend.name, "its run")
+        if backend.prepare is not None and backend.name != REFERENCE:
+            what = "its conversion" if not backend.differentiable else "its compile"
+        override = "a larger memory_budget= to override" if self.budget is not None else "memory_budget= to override"
+        return (
+            f"not run for memory: {what} needs ~{_size(need)}, {_size(max(free, 0))} free "
+            f"(weights {_size(self.weights)}, activations ~{_size(self.activations)}); {override}"
+        )
+
+    def measured(self, phase: str, meter: phases.Meter) -> None:
+        if phase == "oracle" and "oracle" in meter.phases:
+            self.activations = max(0, int(meter.phases["oracle"]["peak_bytes"]) - self.start_rss)
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "weights_bytes": self.weights,
+            "activations_bytes": self.activations,
+            "budget_bytes": self.budget,
+            "keep_preparations_bytes": self.keep_bytes,
+        }
