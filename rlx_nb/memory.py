@@ -29,18 +29,22 @@ class Memory:
     activations and outputs), measured once it has run.  Estimates: the fp64 reference ``P + 2A`` (it
     holds the weights in float64, lent, not copied); an eager run ``A``; a compiling backend ``P/2 + A``;
     a converting one (ONNX Runtime, OpenVINO) ``2P + 2A`` (its own copy of the weights, and the export on
-    the way).  Free is ``memory_budget`` less what the process holds beyond its start, or what the
-    kernel says is available; kept preparations are dropped first, least recently used, to make room.
+    the way), or more where a conversion earlier in the run was measured to need more.  Free is
+    ``memory_budget`` less what the process holds beyond its start, or what the kernel says is
+    available; kept preparations are dropped first, least recently used, to make room.
     """
+
+    KEEP_SHARE = 0.25
+    """Kept preparations may hold this share of what was free when the call began."""
 
     def __init__(self, model: torch.nn.Module, budget: float | None) -> None:
         self.weights = sum(t.numel() * t.element_size() for t in {id(t): t for t in model.parameters()}.values())
         self.budget = budget
         self.start_rss = rss_bytes()
         self.activations = 0
+        self.conversion = 0  # the most a conversion earlier in this run added at its peak
         free = self.free()
-        self.keep_bytes = int(0.5 * free) if free is not None else None
-        """Kept preparations may hold up to this much (half of what was free when the call began)."""
+        self.keep_bytes = int(self.KEEP_SHARE * free) if free is not None else None
 
     def free(self) -> int | None:
         if self.budget is not None:
@@ -53,7 +57,7 @@ class Memory:
             return p + 2 * a
         if backend.prepare is None or phase in ("oracle", "determinism rerun"):
             return a
-        return p // 2 + a if backend.differentiable else 2 * p + 2 * a
+        return p // 2 + a if backend.differentiable else max(2 * p + 2 * a, self.conversion)
 
     def shortfall(self, backend: Backend, phase: str) -> str:
         """Why ``phase`` cannot run in the memory left ("" when it can)."""
@@ -74,9 +78,15 @@ class Memory:
             f"(weights {_size(self.weights)}, activations ~{_size(self.activations)}); {override}"
         )
 
-    def measured(self, phase: str, meter: phases.Meter) -> None:
-        if phase == "oracle" and "oracle" in meter.phases:
+    def measured(self, backend: Backend, phase: str, meter: phases.Meter, before: int) -> None:
+        """Learn from a phase that ran (``before``: the resident memory when it began)."""
+        if phase not in meter.phases:
+            return
+        added = max(0, int(meter.phases[phase]["peak_bytes"]) - before)
+        if phase == "oracle":
             self.activations = max(0, int(meter.phases["oracle"]["peak_bytes"]) - self.start_rss)
+        elif backend.prepare is not None and not backend.differentiable and backend.name != REFERENCE:
+            self.conversion = max(self.conversion, added)
 
     def describe(self) -> dict[str, Any]:
         return {
@@ -84,4 +94,5 @@ class Memory:
             "activations_bytes": self.activations,
             "budget_bytes": self.budget,
             "keep_preparations_bytes": self.keep_bytes,
+            "largest_conversion_bytes": self.conversion,
         }

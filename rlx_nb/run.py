@@ -21,6 +21,7 @@ from rlx_nb.environment import environment as probe_environment
 from rlx_nb.errors import InputError
 from rlx_nb.execute import Given, Task, execute
 from rlx_nb.memory import Memory
+from rlx_nb.phases import rss_bytes
 from rlx_nb.prepare import (
     PrivateInputs,
     PrivateModel,
@@ -101,6 +102,7 @@ def run(
             short = memory.shortfall(backend, phase)
             if short:
                 return BackendRun(backend.name, SKIPPED, {}, short, compute_dtype=backend.compute_dtype)
+            before = rss_bytes()
             with meter.phase(phase):
                 if backend.name == REFERENCE:  # the weights lent, cast to float64 one by one, cast back after
                     lent, pairs = private.lend()
@@ -118,7 +120,7 @@ def run(
             if left:
                 result.notes.append(f"left process-wide switches changed: {switches.describe_changes(left)}")
             inputs_.after(result)
-            memory.measured(phase, meter)
+            memory.measured(backend, phase, meter, before)
             return result
 
         # A run under this dispatch mode counts the matmul-like calls the precision anchors would round
