@@ -79,3 +79,26 @@ def _same_layout(d: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     buf = torch.empty(extent + shift, dtype=dtype, device=d.device)
     buf[shift:].copy_(d.as_strided((extent,), (1,)))
     return buf.as_strided(d.shape, d.stride(), shift)
+
+
+def raw_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without a copy and without numpy.
+
+    (``t.numpy()`` would mark the tensor's storage as shared with numpy, and such a storage can no longer
+    be resized, which :meth:`rlx_nb.prepare.PrivateModel.release` does to free the weights.)
+
+    Examples
+    --------
+    >>> bytes(raw_bytes(torch.tensor([1], dtype=torch.int32)))
+    b'\\x01\\x00\\x00\\x00'
+    """
+    import ctypes
+
+    if not t.is_contiguous() or t.device.type != "cpu":
+        raise ValueError("raw_bytes needs a contiguous CPU tensor")
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(b"")
+    view = (ctypes.c_char * n).from_address(t.data_ptr())
+    view.owner = t  # the memoryview keeps ``view`` alive, and ``view`` the tensor
+    return memoryview(view).cast("B")

@@ -170,9 +170,17 @@ def _prepared_run(backend: Backend, private: PrivateModel | Given, fresh: tuple,
         add_note(note)
     seconds = time.perf_counter() - start
     kept = model if backend.differentiable else None  # a forward-only runner holds what it needs itself
-    held = max(0, rss_bytes() - before)
+    # What keeping it costs: what making it added, and the weights it pins (shared with the run's private
+    # model, they would outlive it).
+    held = max(0, rss_bytes() - before) + (_weights_bytes(kept) if kept is not None else 0)
     preparations.store(k, preparations.Preparation(backend.name, kept, runner, made, seconds, time.time(), held))
     return kept, out
+
+
+def _weights_bytes(model: torch.nn.Module) -> int:
+    return sum(
+        t.numel() * t.element_size() for t in {id(t): t for t in (*model.parameters(), *model.buffers())}.values()
+    )
 
 
 def _require_grads(model: torch.nn.Module) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from rlx_nb._memory import raw_bytes
 from rlx_nb.tree import flatten
 
 
@@ -30,7 +31,7 @@ def fingerprint(obj: Any) -> str:
             t = leaf.detach().to("cpu").contiguous()
             h.update(f"{t.dtype}{tuple(t.shape)}".encode())
             if t.numel():
-                h.update(memoryview(t.reshape(-1).view(torch.uint8).numpy()))  # no copy of the bytes
+                h.update(raw_bytes(t))  # no copy of the bytes
         else:
             h.update(repr(leaf).encode())
     return h.hexdigest()[:32]

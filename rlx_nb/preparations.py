@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from rlx_nb._memory import raw_bytes
 from rlx_nb.fingerprints import fingerprint
 from rlx_nb.tree import flatten
 
@@ -75,7 +76,7 @@ def _tensor_key(t: torch.Tensor) -> tuple:
         return (str(t.device), t.requires_grad, fingerprint(t))
     d = t.detach()
     d = d if d.is_contiguous() else d.contiguous()
-    crc = zlib.crc32(memoryview(d.reshape(-1).view(torch.uint8).numpy())) if d.numel() else 0
+    crc = zlib.crc32(raw_bytes(d)) if d.numel() else 0
     return (str(t.device), t.requires_grad, str(t.dtype), tuple(t.shape), crc)
 
 
@@ -210,6 +211,13 @@ def drop_oldest() -> bool:
         _CACHE.popitem(last=False)
     gc.collect()
     return True
+
+
+def holds_any(storages: set[int]) -> bool:
+    """Whether a kept preparation's model holds a tensor in one of these storages (by data pointer)."""
+    with _LOCK:
+        models = [p.model for p in _CACHE.values() if isinstance(p.model, torch.nn.Module)]
+    return any(t.untyped_storage().data_ptr() in storages for m in models for t in (*m.parameters(), *m.buffers()))
 
 
 def forget(k: tuple) -> None:

@@ -6,6 +6,7 @@ and names parameters as the user's model does.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
 import re
@@ -19,7 +20,7 @@ import numpy as np
 import torch
 
 from rlx_nb import switches
-from rlx_nb._memory import private_copy
+from rlx_nb._memory import private_copy, raw_bytes
 from rlx_nb.errors import InputError
 from rlx_nb.results import OK, BackendRun
 from rlx_nb.tree import flatten, map_tensors
@@ -280,7 +281,7 @@ def tensors_crc(model: torch.nn.Module) -> int:
         seen.add(id(t))
         d = t.detach()
         d = d if d.is_contiguous() else d.contiguous()
-        crc = zlib.crc32(memoryview(d.reshape(-1).view(torch.uint8).numpy()), crc)
+        crc = zlib.crc32(raw_bytes(d), crc)
     return crc
 
 
@@ -308,16 +309,20 @@ class PrivateModel:
         self.model = build()
         self._crc = tensors_crc(self.model)
         self.whole = False  # every run gets a whole copy (the model itself writes its tensors)
+        self.released = False  # the weights were freed while a backend worked from a file (release)
 
     def copy_for(self, name: str) -> torch.nn.Module:
         """The model a run of backend ``name`` gets."""
+        if self.released:
+            self.model, self.released = self._build(), False
+            self._crc = tensors_crc(self.model)
         if self.whole or name in self.WRITERS:
             return copy.deepcopy(self.model)
         return shared_copy(self.model)
 
     def after(self, name: str, *, oracle: bool = False) -> str:
         """Check the storage after a run of ``name``; a note ("" when nothing was written)."""
-        if tensors_crc(self.model) == self._crc:
+        if self.released or tensors_crc(self.model) == self._crc:
             return ""
         self.model = self._build()
         self._crc = tensors_crc(self.model)
@@ -355,7 +360,78 @@ class PrivateModel:
             return
         for mine, theirs in pairs:
             data = theirs.detach()
-            mine.data = data.to(mine.dtype) if data.dtype != mine.dtype else data
+            if data.dtype == mine.dtype:
+                mine.data = data
+            else:  # cast back one tensor at a time, each float64 copy freed at once (never both whole models)
+                mine.data = data.to(mine.dtype)
+                theirs.data = torch.empty(0, dtype=data.dtype)
+            del data
+        trim()
+
+    def release(self, *holders: torch.nn.Module) -> bool:
+        """Free the weights' memory while a backend works from a file (an ONNX export), if nothing kept pins it.
+
+        The private model's tensors and those of ``holders`` (the backend's own shared copy) are emptied, so
+        the storage they share is freed; the next :meth:`copy_for` rebuilds the private model from the
+        user's.  Returns whether it released anything.
+        """
+        if self.whole or self.released:
+            return False
+        mine = _own_tensors(self.model)
+        if self.pinned({t.untyped_storage().data_ptr() for t in mine}):
+            return False
+        for t in [*mine, *(t for m in holders for t in _own_tensors(m))]:
+            t.data = torch.empty(0, dtype=t.dtype)
+        self.released = True
+        trim()
+        return True
+
+    @staticmethod
+    def pinned(storages: set[int]) -> bool:
+        """Whether a kept preparation (a compiled model sharing these weights) holds any of these storages."""
+        from rlx_nb import preparations
+
+        return preparations.holds_any(storages)
+
+
+_CURRENT: dict[str, PrivateModel | None] = {"private": None}
+
+
+@contextlib.contextmanager
+def current(private: PrivateModel) -> Any:
+    """Make ``private`` the run's private model for :func:`release_private_weights` (runs are one at a time)."""
+    before, _CURRENT["private"] = _CURRENT["private"], private
+    try:
+        yield private
+    finally:
+        _CURRENT["private"] = before
+
+
+def release_private_weights(*holders: torch.nn.Module) -> bool:
+    """Let the current run free its private model's weights while a backend works from a file (see
+    :meth:`PrivateModel.release`); a no-op outside a run."""
+    private = _CURRENT["private"]
+    return private.release(*holders) if private is not None else False
+
+
+def trim() -> None:
+    """Give memory the allocator keeps after large frees back to the system (glibc's ``malloc_trim``)."""
+    libc = _libc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+@functools.cache
+def _libc() -> Any:
+    import ctypes
+    import ctypes.util
+
+    try:
+        name = ctypes.util.find_library("c")
+        libc = ctypes.CDLL(name) if name else None
+        return libc if libc is not None and hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
 
 
 def _own_tensors(model: torch.nn.Module) -> list[torch.Tensor]:

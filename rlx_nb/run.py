@@ -25,10 +25,12 @@ from rlx_nb.phases import rss_bytes
 from rlx_nb.prepare import (
     PrivateInputs,
     PrivateModel,
+    current,
     dtype_hint,
     float32_default,
     normalize_inputs,
     prepare_model,
+    trim,
 )
 from rlx_nb.progress import bar
 from rlx_nb.reassoc import CountCalls, SequentialSums
@@ -85,11 +87,11 @@ def run(
     say = progress if callable(progress) else (lambda _: None)
     candidates = resolve_backends(backends)
     meter = phases.Meter()
-    with switches.exclusive(say) as saved, phases.measuring(meter), _exports_deleted():
+    with switches.exclusive(say) as saved, phases.measuring(meter), _exports_deleted(), contextlib.ExitStack() as stack:
         cast = float32_default(inputs, saved)
         args, keys = normalize_inputs(inputs)
         with meter.phase("private copy"):
-            private = PrivateModel(lambda: prepare_model(model, params, keys))
+            private = stack.enter_context(current(PrivateModel(lambda: prepare_model(model, params, keys))))
         memory = Memory(private.model, memory_budget)
         input_names = keys or [f"input[{i}]" for i in range(len(args))]
         grad_inputs = [i for i, x in enumerate(args) if isinstance(x, torch.Tensor) and x.requires_grad]
@@ -228,6 +230,7 @@ def run(
                     shown.set_postfix_str(backend.name)  # compiling backends (inductor, ONNX export) show here
                     runs[backend.name] = go(backend, backend.name, timeout_s=timeout_s)
                     preparations.fit(memory.keep_bytes)
+                    trim()
                     if on_backend is not None and on_backend(results(dict(runs)), backend.name):
                         wanted = True
                     shown.update()

@@ -9,6 +9,7 @@ import torch
 import rlx_nb
 from rlx_nb._memory import HUGE_COPY_BYTES, private_copy
 from rlx_nb.backends.eager import to_float64
+from tests.conftest import require_live
 
 LARGE = (HUGE_COPY_BYTES // 4 // 512 + 1, 512)  # just over the threshold in float32
 
@@ -166,3 +167,37 @@ def test_the_fp64_reference_lent_the_weights_is_bit_for_bit_the_whole_copy_refer
     expected = run_float64(whole, (x,))
     got = report.results.reference.outputs["out"].value
     assert got.dtype == np.float64 and np.array_equal(got, expected.detach().numpy())
+
+
+def test_the_private_weights_are_released_while_a_backend_works_from_a_file_and_rebuilt_after(monkeypatch):
+    from rlx_nb.prepare import PrivateModel, prepare_model, shared_copy
+
+    model = Tall()
+    private = PrivateModel(lambda: prepare_model(model, None, None))
+    copy_ = private.copy_for("test")
+    assert private.release(copy_)
+    assert private.model.a.weight.numel() == 0 and copy_.a.weight.numel() == 0  # nothing holds the storage
+    again = private.copy_for("test")  # rebuilt from the user's model
+    assert torch.equal(again.a.weight, model.a.weight) and again.a.weight.data_ptr() != model.a.weight.data_ptr()
+    kept = shared_copy(private.model)
+    monkeypatch.setattr(PrivateModel, "pinned", staticmethod(lambda storages: True))  # a kept preparation shares them
+    assert not private.release()  # ... so they are not released
+    assert kept.a.weight.numel() > 0
+
+
+def test_openvino_on_the_onnx_route_frees_the_weights_and_the_next_backend_has_them_back():
+    require_live("openvino")
+    seen: dict[str, int] = {}
+
+    class Diffs(Tall):
+        def forward(self, x):
+            return torch.diff(super().forward(x), dim=-1)  # OpenVINO's PyTorch frontend cannot convert diff
+
+    rlx_nb.register_backend("test-after-openvino", _spy(seen, "after"), replace=True)
+    try:
+        report = rlx_nb.backend_divergence(Diffs(), torch.randn(4, 16), backends=["openvino", "test-after-openvino"])
+    finally:
+        rlx_nb.unregister_backend("test-after-openvino")
+    assert "converted through the ONNX export" in report.backends_detail.note.iloc[0]
+    assert report.record("openvino").verdict == "round-off"
+    assert report.record("test-after-openvino").max_abs == 0.0  # the weights were rebuilt, bit for bit

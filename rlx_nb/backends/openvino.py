@@ -14,6 +14,7 @@ from rlx_nb import phases
 from rlx_nb.backends.base import Backend
 from rlx_nb.backends.notes import add_note
 from rlx_nb.backends.onnx import _FlatOutputs, _quiet, attempt, exported
+from rlx_nb.prepare import release_private_weights
 
 
 def openvino_reason() -> str | None:
@@ -43,30 +44,42 @@ def _prepare(model: Any, inputs: tuple, config: dict[str, str]) -> Any:
     return runner
 
 
-def _convert(ov: Any, wrapper: torch.nn.Module, inputs: tuple) -> Any:
+def _convert(ov: Any, wrapper: _FlatOutputs, inputs: tuple) -> Any:
     # Two routes: OpenVINO's own PyTorch frontend, and, where it cannot convert the model, the ONNX
     # export read by OpenVINO's ONNX frontend.  The run's notes say which one ran.
     from rlx_nb.errors import describe_error
 
+    converted, first = _direct(ov, wrapper, inputs)
+    if converted is not None:
+        add_note("OpenVINO: converted directly from PyTorch (ov.convert_model)")
+        return converted
+    try:
+        names = [f"input_{i}" for i in range(len(inputs))]
+        onnx_file = exported(wrapper, tuple(inputs), names)  # (the run's ONNX export, if ONNX Runtime made one)
+        # From here OpenVINO works from the file: the weights in torch are not needed while it converts and
+        # compiles (at 1.1B parameters that is 4.4 GB of the peak); the run rebuilds them if it needs them again.
+        release_private_weights(wrapper.model)
+        with _quiet(), phases.step("openvino: conversion of the ONNX export"):
+            converted = ov.convert_model(str(onnx_file.path))
+    except Exception as second:
+        raise RuntimeError(
+            f"OpenVINO could not convert the model by either route: directly: {first}; "
+            f"through the ONNX export: {describe_error(second)}"
+        ) from None
+    add_note(f"OpenVINO: converted through the ONNX export, because the direct conversion failed: {first}")
+    return converted
+
+
+def _direct(ov: Any, wrapper: _FlatOutputs, inputs: tuple) -> tuple[Any, str]:
+    # (the converted model, "") or (None, why not).  A function of its own, so nothing of a failed attempt
+    # (its traceback's frames) still holds the weights when the ONNX route starts.
+    from rlx_nb.errors import describe_error
+
     try:
         with _quiet(), phases.step("openvino: direct conversion"):
-            converted = attempt(wrapper, lambda w: ov.convert_model(w, example_input=tuple(inputs)))
-    except Exception as direct:
-        first = describe_error(direct)
-        try:
-            names = [f"input_{i}" for i in range(len(inputs))]
-            onnx_file = exported(wrapper, tuple(inputs), names)  # (the run's ONNX export, if ONNX Runtime made one)
-            with _quiet(), phases.step("openvino: conversion of the ONNX export"):
-                converted = ov.convert_model(str(onnx_file.path))
-        except Exception as second:
-            raise RuntimeError(
-                f"OpenVINO could not convert the model by either route: directly: {first}; "
-                f"through the ONNX export: {describe_error(second)}"
-            ) from direct
-        add_note(f"OpenVINO: converted through the ONNX export, because the direct conversion failed: {first}")
-        return converted
-    add_note("OpenVINO: converted directly from PyTorch (ov.convert_model)")
-    return converted
+            return attempt(wrapper, lambda w: ov.convert_model(w, example_input=tuple(inputs))), ""
+    except Exception as exc:
+        return None, describe_error(exc)
 
 
 def prepare_openvino_f32(model: Any, inputs: tuple) -> Any:
