@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import functools
+import gc
 import re
 import sys
 import warnings
@@ -383,6 +384,7 @@ class PrivateModel:
         for t in [*mine, *(t for m in holders for t in _own_tensors(m))]:
             t.data = torch.empty(0, dtype=t.dtype)
         self.released = True
+        gc.collect()  # (a failed conversion's objects, in reference cycles, may still hold the storage)
         trim()
         return True
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib.util
 import os
 import re
@@ -190,9 +191,41 @@ def exported(wrapper: _FlatOutputs, inputs: tuple, names: list[str]) -> Exported
             raise RuntimeError(
                 "ONNX export failed: " + "; ".join(f"{name} exporter: {_summary(e)}" for name, e in errors.items())
             ) from None
+    _forget_exporter_graphs()
     done = Exported(directory, list(wrapper.dropped))
     _EXPORTS[key] = done
     return done
+
+
+def _forget_exporter_graphs() -> None:
+    # onnxscript's rewrite rules (module-level objects the dynamo exporter's optimizer runs) keep the last
+    # graph they matched on their matchers, and that graph's initializers are the model's own weights: after
+    # an export every weight stays alive until the next export.  Let go of those references (best effort:
+    # an onnxscript without these classes is left alone).
+    found = sys.modules.get("onnxscript.rewriter._rewrite_rule")
+    rule_type, set_type = getattr(found, "RewriteRule", None), getattr(found, "RewriteRuleSet", None)
+    if rule_type is None or set_type is None:
+        return
+
+    def rules(value: Any) -> list:
+        if isinstance(value, set_type):
+            return list(value.rules)
+        if isinstance(value, rule_type):
+            return [value]
+        if isinstance(value, (list, tuple)):
+            return [v for v in value if isinstance(v, rule_type)]
+        return []
+
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("onnxscript.") or module is None:
+            continue
+        for value in list(vars(module).values()):
+            for rule in rules(value):
+                matcher = getattr(rule, "_matcher", None)
+                for attr in ("_graph", "_tracer", "_current_node", "_match"):
+                    if matcher is not None and getattr(matcher, attr, None) is not None:
+                        setattr(matcher, attr, None)
+    gc.collect()
 
 
 def forget_exports() -> None:
