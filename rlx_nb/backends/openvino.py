@@ -69,7 +69,9 @@ def _convert(ov: Any, wrapper: _FlatOutputs, inputs: tuple) -> Any:
             f"OpenVINO could not convert the model by either route: directly: {first}; "
             f"through the ONNX export: {describe_error(second)}"
         ) from None
-    add_note(f"OpenVINO: converted through the ONNX export (core.read_model), because the direct conversion failed: {first}")
+    add_note(
+        f"OpenVINO: converted through the ONNX export (core.read_model), because the direct conversion failed: {first}"
+    )
     return converted
 
 
