@@ -167,23 +167,32 @@ class EarlyVerdicts:
         self.board = Board(enabled=shown)
         self.by_backend: dict[str, list] = {}
         self.without_anchors: set[str] = set()
+        self.again: set[str] = set()
 
-    def judge(self, results: RunResults, name: str) -> bool:
-        """Judge backend ``name``; whether its verdict may change with the precision anchors (it is SUSPECT
-        without them: they widen budgets)."""
+    def judge(self, results: RunResults, name: str) -> set[str]:
+        """Judge backend ``name``; what its verdict may change with: ``"anchors"`` (it is SUSPECT without the
+        precision anchors, which widen budgets), ``"discrete"`` (a gradient is SUSPECT: ReLU flips may explain
+        it, :mod:`rlx_nb.discrete`)."""
         alone = dataclasses.replace(results, candidates={name: results.candidates[name]})
         records = compare(alone, tol_rel=self.tol_rel, rule=self.rule, progress=False)
         self.by_backend[name] = records
         self.board.add(f"rlx_nb: {DivergenceReport(alone, records, rule=self.rule, tol_rel=self.tol_rel).lines()[0]}")
-        if results.anchors:
-            return False
-        self.without_anchors.add(name)
-        return any(r.suspect for r in records)
+        wants = set()
+        if not results.anchors:
+            self.without_anchors.add(name)
+            if any(r.suspect for r in records):
+                wants.add("anchors")
+        if any(r.suspect and r.kind == "grad" for r in records):
+            wants.add("discrete")
+            self.again.add(name)
+        return wants
 
     def records(self, results: RunResults) -> list:
-        if results.anchors:  # they ran after all: judge again what was judged without them (effective bits too)
-            for name in self.without_anchors:
-                self.by_backend.pop(name, None)
+        again = set(self.without_anchors) if results.anchors else set()  # (effective bits too)
+        if results.discrete:  # flips accounted for: judge again what they may change
+            again |= self.again
+        for name in again:
+            self.by_backend.pop(name, None)
         missing = [n for n in results.candidates if n not in self.by_backend]
         if missing:  # (not judged early: compare them now)
             rest = dataclasses.replace(results, candidates={n: results.candidates[n] for n in missing})

@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from rlx_nb import device_metrics, evidence, verdict
+from rlx_nb.backends.base import ORACLE
 from rlx_nb.elements import rel_error
 from rlx_nb.errors import InputError
 from rlx_nb.metrics import PairStats, pair_stats
@@ -94,6 +95,13 @@ class OutputRecord:
     zero_mismatch_max: float = math.nan
     excess_elsewhere: float = math.nan
     """... and the budget excess (as ``excess``, RMSE and max) over every other element."""
+    error_bias: float = math.nan
+    """For a SUSPECT output: the mean of its error against fp64 over the error's RMS (noise: ~0)."""
+    error_value_corr: float = math.nan
+    """... and the error's correlation with the fp64 values (noise: ~0; a scale bug: ~1)."""
+    discrete_events: int = 0
+    """ReLU inputs within round-off of a threshold that flipped in this backend's run, whose effect on this
+    gradient was taken out before the budget judged it (:mod:`rlx_nb.discrete`)."""
     note: str = ""
 
     @property
@@ -172,6 +180,8 @@ def _compare_run(
             sequential=results.sequential.outputs.get(name) if results.sequential is not None else None,
             anchor=(bits, own.outputs.get(name)) if own is not None else None,
             profiles={b: a.outputs.get(name) for b, a in anchors.items()},
+            flips=_flips(results, run.backend, name) if results.discrete else None,
+            ops=results.environment.get("matmul_ops"),
         )
         if left_out and rec.verdict_budget is not None:
             rec = dataclasses.replace(rec, note="; ".join(n for n in (rec.note, left_out) if n))
@@ -213,6 +223,8 @@ def compare_leaf(
     sequential: Leaf | None = None,
     anchor: tuple[int, Leaf | None] | None = None,
     profiles: dict[int, Leaf | None] | None = None,
+    flips: Flips | None = None,
+    ops: dict[str, int] | None = None,
 ) -> OutputRecord:
     """One (backend, output) record from the oracle's, the backend's and the reference's leaf.
 
@@ -222,7 +234,9 @@ def compare_leaf(
     ``profiles`` are every precision anchor's output by width: they calibrate the effective
     precision, and their errors show which slices amplify round-off.  ``cache`` (shared across the
     candidates of one comparison) keeps what does not depend on the candidate: the legitimate runs'
-    errors against fp64, and uploads of the oracle and reference to devices.
+    errors against fp64, and uploads of the oracle and reference to devices.  ``flips``: what ReLU inputs
+    within round-off of their thresholds, flipped, explain of this output in the backend's, the oracle's
+    and the sequential run's gradients (:mod:`rlx_nb.discrete`), taken out before the budget judges them.
     """
     base = dict(shape=oracle.shape, dtype=oracle.dtype, tol_rel=tol_rel, reduction_length=reduction_length)
     ident = (backend, output, output_index, kind, compute_dtype)
@@ -250,12 +264,23 @@ def compare_leaf(
         return _compare_exact(ident, base, o, got.value)
     stats, eo, eb, r, errors, own_slices = measured
     fields = {**base, **_pair_fields(stats, o, eo, eb, r)}
+    legit_o, eb_judged = eo, eb
+    if flips is not None and r is not None and not on_device(o, got):
+        eo_, eb_ = flips.apply(eo, eb)  # (the legitimate runs' and the backend's errors without their flips)
+        if eb_ is not eb:
+            eb_judged = eb_
+            errors, own_slices = _reference_errors(eb_, r, o)
+            fields["discrete_events"] = flips.count
+            notes.append(flips.note)
+        legit_o, sequential = eo_, flips.sequential_leaf(sequential)
     fixed = verdict.fixed_verdict(stats.max_rel, tol_rel, stats.nonfinite_mismatch)
     budget = None
     if r is None:
         notes.append("no fp64 reference for this output; the budget verdict is unavailable")
     else:
-        read = evidence.evidence(ident, fields, o, eo, r, errors, own_slices, sequential, anchor, profiles or {}, cache)
+        read = evidence.evidence(
+            ident, fields, o, legit_o, r, errors, own_slices, sequential, anchor, profiles or {}, cache
+        )
         judged = verdict.judge(read)
         budget = judged.verdict
         fields.update(
@@ -280,7 +305,10 @@ def compare_leaf(
         rec = _zero_positions(rec, o, got.value, r)
     if rec.verdict == SUSPECT and verdict.looks_like_reduced_precision(rec):
         rec = dataclasses.replace(rec, anchor_likeness=evidence.likeness(o, got, r, profiles or {}, rec.closest_format))
-    return dataclasses.replace(rec, reason=verdict.reason(rec, rule))
+    if rec.verdict == SUSPECT and r is not None and not on_device(o, got):
+        bias, corr = evidence.error_pattern(eb_judged, r)
+        rec = dataclasses.replace(rec, error_bias=bias, error_value_corr=corr)
+    return dataclasses.replace(rec, reason=verdict.reason(rec, rule, ops))
 
 
 def _zero_positions(rec: OutputRecord, o: np.ndarray, b: np.ndarray, r: np.ndarray) -> OutputRecord:
@@ -322,11 +350,61 @@ def _measure(o: np.ndarray, got: Leaf, ref: Leaf | None, output: str, cache: dic
         r = ref.value.view(np.float64).reshape(shape) if np.iscomplexobj(ref.value) else ref.value
     errors = own = None
     if r is not None:
-        if o.ndim >= 2 and not np.iscomplexobj(o) and eb.shape == o.shape:
-            errors, own = error_stats(eb, r)  # one pass for both
-        else:
-            errors = reference_stats(eb, r)
+        errors, own = _reference_errors(eb, r, o)
     return pair_stats(eo, eb), eo, eb, r, errors, own
+
+
+def _reference_errors(eb: np.ndarray, r: np.ndarray, o: np.ndarray) -> tuple[Any, Any]:
+    # A run's errors against fp64 and, for outputs of two or more dimensions, its slice sums (one pass).
+    if o.ndim >= 2 and not np.iscomplexobj(o) and eb.shape == o.shape:
+        return error_stats(eb, r)
+    return reference_stats(eb, r), None
+
+
+@dataclasses.dataclass(frozen=True)
+class Flips:
+    """What discrete events explain of one output (:mod:`rlx_nb.discrete`): per run, the part of its gradient
+    that flipped ReLU inputs account for (``None``: no flip credited to that run)."""
+
+    backend: np.ndarray | None
+    oracle: np.ndarray | None
+    sequential: np.ndarray | None
+    count: int
+    note: str
+
+    def apply(self, eo: np.ndarray, eb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """The oracle's and the backend's outputs without their flips (as they were where there is none)."""
+        return _less(eo, self.oracle), _less(eb, self.backend)
+
+    def sequential_leaf(self, leaf: Leaf | None) -> Leaf | None:
+        if leaf is None or self.sequential is None or not leaf.is_array:
+            return leaf
+        value = _less(leaf.value, self.sequential)
+        return leaf if value is leaf.value else Leaf(value, leaf.dtype, leaf.shape)
+
+
+def _less(x: np.ndarray, correction: np.ndarray | None) -> np.ndarray:
+    if correction is None or correction.size != x.size:
+        return x
+    return x.astype(np.float64) - correction.reshape(x.shape)
+
+
+def _flips(results: RunResults, backend: str, output: str) -> Flips | None:
+    # The discrete events accounted for on ``output`` (rlx_nb.discrete), for this backend and the legitimate runs.
+    def part(run: str) -> np.ndarray | None:
+        found = results.discrete.get(run)
+        leaf = found.outputs.get(output) if found is not None else None
+        return leaf.value if leaf is not None and leaf.is_array else None
+
+    mine, oracle, sequential = part(backend), part(ORACLE), part("sequential")
+    if mine is None and oracle is None and sequential is None:
+        return None
+    found = results.discrete.get(backend)
+    count = int(found.message) if found is not None and found.message.isdigit() else 0
+    note = found.notes[0] if found is not None and found.notes else ""
+    if oracle is not None and results.discrete[ORACLE].notes:
+        note = "; ".join(n for n in (note, f"the oracle's own: {results.discrete[ORACLE].notes[0]}") if n)
+    return Flips(mine, oracle, sequential, count, note)
 
 
 def _pair_fields(stats: PairStats, o: np.ndarray, eo: np.ndarray, eb: Any, r: np.ndarray | None) -> dict[str, Any]:

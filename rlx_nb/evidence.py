@@ -32,6 +32,26 @@ def likeness(o: np.ndarray, got: Leaf, r: np.ndarray, profiles: dict[int, Leaf |
         return float(np.corrcoef(x[ok], y[ok])[0, 1])
 
 
+def error_pattern(b: np.ndarray, r: np.ndarray) -> tuple[float, float]:
+    """``(bias, correlation)`` of a run's error against fp64: its mean over its RMS, and its correlation with
+    the fp64 values.  Noise has neither (:func:`rlx_nb.verdict.noise_like`)."""
+    if b.shape != r.shape or b.dtype.kind != "f" or r.dtype.kind != "f":
+        return math.nan, math.nan
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        e = (b.astype(np.float64) - r).reshape(-1)
+        v = r.reshape(-1).astype(np.float64)
+        ok = np.isfinite(e) & np.isfinite(v)
+        e, v = e[ok], v[ok]
+        if e.size < 2:
+            return math.nan, math.nan
+        rms = float(np.sqrt(np.mean(e * e)))
+        bias = float(np.mean(e)) / rms if rms > 0 else 0.0
+        ec, vc = e - e.mean(), v - v.mean()
+        den = float(np.sqrt(np.sum(ec * ec) * np.sum(vc * vc)))
+        corr = float(np.sum(ec * vc)) / den if den > 0 else 0.0
+    return bias, corr
+
+
 def evidence(
     ident: tuple,
     fields: dict,

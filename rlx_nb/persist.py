@@ -12,7 +12,8 @@ Format ``rlx_nb.report`` version 2 (file extension ``.rlxnb`` by convention)::
            "outputs": {name: {"array": "arrays/<n>.npy", "dtype", "shape"} | {"value": <JSON value>, "dtype"}}}
 
 ``notes`` (what the backend said about its run) and ``detail`` (a failed run's whole error) are
-optional: files written before them read as empty.
+optional: files written before them read as empty.  ``runs.discrete`` (optional) holds, per run, the part
+of its gradients that flipped ReLU inputs explain (:mod:`rlx_nb.discrete`).
 
 Version 1 files are read too, without their precision anchors' gradients: before version 2 the
 anchors' emulated rounding stopped gradients, so those were zeros (as a budget they would excuse
@@ -140,6 +141,7 @@ def save_results(
                 "candidates": {name: write_run(run) for name, run in results.candidates.items()},
                 "anchors": {str(bits): write_run(run) for bits, run in results.anchors.items()},
                 "sequential": write_run(results.sequential) if results.sequential is not None else None,
+                "discrete": {name: write_run(run) for name, run in results.discrete.items()},
             },
         }
         zf.writestr("meta.json", json.dumps(meta))
@@ -240,6 +242,10 @@ def _results(zf: zipfile.ZipFile, meta: dict, where: Any) -> RunResults:
         fingerprints=schema.fingerprints(meta.get("fingerprints")),
         anchors={int(k): reader.run(v, f"runs.anchors[{k!r}]") for k, v in anchors.items()},
         sequential=reader.run(runs["sequential"], "runs.sequential") if runs.get("sequential") else None,
+        discrete={
+            k: reader.run(v, f"runs.discrete[{k!r}]")
+            for k, v in schema.mapping(runs.get("discrete") or {}, "runs.discrete").items()
+        },
     )
     if "nondeterministic" in results.environment:  # the verdicts need it as numbers
         results.environment["nondeterministic"] = _unstable(results.environment["nondeterministic"], where)

@@ -352,13 +352,18 @@ _MATMUL_LIKE = re.compile(r"mm|conv|attention|transformer|linear|matmul|dot|mv$|
 
 
 class CountCalls(CountReductions):
-    """:class:`~rlx_nb.reassoc.CountReductions` that also counts matmul-like aten ops in ``matmuls``."""
+    """:class:`~rlx_nb.reassoc.CountReductions` that also counts matmul-like aten ops in ``matmuls``, and by class
+    in ``ops`` (``convolution``, ``matrix product``, ``attention``)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.matmuls = 0
+        self.ops: dict[str, int] = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if _MATMUL_LIKE.search(func.overloadpacket.__name__):
+        name = func.overloadpacket.__name__
+        if _MATMUL_LIKE.search(name):
             self.matmuls += 1
+            kind = "convolution" if "conv" in name else "attention" if "attention" in name else "matrix product"
+            self.ops[kind] = self.ops.get(kind, 0) + 1
         return super().__torch_dispatch__(func, types, args, kwargs)

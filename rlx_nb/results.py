@@ -155,6 +155,10 @@ class RunResults:
     legitimate error next to the oracle's.  ``None`` when the model has no reduction it changes
     (it would repeat the oracle) or the run failed; when only its backward failed, it holds the
     forward outputs.  A failure's reason is in ``environment["sequential_failed"]``."""
+    discrete: dict[str, BackendRun] = dataclasses.field(default_factory=dict)
+    """Per run (a candidate, ``cpu`` for the oracle, ``sequential``): the part of its gradients that ReLU inputs
+    within round-off of their thresholds, flipped in that run, explain (:mod:`rlx_nb.discrete`), taken out
+    before the budget judges them; the run's notes say which units."""
 
     @property
     def output_names(self) -> list[str]:

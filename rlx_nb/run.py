@@ -63,7 +63,7 @@ def run(
     timeout_s: float | None = 600.0,
     check_determinism: bool = True,
     memory_budget: float | None = None,
-    on_backend: Callable[[RunResults, str], bool] | None = None,
+    on_backend: Callable[[RunResults, str], set[str]] | None = None,
 ) -> RunResults:
     """Run ``model`` on the oracle, the fp64 reference and each candidate backend.
 
@@ -80,9 +80,11 @@ def run(
     against what is free (``memory_budget`` bytes if given, else what the kernel says is available); a
     phase that would not fit is a row saying so, never a process killed for memory.  Each phase's seconds
     and peak memory are in ``environment["timings"]``.  ``on_backend(results, name)`` is called after
-    each candidate with the results so far (a report's early verdicts); it returns whether that backend's
-    verdict may change with the precision anchors (it is SUSPECT without them), which then run after the
-    candidates where they were left out to save time (a large model, fp32 backends only).
+    each candidate with the results so far (a report's early verdicts); it returns what that backend's
+    verdict may change with: ``"anchors"`` (it is SUSPECT without the precision anchors, which then run after
+    the candidates where they were left out to save time: a large model, fp32 backends only) and
+    ``"discrete"`` (its gradients are SUSPECT: :mod:`rlx_nb.discrete` then accounts for ReLU inputs within
+    round-off of their thresholds that flipped, in ``results.discrete``).
     """
     say = progress if callable(progress) else (lambda _: None)
     candidates = resolve_backends(backends)
@@ -196,6 +198,8 @@ def run(
 
         prints = Fingerprints(fingerprints.later(args, model, params))
 
+        discrete: dict[str, BackendRun] = {}
+
         def results(runs: dict[str, BackendRun], incomplete: str = "") -> RunResults:
             return RunResults(
                 label=label or _default_label(model),
@@ -213,16 +217,18 @@ def run(
                     "backends": {b.name: b.description for b in candidates},
                     "model_was_training": bool(getattr(model, "training", False)),
                     "timings": meter.as_dict(),
+                    "matmul_ops": dict(counter.ops),
                     "memory": memory.describe(),
                 },
                 fingerprints=prints,
                 anchors={b: a for b, a in anchors.items() if a.status == OK},
                 # (grads may be missing from a sequential run whose backward failed)
                 sequential=sequential if sequential is not None and sequential.status == OK else None,
+                discrete=dict(discrete),
             )
 
         runs: dict[str, BackendRun] = {}
-        wanted = False  # some backend's verdict may change with the precision anchors
+        wanted: dict[str, set[str]] = {}  # what each backend's verdict may change with (on_backend)
         try:
             with bar("rlx_nb backends", total=len(candidates), unit="backend", enabled=progress is not False) as shown:
                 for backend in candidates:
@@ -231,11 +237,18 @@ def run(
                     runs[backend.name] = go(backend, backend.name, timeout_s=timeout_s)
                     preparations.fit(memory.keep_bytes)
                     trim()
-                    if on_backend is not None and on_backend(results(dict(runs)), backend.name):
-                        wanted = True
+                    if on_backend is not None:
+                        wanted[backend.name] = on_backend(results(dict(runs)), backend.name)
                     shown.update()
-            if wanted and not anchors and counter.matmuls != 0:
+            if any("anchors" in w for w in wanted.values()) and not anchors and counter.matmuls != 0:
                 run_anchors()
+            flipping = [name for name, w in wanted.items() if "discrete" in w]
+            if flipping and backward:
+                say("discrete events")
+                with meter.phase("discrete events"):
+                    discrete.update(
+                        _discrete_events(private, inputs_.args, task, oracle, reference, sequential, runs, flipping)
+                    )
         except (KeyboardInterrupt, SystemExit) as exc:
             left = [b.name for b in candidates if b.name not in runs]
             why = f"interrupted ({type(exc).__name__}) while {left[0]} ran" if left else "interrupted"
@@ -252,6 +265,48 @@ def _exports_deleted() -> Any:
         yield
     finally:
         forget_exports()
+
+
+def _discrete_events(
+    private: PrivateModel,
+    args: tuple,
+    task: Task,
+    oracle: BackendRun,
+    reference: BackendRun,
+    sequential: BackendRun | None,
+    runs: dict[str, BackendRun],
+    flipping: list[str],
+) -> dict[str, BackendRun]:
+    # ReLU inputs within round-off of their thresholds that flipped, for the backends whose gradients were
+    # SUSPECT, the oracle and the sequential run (rlx_nb.discrete).
+    import numpy as np
+
+    from rlx_nb import discrete as dx
+
+    grads = {n for n in oracle.outputs if n.startswith("grad:")}
+    scales = {ORACLE: 1.0, "sequential": 1.0, **{n: dx.SCALE.get(runs[n].compute_dtype, 1.0) for n in flipping}}
+    found = dx.analyse(
+        private.copy_for("discrete events"),
+        args,
+        loss=task.loss,
+        grad_inputs=task.grad_inputs,
+        input_names=task.input_names,
+        scale=max(scales.values()),
+        outputs=grads,
+    )
+    if found is None or not found.units:
+        return {}
+    weights = {}
+    for name in found.reference:
+        ref, got = reference.outputs.get(name), oracle.outputs.get(name)
+        if ref is None or got is None or not ref.is_array or ref.value.shape != found.reference[name].shape:
+            return {}
+        if not np.allclose(ref.value, found.reference[name], rtol=1e-12, atol=0.0):
+            return {}  # (the analysis did not reproduce the reference: nothing is credited)
+        rms = float(np.sqrt(np.mean((got.value.astype(np.float64) - ref.value) ** 2))) if ref.value.size else 0.0
+        weights[name] = 1.0 / max(rms, 2.0**-24 * float(np.abs(ref.value).max(initial=0.0)), 1e-300)
+    candidates = {ORACLE: oracle, "sequential": sequential, **{n: runs[n] for n in flipping}}
+    return dx.account(found, candidates, weights, scales)
 
 
 def _why(run: BackendRun) -> str:

@@ -328,6 +328,65 @@ def looks_like_reduced_precision(r: Any) -> bool:
     return r.compute_dtype == "float32" and r.kind == "forward" and spread and near
 
 
+NOISE_LIMIT = 0.25
+"""An error is *noise-like* when its mean is within this fraction of its RMS and its correlation with the
+fp64 values within this (plus 3/sqrt(n) for chance): round-off has neither a bias nor a shape; a kernel
+bug usually has one (a scale or an offset: LayerNorm's eps, a dropped term, a mean off by one)."""
+
+
+def noise_like(r: Any) -> bool:
+    """Whether a record's error against fp64 (``error_bias``, ``error_value_corr``) is noise, not systematic."""
+    chance = 3.0 / math.sqrt(max(r.numel, 1))
+    return abs(r.error_bias) <= NOISE_LIMIT + chance and abs(r.error_value_corr) <= NOISE_LIMIT + chance
+
+
+def looks_less_accurate(r: Any) -> bool:
+    """Whether a SUSPECT fp32 record's error looks like a uniformly less accurate algorithm, not a kernel bug.
+
+    Spread over the whole output (not concentrated, leaning on no slice), noise-like (no bias, not following
+    the values), forward or backward, at fewer effective bits than fp32 but not at a standard narrower
+    format's (that is :func:`looks_like_reduced_precision`): NNPACK's fast convolutions at batch 16 and up
+    carry several times the oracle's round-off this way.
+    """
+    spread = r.ratio_max <= 8 * max(r.ratio_rmse, 1e-300) and not r.slice_ratio >= r.ratio_rmse
+    return (
+        r.verdict == SUSPECT
+        and r.compute_dtype == "float32"
+        and spread
+        and not r.concentrated
+        and r.error_bias == r.error_bias
+        and noise_like(r)
+        and not looks_like_reduced_precision(r)
+    )
+
+
+def _less_accurate_reason(r: Any, worst: float, ops: str) -> str:
+    bits = (
+        f"about {r.effective_bits:.1f} effective bits of fp32's 24"
+        if r.effective_bits == r.effective_bits
+        else "fewer effective bits than fp32"
+    )
+    where = f" — likeliest in {ops}" if ops else ""
+    return (
+        f"uniformly less accurate: {bits} ({worst:.3g}x the fp32 round-off budget), its error noise-like and spread "
+        f"over the whole output (no slice or element stands out, no bias, not following the values): the mark of "
+        f"a less accurate algorithm, not of a kernel bug{where}; SUSPECT as the fp32 it claims to be"
+    )
+
+
+def op_hint(ops: dict[str, int] | None) -> str:
+    """Where a model's less accurate arithmetic likely is, from the matrix work it does (``{class: calls}``)."""
+    convolutions = ops.get("convolution") if isinstance(ops, dict) else None
+    if isinstance(convolutions, int) and not isinstance(convolutions, bool) and convolutions > 0:
+        return (
+            f"this model's {convolutions} convolution call(s), computed by a fast algorithm such as Winograd or FFT "
+            "(NNPACK, some cuDNN and oneDNN choices)"
+        )
+    if isinstance(ops, dict) and ops:
+        return "its matrix products, accumulated in a split or reduced-precision way"
+    return ""
+
+
 PRECISION_ALIKE = 0.25
 """Correlation of a backend's |error| with the precision anchor's, element by element, from which its
 error follows the pattern a reduced-precision mode leaves on the model (on the demo MLP, transformer
@@ -362,8 +421,11 @@ def _precision_reason(r: Any, worst: float) -> str:
     )
 
 
-def reason(r: Any, rule: str) -> str:
-    """The one-line reason of a record (an :class:`~rlx_nb.compare.OutputRecord`'s fields) under ``rule``."""
+def reason(r: Any, rule: str, ops: dict[str, int] | None = None) -> str:
+    """The one-line reason of a record (an :class:`~rlx_nb.compare.OutputRecord`'s fields) under ``rule``.
+
+    ``ops``: the model's matrix work by class (``{"convolution": 12}``), to say where a less accurate
+    algorithm likely is."""
     if r.nonfinite_mismatch:
         return f"{r.nonfinite_mismatch} NaN/Inf elements where the oracle has none (or the reverse)"
     if rule == "budget" and r.verdict_budget is not None:
@@ -383,6 +445,8 @@ def reason(r: Any, rule: str) -> str:
                 )
             if looks_like_reduced_precision(r):
                 return _precision_reason(r, worst)
+            if looks_less_accurate(r):
+                return _less_accurate_reason(r, worst, op_hint(ops))
             if r.slice_ratio > RMSE_LIMIT and whole_excess(r.ratio_rmse, r.ratio_max) <= 1.0:
                 return (
                     f"systematic error on one slice: the mean error of {r.output}{r.slice_at} is {r.slice_ratio:.3g}x "
@@ -397,6 +461,11 @@ def reason(r: Any, rule: str) -> str:
                     f"{worst:.3g}x the {fmt} budget — likely a bug on one row or channel"
                 )
             return f"error {worst:.3g}x the {fmt} round-off budget — likely a kernel bug"
+        if getattr(r, "discrete_events", 0):
+            return (
+                f"within {worst:.3g}x the {fmt} round-off budget once {r.discrete_events} discrete event(s) are "
+                "accounted for: inputs within round-off of a ReLU's threshold flipped (see the note)"
+            )
         return f"within {worst:.3g}x the {fmt} round-off budget"
     if r.verdict == SUSPECT:
         return f"max_rel {r.max_rel:.3e} > tol_rel {r.tol_rel:.1e} — relative error too large for round-off"
@@ -423,6 +492,8 @@ def short_reason(r: Any) -> str:
         like = r.anchor_likeness
         verdict = "precision mode" if like >= PRECISION_ALIKE else "kernel error" if like <= PRECISION_UNLIKE else "?"
         return f"~{r.effective_bits:.0f} bits, like {r.closest_format} ({verdict})"
+    if looks_less_accurate(r):
+        return f"less accurate (~{r.effective_bits:.1f} bits, noise-like)"
     if r.slice_ratio > RMSE_LIMIT and whole_excess(r.ratio_rmse, r.ratio_max) <= 1.0:
         return f"slice {r.slice_at} off {r.slice_ratio:.3g}x"
     if r.concentrated and r.excess <= 1.0:
