@@ -99,6 +99,9 @@ class OutputRecord:
     """For a SUSPECT output: the mean of its error against fp64 over the error's RMS (noise: ~0)."""
     error_value_corr: float = math.nan
     """... and the error's correlation with the fp64 values (noise: ~0; a scale bug: ~1)."""
+    less_accurate: bool = False
+    """Every SUSPECT output of this backend reads as a uniformly less accurate arithmetic, this one included
+    (:func:`rlx_nb.verdict.looks_less_accurate`): named so, not "likely a kernel bug"."""
     discrete_events: int = 0
     """ReLU inputs within round-off of a threshold that flipped in this backend's run, whose effect on this
     gradient was taken out before the budget judged it (:mod:`rlx_nb.discrete`)."""
@@ -189,6 +192,17 @@ def _compare_run(
             why = f"the fp64 reference did not run ({results.reference.message}), so the fixed rule decides"
             rec = dataclasses.replace(rec, note=f"{rec.note}; {why}")
         out.append(rec)
+    suspects = [r for r in out if r.verdict == SUSPECT]
+    if suspects and all(verdict.looks_less_accurate(r) for r in suspects):  # the backend reads so on every output
+        ops = results.environment.get("matmul_ops")
+        out = [
+            dataclasses.replace(
+                r, less_accurate=True, reason=verdict.reason(dataclasses.replace(r, less_accurate=True), rule, ops)
+            )
+            if r.verdict == SUSPECT
+            else r
+            for r in out
+        ]
     extra = [n for n in run.outputs if n not in results.oracle.outputs]
     if extra:
         why = f"outputs the oracle does not have: {', '.join(extra[:5])}"
