@@ -17,8 +17,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlx_nb import device_metrics, evidence, verdict
-from rlx_nb.backends.base import ORACLE
+from rlx_nb import device_metrics, discrete, evidence, reasons, verdict
+from rlx_nb.discrete import flips_of
 from rlx_nb.elements import rel_error
 from rlx_nb.errors import InputError
 from rlx_nb.metrics import PairStats, pair_stats
@@ -138,7 +138,7 @@ def compare(
         for run in results.candidates.values():
             for rec in _compare_run(results, run, tol_rel, rule, shown, cache):
                 if rec.output in unstable and rec.verdict not in (VERDICT_ERROR, VERDICT_SKIPPED):
-                    reason = verdict.nondeterministic_reason(unstable[rec.output])
+                    reason = reasons.nondeterministic_reason(unstable[rec.output])
                     rec = dataclasses.replace(rec, verdict=NONDETERMINISTIC, reason=reason)
                 records.append(rec)
     return records
@@ -183,7 +183,7 @@ def _compare_run(
             sequential=results.sequential.outputs.get(name) if results.sequential is not None else None,
             anchor=(bits, own.outputs.get(name)) if own is not None else None,
             profiles={b: a.outputs.get(name) for b, a in anchors.items()},
-            flips=_flips(results, run.backend, name) if results.discrete else None,
+            flips=flips_of(results, run.backend, name) if results.discrete else None,
             ops=results.environment.get("matmul_ops"),
         )
         if left_out and rec.verdict_budget is not None:
@@ -197,7 +197,7 @@ def _compare_run(
         ops = results.environment.get("matmul_ops")
         out = [
             dataclasses.replace(
-                r, less_accurate=True, reason=verdict.reason(dataclasses.replace(r, less_accurate=True), rule, ops)
+                r, less_accurate=True, reason=reasons.reason(dataclasses.replace(r, less_accurate=True), rule, ops)
             )
             if r.verdict == SUSPECT
             else r
@@ -237,7 +237,7 @@ def compare_leaf(
     sequential: Leaf | None = None,
     anchor: tuple[int, Leaf | None] | None = None,
     profiles: dict[int, Leaf | None] | None = None,
-    flips: Flips | None = None,
+    flips: discrete.Flips | None = None,
     ops: dict[str, int] | None = None,
 ) -> OutputRecord:
     """One (backend, output) record from the oracle's, the backend's and the reference's leaf.
@@ -322,7 +322,7 @@ def compare_leaf(
     if rec.verdict == SUSPECT and r is not None and not on_device(o, got):
         bias, corr = evidence.error_pattern(eb_judged, r)
         rec = dataclasses.replace(rec, error_bias=bias, error_value_corr=corr)
-    return dataclasses.replace(rec, reason=verdict.reason(rec, rule, ops))
+    return dataclasses.replace(rec, reason=reasons.reason(rec, rule, ops))
 
 
 def _zero_positions(rec: OutputRecord, o: np.ndarray, b: np.ndarray, r: np.ndarray) -> OutputRecord:
@@ -373,52 +373,6 @@ def _reference_errors(eb: np.ndarray, r: np.ndarray, o: np.ndarray) -> tuple[Any
     if o.ndim >= 2 and not np.iscomplexobj(o) and eb.shape == o.shape:
         return error_stats(eb, r)
     return reference_stats(eb, r), None
-
-
-@dataclasses.dataclass(frozen=True)
-class Flips:
-    """What discrete events explain of one output (:mod:`rlx_nb.discrete`): per run, the part of its gradient
-    that flipped ReLU inputs account for (``None``: no flip credited to that run)."""
-
-    backend: np.ndarray | None
-    oracle: np.ndarray | None
-    sequential: np.ndarray | None
-    count: int
-    note: str
-
-    def apply(self, eo: np.ndarray, eb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """The oracle's and the backend's outputs without their flips (as they were where there is none)."""
-        return _less(eo, self.oracle), _less(eb, self.backend)
-
-    def sequential_leaf(self, leaf: Leaf | None) -> Leaf | None:
-        if leaf is None or self.sequential is None or not leaf.is_array:
-            return leaf
-        value = _less(leaf.value, self.sequential)
-        return leaf if value is leaf.value else Leaf(value, leaf.dtype, leaf.shape)
-
-
-def _less(x: np.ndarray, correction: np.ndarray | None) -> np.ndarray:
-    if correction is None or correction.size != x.size:
-        return x
-    return x.astype(np.float64) - correction.reshape(x.shape)
-
-
-def _flips(results: RunResults, backend: str, output: str) -> Flips | None:
-    # The discrete events accounted for on ``output`` (rlx_nb.discrete), for this backend and the legitimate runs.
-    def part(run: str) -> np.ndarray | None:
-        found = results.discrete.get(run)
-        leaf = found.outputs.get(output) if found is not None else None
-        return leaf.value if leaf is not None and leaf.is_array else None
-
-    mine, oracle, sequential = part(backend), part(ORACLE), part("sequential")
-    if mine is None and oracle is None and sequential is None:
-        return None
-    found = results.discrete.get(backend)
-    count = int(found.message) if found is not None and found.message.isdigit() else 0
-    note = found.notes[0] if found is not None and found.notes else ""
-    if oracle is not None and results.discrete[ORACLE].notes:
-        note = "; ".join(n for n in (note, f"the oracle's own: {results.discrete[ORACLE].notes[0]}") if n)
-    return Flips(mine, oracle, sequential, count, note)
 
 
 def _pair_fields(stats: PairStats, o: np.ndarray, eo: np.ndarray, eb: Any, r: np.ndarray | None) -> dict[str, Any]:

@@ -229,7 +229,7 @@ COMPACT_COLUMNS = [
 def compact_backends_frame(detail: pd.DataFrame, records: Sequence[OutputRecord]) -> pd.DataFrame:
     """The backends at a glance: verdict, worst output, how far over the limits, and a few words why
     (``why``; the whole reason and every other column are in the detailed frame)."""
-    from rlx_nb.verdict import short_reason
+    from rlx_nb.reasons import short_reason
 
     worst = {}
     for r in records:

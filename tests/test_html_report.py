@@ -40,7 +40,7 @@ def test_the_html_holds_every_suspect_heatmap_and_nothing_external(report, tmp_p
     assert "torch" in text  # the environment's versions
     for key in ("cpu_simd", "aten_cpu_capability", "settings", "backends"):
         assert f"<td>{key}</td>" in text  # CPU flags, the global settings, each backend's settings
-    assert "float32_matmul_precision" in text and "torch eager with oneDNN disabled" in text
+    assert "float32_matmul_precision" in text and "torch eager with oneDNN and NNPACK disabled" in text
     summary = text.split("<h2>Summary: one row per backend and output</h2>")[1].split("</table>")[0]
     for column in ("ratio_rmse", "excess", "cosine", "pcc", "sqnr_db", "nmse"):
         assert f"<th>{column}</th>" in summary

@@ -166,7 +166,7 @@ def test_the_environment_names_the_cpu_its_simd_flags_the_settings_and_each_back
         assert "sse4_2" in env["cpu_simd"] and all(not f.startswith(("vme", "pae")) for f in env["cpu_simd"])
     assert env["settings"]["float32_matmul_precision"] == torch.get_float32_matmul_precision()
     assert env["settings"]["mkldnn_enabled"] is torch.backends.mkldnn.enabled
-    assert env["backends"] == {"cpu-nomkldnn": "torch eager with oneDNN disabled"}
+    assert env["backends"] == {"cpu-nomkldnn": "torch eager with oneDNN and NNPACK disabled (ATen's native kernels)"}
     loaded = rlx_nb.load_report(report.save(tmp_path / "r.rlxnb")).results.environment
     assert {k: loaded[k] for k in ("cpu_simd", "settings", "backends")} == {
         k: env[k] for k in ("cpu_simd", "settings", "backends")

@@ -33,12 +33,25 @@ def run_float64(model: Any, inputs: tuple) -> Any:
 
 
 def run_nomkldnn(model: Any, inputs: tuple) -> Any:
-    """Eager with oneDNN (mkldnn) disabled: other kernels on the same chip.
+    """Eager with oneDNN (mkldnn) and NNPACK disabled: ATen's native kernels, other kernels on the same chip.
 
-    The switch is process-wide; :mod:`rlx_nb.switches` keeps it from outliving the run.
+    NNPACK is off too: with oneDNN off PyTorch runs convolutions through NNPACK's fast algorithms from batch
+    16 (Winograd, FFT: several times the oracle's round-off), so "oneDNN off" alone was a different backend at
+    batch 16 than at batch 8.  ``cpu-nnpack`` is that one.  The switches are process-wide;
+    :mod:`rlx_nb.switches` keeps them from outliving the run.
     """
-    with switches.flipped(mkldnn_enabled=False):
+    with switches.flipped(mkldnn_enabled=False, nnpack_enabled=False):
         return model(*inputs)
+
+
+def run_nnpack(model: Any, inputs: tuple) -> Any:
+    """Eager with oneDNN disabled and NNPACK as PyTorch picks it: its fast convolutions from batch 16."""
+    with switches.flipped(mkldnn_enabled=False, nnpack_enabled=True):
+        return model(*inputs)
+
+
+def nnpack_reason() -> str | None:
+    return None if torch.backends.nnpack.is_available() else "this torch has no NNPACK"
 
 
 def device_reason(device: str) -> str | None:
@@ -102,7 +115,22 @@ BACKENDS = [
         builtin=True,
         hookable=True,
     ),
-    Backend("cpu-nomkldnn", run_nomkldnn, description="torch eager with oneDNN disabled", builtin=True, hookable=True),
+    Backend(
+        "cpu-nomkldnn",
+        run_nomkldnn,
+        description="torch eager with oneDNN and NNPACK disabled (ATen's native kernels)",
+        builtin=True,
+        hookable=True,
+    ),
+    Backend(
+        "cpu-nnpack",
+        run_nnpack,
+        default=False,
+        probe=nnpack_reason,
+        description="torch eager with oneDNN disabled: NNPACK's fast convolutions from batch 16, as PyTorch picks them",
+        builtin=True,
+        hookable=True,
+    ),
     Backend(
         "cuda",
         on_device("cuda"),
