@@ -38,7 +38,9 @@ class Memory:
     """Kept preparations may hold this share of what was free when the call began."""
 
     def __init__(self, model: torch.nn.Module, budget: float | None) -> None:
-        self.weights = sum(t.numel() * t.element_size() for t in {id(t): t for t in model.parameters()}.values())
+        own = {id(t): t for t in model.parameters()}.values()
+        self.weights = sum(t.numel() * t.element_size() for t in own)
+        self.largest = max((t.numel() * t.element_size() for t in own), default=0)
         self.budget = budget
         self.start_rss = rss_bytes()
         self.activations = 0
@@ -51,25 +53,27 @@ class Memory:
             return int(self.budget) - max(0, rss_bytes() - self.start_rss)
         return available_bytes()
 
-    def need(self, backend: Backend, phase: str) -> int:
+    def need(self, backend: Backend, phase: str, streamed: bool = False) -> int:
         p, a = self.weights, self.activations
-        if backend.name == REFERENCE:
-            return p + 2 * a
+        if backend.name == REFERENCE:  # streamed: the float64 copies of one op's weights at a time
+            return 2 * a + 4 * self.largest if streamed else p + 2 * a
         if backend.prepare is None or phase in ("oracle", "determinism rerun"):
             return a
         return p // 2 + a if backend.differentiable else max(2 * p + 2 * a, self.conversion)
 
-    def shortfall(self, backend: Backend, phase: str) -> str:
-        """Why ``phase`` cannot run in the memory left ("" when it can)."""
+    def shortfall(self, backend: Backend, phase: str, streamed: bool = False) -> str:
+        """Why ``phase`` cannot run in the memory left ("" when it can); ``streamed``: the streamed reference."""
         if phase == "oracle":
             return ""  # the oracle must run: the user's model, as it is
-        need = self.need(backend, phase)
+        need = self.need(backend, phase, streamed)
         free = self.free()
         while free is not None and need > free and preparations.drop_oldest():
             free = self.free()
         if free is None or need <= free:
             return ""
         what = {REFERENCE: "the fp64 reference (the weights in float64)"}.get(backend.name, "its run")
+        if streamed:
+            what = "the streamed fp64 reference (one op's weights in float64 at a time)"
         if backend.prepare is not None and backend.name != REFERENCE:
             what = "its conversion" if not backend.differentiable else "its compile"
         override = "a larger memory_budget= to override" if self.budget is not None else "memory_budget= to override"

@@ -14,7 +14,7 @@ import torch
 
 from rlx_nb import fingerprints, interrupted, phases, preparations, switches
 from rlx_nb.backends import ORACLE, REFERENCE, Backend, get_backend, resolve_backends
-from rlx_nb.backends.eager import run_eager
+from rlx_nb.backends.eager import run_eager, run_float64_streamed
 from rlx_nb.backends.emulated import emulate
 from rlx_nb.backends.onnx import forget_exports
 from rlx_nb.environment import environment as probe_environment
@@ -45,6 +45,7 @@ from rlx_nb.results import (
 from rlx_nb.tree import map_tensors
 
 ANCHOR_BITS = (8, 11)
+STREAMED = Backend(REFERENCE, run_float64_streamed, compute_dtype="float64", hookable=True)
 ANCHORS_CHEAP_S = 0.1
 """An oracle run this short (seconds) makes the precision anchors cheap: they always run.  Past it they run
 only where a verdict needs them (:func:`run`'s ``on_backend``)."""
@@ -104,11 +105,17 @@ def run(
 
         def go(backend: Backend, phase: str, **kw: Any) -> BackendRun:
             short = memory.shortfall(backend, phase)
+            streamed = ""
+            if short and backend.name == REFERENCE:
+                streamed, short = streamable(short)
             if short:
                 return BackendRun(backend.name, SKIPPED, {}, short, compute_dtype=backend.compute_dtype)
             before = rss_bytes()
             with meter.phase(phase):
-                if backend.name == REFERENCE:  # the weights lent, cast to float64 one by one, cast back after
+                if streamed:  # the float32 weights as they are, each op's cast to float64 where it runs
+                    result = execute(STREAMED, private, inputs_.args, task, saved=saved, **kw)
+                    result.notes.append(streamed)
+                elif backend.name == REFERENCE:  # the weights lent, cast to float64 one by one, cast back after
                     lent, pairs = private.lend()
                     result = execute(backend, Given(lent), inputs_.args, task, saved=saved, **kw)
                     del lent
@@ -126,6 +133,21 @@ def run(
             inputs_.after(result)
             memory.measured(backend, phase, meter, before)
             return result
+
+        def streamable(short: str) -> tuple[str, str]:
+            # (note, shortfall): the streamed reference where the weights in float64 do not fit
+            if backward or private.whole:
+                why = "a backward keeps every weight's float64 copy" if backward else "the model writes its tensors"
+                return "", f"{short}; not streamed either: {why}"
+            again = memory.shortfall(get_backend(REFERENCE), "fp64 reference", streamed=True)
+            if again:
+                return "", again
+            extra_notes.append("fp64 reference streamed: its weights in float64 did not fit, so each op's were cast "
+                               "where it ran (the same float64 arithmetic, one op's weights at a time)")  # fmt: skip
+            need = short.replace("not run for memory: ", "").split(";")[0]
+            return f"streamed, one op's weights in float64 at a time: {need}", ""
+
+        extra_notes: list[str] = []
 
         # A run under this dispatch mode counts the matmul-like calls the precision anchors would round
         # (without any, the anchors would only repeat the oracle, so they are not run) and the reductions a
@@ -177,7 +199,7 @@ def run(
         )
         if counter.matmuls != 0 and anchors_now:
             run_anchors()
-        extra = ["fp64 reference: every verdict's yardstick"]
+        extra = ["fp64 reference: every verdict's yardstick", *extra_notes]
         if check_determinism:
             extra.append("oracle, again: the model's own nondeterminism (check_determinism=True)")
         if sequential is not None:

@@ -201,3 +201,101 @@ def test_openvino_on_the_onnx_route_frees_the_weights_and_the_next_backend_has_t
     assert "converted through the ONNX export" in report.backends_detail.note.iloc[0]
     assert report.record("openvino").verdict == "round-off"
     assert report.record("test-after-openvino").max_abs == 0.0  # the weights were rebuilt, bit for bit
+
+
+# -- the streamed fp64 reference: a model whose float64 weights do not fit still gets a verdict ---
+
+
+def _deep(width: int = 1024, depth: int = 16) -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(*[m for _ in range(depth) for m in (torch.nn.Linear(width, width), torch.nn.GELU())])
+
+
+def test_a_model_whose_float64_weights_do_not_fit_gets_a_streamed_reference_bit_for_bit_the_same():
+    model, x = _deep(depth=32), torch.randn(4, 1024)  # 134 MB of weights, ~0 activations
+    whole = rlx_nb.backend_divergence(model, x, backends=["cpu-nomkldnn"], progress=False)
+    report = rlx_nb.backend_divergence(model, x, backends=["cpu-nomkldnn"], memory_budget=110e6, progress=False)
+    ref = report.results.reference
+    assert ref.status == "ok" and "streamed, one op's weights in float64 at a time" in ref.notes[0]
+    assert "needs ~134 MB, " in ref.notes[0]
+    assert any(e.startswith("fp64 reference streamed") for e in report.results.environment["extra_runs"])
+    got, expected = ref.outputs["out"].value, whole.results.reference.outputs["out"].value
+    assert got.dtype == np.float64 and np.array_equal(got, expected)
+    assert report.record("cpu-nomkldnn").verdict == "round-off"
+    assert report.timings.set_index("phase").loc["fp64 reference", "peak_bytes"] > 0
+
+
+def test_a_backward_reference_that_does_not_fit_is_skipped_and_says_why_it_was_not_streamed(monkeypatch):
+    from rlx_nb.backends import REFERENCE
+    from rlx_nb.memory import Memory
+
+    estimate = Memory.need  # the float64 weights "need" a petabyte; every other estimate is as it is
+    monkeypatch.setattr(Memory, "need", lambda self, b, *a: 10**15 if b.name == REFERENCE else estimate(self, b, *a))
+    model, x = _deep(depth=2), torch.randn(4, 1024)
+    report = rlx_nb.backend_divergence(model, x, backends=["cpu-nomkldnn"], backward=True, progress=False)
+    ref = report.results.reference
+    assert ref.status == "skipped" and ref.message.startswith("not run for memory: the fp64 reference")
+    assert "not streamed either: a backward keeps every weight's float64 copy" in ref.message
+    records = [r for r in report.records if r.backend == "cpu-nomkldnn"]
+    assert len(records) == 5 and all(r.verdict_budget is None for r in records)  # no budget: the fixed rule decides
+    assert all("the fp64 reference did not run (not run for memory" in r.note for r in records)  # ... and says so
+
+
+class UsesAChildsWeight(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(50, 16)
+        self.norm = torch.nn.LayerNorm(16)
+        self.conv = torch.nn.Sequential(torch.nn.Conv1d(16, 16, 3, padding=1), torch.nn.BatchNorm1d(16))
+        self.scale = torch.nn.Parameter(torch.rand(16))
+        self.register_buffer("offset", torch.rand(16))
+
+    def forward(self, ids):
+        h = self.norm(self.embed(ids)) * self.scale + self.offset
+        h = self.conv(h.transpose(1, 2)).transpose(1, 2)
+        assert h.dtype == self.embed.weight.dtype  # what .dtype says is what the op computes in
+        return h @ self.embed.weight.t()  # a tied head: the parent uses its child's weight
+
+
+def _both_references(model, *inputs):
+    import copy
+
+    from rlx_nb.backends.eager import run_float64, run_float64_streamed
+
+    model.eval()
+    with torch.inference_mode():
+        streamed = run_float64_streamed(copy.deepcopy(model), inputs)
+        whole = run_float64(copy.deepcopy(model), inputs)
+    first = lambda out: out.logits if hasattr(out, "logits") else out  # noqa: E731
+    return first(streamed), first(whole)
+
+
+@pytest.mark.parametrize("which", ["child-weight", "gpt2", "llama"])
+def test_the_streamed_reference_sees_every_use_of_a_weight_and_computes_what_model_double_does(which):
+    import transformers
+
+    torch.manual_seed(0)
+    if which == "child-weight":
+        model, ids = UsesAChildsWeight(), torch.randint(0, 50, (2, 7))
+    elif which == "gpt2":
+        model = transformers.GPT2LMHeadModel(
+            transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=100, bos_token_id=0, eos_token_id=0)
+        )
+        ids = torch.randint(0, 100, (2, 7))
+    else:
+        config = transformers.LlamaConfig(num_hidden_layers=2, hidden_size=64, num_attention_heads=4,
+                                          intermediate_size=128, vocab_size=100, tie_word_embeddings=True)  # fmt: skip
+        model, ids = transformers.LlamaForCausalLM(config), torch.randint(0, 100, (2, 7))
+    streamed, whole = _both_references(model, ids)
+    assert streamed.dtype == torch.float64 and torch.equal(streamed, whole)
+
+
+def test_the_streamed_reference_is_float64_round_off_from_a_fused_fast_path_it_turns_off():
+    # (nn.TransformerEncoderLayer's inference fast path is off under a torch-function mode: the same float64
+    # arithmetic in another order, so not bit for bit)
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(32, 4, 64, batch_first=True)
+    streamed, whole = _both_references(torch.nn.TransformerEncoder(layer, 2, enable_nested_tensor=False),
+                                       torch.randn(2, 5, 32))  # fmt: skip
+    assert streamed.dtype == torch.float64
+    torch.testing.assert_close(streamed, whole, rtol=1e-12, atol=1e-12)

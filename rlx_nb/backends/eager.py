@@ -6,6 +6,8 @@ import contextlib
 from typing import Any
 
 import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_map
 
 from rlx_nb import switches
 from rlx_nb._memory import private_copy
@@ -30,6 +32,44 @@ def run_float64(model: Any, inputs: tuple) -> Any:
     if isinstance(model, torch.nn.Module):
         model.double()
     return model(*map_tensors(to_float64, inputs))
+
+
+class Float64Weights(TorchFunctionMode):
+    """The model's float32 weights cast to float64 where an op uses them, each copy freed after the op.
+
+    The streamed fp64 reference, for a model whose weights in float64 do not fit in memory: the float32
+    weights stay as they are, and only the weights of the op running are held in float64 too.  Every use
+    is seen (a module's forward, a parent using a child's weight, a tied weight, ``.dtype``), so the model
+    computes what ``model.double()`` computes.  Forward only: a backward would keep every weight's float64
+    copy for its gradients, and those would flow back into float32.
+    """
+
+    def __init__(self, model: torch.nn.Module) -> None:
+        super().__init__()
+        tensors = [*model.parameters(), *model.buffers()]
+        self.ids = {id(t) for t in tensors if t.is_floating_point() and t.dtype != torch.float64}
+
+    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        cast: dict[int, torch.Tensor] = {}
+
+        def wide(x: Any) -> Any:
+            if isinstance(x, torch.Tensor) and id(x) in self.ids:
+                if id(x) not in cast:
+                    cast[id(x)] = x.detach().to(torch.float64)
+                return cast[id(x)]
+            return x
+
+        args, kwargs = tree_map(wide, (args, kwargs))
+        return func(*args, **kwargs)
+
+
+def run_float64_streamed(model: Any, inputs: tuple) -> Any:
+    """The reference with the weights in float64 one op at a time (:class:`Float64Weights`); forward only."""
+    if not isinstance(model, torch.nn.Module):
+        return run_float64(model, inputs)
+    with Float64Weights(model):
+        return model(*map_tensors(to_float64, inputs))
 
 
 def run_nomkldnn(model: Any, inputs: tuple) -> Any:
