@@ -13,6 +13,10 @@ some output.  Split: the verdict's constants were chosen on seeds 0-1 of mlp/tra
 else (seed 2, and the recurrent, norm-heavy and GPT-2 families, never looked at) as "held-back".
 
     python bench/detection.py [--families mlp,conv] [--seeds 0,2] [--batch 16] [--no-inductor] [--name detection]
+                              [--save | --rejudge]
+
+``--save`` keeps each case's runs (bench/.cache/NAME/); ``--rejudge`` judges those again without running a model:
+the same outputs through the verdict as the code now has it (a refactor's CSV must come out bit for bit the same).
 
 ``--batch N`` gives every family N samples instead of its own batch (the same model; inputs drawn as its own
 are, from the seed): where batch-dependent kernels (NNPACK's convolutions from 16) and discrete events (more
@@ -26,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import math
 import time
 import warnings
@@ -395,7 +400,10 @@ def main() -> None:
     parser.add_argument("--no-inductor", action="store_true", help="skip cpu-inductor (its compiles dominate)")
     parser.add_argument("--batch", type=int, default=None, help="every family at this batch size")
     parser.add_argument("--name", default="detection", help="results file name (bench/results/NAME.md and .csv)")
+    parser.add_argument("--save", action="store_true", help="keep each case's runs in bench/.cache/NAME/")
+    parser.add_argument("--rejudge", action="store_true", help="judge the runs --save kept again; run no model")
     args = parser.parse_args()
+    cache = Path(__file__).parent / ".cache" / args.name
     warnings.filterwarnings("ignore")
     legit, faults = _register()
     if args.no_inductor and "cpu-inductor" in legit:
@@ -405,13 +413,25 @@ def main() -> None:
     for family in args.families.split(","):
         for seed in [int(s) for s in args.seeds.split(",")]:
             t0 = time.time()
-            model, inputs = FAMILIES[family](seed)
-            if args.batch:
-                inputs = _rebatch(inputs, args.batch, seed)
+            path = cache / f"{family}-s{seed}.rlxnb"
             HITS.clear()
-            report = rlx_nb.backend_divergence(
-                model, inputs, backends=legit + [f[0] for f in faults], backward=True, label=family
-            )
+            if args.rejudge:  # the same runs, judged by the code as it is now (the fault hits kept with them)
+                if not path.exists():
+                    continue
+                saved = rlx_nb.load_report(path)
+                report = rlx_nb.DivergenceReport.from_results(saved.results, progress=False)
+                HITS.update(json.loads(path.with_suffix(".hits.json").read_text()))
+            else:
+                model, inputs = FAMILIES[family](seed)
+                if args.batch:
+                    inputs = _rebatch(inputs, args.batch, seed)
+                report = rlx_nb.backend_divergence(
+                    model, inputs, backends=legit + [f[0] for f in faults], backward=True, label=family
+                )
+                if args.save:
+                    cache.mkdir(parents=True, exist_ok=True)
+                    report.save(path)
+                    path.with_suffix(".hits.json").write_text(json.dumps(dict(HITS)))
             rows.extend(_case_rows(report, family, seed, legit, faults))
             print(f"{family} seed {seed}: {time.time() - t0:.1f}s", flush=True)
     df = pd.DataFrame(rows)
