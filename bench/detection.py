@@ -198,11 +198,15 @@ def _legit_errors(report) -> dict[str, tuple[float, float]]:
     # Per output: the largest RMSE and max error against fp64 of the oracle and every legitimate fp32 backend.
     worst: dict[str, tuple[float, float]] = {}
     for rec in report.records:
-        if rec.backend in FP32_LEGIT and rec.output is not None and rec.oracle_rmse == rec.oracle_rmse:
-            r0, m0 = worst.get(rec.output, (rec.oracle_rmse, rec.oracle_max_err))
+        if (
+            rec.backend in FP32_LEGIT
+            and rec.output is not None
+            and rec.judgement.oracle_rmse == rec.judgement.oracle_rmse
+        ):
+            r0, m0 = worst.get(rec.output, (rec.judgement.oracle_rmse, rec.judgement.oracle_max_err))
             worst[rec.output] = (
-                max(r0, rec.backend_rmse, rec.oracle_rmse),
-                max(m0, rec.backend_max_err, rec.oracle_max_err),
+                max(r0, rec.judgement.backend_rmse, rec.judgement.oracle_rmse),
+                max(m0, rec.judgement.backend_max_err, rec.judgement.oracle_max_err),
             )
     return worst
 
@@ -226,8 +230,8 @@ def _case_rows(report, family: str, seed: int, legit: list[str], faults: list[tu
         for rec in recs:
             if rec.verdict in ("skipped", "error") or rec.output is None:
                 continue
-            flags["rlx_nb"] |= rec.verdict == SUSPECT and not (backend in LESS_ACCURATE and rec.less_accurate)
-            flags["seed_max_rel"] |= rec.verdict_fixed == SUSPECT
+            flags["rlx_nb"] |= rec.verdict == SUSPECT and not (backend in LESS_ACCURATE and rec.judgement.less_accurate)
+            flags["seed_max_rel"] |= rec.judgement.verdict_fixed == SUSPECT
             o = res.oracle.outputs[rec.output].value
             b = run.outputs[rec.output].value
             ref = res.reference.outputs.get(rec.output)
@@ -237,14 +241,17 @@ def _case_rows(report, family: str, seed: int, legit: list[str], faults: list[tu
             flags["assert_close"] |= _assert_close_flags(o, b)
             flags["dynamo_same"] |= _dynamo_same_flags(o, b, r)
             pairs[rec.output] = (o, b)
-            for num, den in ((rec.backend_rmse, rec.oracle_rmse), (rec.backend_max_err, rec.oracle_max_err)):
+            for num, den in (
+                (rec.judgement.backend_rmse, rec.judgement.oracle_rmse),
+                (rec.judgement.backend_max_err, rec.judgement.oracle_max_err),
+            ):
                 if num == num and den == den:
                     ratio = num / den if den > 0 else (math.inf if num > 0 else 0.0)
                     raw = max(raw, ratio)
                     if rec.kind == "forward":
                         raw_fwd = max(raw_fwd, ratio)
             lr, lm = legit_worst.get(rec.output, (math.nan, math.nan))
-            for num, den in ((rec.backend_rmse, lr), (rec.backend_max_err, lm)):
+            for num, den in ((rec.judgement.backend_rmse, lr), (rec.judgement.backend_max_err, lm)):
                 if num == num and den == den:
                     vs_legit = max(vs_legit, num / den if den > 0 else (math.inf if num > 0 else 0.0))
         flags["polygraphy"] = _polygraphy_flags(pairs)
@@ -265,25 +272,44 @@ def _case_rows(report, family: str, seed: int, legit: list[str], faults: list[tu
                 "detectable": is_fault and HITS[backend] > 0 and raw > 10,
                 "detectable_vs_legit": is_fault and HITS[backend] > 0 and vs_legit > 10,
                 "worst_output": report.record(backend).output,
-                "excess": max((r.excess for r in recs if r.excess == r.excess), default=math.nan),
+                "excess": max(
+                    (r.judgement.excess for r in recs if r.judgement.excess == r.judgement.excess), default=math.nan
+                ),
                 "max_concentration": max(
-                    (r.concentration for r in recs if r.concentration == r.concentration and r.dtype == "float32"),
+                    (
+                        r.judgement.concentration
+                        for r in recs
+                        if r.judgement.concentration == r.judgement.concentration and r.dtype == "float32"
+                    ),
                     default=math.nan,
                 ),
                 "max_slice_ratio": max(
-                    (r.slice_ratio for r in recs if r.slice_ratio == r.slice_ratio and r.dtype == "float32"),
+                    (
+                        r.judgement.slice_ratio
+                        for r in recs
+                        if r.judgement.slice_ratio == r.judgement.slice_ratio and r.dtype == "float32"
+                    ),
                     default=math.nan,
                 ),
-                "float32_outputs": sum(1 for r in recs if r.concentration == r.concentration and r.dtype == "float32"),
-                "by_concentration_only": any(r.concentrated for r in recs)
-                and not any(r.verdict == SUSPECT and (r.excess > 1.0 or r.nonfinite_mismatch) for r in recs),
-                "by_slice_only": any(r.verdict == SUSPECT and r.slice_ratio > RMSE_LIMIT for r in recs)
+                "float32_outputs": sum(
+                    1 for r in recs if r.judgement.concentration == r.judgement.concentration and r.dtype == "float32"
+                ),
+                "by_concentration_only": any(r.judgement.concentrated for r in recs)
+                and not any(
+                    r.verdict == SUSPECT and (r.judgement.excess > 1.0 or r.pair.nonfinite_mismatch) for r in recs
+                ),
+                "by_slice_only": any(r.verdict == SUSPECT and r.judgement.slice_ratio > RMSE_LIMIT for r in recs)
                 and not any(
                     r.verdict == SUSPECT
-                    and (r.ratio_rmse > RMSE_LIMIT or r.ratio_max > MAX_LIMIT or r.concentrated or r.nonfinite_mismatch)
+                    and (
+                        r.judgement.ratio_rmse > RMSE_LIMIT
+                        or r.judgement.ratio_max > MAX_LIMIT
+                        or r.judgement.concentrated
+                        or r.pair.nonfinite_mismatch
+                    )
                     for r in recs
                 ),
-                "max_rel": max((r.max_rel for r in recs if r.max_rel == r.max_rel), default=math.nan),
+                "max_rel": max((r.pair.max_rel for r in recs if r.pair.max_rel == r.pair.max_rel), default=math.nan),
                 **flags,
             }
         )

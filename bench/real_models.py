@@ -112,7 +112,7 @@ def run_case(
 def _changed(report: rlx_nb.DivergenceReport, backend: str) -> bool:
     # Whether any output differs from the oracle's in at least one bit (a fault that changes nothing is inert).
     return any(
-        rec.output is not None and rec.verdict not in (VERDICT_SKIPPED, VERDICT_ERROR) and rec.max_abs != 0
+        rec.output is not None and rec.verdict not in (VERDICT_SKIPPED, VERDICT_ERROR) and rec.pair.max_abs != 0
         for rec in report.records
         if rec.backend == backend
     )
@@ -138,16 +138,16 @@ def _legit_errors(report: rlx_nb.DivergenceReport, units: dict) -> tuple[dict, d
     # sequential run and every legitimate fp32 backend -- each at least one unit round-off.
     oracle, legit = {}, {}
     for rec in report.records:
-        if rec.output is None or rec.oracle_rmse != rec.oracle_rmse or rec.output not in units:
+        if rec.output is None or rec.judgement.oracle_rmse != rec.judgement.oracle_rmse or rec.output not in units:
             continue
         u = units[rec.output]
-        o = (max(rec.oracle_rmse, u[0]), max(rec.oracle_max_err, u[1]))
+        o = (max(rec.judgement.oracle_rmse, u[0]), max(rec.judgement.oracle_max_err, u[1]))
         oracle[rec.output] = o
-        seq = [v if v == v else 0.0 for v in (rec.sequential_rmse, rec.sequential_max_err)]
+        seq = [v if v == v else 0.0 for v in (rec.judgement.sequential_rmse, rec.judgement.sequential_max_err)]
         worst = legit.get(rec.output, o)
         worst = (max(worst[0], seq[0]), max(worst[1], seq[1]))
         if rec.backend in FP32_LEGIT:
-            worst = (max(worst[0], rec.backend_rmse), max(worst[1], rec.backend_max_err))
+            worst = (max(worst[0], rec.judgement.backend_rmse), max(worst[1], rec.judgement.backend_max_err))
         legit[rec.output] = worst
     return oracle, legit
 
@@ -157,10 +157,14 @@ def _raw_ratios(report: rlx_nb.DivergenceReport, backend: str, oracle: dict, leg
     # outputs (RMSE and max).
     worst = [0.0, 0.0]
     for rec in report.records:
-        if rec.backend != backend or rec.output not in oracle or rec.backend_rmse != rec.backend_rmse:
+        if (
+            rec.backend != backend
+            or rec.output not in oracle
+            or rec.judgement.backend_rmse != rec.judgement.backend_rmse
+        ):
             continue
         for i, ref in enumerate((oracle[rec.output], legit[rec.output])):
-            for num, den in zip((rec.backend_rmse, rec.backend_max_err), ref, strict=True):
+            for num, den in zip((rec.judgement.backend_rmse, rec.judgement.backend_max_err), ref, strict=True):
                 worst[i] = max(worst[i], num / den if den > 0 else (math.inf if num > 0 else 0.0))
     return worst[0], worst[1]
 
@@ -183,12 +187,18 @@ def case_rows(report: rlx_nb.DivergenceReport, key: dict, fired: dict[str, bool]
             "status": run.status,
             "verdict": worst.verdict,
             "suspect": any(r.verdict == SUSPECT for r in recs),
-            "less_accurate": any(r.less_accurate for r in recs) and all(r.less_accurate for r in recs if r.suspect),
-            "flips": max((r.discrete_events for r in recs), default=0),
+            "less_accurate": any(r.judgement.less_accurate for r in recs)
+            and all(r.judgement.less_accurate for r in recs if r.suspect),
+            "flips": max((r.judgement.discrete_events for r in recs), default=0),
             "outputs": len(judged),
             "worst_output": worst.output,
-            "excess": max((r.excess for r in judged if r.excess == r.excess), default=math.nan),
-            "slice_ratio": max((r.slice_ratio for r in judged if r.slice_ratio == r.slice_ratio), default=math.nan),
+            "excess": max(
+                (r.judgement.excess for r in judged if r.judgement.excess == r.judgement.excess), default=math.nan
+            ),
+            "slice_ratio": max(
+                (r.judgement.slice_ratio for r in judged if r.judgement.slice_ratio == r.judgement.slice_ratio),
+                default=math.nan,
+            ),
             "reason": worst.reason,
             "notes": " | ".join(run.notes),
         }

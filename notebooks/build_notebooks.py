@@ -52,7 +52,8 @@ The seed's fixed rule (`max_rel > 2e-3`) is computed too — `verdict_fixed`, in
         """suspect = report.suspects[0]
 rec = report.record(suspect)          # the backend's worst output
 print(f"{suspect}: output {rec.output!r} — {rec.reason}")
-print(f"worst element {rec.worst_index}: oracle {rec.oracle_value:.7g}, backend {rec.backend_value:.7g}, fp64 {rec.reference_value:.10g}")""",
+p = rec.pair  # the pair statistics (rec.judgement: the verdict, its cause and figures)
+print(f"worst element {p.worst_index}: oracle {p.oracle_value:.7g}, backend {p.backend_value:.7g}, fp64 {p.reference_value:.10g}")""",
     ),
     (
         "md",
@@ -68,7 +69,7 @@ print(f"worst element {rec.worst_index}: oracle {rec.oracle_value:.7g}, backend 
         """from rlx_nb.plotting import plot_heatmap
 
 oracle, backend, fp64 = report.arrays(suspect, rec.output)
-ax = plot_heatmap(oracle[0, :16], backend[0, :16], fp64[0, :16], metric="budget", budget=rec.budget_rmse,
+ax = plot_heatmap(oracle[0, :16], backend[0, :16], fp64[0, :16], metric="budget", budget=rec.judgement.budget_rmse,
                   title=f"{suspect} · batch 0, tokens 0-15 · x budget")""",
     ),
     ("code", """report.elements(suspect, rec.output, top=8)"""),

@@ -108,9 +108,9 @@ def _status(old: Any, new: Any) -> str:
         return "worse"
     if old.verdict == SUSPECT and new.verdict != SUSPECT:
         return "better"
-    if new.verdict == SUSPECT and old.verdict == SUSPECT and new.excess > WORSE_FACTOR * old.excess:
+    if new.verdict == SUSPECT and old.verdict == SUSPECT and new.judgement.excess > WORSE_FACTOR * old.judgement.excess:
         return "worse"
-    if new.verdict == SUSPECT and old.verdict == SUSPECT and old.excess > WORSE_FACTOR * new.excess:
+    if new.verdict == SUSPECT and old.verdict == SUSPECT and old.judgement.excess > WORSE_FACTOR * new.judgement.excess:
         return "better"
     return "same"
 
@@ -150,8 +150,8 @@ def compare_reports(old: Any, new: Any, *, allow_different_model: bool = False) 
     rows = []
     for key in list(olds) + [k for k in news if k not in olds]:
         o, n = olds.get(key), news.get(key)
-        oe = o.excess if o is not None else math.nan
-        ne = n.excess if n is not None else math.nan
+        oe = o.judgement.excess if o is not None else math.nan
+        ne = n.judgement.excess if n is not None else math.nan
         moved = ne / oe if oe > 0 and ne == ne else math.nan  # NaN when either is missing
         rows.append(
             {

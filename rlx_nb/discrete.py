@@ -48,7 +48,6 @@ BAND = 8.0
 """How far past the oracle's own largest error on a tensor a flip is still credited (the budget's max limit)."""
 MAX_UNITS = 64
 """At most this many ambiguous units are accounted for (the nearest to their thresholds first)."""
-SCALE = {"float32": 1.0, "tf32": 2.0**13, "float16": 2.0**13, "bfloat16": 2.0**16}
 
 
 @dataclasses.dataclass
@@ -377,16 +376,17 @@ class Flips:
 
     def apply(self, eo: np.ndarray, eb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The oracle's and the backend's outputs without their flips (as they were where there is none)."""
-        return _less(eo, self.oracle), _less(eb, self.backend)
+        return less(eo, self.oracle), less(eb, self.backend)
 
     def sequential_leaf(self, leaf: Leaf | None) -> Leaf | None:
         if leaf is None or self.sequential is None or not leaf.is_array:
             return leaf
-        value = _less(leaf.value, self.sequential)
+        value = less(leaf.value, self.sequential)
         return leaf if value is leaf.value else Leaf(value, leaf.dtype, leaf.shape)
 
 
-def _less(x: np.ndarray, correction: np.ndarray | None) -> np.ndarray:
+def less(x: np.ndarray, correction: np.ndarray | None) -> np.ndarray:
+    """``x`` without a run's discrete-event ``correction`` (``x`` itself where there is none)."""
     if correction is None or correction.size != x.size:
         return x
     return x.astype(np.float64) - correction.reshape(x.shape)

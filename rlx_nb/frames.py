@@ -1,24 +1,80 @@
-"""The only place that builds DataFrames.  Column names are defined once, here."""
+"""Flat rows of the package's structured results, and the DataFrames made of them.  Column names are
+defined once, here.
+
+A record (:class:`~rlx_nb.records.OutputRecord`: identity, :class:`~rlx_nb.records.PairFields`,
+:class:`~rlx_nb.verdict.Judgement`) is flattened only here (:func:`record_row`; :func:`record_from_row` reads
+one back, for a saved report), so a table, a file and a benchmark's CSV all name a figure the same way.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 import html
+import typing
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import pandas as pd
 
-from rlx_nb.compare import OutputRecord
-from rlx_nb.verdict import SUSPECT, VERDICT_ERROR
+from rlx_nb.records import VERDICT_ORDER, OutputRecord, PairFields, worst_record
+from rlx_nb.verdict import SUSPECT, VERDICT_ERROR, Judgement
 
 BACKEND = "backend"
 OUTPUT = "output"
 VERDICT = "verdict"
 EXCESS = "excess"
 
-SUMMARY_COLUMNS = [f.name for f in dataclasses.fields(OutputRecord)]
+_IDENTITY = [f for f in dataclasses.fields(OutputRecord) if f.name not in ("judgement", "pair")]
+_PAIR = list(dataclasses.fields(PairFields))
+_JUDGEMENT = [f for f in dataclasses.fields(Judgement) if f.name != "notes"]  # (the notes are the record's note)
+SUMMARY_COLUMNS = [
+    *(BACKEND, OUTPUT, "output_index", "kind", VERDICT, "verdict_fixed", "verdict_budget", "reason"),
+    *("compute_dtype", "shape", "dtype", "numel"),
+    *(f.name for f in _PAIR),
+    *("oracle_rmse", "backend_rmse", "oracle_max_err", "backend_max_err", "sequential_rmse", "sequential_max_err"),
+    *("ratio_rmse", "ratio_max", "budget_rmse", "budget_max", EXCESS, "concentration", "concentrated"),
+    *("slice_ratio", "slice_at", "tol_rel", "reduction_length", "effective_bits", "closest_format"),
+    *("anchor_likeness", "zero_mismatch", "zero_mismatch_max", "excess_elsewhere", "error_bias", "error_value_corr"),
+    *("less_accurate", "discrete_events", "note", "cause", "line", "nonfinite_unexplained", "oracle_outliers"),
+]
+"""One row per (backend, output): every figure of a record (``report.summary``)."""
+RECORD_COLUMNS = [*SUMMARY_COLUMNS, "detail", "nondeterminism"]
+"""... and what a saved report keeps besides."""
+
+
+def record_row(r: OutputRecord) -> dict[str, Any]:
+    """One record as a flat row (:data:`RECORD_COLUMNS`)."""
+    row = {f.name: getattr(r, f.name) for f in _IDENTITY}
+    row.update({f.name: getattr(r.pair, f.name) for f in _PAIR})
+    row.update({f.name: getattr(r.judgement, f.name) for f in _JUDGEMENT})
+    return row
+
+
+def record_from_row(row: dict[str, Any]) -> OutputRecord:
+    """A record from a flat row (a saved report's; a field it lacks takes its default)."""
+    pair = PairFields(**{f.name: row[f.name] for f in _PAIR if f.name in row})
+    judged = {f.name: row[f.name] for f in _JUDGEMENT if f.name in row}
+    judged.setdefault("cause", "")
+    judgement = Judgement(**judged)
+    ident = {f.name: row[f.name] for f in _IDENTITY if f.name in row}
+    return OutputRecord(**ident, judgement=judgement, pair=pair)
+
+
+REQUIRED_COLUMNS = (BACKEND, OUTPUT, "output_index", "kind", "compute_dtype", VERDICT, "verdict_fixed",
+                    "verdict_budget", "reason")  # fmt: skip
+"""What every saved record has held since the format began (a later column may be missing: its default)."""
+
+
+def record_fields() -> list[tuple[str, Any, bool]]:
+    """``(column, type, required)`` of every column a saved record may hold (:mod:`rlx_nb.schema` checks them)."""
+    out = []
+    for cls, fields in ((OutputRecord, _IDENTITY), (PairFields, _PAIR), (Judgement, _JUDGEMENT)):
+        hints = typing.get_type_hints(cls)
+        out += [(f.name, hints[f.name], f.name in REQUIRED_COLUMNS) for f in fields]
+    return out
+
+
 BACKEND_COLUMNS = [
     BACKEND,
     VERDICT,
@@ -69,8 +125,6 @@ LOCALIZE_COLUMNS = [
     "reason",
     "notes",
 ]
-# Pure data movement: exact on every backend, not worth a preparation each.
-_VERDICT_ORDER = {SUSPECT: 0, VERDICT_ERROR: 1}
 
 
 FORMATS: dict[str, str] = {
@@ -149,26 +203,7 @@ def verdict_css(v: str) -> str:
 
 def summary_frame(records: Sequence[OutputRecord]) -> pd.DataFrame:
     """One row per (backend, output), in run order."""
-    rows = [dataclasses.asdict(r) for r in records]
-    frame = Table(rows, columns=SUMMARY_COLUMNS)
-    return frame
-
-
-def worst_first(records: Sequence[OutputRecord]) -> list[OutputRecord]:
-    """Records in the order that decides a backend's verdict: SUSPECT first, then errors, then the largest
-    excess over the round-off budget, then the largest seed ``max_rel``."""
-
-    def key(r: OutputRecord) -> tuple:
-        excess = r.excess if r.excess == r.excess else -1.0
-        rel = r.max_rel if r.max_rel == r.max_rel else -1.0
-        return (_VERDICT_ORDER.get(r.verdict, 2), -excess, -rel)
-
-    return sorted(records, key=key)
-
-
-def worst_record(records: Sequence[OutputRecord]) -> OutputRecord:
-    """The record that decides a backend's verdict (the first of :func:`worst_first`)."""
-    return worst_first(records)[0]
+    return Table([record_row(r) for r in records], columns=SUMMARY_COLUMNS)
 
 
 def backends_frame(
@@ -186,23 +221,23 @@ def backends_frame(
     rows = []
     for name, recs in by_backend.items():
         worst = worst_record(recs)
-        rels = [r for r in recs if r.max_rel == r.max_rel]
-        rel_worst = max(rels, key=lambda r: r.max_rel) if rels else None
+        rels = [r for r in recs if r.pair.max_rel == r.pair.max_rel]
+        rel_worst = max(rels, key=lambda r: r.pair.max_rel) if rels else None
         rows.append(
             {
                 BACKEND: name,
                 VERDICT: worst.verdict,
-                "verdict_fixed": _worst_of(r.verdict_fixed for r in recs),
-                "verdict_budget": _worst_of(r.verdict_budget for r in recs if r.verdict_budget),
+                "verdict_fixed": _worst_of(r.judgement.verdict_fixed for r in recs),
+                "verdict_budget": _worst_of(r.judgement.verdict_budget for r in recs if r.judgement.verdict_budget),
                 "worst_output": worst.output,
                 "worst_output_index": worst.output_index,
                 "reason": worst.reason,
-                "max_abs": np.nanmax([r.max_abs for r in recs]) if rels else np.nan,
-                "max_rel": rel_worst.max_rel if rel_worst else np.nan,
+                "max_abs": np.nanmax([r.pair.max_abs for r in recs]) if rels else np.nan,
+                "max_rel": rel_worst.pair.max_rel if rel_worst else np.nan,
                 "max_rel_output": rel_worst.output if rel_worst else None,
-                "ratio_rmse": worst.ratio_rmse,
-                "ratio_max": worst.ratio_max,
-                EXCESS: worst.excess,
+                "ratio_rmse": worst.judgement.ratio_rmse,
+                "ratio_max": worst.judgement.ratio_max,
+                EXCESS: worst.judgement.excess,
                 "outputs": len([r for r in recs if r.output is not None]),
                 "suspect_outputs": sum(r.verdict == SUSPECT for r in recs),
                 "compute_dtype": worst.compute_dtype,
@@ -236,7 +271,7 @@ def compact_backends_frame(detail: pd.DataFrame, records: Sequence[OutputRecord]
         worst.setdefault(r.backend, []).append(r)
     why = {name: short_reason(worst_record(recs)) for name, recs in worst.items()}
     bits = {
-        name: min((r.effective_bits for r in recs if r.effective_bits == r.effective_bits), default=np.nan)
+        name: min((b for r in recs if (b := r.judgement.effective_bits) == b), default=np.nan)
         for name, recs in worst.items()
     }
     frame = detail.assign(why=detail[BACKEND].map(why), effective_bits=detail[BACKEND].map(bits))
@@ -247,7 +282,7 @@ def _worst_of(verdicts: Any) -> str | None:
     vs = [v for v in verdicts if v]
     if not vs:
         return None
-    return min(vs, key=lambda v: _VERDICT_ORDER.get(v, 2))
+    return min(vs, key=lambda v: VERDICT_ORDER.get(v, 2))
 
 
 def elements_frame(rows: dict[str, Any]) -> pd.DataFrame:

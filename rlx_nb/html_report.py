@@ -94,7 +94,7 @@ def _summary(report: Any) -> str:
 
 
 def _suspect_section(report: Any, rec: Any) -> str:
-    metric = "budget" if rec.budget_rmse == rec.budget_rmse else "abs"
+    metric = "budget" if rec.judgement.budget_rmse == rec.judgement.budget_rmse else "abs"
     heat = _figure(6.0, 4.5)
     report.plot.heatmap(rec.backend, rec.output, metric=metric, ax=heat.add_subplot(), max_pixels=400)
     hist = _figure(6.5, 4.0)

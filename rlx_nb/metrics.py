@@ -20,30 +20,13 @@ from typing import Any
 
 import numpy as np
 
-from rlx_nb import _fused
+from rlx_nb import _fused, formats
 from rlx_nb.errors import InputError
 from rlx_nb.similarity import cosine, nmse, pcc, sqnr_db
 
 CHUNK = 1 << 16
 REL_EPS = 1e-6
 """The seed's guard in ``max_rel = |a - b| / (|a| + 1e-6)``."""
-
-# torch.testing.assert_close's default (rtol, atol) per dtype.
-DEFAULT_TOLERANCES: dict[str, tuple[float, float]] = {
-    "float16": (1e-3, 1e-5),
-    "bfloat16": (1.6e-2, 1e-5),
-    "float32": (1.3e-6, 1e-5),
-    "float64": (1e-7, 1e-7),
-}
-
-# Unit round-off (half an ulp at 1.0) of each compute format.
-UNIT_ROUNDOFF: dict[str, float] = {
-    "float64": 2.0**-53,
-    "float32": 2.0**-24,
-    "tf32": 2.0**-11,
-    "float16": 2.0**-11,
-    "bfloat16": 2.0**-8,
-}
 
 _INT_OF_FLOAT = {
     np.dtype(np.float16): np.int16,
@@ -103,8 +86,9 @@ class PairStats:
 
 
 def default_tolerance(dtype_name: str) -> tuple[float, float]:
-    """``(rtol, atol)`` that ``torch.testing.assert_close`` uses for ``dtype_name``."""
-    return DEFAULT_TOLERANCES.get(dtype_name, DEFAULT_TOLERANCES["float32"])
+    """``(rtol, atol)`` that ``torch.testing.assert_close`` uses for ``dtype_name`` (float32's for another)."""
+    f = formats.FORMATS.get(dtype_name)
+    return f.tolerance if f is not None and f.tolerance is not None else formats.FORMATS["float32"].tolerance
 
 
 def ordered_ints(x: np.ndarray, out: np.ndarray) -> np.ndarray:

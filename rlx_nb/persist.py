@@ -25,7 +25,6 @@ another version, an object array, a pickle wearing the right extension — raise
 from __future__ import annotations
 
 import ast
-import dataclasses
 import io
 import json
 import math
@@ -38,6 +37,7 @@ import numpy as np
 
 from rlx_nb import schema
 from rlx_nb.errors import ReportFormatError
+from rlx_nb.frames import record_fields, record_from_row, record_row
 from rlx_nb.results import GRAD_PREFIX, BackendRun, Leaf, RunResults
 
 FORMAT = "rlx_nb.report"
@@ -134,7 +134,7 @@ def save_results(
             "fingerprints": dict(results.fingerprints),
             "rule": rule,
             "tol_rel": tol_rel,
-            "records": [dataclasses.asdict(r) for r in records] if records is not None else None,
+            "records": [record_row(r) for r in records] if records is not None else None,
             "runs": {
                 "oracle": write_run(results.oracle),
                 "reference": write_run(results.reference),
@@ -327,8 +327,6 @@ def records_from_meta(meta: dict, where: Any = "<report>", results: RunResults |
     With ``results`` (the runs read from the same file), each record is checked against them
     (:func:`rlx_nb.schema.records`): its backend is a candidate, its output one the runs have.
     """
-    from rlx_nb.compare import OutputRecord
-
     raw = meta.get("records")
     if raw is None:
         return None
@@ -341,7 +339,7 @@ def records_from_meta(meta: dict, where: Any = "<report>", results: RunResults |
                 r.get("backend"): set() for r in raw if isinstance(r, dict) and isinstance(r.get("backend"), str)
             }
             oracle = {}
-        return [OutputRecord(**r) for r in schema.records(raw, OutputRecord, outputs, oracle)]
+        return [record_from_row(r) for r in schema.records(raw, record_fields(), outputs, oracle)]
     except ReportFormatError as exc:
         raise _fail(where, f"saved records are malformed: {exc}") from None
     except Exception as exc:

@@ -1,32 +1,32 @@
 """The words of a verdict: the reason sentence of a record, the few words for a table cell.
 
-:mod:`rlx_nb.verdict` decides (pure functions over statistics); this module only says what was decided and why,
-from a record's fields (an :class:`~rlx_nb.compare.OutputRecord`).
+:mod:`rlx_nb.verdict` decides, and its :class:`~rlx_nb.verdict.Judgement` names the clause that decided
+(``cause``); this module only says it, from a record's judgement, pair statistics and identity (an
+:class:`~rlx_nb.records.OutputRecord`).  One sentence per cause; nothing here works out again why.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
 
+from rlx_nb import formats
+from rlx_nb.records import OutputRecord, worst_record
 from rlx_nb.verdict import (
-    FORMAT_BITS,
     NONDETERMINISTIC,
     PRECISION_ALIKE,
     PRECISION_UNLIKE,
-    RMSE_LIMIT,
     SUSPECT,
     VERDICT_ERROR,
     VERDICT_SKIPPED,
-    looks_like_reduced_precision,
-    whole_excess,
+    Cause,
+    Judgement,
 )
 
 
-def _less_accurate_reason(r: Any, worst: float, ops: dict[str, int] | None) -> str:
+def _less_accurate_reason(j: Judgement, worst: float, ops: dict[str, int] | None) -> str:
     where = op_hint(ops)
     return (
-        f"uniformly less accurate: ~{r.effective_bits:.1f} effective bits of fp32's 24 ({worst:.3g}x the fp32 "
+        f"uniformly less accurate: ~{j.effective_bits:.1f} effective bits of fp32's 24 ({worst:.3g}x the fp32 "
         "round-off budget), its error spread over the whole output and noise-like (no bias, not following the "
         f"values){f'; {where}' if where else ''} — the mark of a less accurate algorithm rather than a kernel bug, "
         "though a small systematic error can look alike on one output: localize the backend to see which op; "
@@ -52,13 +52,15 @@ def op_hint(ops: dict[str, int] | None) -> str:
     return ""
 
 
-def _precision_reason(r: Any, worst: float) -> str:
+def _precision_reason(j: Judgement, worst: float) -> str:
     # A SUSPECT forward output of a backend claiming fp32, at about a narrower format's bits: a precision
     # mode, or a kernel error of that size.  How its error follows the anchor's tells them apart, if it does.
-    bits, fmt, like = r.effective_bits, r.closest_format, r.anchor_likeness
+    bits, fmt, like = j.effective_bits, j.closest_format, j.anchor_likeness
     size = f"about {bits:.0f} effective bits while it claims fp32 (error {worst:.3g}x the fp32 budget)"
     anchor = (
-        f"correlation {like:.2f} with the {FORMAT_BITS[fmt]}-bit anchor" if like == like else "no anchor to compare"
+        f"correlation {like:.2f} with the {formats.label_bits(fmt)}-bit anchor"
+        if like == like
+        else "no anchor to compare"
     )
     if like >= PRECISION_ALIKE:
         return (
@@ -76,82 +78,117 @@ def _precision_reason(r: Any, worst: float) -> str:
     )
 
 
-def reason(r: Any, rule: str, ops: dict[str, int] | None = None) -> str:
-    """The one-line reason of a record (an :class:`~rlx_nb.compare.OutputRecord`'s fields) under ``rule``;
-    ``ops``: the model's matrix work by class, to say where a less accurate arithmetic usually is."""
-    if r.nonfinite_mismatch:
-        return f"{r.nonfinite_mismatch} NaN/Inf elements where the oracle has none (or the reverse)"
-    if rule == "budget" and r.verdict_budget is not None:
-        fmt = "fp32" if r.compute_dtype == "float32" else r.compute_dtype
-        worst = max(r.ratio_rmse, r.ratio_max)
-        if r.verdict != SUSPECT and r.max_abs == 0 and r.backend_rmse == r.oracle_rmse:
-            return "bit for bit identical to the oracle"
-        if r.verdict == SUSPECT:
-            if r.zero_mismatch and r.excess_elsewhere <= 1.0:
-                share = r.zero_mismatch / max(r.numel, 1)
-                return (
-                    f"differs where the model writes zeros: {r.zero_mismatch} element(s) ({share:.2%}) that the "
-                    f"oracle and fp64 both give as exactly 0 are nonzero here (up to {r.zero_mismatch_max:.3g}) — "
-                    "positions the eager model sets rather than computes, such as padding a fused inference fast "
-                    f"path skips or a mask; everywhere else it is {fmt} round-off ({r.excess_elsewhere:.2g} of the "
-                    "budget's limit)"
-                )
-            if looks_like_reduced_precision(r):
-                return _precision_reason(r, worst)
-            if getattr(r, "less_accurate", False):
-                return _less_accurate_reason(r, worst, ops)
-            if r.slice_ratio > RMSE_LIMIT and whole_excess(r.ratio_rmse, r.ratio_max) <= 1.0:
-                return (
-                    f"systematic error on one slice: the mean error of {r.output}{r.slice_at} is {r.slice_ratio:.3g}x "
-                    f"what round-off allows there, while the output as a whole is within {worst:.3g}x the "
-                    f"{fmt} budget — round-off averages out over a slice, a bug on one row or channel does not"
-                )
-            if r.concentrated and r.excess <= 1.0:
-                over = r.backend_max_err / r.oracle_max_err if r.oracle_max_err > 0 else math.inf
-                return (
-                    f"concentrated error: the worst element is {over:.3g}x the oracle's worst and stands out "
-                    f"{r.concentration:.2g}x more than round-off does, while the output as a whole is within "
-                    f"{worst:.3g}x the {fmt} budget — likely a bug on one row or channel"
-                )
-            return f"error {worst:.3g}x the {fmt} round-off budget — likely a kernel bug"
-        if getattr(r, "discrete_events", 0):
-            return (
-                f"within {worst:.3g}x the {fmt} round-off budget once {r.discrete_events} discrete event(s) are "
-                "accounted for: inputs within round-off of a ReLU's threshold flipped (see the note)"
-            )
-        return f"within {worst:.3g}x the {fmt} round-off budget"
-    if r.verdict == SUSPECT:
-        return f"max_rel {r.max_rel:.3e} > tol_rel {r.tol_rel:.1e} — relative error too large for round-off"
-    return f"max_rel {r.max_rel:.3e} <= tol_rel {r.tol_rel:.1e}"
+def _oracle_off_reason(r: OutputRecord) -> str:
+    # The backend within its budget, the oracle the outlier: say where, with the three values there.
+    j, p, b = r.judgement, r.pair, r.backend
+    at = ""
+    if p.worst_index is not None:
+        where = f"at {list(p.worst_index)}" if p.worst_index else "there"
+        at = (
+            f"; {where} the oracle gives {p.oracle_value:.6g}, fp64 {p.reference_value:.6g}, "
+            f"{b} {p.backend_value:.6g}"
+        )
+    if j.oracle_outliers:
+        return (
+            f"the oracle, not {b}, is off the fp64 reference: {j.oracle_outliers} element(s) where {b} has NaN/Inf "
+            f"as fp64 does and the oracle does not (or the reverse){at}; everywhere else {b} is round-off"
+        )
+    return (
+        f"the oracle, not {b}, is off the fp64 reference: the oracle's error against fp64 (RMSE {j.oracle_rmse:.3g}, "
+        f"largest {j.oracle_max_err:.3g}) is past what {b}'s own (RMSE {j.backend_rmse:.3g}, largest "
+        f"{j.backend_max_err:.3g}) allows{at} — judged the other way round the oracle would be SUSPECT; {b} is "
+        "round-off"
+    )
 
 
-def short_reason(r: Any) -> str:
+def reason(r: OutputRecord, ops: dict[str, int] | None = None) -> str:
+    """The one-line reason of a record: its judgement's cause, in words.  ``ops``: the model's matrix work by
+    class, to say where a less accurate arithmetic usually is."""
+    j = r.judgement
+    if j.cause == Cause.NONDETERMINISTIC:
+        return nondeterministic_reason(j.nondeterminism)
+    if j.cause in (Cause.ERROR, Cause.SKIPPED, Cause.STRUCTURE, Cause.EXACT, Cause.NOT_COMPARED):
+        return j.detail
+    if j.cause == Cause.NONFINITE or (j.cause == Cause.FIXED and r.pair.nonfinite_mismatch):
+        n = j.nonfinite_unexplained if j.cause == Cause.NONFINITE else r.pair.nonfinite_mismatch
+        return f"{n} NaN/Inf elements where the oracle has none (or the reverse)"
+    if j.cause == Cause.FIXED:
+        if j.verdict == SUSPECT:
+            return f"max_rel {r.pair.max_rel:.3e} > tol_rel {j.tol_rel:.1e} — relative error too large for round-off"
+        return f"max_rel {r.pair.max_rel:.3e} <= tol_rel {j.tol_rel:.1e}"
+    fmt = formats.short(r.compute_dtype) if r.compute_dtype == "float32" else r.compute_dtype
+    worst = max(j.ratio_rmse, j.ratio_max)
+    if j.cause == Cause.IDENTICAL:
+        return "bit for bit identical to the oracle"
+    if j.cause == Cause.ZEROS:
+        share = j.zero_mismatch / max(r.numel, 1)
+        return (
+            f"differs where the model writes zeros: {j.zero_mismatch} element(s) ({share:.2%}) that the "
+            f"oracle and fp64 both give as exactly 0 are nonzero here (up to {j.zero_mismatch_max:.3g}) — "
+            "positions the eager model sets rather than computes, such as padding a fused inference fast "
+            f"path skips or a mask; everywhere else it is {fmt} round-off ({j.excess_elsewhere:.2g} of the "
+            "budget's limit)"
+        )
+    if j.cause == Cause.PRECISION:
+        return _precision_reason(j, worst)
+    if j.cause == Cause.LESS_ACCURATE:
+        return _less_accurate_reason(j, worst, ops)
+    if j.cause == Cause.SLICE:
+        return (
+            f"systematic error on one slice: the mean error of {r.output}{j.slice_at} is {j.slice_ratio:.3g}x "
+            f"what round-off allows there, while the output as a whole is within {worst:.3g}x the "
+            f"{fmt} budget — round-off averages out over a slice, a bug on one row or channel does not"
+        )
+    if j.cause == Cause.CONCENTRATED:
+        over = j.backend_max_err / j.oracle_max_err if j.oracle_max_err > 0 else math.inf
+        return (
+            f"concentrated error: the worst element is {over:.3g}x the oracle's worst and stands out "
+            f"{j.concentration:.2g}x more than round-off does, while the output as a whole is within "
+            f"{worst:.3g}x the {fmt} budget — likely a bug on one row or channel"
+        )
+    if j.cause in (Cause.WHOLE, Cause.WORST):
+        return f"error {worst:.3g}x the {fmt} round-off budget — likely a kernel bug"
+    if j.cause == Cause.ORACLE_OFF:
+        return _oracle_off_reason(r)
+    if j.cause == Cause.DISCRETE:
+        return (
+            f"within {worst:.3g}x the {fmt} round-off budget once {j.discrete_events} discrete event(s) are "
+            "accounted for: inputs within round-off of a ReLU's threshold flipped (see the note)"
+        )
+    return f"within {worst:.3g}x the {fmt} round-off budget"
+
+
+def short_reason(r: OutputRecord) -> str:
     """A few words for a table cell: what decided the record (the whole sentence is ``reason``)."""
+    j = r.judgement
     if r.verdict in (VERDICT_ERROR, VERDICT_SKIPPED):
         text = r.reason.split(" (at ")[0]
         return f"{r.verdict}: {text[:70]}{'…' if len(text) > 70 else ''}"
-    if r.verdict == NONDETERMINISTIC:
+    if j.cause == Cause.NONDETERMINISTIC:
         return "the model is nondeterministic"
-    if r.nonfinite_mismatch:
-        return f"{r.nonfinite_mismatch} NaN/Inf mismatches"
-    if r.verdict_budget is None or r.ratio_rmse != r.ratio_rmse:
+    if j.cause == Cause.NONFINITE:
+        return f"{j.nonfinite_unexplained} NaN/Inf mismatches"
+    if j.cause == Cause.FIXED:
+        if r.pair.nonfinite_mismatch:
+            return f"{r.pair.nonfinite_mismatch} NaN/Inf mismatches"
+        return f"max_rel {r.pair.max_rel:.2e} {'>' if j.verdict == SUSPECT else '<='} {j.tol_rel:.0e}"
+    if j.verdict_budget is None or j.ratio_rmse != j.ratio_rmse:
         return r.reason[:70]
-    worst = max(r.ratio_rmse, r.ratio_max)
-    if r.verdict != SUSPECT:
-        return "identical" if r.max_abs == 0 else f"round-off ({worst:.2g}x budget)"
-    if r.zero_mismatch and r.excess_elsewhere <= 1.0:
-        return f"{r.zero_mismatch} zeroed positions computed"
-    if looks_like_reduced_precision(r):
-        like = r.anchor_likeness
+    worst = max(j.ratio_rmse, j.ratio_max)
+    if j.cause == Cause.ORACLE_OFF:
+        return "the oracle is off fp64"
+    if j.verdict != SUSPECT:
+        return "identical" if r.pair.max_abs == 0 else f"round-off ({worst:.2g}x budget)"
+    if j.cause == Cause.PRECISION:
+        like = j.anchor_likeness
         verdict = "precision mode" if like >= PRECISION_ALIKE else "kernel error" if like <= PRECISION_UNLIKE else "?"
-        return f"~{r.effective_bits:.0f} bits, like {r.closest_format} ({verdict})"
-    if getattr(r, "less_accurate", False):
-        return f"less accurate (~{r.effective_bits:.1f} bits, noise-like)"
-    if r.slice_ratio > RMSE_LIMIT and whole_excess(r.ratio_rmse, r.ratio_max) <= 1.0:
-        return f"slice {r.slice_at} off {r.slice_ratio:.3g}x"
-    if r.concentrated and r.excess <= 1.0:
-        return "concentrated on few elements"
-    return f"{worst:.3g}x budget"
+        return f"~{j.effective_bits:.0f} bits, like {j.closest_format} ({verdict})"
+    return {
+        Cause.ZEROS: f"{j.zero_mismatch} zeroed positions computed",
+        Cause.LESS_ACCURATE: f"less accurate (~{j.effective_bits:.1f} bits, noise-like)",
+        Cause.SLICE: f"slice {j.slice_at} off {j.slice_ratio:.3g}x",
+        Cause.CONCENTRATED: "concentrated on few elements",
+    }.get(j.cause, f"{worst:.3g}x budget")
 
 
 def nondeterministic_reason(difference: float) -> str:
@@ -161,3 +198,29 @@ def nondeterministic_reason(difference: float) -> str:
         "so no backend can be judged on it; put the model in eval mode (dropout), seed any RNG used inside "
         "forward, or enable torch.use_deterministic_algorithms"
     )
+
+
+def seed_line(label: str, name: str, recs: list[OutputRecord]) -> str:
+    """The seed's line for one backend: ``[label] name vs cpu: max_abs=... max_rel=... (output #i name) — verdict``."""
+    worst = worst_record(recs)
+    if worst.verdict in (VERDICT_ERROR, VERDICT_SKIPPED) and worst.output is None:
+        return f"[{label}] {name:>6} vs cpu: {worst.verdict.upper()} — {worst.reason}"
+    arrays = [r for r in recs if r.pair.max_rel == r.pair.max_rel]
+    max_abs = max((r.pair.max_abs for r in arrays), default=math.nan)
+    rel = max(arrays, key=lambda r: r.pair.max_rel) if arrays else worst
+    where = f"(output #{rel.output_index} {rel.output})"
+    if worst.verdict == SUSPECT:
+        tail = f"SUSPECT ({worst.reason})"
+        if worst.output != rel.output:
+            tail = f"SUSPECT (output #{worst.output_index} {worst.output}: {worst.reason})"
+    else:
+        skipped = [r for r in recs if r.verdict in (VERDICT_SKIPPED, VERDICT_ERROR, NONDETERMINISTIC)]
+        off = [r for r in recs if r.cause == Cause.ORACLE_OFF]
+        tail = "round-off (explainable)"
+        if off:
+            tail += f"; the oracle itself is off the fp64 reference on {off[0].output}" + (
+                f" and {len(off) - 1} more output(s)" if len(off) > 1 else "")  # fmt: skip
+        if skipped:
+            count = f"{len(skipped)} output(s) " if len(skipped) > 1 else ""
+            tail += f"; {count}{skipped[0].verdict}: {skipped[0].reason}"
+    return f"[{label}] {name:>6} vs cpu: max_abs={max_abs:.3e} max_rel={rel.pair.max_rel:.3e} {where} — {tail}"

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import html
-import math
 import weakref
 from pathlib import Path
 from typing import Any
@@ -24,10 +23,11 @@ from rlx_nb.frames import (
     elements_frame,
     summary_frame,
     timings_frame,
-    worst_record,
 )
+from rlx_nb.reasons import seed_line
+from rlx_nb.records import worst_record
 from rlx_nb.results import RunResults
-from rlx_nb.verdict import NONDETERMINISTIC, SUSPECT, VERDICT_ERROR, VERDICT_SKIPPED
+from rlx_nb.verdict import VERDICT_ERROR
 
 
 class DivergenceReport:
@@ -334,7 +334,7 @@ class DivergenceReport:
         out = []
         for name in self.results.candidates:
             recs = [r for r in self.records if r.backend == name]
-            out.append(_line(label, name, recs))
+            out.append(seed_line(label, name, recs))
         if self.incomplete:
             out.append(f"[{label}] INCOMPLETE: {self.incomplete}")
         return out
@@ -408,27 +408,6 @@ def _strong(refs: Any) -> Any:
             raise LookupError("freed")
         return obj
     return refs
-
-
-def _line(label: str, name: str, recs: list[OutputRecord]) -> str:
-    worst = worst_record(recs)
-    if worst.verdict in (VERDICT_ERROR, VERDICT_SKIPPED) and worst.output is None:
-        return f"[{label}] {name:>6} vs cpu: {worst.verdict.upper()} — {worst.reason}"
-    arrays = [r for r in recs if r.max_rel == r.max_rel]
-    max_abs = max((r.max_abs for r in arrays), default=math.nan)
-    rel = max(arrays, key=lambda r: r.max_rel) if arrays else worst
-    where = f"(output #{rel.output_index} {rel.output})"
-    if worst.verdict == SUSPECT:
-        tail = f"SUSPECT ({worst.reason})"
-        if worst.output != rel.output:
-            tail = f"SUSPECT (output #{worst.output_index} {worst.output}: {worst.reason})"
-    else:
-        skipped = [r for r in recs if r.verdict in (VERDICT_SKIPPED, VERDICT_ERROR, NONDETERMINISTIC)]
-        tail = "round-off (explainable)"
-        if skipped:
-            count = f"{len(skipped)} output(s) " if len(skipped) > 1 else ""
-            tail += f"; {count}{skipped[0].verdict}: {skipped[0].reason}"
-    return f"[{label}] {name:>6} vs cpu: max_abs={max_abs:.3e} max_rel={rel.max_rel:.3e} {where} — {tail}"
 
 
 def load_report(path) -> DivergenceReport:

@@ -56,9 +56,9 @@ class ReportPlotter:
         o, b, ref = _real(o), _real(b), _real(ref)
         what = " (real, imag)" if complex_ else ""
         kwargs.setdefault("title", f"{backend} · {output}{what} · {METRIC_LABELS.get(metric, metric)}")
-        if metric == "abs" and rec.worst_index is not None and not complex_:
-            kwargs.setdefault("worst", rec.worst_index)
-        return plot_heatmap(o, b, ref, metric=metric, budget=rec.budget_rmse, **kwargs)
+        if metric == "abs" and rec.pair.worst_index is not None and not complex_:
+            kwargs.setdefault("worst", rec.pair.worst_index)
+        return plot_heatmap(o, b, ref, metric=metric, budget=rec.judgement.budget_rmse, **kwargs)
 
     def _pairs(self, output: str | None, backends: Sequence[str] | None) -> tuple[str, dict]:
         r = self._report
@@ -102,10 +102,10 @@ class ReportPlotter:
         for name in pairs:
             rec = r.record(name, output)
             if metric == "budget":
-                scales[name] = 1.0 / rec.budget_rmse if rec.budget_rmse > 0 else 1.0
-                lines[name] = MAX_LIMIT * rec.budget_max * scales[name]
+                scales[name] = 1.0 / rec.judgement.budget_rmse if rec.judgement.budget_rmse > 0 else 1.0
+                lines[name] = MAX_LIMIT * rec.judgement.budget_max * scales[name]
             elif metric in ("abs", "rel"):
-                lines[name] = rec.tol_rel if metric == "rel" else MAX_LIMIT * rec.budget_max
+                lines[name] = rec.judgement.tol_rel if metric == "rel" else MAX_LIMIT * rec.judgement.budget_max
         kwargs.setdefault("title", f"{output}: error histogram")
         return plot_histogram(
             pairs, metric=metric, lines=lines, scales=scales, suspects=r.suspects, highlight=highlight, **kwargs
@@ -116,7 +116,7 @@ class ReportPlotter:
         backend, output = self._pick(backend, output)
         o, b, _ = self._report.arrays(backend, output)
         o, b = _real(o), _real(b)
-        kwargs.setdefault("tol_rel", self._report.record(backend, output).tol_rel)
+        kwargs.setdefault("tol_rel", self._report.record(backend, output).judgement.tol_rel)
         kwargs.setdefault("title", f"{backend} · {output}: error vs magnitude")
         return plot_scatter(o, b, **kwargs)
 
@@ -125,8 +125,10 @@ class ReportPlotter:
         by the backend's verdict."""
         bits: dict[str, float] = {}
         for rec in self._report.records:
-            if (output is None or rec.output == output) and rec.effective_bits == rec.effective_bits:
-                bits[rec.backend] = min(bits.get(rec.backend, 99.0), rec.effective_bits)
+            if (
+                output is None or rec.output == output
+            ) and rec.judgement.effective_bits == rec.judgement.effective_bits:
+                bits[rec.backend] = min(bits.get(rec.backend, 99.0), rec.judgement.effective_bits)
         if not bits:
             raise InputError("no effective-precision readings in this report (no fp64 reference?)")
         verdicts = {name: self._report.record(name, output).verdict for name in bits}

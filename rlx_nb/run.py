@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from rlx_nb import fingerprints, interrupted, phases, preparations, switches
+from rlx_nb import fingerprints, formats, interrupted, phases, preparations, switches
 from rlx_nb.backends import ORACLE, REFERENCE, Backend, get_backend, resolve_backends
 from rlx_nb.backends.eager import run_eager, run_float64_streamed
 from rlx_nb.backends.emulated import emulate
@@ -44,7 +44,6 @@ from rlx_nb.results import (
 )
 from rlx_nb.tree import map_tensors
 
-ANCHOR_BITS = (8, 11)
 STREAMED = Backend(REFERENCE, run_float64_streamed, compute_dtype="float64", hookable=True)
 ANCHORS_CHEAP_S = 0.1
 """An oracle run this short (seconds) makes the precision anchors cheap: they always run.  Past it they run
@@ -185,7 +184,7 @@ def run(
         anchors: dict[int, BackendRun] = {}
 
         def run_anchors() -> None:
-            for bits in ANCHOR_BITS:
+            for bits in formats.ANCHOR_BITS:
                 anchor = Backend(f"anchor:{bits}", emulate(bits, results=True), hookable=True)
                 anchors[bits] = go(anchor, f"anchor {bits} bits", timeout_s=timeout_s)
 
@@ -306,7 +305,7 @@ def _discrete_events(
     from rlx_nb import discrete as dx
 
     grads = {n for n in oracle.outputs if n.startswith("grad:")}
-    scales = {ORACLE: 1.0, "sequential": 1.0, **{n: dx.SCALE.get(runs[n].compute_dtype, 1.0) for n in flipping}}
+    scales = {ORACLE: 1.0, "sequential": 1.0, **{n: formats.scale_of(runs[n].compute_dtype) for n in flipping}}
     found = dx.analyse(
         private.copy_for("discrete events"),
         args,

@@ -15,8 +15,8 @@ import math
 import typing
 from typing import Any
 
+from rlx_nb import formats
 from rlx_nb.errors import ReportFormatError
-from rlx_nb.metrics import UNIT_ROUNDOFF
 
 STATUSES = ("ok", "error", "skipped")
 VERDICTS = ("round-off", "SUSPECT", "error", "skipped", "nondeterministic")
@@ -114,7 +114,7 @@ def run(spec: Any, where: str) -> dict:
         "seconds": number(spec.get("seconds", 0.0), f"{where}.seconds", low=0.0),
         "grad_status": None if grad_status is None else one_of(grad_status, STATUSES, f"{where}.grad_status"),
         "grad_message": string(spec.get("grad_message", ""), f"{where}.grad_message"),
-        "compute_dtype": one_of(spec.get("compute_dtype", "float32"), tuple(UNIT_ROUNDOFF), f"{where}.compute_dtype"),
+        "compute_dtype": one_of(spec.get("compute_dtype", "float32"), tuple(formats.FORMATS), f"{where}.compute_dtype"),
         "reduction_lengths": {
             k: integer(v, f"{where}.reduction_lengths[{k!r}]", low=1)
             for k, v in mapping(spec.get("reduction_lengths") or {}, f"{where}.reduction_lengths").items()
@@ -132,10 +132,6 @@ def fingerprints(value: Any) -> dict[str, str | None]:
     return {k: None if v is None else string(v, f"fingerprints[{k!r}]") for k, v in found.items()}
 
 
-def _required(f: dataclasses.Field) -> bool:
-    return f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING
-
-
 # -- records --------------------------------------------------------------------------------------
 
 
@@ -143,13 +139,12 @@ def _required(f: dataclasses.Field) -> bool:
 class _Field:
     name: str
     kind: Any  # str, float, int, bool, "shape", "str?" (a str or None)
+    required: bool = False
 
 
-def _fields(record_type: type) -> list[_Field]:
-    hints = typing.get_type_hints(record_type)
+def _fields(columns: list[tuple[str, Any, bool]]) -> list[_Field]:
     out = []
-    for f in dataclasses.fields(record_type):
-        hint = hints[f.name]
+    for name, hint, required in columns:
         args = set(typing.get_args(hint))
         if hint in (str, float, int, bool):
             kind = hint
@@ -158,8 +153,8 @@ def _fields(record_type: type) -> list[_Field]:
         elif type(None) in args and any(typing.get_origin(a) is tuple for a in args):
             kind = "shape"
         else:  # pragma: no cover - a new field type must be taught here
-            raise TypeError(f"no schema for {record_type.__name__}.{f.name}: {hint}")
-        out.append(_Field(f.name, kind))
+            raise TypeError(f"no schema for a record's {name}: {hint}")
+        out.append(_Field(name, kind, required))
     return out
 
 
@@ -193,7 +188,7 @@ def record(raw: Any, where: str, fields: list[_Field]) -> dict[str, Any]:
     if "kind" in out:
         one_of(out["kind"], KINDS, f"{where}.kind")
     if "compute_dtype" in out:
-        one_of(out["compute_dtype"], tuple(UNIT_ROUNDOFF), f"{where}.compute_dtype")
+        one_of(out["compute_dtype"], tuple(formats.FORMATS), f"{where}.compute_dtype")
     dims, worst = out.get("shape"), out.get("worst_index")
     if worst is not None and (
         dims is None or len(worst) != len(dims) or any(i >= n for i, n in zip(worst, dims, strict=True))
@@ -202,18 +197,21 @@ def record(raw: Any, where: str, fields: list[_Field]) -> dict[str, Any]:
     return out
 
 
-def records(raw: Any, record_type: type, outputs: dict[str, set[str]], oracle: dict[str, Any]) -> list[dict]:
+def records(
+    raw: Any, columns: list[tuple[str, Any, bool]], outputs: dict[str, set[str]], oracle: dict[str, Any]
+) -> list[dict]:
     """Every saved record, checked against the runs: its backend is a candidate, its output one that run or
-    the oracle has, its shape the oracle's.  ``outputs``: each candidate's output names; ``oracle``: the
-    oracle's output shapes (``None`` for plain values)."""
+    the oracle has, its shape the oracle's.  ``columns``: ``(name, type, required)`` of a record's flat row
+    (:func:`rlx_nb.frames.record_fields`); ``outputs``: each candidate's output names; ``oracle``: the oracle's
+    output shapes (``None`` for plain values)."""
     if not isinstance(raw, list):
         raise fail("records", "a list", raw)
-    fields = _fields(record_type)
+    fields = _fields(columns)
     out = []
     for i, item in enumerate(raw):
         where = f"records[{i}]"
         r = record(item, where, fields)
-        absent = [f.name for f in dataclasses.fields(record_type) if f.name not in r and _required(f)]
+        absent = [f.name for f in fields if f.name not in r and f.required]
         if absent:
             raise fail(where, f"a record with {', '.join(absent)}", item)
         backend, name = r["backend"], r["output"]

@@ -18,22 +18,37 @@ is ``docs/verdict.md``; the allowances for chance are :mod:`rlx_nb.chance`.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from rlx_nb import formats
 from rlx_nb.chance import isolation, peak_mean, sample_allowance, slice_allowance, slice_lean
-from rlx_nb.metrics import UNIT_ROUNDOFF
+from rlx_nb.judgement import (
+    NONDETERMINISTIC,
+    ROUNDOFF,
+    SUSPECT,
+    VERDICT_ERROR,
+    VERDICT_SKIPPED,
+    Cause,
+    Evidence,
+    Judgement,
+    SliceEvidence,
+    without_statistics,
+)
+from rlx_nb.readings import (
+    MILD_BITS,
+    NOISE_LIMIT,
+    PRECISION_ALIKE,
+    PRECISION_UNLIKE,
+    effective_bits,
+    looks_less_accurate,
+    looks_like_reduced_precision,
+    noise_like,
+)
 from rlx_nb.reference import ReferenceStats, SliceStats
-
-ROUNDOFF = "round-off"
-SUSPECT = "SUSPECT"
-VERDICT_ERROR = "error"
-VERDICT_SKIPPED = "skipped"
-NONDETERMINISTIC = "nondeterministic"
 
 RULES = ("budget", "fixed")
 TOL_REL_FORWARD = 2e-3
@@ -45,61 +60,7 @@ GRAD_FLOOR_UNITS = 4.0
 BETTER_THAN_ORACLE = 0.5
 CONCENTRATION_LIMIT = 3.0
 CONCENTRATED_OVER_ORACLE = 10.0
-ANCHOR_OF = {"bfloat16": 8, "float16": 11, "tf32": 11}
-"""The precision anchor (``run.ANCHOR_BITS``) at a reduced-precision backend's own mantissa width: the model
-with its matmuls and convolutions computed at that backend's precision, a legitimate run at its precision."""
-FORMAT_BITS = {"fp32": 24, "tf32/fp16": 11, "bf16": 8}
-
-
-@dataclasses.dataclass(frozen=True)
-class SliceEvidence:
-    """Per-slice error sums (:class:`~rlx_nb.reference.SliceStats`) of the backend and of the legitimate runs.
-
-    ``legit``: the fp32 oracle and sequential run; ``at_precision``: the anchor at a reduced-precision
-    backend's own width; ``profiles``: ``(whole-output RMSE, slice sums)`` of every precision anchor,
-    whose error shows which slices amplify round-off.  All have the backend's axes.
-    """
-
-    backend: SliceStats
-    legit: tuple[SliceStats, ...]
-    at_precision: tuple[SliceStats, ...] = ()
-    profiles: tuple[tuple[float, SliceStats], ...] = ()
-
-
-@dataclasses.dataclass(frozen=True)
-class Evidence:
-    """Everything the budget verdict reads about one (backend, output): errors against the fp64 reference."""
-
-    backend: str
-    kind: str
-    compute_dtype: str
-    numel: int
-    errors: ReferenceStats
-    """The backend's output against fp64."""
-    oracle: ReferenceStats
-    sequential: ReferenceStats | None = None
-    anchor: tuple[int, ReferenceStats] | None = None
-    """``(bits, errors)`` of the anchor at the backend's own precision (reduced-precision backends only)."""
-    slices: SliceEvidence | None = None
-    nonfinite_mismatch: int = 0
-    reduction_length: int = 1
-
-
-@dataclasses.dataclass(frozen=True)
-class Judgement:
-    """The budget verdict on one (backend, output) and the figures behind it."""
-
-    verdict: str
-    budget_rmse: float
-    budget_max: float
-    ratio_rmse: float
-    ratio_max: float
-    excess: float
-    slice_ratio: float = math.nan
-    slice_at: str = ""
-    concentration: float = math.nan
-    concentrated: bool = False
-    notes: tuple[str, ...] = ()
+FP32_U = formats.unit_roundoff("float32")
 
 
 def fixed_verdict(max_rel: float, tol_rel: float, nonfinite_mismatch: int) -> str:
@@ -114,11 +75,14 @@ def default_tol_rel(kind: str) -> float:
 
 def scale_of(compute_dtype: str) -> float:
     """The compute format's unit round-off over float32's (1 for fp32, 2**13 for fp16/tf32, 2**16 for bf16)."""
-    return max(1.0, UNIT_ROUNDOFF.get(compute_dtype, UNIT_ROUNDOFF["float32"]) / UNIT_ROUNDOFF["float32"])
+    return formats.scale_of(compute_dtype)
 
 
 def judge(e: Evidence) -> Judgement:
     """The budget verdict (module docstring) from the errors of the backend and the legitimate runs.
+
+    Returns the whole :class:`Judgement` of the budget rule: its verdict, the clause that decided it, the
+    SUSPECT-line number and the figures; :func:`decide` then applies the rule in charge.
 
     Examples
     --------
@@ -126,8 +90,9 @@ def judge(e: Evidence) -> Judgement:
     >>> oracle = ReferenceStats(rmse=1e-7, max_err=3e-7, ref_rms=1.0, ref_max=3.0)
     >>> judge(Evidence("b", "forward", "float32", 1000, oracle, oracle)).verdict
     'round-off'
-    >>> judge(Evidence("b", "forward", "float32", 1000, ReferenceStats(1e-5, 3e-5, 1.0, 3.0), oracle)).verdict
-    'SUSPECT'
+    >>> j = judge(Evidence("b", "forward", "float32", 1000, ReferenceStats(1e-5, 3e-5, 1.0, 3.0), oracle))
+    >>> j.verdict, j.cause, round(j.line, 1)
+    ('SUSPECT', 'whole output', 21.0)
     """
     notes: list[str] = []
     scale = scale_of(e.compute_dtype)
@@ -138,7 +103,7 @@ def judge(e: Evidence) -> Judgement:
         notes.append("no sequential run for this output: the gradient floor is guessed from the sum's length")
     else:
         units = FLOOR_UNITS
-    floor = units * UNIT_ROUNDOFF["float32"]
+    floor = units * FP32_U
     legit_rmse, legit_max = max(s.rmse for s in legit), max(s.max_err for s in legit)
     samples = len({(s.rmse, s.max_err) for s in legit})  # (a sequential run equal to the oracle adds none)
     short = sample_allowance(e.numel, samples)
@@ -177,24 +142,107 @@ def judge(e: Evidence) -> Judgement:
     legit_all = legit + ([anchor] if anchor is not None else [])
     concentration = isolation(sb, e.numel) / max(max(isolation(s, e.numel) for s in legit_all), 1.0)
     far = CONCENTRATED_OVER_ORACLE * max(
-        scale * max(legit_max, FLOOR_UNITS * UNIT_ROUNDOFF["float32"] * so.ref_max),
+        scale * max(legit_max, FLOOR_UNITS * FP32_U * so.ref_max),
         anchor.max_err if anchor is not None else 0.0,
     )
     concentrated = bool(e.numel >= 2 and sb.max_err > far and concentration > CONCENTRATION_LIMIT)
-    verdict = SUSPECT if excess > 1.0 or concentrated or e.nonfinite_mismatch else ROUNDOFF
+    verdict = SUSPECT if excess > 1.0 or concentrated else ROUNDOFF
+    apart = min(_ratio(sb.max_err, far), concentration / CONCENTRATION_LIMIT) if e.numel >= 2 else 0.0
+    line = max(excess, apart if apart == apart else 0.0)
+    if e.nonfinite_mismatch:
+        verdict, cause, line = SUSPECT, Cause.NONFINITE, math.inf
+    elif verdict == ROUNDOFF:
+        if e.max_abs == 0 and sb.rmse == so.rmse and not e.oracle_outliers:
+            cause = Cause.IDENTICAL
+        elif e.discrete_events:
+            cause = Cause.DISCRETE
+        elif e.oracle_outliers or _oracle_is_the_outlier(e, units):
+            cause = Cause.ORACLE_OFF
+        else:
+            cause = Cause.WITHIN
+    elif ratio_slice > RMSE_LIMIT and whole_excess(ratio_rmse, ratio_max) <= 1.0:
+        cause = Cause.SLICE
+    elif concentrated and excess <= 1.0:
+        cause = Cause.CONCENTRATED
+    else:
+        cause = Cause.WORST if ratio_max / MAX_LIMIT > ratio_rmse / RMSE_LIMIT else Cause.WHOLE
+    bits, closest = effective_bits(sb.rmse, so.rmse, e.anchors_rmse)
     return Judgement(
         verdict,
-        budget_rmse,
-        budget_max,
-        ratio_rmse,
-        ratio_max,
-        excess,
-        ratio_slice,
-        slice_at,
-        concentration,
-        concentrated,
-        tuple(notes),
+        cause,
+        line,
+        verdict_budget=verdict,
+        budget_rmse=budget_rmse,
+        budget_max=budget_max,
+        ratio_rmse=ratio_rmse,
+        ratio_max=ratio_max,
+        excess=excess,
+        slice_ratio=ratio_slice,
+        slice_at=slice_at,
+        concentration=concentration,
+        concentrated=concentrated,
+        oracle_rmse=so.rmse,
+        backend_rmse=sb.rmse,
+        oracle_max_err=so.max_err,
+        backend_max_err=sb.max_err,
+        sequential_rmse=ss.rmse if ss is not None else math.nan,
+        sequential_max_err=ss.max_err if ss is not None else math.nan,
+        effective_bits=bits,
+        closest_format=closest,
+        discrete_events=e.discrete_events,
+        nonfinite_unexplained=e.nonfinite_mismatch,
+        oracle_outliers=e.oracle_outliers,
+        notes=tuple(notes),
     )
+
+
+def _oracle_is_the_outlier(e: Evidence, units: float) -> bool:
+    # The budget the other way round: the oracle's error against fp64 judged with the backend's as the
+    # legitimate one.  Past the limits, the oracle is what is off (a backend merely more accurate is not).
+    scale = scale_of(e.compute_dtype)
+    so, sb = e.oracle, e.errors
+    budget_rmse = scale * max(sb.rmse, units * FP32_U * so.ref_rms)
+    budget_max = scale * max(sb.max_err, units * FP32_U * so.ref_max)
+    return excess_within(so.rmse, so.max_err, budget_rmse, budget_max) > 1.0
+
+
+def decide(j: Judgement, rule: str, fixed: Judgement) -> Judgement:
+    """The rule in charge applied: ``j`` (the budget's, or None without a reference) or the seed's ``fixed``."""
+    if j is None:
+        return fixed
+    if rule == "fixed":
+        return dataclasses.replace(j, verdict=fixed.verdict, cause=Cause.FIXED, line=fixed.line,
+                                   verdict_fixed=fixed.verdict, tol_rel=fixed.tol_rel)  # fmt: skip
+    return dataclasses.replace(j, verdict_fixed=fixed.verdict, tol_rel=fixed.tol_rel)
+
+
+def fixed_judgement(max_rel: float, tol_rel: float, nonfinite_mismatch: int) -> Judgement:
+    """The seed's rule as a :class:`Judgement`: SUSPECT when ``max_rel > tol_rel`` or NaN/Inf patterns differ."""
+    verdict = fixed_verdict(max_rel, tol_rel, nonfinite_mismatch)
+    line = math.inf if nonfinite_mismatch else _ratio(max_rel, tol_rel)
+    return Judgement(verdict, Cause.FIXED, line, verdict_fixed=verdict, tol_rel=tol_rel)
+
+
+def read_suspect(j: Judgement, compute_dtype: str, kind: str, **readings: Any) -> Judgement:
+    """A SUSPECT judgement with what was read of its error (``zero_mismatch``, ``anchor_likeness``, ``error_bias``
+    ...), and the reading that explains it as its cause: positions the model zeroes (where the rest is round-off),
+    then a precision likeness (:func:`looks_like_reduced_precision`); else the clause stays the cause."""
+    j = dataclasses.replace(j, **readings)
+    if j.verdict != SUSPECT or j.cause in (Cause.NONFINITE, Cause.FIXED):
+        return j
+    if j.zero_mismatch and j.excess_elsewhere <= 1.0:
+        return dataclasses.replace(j, cause=Cause.ZEROS)
+    if looks_like_reduced_precision(j, compute_dtype, kind):
+        return dataclasses.replace(j, cause=Cause.PRECISION)
+    return j
+
+
+def read_less_accurate(j: Judgement) -> Judgement:
+    """A SUSPECT judgement of a backend every SUSPECT output of which reads as less accurate arithmetic."""
+    if j.verdict != SUSPECT:
+        return j
+    keep = j.cause in (Cause.NONFINITE, Cause.FIXED, Cause.ZEROS, Cause.PRECISION)
+    return dataclasses.replace(j, less_accurate=True, cause=j.cause if keep else Cause.LESS_ACCURATE)
 
 
 def whole_excess(ratio_rmse: float, ratio_max: float) -> float:
@@ -279,107 +327,15 @@ def anchors_took_another_path(oracle_rmse: float, floor: float, wide_rmse: float
     return wide_rmse > ANCHORS_MATTER * max(oracle_rmse, floor) and apart_rmse < ANCHORS_APART * wide_rmse
 
 
-def effective_bits(backend_rmse: float, oracle_rmse: float, anchors: dict[int, float]) -> tuple[float, str]:
-    """Effective mantissa bits of a backend's error, and the closest standard format.
-
-    Read on a per-output scale calibrated on the same model: the oracle's RMSE against fp64 is 24
-    bits, and the precision anchors' (``{bits: rmse}``, the model's matmuls computed at 11 and 8 bits)
-    mark those points (interpolated in log2 error), so the output's own accumulation length and
-    conditioning do not shift the reading.
-
-    Examples
-    --------
-    >>> effective_bits(2e-4, 1e-7, {11: 2e-4, 8: 1.6e-3})
-    (11.0, 'tf32/fp16')
-    """
-    points = [(24.0, oracle_rmse)] + [(float(b), r) for b, r in sorted(anchors.items(), reverse=True)]
-    logs = [(b, math.log2(err)) for b, err in points if err > 0]
-    err = backend_rmse
-    if not logs or logs[0][0] != 24.0 or err <= oracle_rmse or err <= 0:
-        bits = 24.0 if err <= oracle_rmse else math.nan
-    else:
-        y = math.log2(err)
-        monotone = all(logs[i][1] < logs[i + 1][1] for i in range(len(logs) - 1))
-        bits = math.nan
-        if monotone and len(logs) > 1:
-            for (b1, y1), (b2, y2) in itertools.pairwise(logs):
-                if y <= y2:
-                    bits = b1 + (y - y1) * (b2 - b1) / (y2 - y1)
-                    break
-            else:
-                (b1, y1), (b2, y2) = logs[-2], logs[-1]
-                bits = b2 + (y - y2) * (b2 - b1) / (y2 - y1)
-        else:  # no usable scale: one bit per doubling of the oracle's error
-            bits = 24.0 - (y - logs[0][1])
-        bits = max(0.0, min(24.0, bits))
-    closest = min(FORMAT_BITS, key=lambda f: abs(FORMAT_BITS[f] - bits)) if bits == bits else ""
-    return bits, closest
-
-
-def looks_like_reduced_precision(r: Any) -> bool:
-    """Whether a SUSPECT record's error looks like a reduced-precision mode rather than a bug.
-
-    A precision mode shows in the forward outputs, spread over every element (not concentrated like a
-    one-row bug, and leaning on no slice more than on the whole output: its error is round-off at a
-    coarser unit, which averages out over a row), at about a standard narrower format's bits.
-    """
-    spread = r.ratio_max <= 8 * max(r.ratio_rmse, 1e-300) and not r.slice_ratio >= r.ratio_rmse
-    near = min(abs(r.effective_bits - b) for b in (FORMAT_BITS["tf32/fp16"], FORMAT_BITS["bf16"])) <= 1.0
-    return r.compute_dtype == "float32" and r.kind == "forward" and spread and near
-
-
-NOISE_LIMIT = 0.25
-"""An error is *noise-like* when its mean is within this fraction of its RMS and its correlation with the
-fp64 values within this (plus 3/sqrt(n) for chance): round-off has neither a bias nor a shape; a kernel
-bug usually has one (a scale or an offset: LayerNorm's eps, a dropped term, a mean off by one)."""
-
-
-def noise_like(r: Any) -> bool:
-    """Whether a record's error against fp64 (``error_bias``, ``error_value_corr``) is noise, not systematic."""
-    chance = 3.0 / math.sqrt(max(r.numel, 1))
-    return abs(r.error_bias) <= NOISE_LIMIT + chance and abs(r.error_value_corr) <= NOISE_LIMIT + chance
-
-
-MILD_BITS = 19.0
-"""An fp32 backend's uniform, noise-like error at this many effective bits or more (at most ~5 bits lost) reads as
-a less accurate arithmetic: fast fp32 algorithms (Winograd or FFT convolutions, split accumulations) lose a bit
-or a few; the catalogue's real faults that were this mild and this noise-like were all on gradients."""
-
-
-def looks_less_accurate(r: Any) -> bool:
-    """Whether a SUSPECT fp32 record's error reads as a uniformly less accurate arithmetic, not a kernel bug.
-
-    Spread over the output (not concentrated on a few elements, leaning on no slice), noise-like
-    (:func:`noise_like`: no bias, not following the values), not at a standard narrower format's bits
-    (:func:`looks_like_reduced_precision`), and mild: :data:`MILD_BITS` effective bits or more.  The report
-    reads a backend so only when every SUSPECT output of it does (``OutputRecord.less_accurate``): a bug
-    that shows its shape on one output is a bug on all.  NNPACK's fast convolutions, which eager CPU kernels
-    use from batch 16 with oneDNN off, read this way (ResNet's logits at batch 32: 4.4x the budget, 21.4 bits).
-    """
-    spread = not r.concentrated and not r.slice_ratio >= r.ratio_rmse
-    return (
-        r.verdict == SUSPECT
-        and r.compute_dtype == "float32"
-        and spread
-        and r.error_bias == r.error_bias
-        and noise_like(r)
-        and not looks_like_reduced_precision(r)
-        and r.effective_bits == r.effective_bits
-        and MILD_BITS <= r.effective_bits < 24
-    )
-
-
-PRECISION_ALIKE = 0.25
-"""Correlation of a backend's |error| with the precision anchor's, element by element, from which its
-error follows the pattern a reduced-precision mode leaves on the model (on the demo MLP, transformer
-and conv net: autocast bf16/fp16 0.83-1.0, TF32 operand rounding 0.29-0.53 against the anchor's
-autocast-style rounding)."""
-PRECISION_UNLIKE = 0.15
-"""... and below which it does not (a LayerNorm eps off by 10x and a dropped bias channel: -0.1-0.12).
-In between, the reason says it cannot tell."""
-
-
 def _ratio(num: float, den: float) -> float:
     if den > 0:
         return num / den
     return 0.0 if num == 0 else math.inf
+
+
+__all__ = [
+    "MILD_BITS", "NOISE_LIMIT", "NONDETERMINISTIC", "PRECISION_ALIKE", "PRECISION_UNLIKE", "ROUNDOFF", "SUSPECT",
+    "VERDICT_ERROR", "VERDICT_SKIPPED", "Cause", "Evidence", "Judgement", "ReferenceStats", "SliceEvidence",
+    "SliceStats", "decide", "effective_bits", "fixed_judgement", "judge", "looks_less_accurate",
+    "looks_like_reduced_precision", "noise_like", "read_less_accurate", "read_suspect", "without_statistics",
+]  # fmt: skip

@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from rlx_nb.errors import InputError
-from rlx_nb.frames import worst_first
 from rlx_nb.plotting import HEATMAP_MARGINS, HISTOGRAM_MARGINS
+from rlx_nb.records import worst_first
 from rlx_nb.verdict import SUSPECT, VERDICT_ERROR, VERDICT_SKIPPED
 
 if TYPE_CHECKING:
@@ -180,7 +180,7 @@ class Explorer(W.VBox if W is not None else object):
             f"<span style='color:{'#b00020' if rec.verdict == SUSPECT else '#1b5e20'}'><b>{html.escape(rec.verdict)}</b></span> — "
             f"{html.escape(rec.reason)}"
         )
-        has_ref = rec.budget_rmse == rec.budget_rmse
+        has_ref = rec.judgement.budget_rmse == rec.judgement.budget_rmse
         self._busy = True
         options = METRIC_OPTIONS if has_ref else METRIC_OPTIONS[1:]
         if self.metric_toggle.options != tuple(options):

@@ -103,15 +103,20 @@ def test_a_backend_that_compares_on_its_device_gives_the_same_report_without_hos
     by_dev = {r.output: r for r in report.records if r.backend == "test:on-device"}
     for r in (r for r in report.records if r.backend == "test:on-host"):
         d = by_dev[r.output]
-        assert (d.verdict, d.worst_index, d.max_ulp, d.mismatched) == (
+        assert (d.verdict, d.pair.worst_index, d.pair.max_ulp, d.pair.mismatched) == (
             r.verdict,
-            r.worst_index,
-            r.max_ulp,
-            r.mismatched,
+            r.pair.worst_index,
+            r.pair.max_ulp,
+            r.pair.mismatched,
         )
-        assert d.max_abs == pytest.approx(r.max_abs, rel=1e-12) and d.p99_abs == pytest.approx(r.p99_abs, rel=1e-6)
-        assert d.ratio_rmse == pytest.approx(r.ratio_rmse, rel=1e-9)
-        assert d.slice_ratio == pytest.approx(r.slice_ratio, rel=1e-6, nan_ok=True) and d.slice_at == r.slice_at
+        assert d.pair.max_abs == pytest.approx(r.pair.max_abs, rel=1e-12) and d.pair.p99_abs == pytest.approx(
+            r.pair.p99_abs, rel=1e-6
+        )
+        assert d.judgement.ratio_rmse == pytest.approx(r.judgement.ratio_rmse, rel=1e-9)
+        assert (
+            d.judgement.slice_ratio == pytest.approx(r.judgement.slice_ratio, rel=1e-6, nan_ok=True)
+            and d.judgement.slice_at == r.judgement.slice_at
+        )
     worst = report.record("test:on-device").output
     top = report.elements("test:on-device", worst, top=5)
     assert dev[worst].on_device  # the top-k moved only its 5 elements

@@ -60,7 +60,7 @@ def test_relu_inputs_within_round_off_that_flip_are_accounted_for_not_called_a_b
         report = rlx_nb.backend_divergence(PlainCNN(), x, backends=["test-nudged"], backward=True, progress=False)
     finally:
         rlx_nb.unregister_backend("test-nudged")
-    flipped = [r for r in report.records if r.discrete_events]
+    flipped = [r for r in report.records if r.judgement.discrete_events]
     assert flipped, "the nudge flips ReLU inputs here (the test's premise)"
     assert report.record("test-nudged").verdict == ROUNDOFF, report.record("test-nudged").reason
     rec = flipped[0]
@@ -107,7 +107,7 @@ def test_a_uniformly_less_accurate_backend_is_named_so_not_a_kernel_bug():
     less = report.record("test-19-bits")
     assert less.verdict == SUSPECT  # the documented policy: it claims fp32 and is beyond its budget
     assert "uniformly less accurate" in less.reason and "likely a kernel bug" not in less.reason
-    assert "convolution call(s)" in less.reason and 19 < less.effective_bits < 23
+    assert "convolution call(s)" in less.reason and 19 < less.judgement.effective_bits < 23
     assert report.backends.set_index("backend").loc["test-19-bits", "why"].startswith("less accurate (~")
     bug = report.record("fault:gelu-approx")
     assert bug.verdict == SUSPECT and "likely a kernel bug" in bug.reason  # systematic: follows the values

@@ -57,7 +57,7 @@ def test_severity_backends_are_named_and_milder_is_smaller():
     _REGISTRY[mild.name] = mild
     model, inputs = demo.transformer()
     report = rlx_nb.backend_divergence(model, inputs, backends=[mild.name, "fault:softmax-row"])
-    assert report.record(mild.name).max_abs < report.record("fault:softmax-row").max_abs
+    assert report.record(mild.name).pair.max_abs < report.record("fault:softmax-row").pair.max_abs
     del _REGISTRY[mild.name]
     with pytest.raises(ValueError, match="unknown fault"):
         fault_backend("fault:nope")

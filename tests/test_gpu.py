@@ -38,29 +38,21 @@ def test_cuda_outputs_are_compared_on_the_gpu():
     assert all(leaf.on_device and leaf.tensor.is_cuda for leaf in leaves.values() if leaf.is_array)
     top = report.elements("cuda", top=5)
     assert all(leaf.on_device for leaf in leaves.values() if leaf.is_array)  # top-k moved only 5 values
-    from rlx_nb.compare import compare_leaf
+    from rlx_nb.comparators import Candidate, compare_output
+    from rlx_nb.context import contexts
     from rlx_nb.results import Leaf
 
+    outputs = {ctx.name: ctx for ctx in contexts(report.results)}
     for rec in report.records:
         host = leaves[rec.output].value  # the host copy, made here
-        again = compare_leaf(
-            report.results.oracle.outputs[rec.output],
-            Leaf(host, rec.dtype, host.shape),
-            report.results.reference.outputs[rec.output],
-            rule="budget",
-            backend="cuda",
-            output=rec.output,
-            output_index=rec.output_index,
-            kind=rec.kind,
-            compute_dtype=rec.compute_dtype,
-            tol_rel=rec.tol_rel,
-            reduction_length=rec.reduction_length,
+        again = compare_output(
+            outputs[rec.output], Candidate("cuda", rec.compute_dtype, Leaf(host, rec.dtype, host.shape))
         )
-        assert (again.max_abs, again.worst_index, again.max_ulp, again.mismatched) == (
-            rec.max_abs,
-            rec.worst_index,
-            rec.max_ulp,
-            rec.mismatched,
+        assert (again.pair.max_abs, again.pair.worst_index, again.pair.max_ulp, again.pair.mismatched) == (
+            rec.pair.max_abs,
+            rec.pair.worst_index,
+            rec.pair.max_ulp,
+            rec.pair.mismatched,
         )
-        assert again.p99_abs == pytest.approx(rec.p99_abs) and again.verdict == rec.verdict
-    assert top["abs_err"].iloc[0] == pytest.approx(report.record("cuda").max_abs)
+        assert again.pair.p99_abs == pytest.approx(rec.pair.p99_abs) and again.verdict == rec.verdict
+    assert top["abs_err"].iloc[0] == pytest.approx(report.record("cuda").pair.max_abs)

@@ -81,8 +81,8 @@ def test_nan_where_the_oracle_has_a_number_is_a_mismatch_nan_in_both_is_not():
         torch.randn(5, 3),
     )
     rec = report.record("test-nan-one")
-    assert rec.verdict == SUSPECT and rec.nonfinite_mismatch > 0
-    assert report.record("cpu-nomkldnn").nonfinite_mismatch == 0
+    assert rec.verdict == SUSPECT and rec.pair.nonfinite_mismatch > 0
+    assert report.record("cpu-nomkldnn").pair.nonfinite_mismatch == 0
 
 
 def test_structure_or_shape_differences():
@@ -234,7 +234,7 @@ def test_huge_output_is_fine():
     )
     rec = report.record("cpu-nomkldnn")
     assert rec.numel == 16_000_000 and rec.verdict == ROUNDOFF
-    assert np.isfinite(rec.p99_abs)
+    assert np.isfinite(rec.pair.p99_abs)
 
 
 def _deep_failure(model, inputs):

@@ -119,7 +119,7 @@ def test_a_backend_that_writes_its_weights_is_detected_and_gets_its_own_copy_fro
         report = rlx_nb.backend_divergence(model, x, backends=["test-writes", "test-share-after", "cpu-nomkldnn"])
         assert report.record("test-writes").verdict == "SUSPECT"  # its own doing, judged as such
         assert report.record("cpu-nomkldnn").verdict == "round-off"  # the runs after it saw the true weights
-        assert report.record("test-share-after").max_abs == 0.0
+        assert report.record("test-share-after").pair.max_abs == 0.0
         note = report.backends_detail.set_index("backend").loc["test-writes", "note"]
         assert "test-writes wrote to its model's parameters or buffers" in note
         again = rlx_nb.backend_divergence(model, x, backends=["test-writes", "test-share-after"], progress=False)
@@ -200,7 +200,7 @@ def test_openvino_on_the_onnx_route_frees_the_weights_and_the_next_backend_has_t
         rlx_nb.unregister_backend("test-after-openvino")
     assert "converted through the ONNX export" in report.backends_detail.note.iloc[0]
     assert report.record("openvino").verdict == "round-off"
-    assert report.record("test-after-openvino").max_abs == 0.0  # the weights were rebuilt, bit for bit
+    assert report.record("test-after-openvino").pair.max_abs == 0.0  # the weights were rebuilt, bit for bit
 
 
 # -- the streamed fp64 reference: a model whose float64 weights do not fit still gets a verdict ---
@@ -237,7 +237,9 @@ def test_a_backward_reference_that_does_not_fit_is_skipped_and_says_why_it_was_n
     assert ref.status == "skipped" and ref.message.startswith("not run for memory: the fp64 reference")
     assert "not streamed either: a backward keeps every weight's float64 copy" in ref.message
     records = [r for r in report.records if r.backend == "cpu-nomkldnn"]
-    assert len(records) == 5 and all(r.verdict_budget is None for r in records)  # no budget: the fixed rule decides
+    assert len(records) == 5 and all(
+        r.judgement.verdict_budget is None for r in records
+    )  # no budget: the fixed rule decides
     assert all("the fp64 reference did not run (not run for memory" in r.note for r in records)  # ... and says so
 
 

@@ -20,8 +20,8 @@ def test_reduced_precision_backends_read_as_their_format(family):
     report = demo_report(family, tuple(FORMATS), backward=False)
     for backend, (fmt, bits) in FORMATS.items():
         rec = report.record(backend, "out")
-        assert abs(rec.effective_bits - bits) <= 2, (backend, rec.effective_bits)
-        assert rec.closest_format == fmt
+        assert abs(rec.judgement.effective_bits - bits) <= 2, (backend, rec.judgement.effective_bits)
+        assert rec.judgement.closest_format == fmt
         assert rec.verdict == ROUNDOFF  # judged against their own format's budget
 
 
@@ -31,7 +31,10 @@ def test_fp32_backends_read_as_fp32(family):
     report = demo_report(family, backends, backward=False)
     for backend in backends:
         rec = report.record(backend, "out")
-        assert rec.closest_format == "fp32" and rec.effective_bits > 20, (backend, rec.effective_bits)
+        assert rec.judgement.closest_format == "fp32" and rec.judgement.effective_bits > 20, (
+            backend,
+            rec.judgement.effective_bits,
+        )
 
 
 def test_a_backend_claiming_fp32_but_computing_tf32_is_described_as_such():
@@ -59,13 +62,15 @@ def test_openvino_is_reported_honestly_on_this_machine():
     model, inputs = demo.mlp()
     report = rlx_nb.backend_divergence(model, inputs, backends=["openvino", "openvino-default"])
     f32 = report.record("openvino")
-    assert f32.verdict == ROUNDOFF and f32.closest_format == "fp32"
+    assert f32.verdict == ROUNDOFF and f32.judgement.closest_format == "fp32"
     default = report.record("openvino-default")
     chosen = openvino_default_precision()  # what the plugin itself says it runs at by default here
     if "bf16" in chosen:
-        assert default.closest_format == "bf16" and "behaves like bf16" in default.reason
+        assert default.judgement.closest_format == "bf16" and "behaves like bf16" in default.reason
     else:
-        assert chosen in ("float32", "f32") and default.closest_format == "fp32" and default.verdict == ROUNDOFF
+        assert (
+            chosen in ("float32", "f32") and default.judgement.closest_format == "fp32" and default.verdict == ROUNDOFF
+        )
 
 
 def test_precision_sweep_names_the_switch():
@@ -174,9 +179,14 @@ def test_a_kernel_error_of_tf32_size_is_not_sent_to_the_precision_settings():
     model, inputs = demo.mlp()
     report = rlx_nb.backend_divergence(model, inputs, backends=["test:drift", "test:fp16-as-fp32"], progress=False)
     drift, fp16 = report.record("test:drift"), report.record("test:fp16-as-fp32")
-    assert drift.verdict == fp16.verdict == SUSPECT and drift.closest_format == fp16.closest_format == "tf32/fp16"
-    assert drift.anchor_likeness < 0.15 and "not a precision setting" in drift.reason
-    assert fp16.anchor_likeness > 0.8 and "behaves like tf32/fp16" in fp16.reason and "likely on" in fp16.reason
+    assert (
+        drift.verdict == fp16.verdict == SUSPECT
+        and drift.judgement.closest_format == fp16.judgement.closest_format == "tf32/fp16"
+    )
+    assert drift.judgement.anchor_likeness < 0.15 and "not a precision setting" in drift.reason
+    assert (
+        fp16.judgement.anchor_likeness > 0.8 and "behaves like tf32/fp16" in fp16.reason and "likely on" in fp16.reason
+    )
 
 
 class _PaddedEncoder(torch.nn.Module):
@@ -246,7 +256,7 @@ def test_a_backend_that_computes_the_positions_the_oracle_zeroes_is_told_apart_f
         rlx_nb.unregister_backend("test:slow-path")
     rec = report.record("test:slow-path")
     assert rec.verdict == SUSPECT
-    assert rec.zero_mismatch == 5 * 32 and rec.excess_elsewhere <= 1.0
+    assert rec.judgement.zero_mismatch == 5 * 32 and rec.judgement.excess_elsewhere <= 1.0
     assert rec.reason.startswith("differs where the model writes zeros: 160 element(s)"), rec.reason
     assert "round-off" in rec.reason and "kernel bug" not in rec.reason
 
@@ -256,5 +266,5 @@ def test_a_backend_that_computes_the_positions_the_oracle_zeroes_is_told_apart_f
     finally:
         rlx_nb.unregister_backend("test:slow-path-fault")
     rec = faulty.record("test:slow-path-fault")
-    assert rec.verdict == SUSPECT and rec.zero_mismatch == 160 and rec.excess_elsewhere > 1.0
+    assert rec.verdict == SUSPECT and rec.judgement.zero_mismatch == 160 and rec.judgement.excess_elsewhere > 1.0
     assert "writes zeros" not in rec.reason

@@ -42,7 +42,7 @@ def test_real_architectures_as_they_are(name, batch, backward):
     for b in legit:
         rec = report.record(b)
         assert rec.verdict == ROUNDOFF, (b, rec.output, rec.reason)
-    fired = [f for f in faults if HITS[f] and any(r.max_abs > 0 for r in report.records if r.backend == f)]
+    fired = [f for f in faults if HITS[f] and any(r.pair.max_abs > 0 for r in report.records if r.backend == f)]
     for f in fired:
         assert report.record(f).verdict == SUSPECT, (f, report.record(f).reason)
     if not (name == "resnet" and backward):  # (no LayerNorm or RMSNorm for the backward faults to break)
@@ -78,7 +78,7 @@ def test_a_real_inductor_bug_on_efficientnet_is_caught():
     report = rlx_nb.backend_divergence(pool, x, backends=["cpu-inductor", "cpu-nomkldnn"], backward=True)
     assert report.record("cpu-inductor", "out").verdict == ROUNDOFF  # the forward is right
     grad = report.record("cpu-inductor", "grad:input[0]")
-    assert grad.verdict == SUSPECT and grad.excess > 1e3
+    assert grad.verdict == SUSPECT and grad.judgement.excess > 1e3
     assert report.record("cpu-nomkldnn").verdict == ROUNDOFF
 
 

@@ -182,9 +182,9 @@ def test_inductor_sums_a_batchnorm_bias_gradient_like_the_sequential_run():
     model, inputs = demo.conv(0)
     report = rlx_nb.backend_divergence(model, inputs, backends=["cpu-inductor"], backward=True, progress=False)
     rec = report.record("cpu-inductor", "grad:features.4.bias")
-    assert rec.backend_max_err > 8 * rec.oracle_max_err
-    assert rec.sequential_max_err > rec.backend_max_err / 2
-    assert rec.verdict == ROUNDOFF and rec.excess <= 1.0
+    assert rec.judgement.backend_max_err > 8 * rec.judgement.oracle_max_err
+    assert rec.judgement.sequential_max_err > rec.judgement.backend_max_err / 2
+    assert rec.verdict == ROUNDOFF and rec.judgement.excess <= 1.0
 
 
 def test_a_failing_sequential_run_falls_back_to_the_length_guess_and_says_so(monkeypatch):
@@ -199,7 +199,7 @@ def test_a_failing_sequential_run_falls_back_to_the_length_guess_and_says_so(mon
     assert "no plain kernel here" in report.results.environment["sequential_failed"]
     rec = report.record("cpu-nomkldnn", "grad:fc2.bias")
     assert rec.verdict == ROUNDOFF and "guessed from the sum's length" in rec.note
-    assert rec.sequential_max_err != rec.sequential_max_err  # NaN: not measured
+    assert rec.judgement.sequential_max_err != rec.judgement.sequential_max_err  # NaN: not measured
 
 
 def test_an_eager_run_never_imports_dynamo_and_a_compiling_one_still_compiles():
@@ -255,6 +255,9 @@ def test_the_sequential_run_reorders_convolutions_and_matrix_products_forward_an
     report = rlx_nb.backend_divergence(model, x, backends=["cpu-nomkldnn"], backward=True, progress=False)
     for output in ("out", "grad:0.weight", "grad:2.weight", "grad:4.weight", "grad:2.bias"):
         rec = report.record("cpu-nomkldnn", output)
-        assert rec.sequential_rmse == rec.sequential_rmse and rec.sequential_rmse != rec.oracle_rmse, output
+        assert (
+            rec.judgement.sequential_rmse == rec.judgement.sequential_rmse
+            and rec.judgement.sequential_rmse != rec.judgement.oracle_rmse
+        ), output
     sequential = report.results.sequential.outputs["out"].value
     assert not np.array_equal(sequential, report.results.oracle.outputs["out"].value)

@@ -64,7 +64,7 @@ def test_bf16_autocast_is_judged_against_a_bf16_budget(family):
     report = demo_report(family, ("cpu-bf16",), backward=False)
     rec = report.record("cpu-bf16")
     assert rec.verdict == ROUNDOFF, rec.reason
-    assert rec.verdict_fixed == SUSPECT  # the fixed rule calls it a bug
+    assert rec.judgement.verdict_fixed == SUSPECT  # the fixed rule calls it a bug
     assert "bfloat16 round-off budget" in rec.reason
 
 
@@ -121,7 +121,7 @@ def test_nan_where_oracle_has_numbers_is_suspect_under_both_rules():
     rlx_nb.register_backend("test-nan", nan_one, replace=True)
     report = rlx_nb.backend_divergence(torch.nn.Linear(4, 4), torch.randn(2, 4), backends=["test-nan"])
     rec = report.record("test-nan")
-    assert rec.verdict == rec.verdict_fixed == SUSPECT and rec.nonfinite_mismatch == 1
+    assert rec.verdict == rec.judgement.verdict_fixed == SUSPECT and rec.pair.nonfinite_mismatch == 1
     rlx_nb.unregister_backend("test-nan")
 
 
@@ -140,13 +140,13 @@ def test_shape_mismatch_and_integer_outputs():
     x = torch.tensor([[0.0, 1.0, 0.9995, 0.0]])
     r2 = rlx_nb.backend_divergence(Argmax(), x, backends=["test-argmax"])
     rec = r2.record("test-argmax")
-    assert rec.dtype == "int64" and rec.verdict == SUSPECT and rec.mismatched == 1
+    assert rec.dtype == "int64" and rec.verdict == SUSPECT and rec.pair.mismatched == 1
     for n in ("test-shape", "test-argmax"):
         rlx_nb.unregister_backend(n)
 
 
 def test_reduced_precision_scale_uses_the_format():
-    from rlx_nb.compare import compare_leaf
+    from rlx_nb.compare import judge_leaf
     from rlx_nb.results import Leaf
 
     rng = np.random.default_rng(0)
@@ -154,9 +154,9 @@ def test_reduced_precision_scale_uses_the_format():
     o = ref.astype(np.float32)
     b = (ref * (1 + rng.standard_normal(ref.size) * 2**-9)).astype(np.float32)  # ~bf16-sized error
     leaf = lambda a: Leaf(a, str(a.dtype), a.shape)  # noqa: E731
-    kw = dict(rule="budget", backend="x", output="y", output_index=0, kind="forward", tol_rel=2e-3)
-    assert compare_leaf(leaf(o), leaf(b), leaf(ref), compute_dtype="float32", **kw).verdict == SUSPECT
-    assert compare_leaf(leaf(o), leaf(b), leaf(ref), compute_dtype="bfloat16", **kw).verdict == ROUNDOFF
+    kw = dict(backend="x", output="y")
+    assert judge_leaf(leaf(o), leaf(b), leaf(ref), compute_dtype="float32", **kw).verdict == SUSPECT
+    assert judge_leaf(leaf(o), leaf(b), leaf(ref), compute_dtype="bfloat16", **kw).verdict == ROUNDOFF
 
 
 def test_one_bad_channel_is_caught_by_the_budget_and_by_its_concentration():
@@ -173,16 +173,17 @@ def test_one_bad_channel_is_caught_by_the_budget_and_by_its_concentration():
     model, inputs = demo.mlp(0)
     report = rlx_nb.backend_divergence(model, inputs, backends=["cpu-nomkldnn", name], backward=True)
     rec = report.record(name, "grad:fc2.bias")
-    assert rec.verdict == SUSPECT and rec.excess > 1.0
-    assert rec.backend_max_err > 10 * rec.oracle_max_err
-    assert rec.sequential_max_err == rec.sequential_max_err  # measured, not the fallback
+    assert rec.verdict == SUSPECT and rec.judgement.excess > 1.0
+    assert rec.judgement.backend_max_err > 10 * rec.judgement.oracle_max_err
+    assert rec.judgement.sequential_max_err == rec.judgement.sequential_max_err  # measured, not the fallback
     fallback = rlx_nb.DivergenceReport.from_results(dataclasses.replace(report.results, sequential=None))
     rec = fallback.record(name, "grad:fc2.bias")
-    assert rec.excess <= 1.0  # the length-guessed floor alone would call it round-off
-    assert rec.concentrated and rec.verdict == SUSPECT and "concentrated error" in rec.reason
+    assert rec.judgement.excess <= 1.0  # the length-guessed floor alone would call it round-off
+    assert rec.judgement.concentrated and rec.verdict == SUSPECT and "concentrated error" in rec.reason
+    assert rec.cause == "concentration" and rec.judgement.line > 1.0
     report = fallback
     legit = [r for r in report.records if r.backend == "cpu-nomkldnn"]
-    assert all(not r.concentrated and r.concentration < 3 for r in legit)
+    assert all(not r.judgement.concentrated and r.judgement.concentration < 3 for r in legit)
 
 
 def test_a_class_whose_bias_is_slightly_off_is_caught_by_its_slice_mean():
@@ -199,12 +200,13 @@ def test_a_class_whose_bias_is_slightly_off_is_caught_by_its_slice_mean():
     model, inputs = demo.conv(0)
     report = rlx_nb.backend_divergence(model, inputs, backends=["cpu-nomkldnn", "onnxruntime", backend.name])
     rec = report.record(backend.name, "out")
-    assert rec.ratio_rmse <= RMSE_LIMIT and rec.ratio_max <= 8 and not rec.concentrated
-    assert rec.slice_ratio > RMSE_LIMIT and rec.slice_at == "[:, 0]"
+    assert rec.judgement.ratio_rmse <= RMSE_LIMIT and rec.judgement.ratio_max <= 8 and not rec.judgement.concentrated
+    assert rec.judgement.slice_ratio > RMSE_LIMIT and rec.judgement.slice_at == "[:, 0]"
     assert rec.verdict == SUSPECT and "out[:, 0]" in rec.reason and "systematic" in rec.reason
+    assert rec.cause == "slice" and rec.judgement.line == rec.judgement.excess
     for name in ("cpu-nomkldnn", "onnxruntime"):
         legit = report.record(name, "out")
-        assert legit.verdict != SUSPECT and legit.slice_ratio < RMSE_LIMIT
+        assert legit.verdict != SUSPECT and legit.judgement.slice_ratio < RMSE_LIMIT
 
 
 def test_a_legitimate_run_never_exceeds_its_own_slice_budget(rng):

@@ -43,7 +43,7 @@ def test_changing_backend_updates_outputs_plots_and_table(report):
     assert ex.table.value != before_table
     assert ex.heatmap_out.outputs[0]["data"]["image/png"] != before_png
     assert "backend (cpu-nomkldnn)" in ex.inspector.value
-    assert ex.selected_index == report.record("cpu-nomkldnn", ex.output_picker.value).worst_index
+    assert ex.selected_index == report.record("cpu-nomkldnn", ex.output_picker.value).pair.worst_index
 
 
 def test_metric_toggle_redraws_the_heatmap_and_the_histogram(report):

@@ -6,14 +6,16 @@ kind of machine: max_abs 3.1e-3, ~9,400x the fp32 round-off on an MLP).
 from __future__ import annotations
 
 import importlib.util
+import re
 from typing import Any
 
 import torch
 
-from rlx_nb import phases
+from rlx_nb import formats, phases
 from rlx_nb.backends.base import Backend
 from rlx_nb.backends.notes import add_note
 from rlx_nb.backends.onnx import _FlatOutputs, _quiet, attempt, exported
+from rlx_nb.errors import InputError
 from rlx_nb.prepare import release_private_weights
 
 
@@ -139,8 +141,9 @@ def openvino_default_precision() -> str:
         converted = ov.convert_model(model, example_input=(torch.zeros(1, 4),))
     compiled = ov.Core().compile_model(converted, "CPU", {})
     name = str(compiled.get_property("INFERENCE_PRECISION_HINT")).lower().replace("<type: '", "").rstrip("'>")
-    # OpenVINO names its element types both ways ("bf16" in hints, "bfloat16" in a Type's str).
-    return _SHORT_TYPE.get(name, name)
-
-
-_SHORT_TYPE = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
+    # OpenVINO names its element types both ways ("bf16" in hints, "bfloat16" in a Type's str): its short way.
+    try:
+        f = formats.get(name)
+    except InputError:
+        return name
+    return next((a for a in (f.short, *f.aliases) if re.fullmatch(r"b?f\d+", a)), f.short)

@@ -7,9 +7,9 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from rlx_nb import formats
 from rlx_nb.backends.base import ORACLE, REFERENCE, Backend, BackendFn
-from rlx_nb.errors import BackendError
-from rlx_nb.metrics import UNIT_ROUNDOFF
+from rlx_nb.errors import BackendError, InputError
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:+/@-]*$")
 
@@ -98,8 +98,10 @@ def register_backend(
         )
     if not callable(fn):
         raise BackendError(f"backend {name!r}: fn must be callable fn(model, inputs), got {type(fn).__name__}")
-    if compute_dtype not in UNIT_ROUNDOFF:
-        raise BackendError(f"backend {name!r}: compute_dtype {compute_dtype!r} is not one of {sorted(UNIT_ROUNDOFF)}")
+    try:  # (an alias -- "bf16", "torch.float16" -- is the format it names)
+        compute_dtype = formats.get(compute_dtype).name
+    except InputError as exc:
+        raise BackendError(f"backend {name!r}: compute_dtype {exc}") from None
     if name in (ORACLE, REFERENCE):
         raise BackendError(f"{name!r} is the {'oracle' if name == ORACLE else 'fp64 reference'} and cannot be replaced")
     if name in _REGISTRY and not replace and not _same_definition(_REGISTRY[name], fn):

@@ -81,7 +81,7 @@ class Localization:
     def _budget(self, name: str) -> float:
         results, output = self._checks[name]
         recs = [r for r in compare(results) if r.output == output]
-        return recs[0].budget_rmse if recs else float("nan")
+        return recs[0].judgement.budget_rmse if recs else float("nan")
 
     @property
     def errors(self):

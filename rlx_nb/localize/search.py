@@ -16,16 +16,16 @@ from typing import Any
 import torch
 
 from rlx_nb.backends import ORACLE, REFERENCE, get_backend
-from rlx_nb.compare import OutputRecord, compare, compare_leaf
+from rlx_nb.compare import OutputRecord, compare, failed, judge_leaf
 from rlx_nb.errors import InputError
-from rlx_nb.frames import worst_record
 from rlx_nb.localize.capture import Call, CallModule, OpModule, RecordOps, inputs_requiring_grad
 from rlx_nb.prepare import KeywordModule
 from rlx_nb.progress import bar
+from rlx_nb.records import worst_record
 from rlx_nb.results import GRAD_PREFIX, to_leaf
 from rlx_nb.run import run
 from rlx_nb.tree import flatten
-from rlx_nb.verdict import SUSPECT, VERDICT_ERROR, default_tol_rel
+from rlx_nb.verdict import SUSPECT, VERDICT_ERROR
 
 
 @dataclasses.dataclass
@@ -116,9 +116,9 @@ class State:
                 "depth": depth,
                 "verdict": r.verdict,
                 "output": r.output,
-                "local_ratio_rmse": r.ratio_rmse,
-                "local_ratio_max": r.ratio_max,
-                "local_excess": r.excess,
+                "local_ratio_rmse": r.judgement.ratio_rmse,
+                "local_ratio_max": r.judgement.ratio_max,
+                "local_excess": r.judgement.excess,
                 "propagated_ratio_rmse": math.nan,
                 "propagated_ratio_max": math.nan,
                 "propagated_excess": math.nan,
@@ -135,9 +135,7 @@ class State:
             try:
                 check = self._judge(CallModule(self.named[name], call.template), call.tensors)
             except InputError as exc:  # the module cannot run on its own (e.g. needs state)
-                rec = OutputRecord(
-                    self.backend, None, -1, "forward", VERDICT_ERROR, VERDICT_ERROR, None, str(exc), "float32"
-                )
+                rec = failed(self.backend, str(exc))
                 check = Check(rec, False)
             self._row(self._label(name), "module", call.order, call.depth, check)
             if check.suspect:
@@ -214,14 +212,19 @@ class State:
             o, r, b = (outs[k].get(name) for k in ("oracle", "reference", "backend"))
             if o is None or b is None or r is None or not o.is_array:
                 continue
-            rec = compare_leaf(
-                o, b, r, rule="budget", backend=self.backend, output=self._label(name), output_index=0, kind="forward",
-                compute_dtype=backend.compute_dtype, tol_rel=default_tol_rel("forward"),
-            )  # fmt: skip
+            rec = judge_leaf(
+                o, b, r, backend=self.backend, output=self._label(name), compute_dtype=backend.compute_dtype
+            )
             self._row(self._label(name), "module", call.order, call.depth, Check(rec, rec.verdict == SUSPECT))
             row = self.rows[-1]
-            row["propagated_ratio_rmse"], row["propagated_ratio_max"] = rec.ratio_rmse, rec.ratio_max
-            row["propagated_excess"], row["notes"] = rec.excess, "full run on the backend (modules could not run alone)"
+            row["propagated_ratio_rmse"], row["propagated_ratio_max"] = (
+                rec.judgement.ratio_rmse,
+                rec.judgement.ratio_max,
+            )
+            row["propagated_excess"], row["notes"] = (
+                rec.judgement.excess,
+                "full run on the backend (modules could not run alone)",
+            )
             for key in ("local_ratio_rmse", "local_ratio_max", "local_excess"):
                 row[key] = math.nan
             if rec.verdict == SUSPECT:
@@ -246,22 +249,14 @@ class State:
             o, r, b = (outs[k].get(name) for k in ("oracle", "reference", "backend"))
             if o is None or b is None or r is None or not o.is_array:
                 continue
-            rec = compare_leaf(
-                o,
-                b,
-                r,
-                rule="budget",
-                backend=self.backend,
-                output=row["name"],
-                output_index=0,
-                kind="forward",
-                compute_dtype=backend.compute_dtype,
-                tol_rel=default_tol_rel("forward"),
+            rec = judge_leaf(o, b, r, backend=self.backend, output=row["name"], compute_dtype=backend.compute_dtype)
+            row["propagated_ratio_rmse"], row["propagated_ratio_max"] = (
+                rec.judgement.ratio_rmse,
+                rec.judgement.ratio_max,
             )
-            row["propagated_ratio_rmse"], row["propagated_ratio_max"] = rec.ratio_rmse, rec.ratio_max
-            row["propagated_excess"] = rec.excess
+            row["propagated_excess"] = rec.judgement.excess
             local = row["local_excess"]
-            row["amplification"] = rec.excess / local if local and local == local and local > 0 else math.nan
+            row["amplification"] = rec.judgement.excess / local if local and local == local and local > 0 else math.nan
 
 
 def full_run_outputs(backend, base: torch.nn.Module, args: tuple) -> dict[str, Any]:
