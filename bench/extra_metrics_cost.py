@@ -53,7 +53,7 @@ def _child(repeats: int, toggle: bool) -> None:
     rtol, atol = metrics.default_tolerance("float32")  # pair_stats' own defaults for float32
     calls = {
         "with": lambda: metrics.pair_stats(o, b),
-        "without": lambda: metrics._fused_pair_stats(o, b, rtol, atol, True, sums=False),
+        "without": lambda: metrics._fused_pair_stats(o, b, rtol, atol, p99=True, sums=False),
     }
     best = {"with": math.inf, "without": math.inf}
     for _ in range(repeats):

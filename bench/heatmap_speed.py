@@ -22,7 +22,7 @@ from IPython.core.pylabtools import print_figure
 from matplotlib_inline.config import InlineBackend
 
 from rlx_nb.metrics import pair_stats
-from rlx_nb.plotting import plot_heatmap
+from rlx_nb.plotting import heatmap, plot_heatmap
 
 
 def _timed(fn) -> float:
@@ -75,10 +75,11 @@ def main() -> None:
             inline.append(time.perf_counter() - t0)
             plt.close(ax.figure)
         t_drawn, t_inline = min(drawn), min(inline)
-        image = ax.images[0]
-        fy, fx = image.rlx_factors
-        kept = sum(image.rlx_pooled[r // fy, c // fx] >= 1e-2 * 0.99 for r, c in zip(rows, cols, strict=True))
-        pooled = "x".join(str(n) for n in image.rlx_pooled.shape)
+        drawn = heatmap(a, b) if figsize is None else heatmap(a, b, ax=plt.figure(figsize=figsize).add_subplot())
+        fy, fx = drawn.factors
+        kept = sum(drawn.pooled[r // fy, c // fx] >= 1e-2 * 0.99 for r, c in zip(rows, cols, strict=True))
+        pooled = "x".join(str(n) for n in drawn.pooled.shape)
+        plt.close(drawn.ax.figure)
         line = (
             f"| {side * side:.2e} ({side}x{side}) | {size} ({pooled} pooled) | {t_metrics * 1e3:.0f} ms "
             f"| {t_drawn * 1e3:.0f} ms ({t_drawn / t_metrics:.2f}x) | {t_inline * 1e3:.0f} ms ({t_inline / t_metrics:.2f}x) "

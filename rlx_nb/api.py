@@ -13,10 +13,11 @@ from rlx_nb import interrupted
 from rlx_nb.compare import compare
 from rlx_nb.errors import InputError, RlxError
 from rlx_nb.progress import Board
-from rlx_nb.report import DivergenceReport, WeakSource
+from rlx_nb.report import DivergenceReport
 from rlx_nb.results import RunResults
-from rlx_nb.run import run
-from rlx_nb.verdict import RULES
+from rlx_nb.run import default_label, run
+from rlx_nb.source import WeakSource
+from rlx_nb.verdict import check_rule
 
 
 def backend_divergence(
@@ -92,8 +93,7 @@ def backend_divergence(
     >>> report.suspects
     []
     """
-    if rule not in RULES:
-        raise InputError(f"rule must be one of {', '.join(RULES)}; got {rule!r}")
+    check_rule(rule)
     if tol_rel is not None and not (isinstance(tol_rel, (int, float)) and tol_rel > 0):
         raise InputError(f"tol_rel must be a positive number, got {tol_rel!r}")
     if timeout_s is not None and not (isinstance(timeout_s, (int, float)) and timeout_s > 0):
@@ -123,18 +123,15 @@ def backend_divergence(
         )
     except RlxError as exc:
         # The caller's context first, and no traceback through rlx_nb's internals.
-        what = label or (
-            type(model).__name__ if isinstance(model, torch.nn.Module) else getattr(model, "__name__", "model")
-        )
-        raise type(exc)(f"backend_divergence({what}): {exc}") from None
+        raise type(exc)(f"backend_divergence({label or default_label(model)}): {exc}") from None
     finally:
         early.board.close()
     try:
-        report = DivergenceReport(results, early.records(results), rule=rule, tol_rel=tol_rel)
+        source = WeakSource(model, inputs, params)
+        report = DivergenceReport(results, early.records(results), rule=rule, tol_rel=tol_rel, source=source)
     except (KeyboardInterrupt, SystemExit) as exc:  # every backend ran: keep them for interrupted_report()
         interrupted.keep(results, exc)
         raise
-    report._source = WeakSource(model, inputs, params)
     return report
 
 
@@ -152,8 +149,7 @@ def interrupted_report(*, rule: str = "budget") -> DivergenceReport | None:
     >>> rlx_nb.interrupted.clear(); rlx_nb.interrupted_report() is None
     True
     """
-    if rule not in RULES:
-        raise InputError(f"rule must be one of {', '.join(RULES)}; got {rule!r}")
+    check_rule(rule)
     results = interrupted.latest()
     return None if results is None else DivergenceReport.from_results(results, rule=rule, progress=False)
 

@@ -18,12 +18,11 @@ from typing import Any
 import pandas as pd
 
 from rlx_nb.errors import InputError
+from rlx_nb.frames import baseline_frame
 from rlx_nb.verdict import SUSPECT
 
 WORSE_FACTOR = 2.0
 """Both SUSPECT: worse when the new excess is more than this many times the old one."""
-
-COLUMNS = ["backend", "output", "status", "old_verdict", "new_verdict", "old_excess", "new_excess", "moved"]
 
 
 class BaselineComparison:
@@ -67,10 +66,10 @@ class BaselineComparison:
 
     def plot(self, ax: Any = None) -> Any:
         """Old against new excess per (backend, output), log-log, the budget's limit and y = x drawn."""
-        from rlx_nb.plotting import SUSPECT_COLOUR, _axes
+        from rlx_nb.figures import SUSPECT_COLOUR, new_axes
         from rlx_nb.safe import plot_text
 
-        ax = _axes(ax, figsize=(5.5, 4.5))
+        ax = new_axes(ax, figsize=(5.5, 4.5))
         f = self.frame.dropna(subset=["old_excess", "new_excess"])
         colours = [SUSPECT_COLOUR if s == "worse" else "#4c72b0" for s in f.status]
         ax.scatter(f.old_excess.clip(lower=1e-6), f.new_excess.clip(lower=1e-6), c=colours, s=18)
@@ -165,7 +164,7 @@ def compare_reports(old: Any, new: Any, *, allow_different_model: bool = False) 
                 "moved": moved,
             }
         )
-    return BaselineComparison(pd.DataFrame(rows, columns=COLUMNS), a.label, b.label, notes)
+    return BaselineComparison(baseline_frame(rows), a.label, b.label, notes)
 
 
 _CHECKED = (

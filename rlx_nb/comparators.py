@@ -193,7 +193,9 @@ class Floating(Comparator):
                     self.notes.append(cand.flips.note)
             errors, own = self.backend_errors(judged_b, r)
         nonfinite, outliers = self.nonfinite(stats, eo, eb, r)
-        j = verdict.judge(self.evidence(errors, own, nonfinite, outliers, pair.max_abs, events))
+        j = verdict.judge(
+            self.evidence(errors, own, nonfinite=nonfinite, outliers=outliers, max_abs=pair.max_abs, events=events)
+        )
         self.notes += j.notes
         j = verdict.decide(j, cand.rule, fixed)
         if j.verdict == SUSPECT or j.verdict_budget == SUSPECT:
@@ -217,7 +219,9 @@ class Floating(Comparator):
         off = cb != co
         return int(np.count_nonzero(off & (cb != cr))), int(np.count_nonzero(off & (cb == cr)))
 
-    def evidence(self, errors: Any, own: Any, nonfinite: int, outliers: int, max_abs: float, events: int) -> Evidence:
+    def evidence(
+        self, errors: Any, own: Any, *, nonfinite: int, outliers: int, max_abs: float, events: int
+    ) -> Evidence:
         # What the verdict reads: the backend's and the legitimate runs' errors against fp64.
         ctx, cand = self.ctx, self.cand
         oracle, seq = ctx.budget_oracle, ctx.sequential_errors

@@ -17,11 +17,10 @@ from rlx_nb import reasons, verdict
 from rlx_nb.comparators import Candidate, compare_output, on_device
 from rlx_nb.context import OutputContext, contexts
 from rlx_nb.discrete import flips_of
-from rlx_nb.errors import InputError
 from rlx_nb.progress import bar
 from rlx_nb.records import OutputRecord, PairFields
 from rlx_nb.results import GRAD_PREFIX, OK, SKIPPED, BackendRun, Leaf, RunResults
-from rlx_nb.verdict import NONDETERMINISTIC, RULES, SUSPECT, VERDICT_ERROR, VERDICT_SKIPPED, Cause
+from rlx_nb.verdict import NONDETERMINISTIC, SUSPECT, VERDICT_ERROR, VERDICT_SKIPPED, Cause, check_rule
 
 
 def compare(
@@ -40,15 +39,14 @@ def compare(
     >>> [r.verdict for r in compare(results, progress=False)]
     ['round-off']
     """
-    if rule not in RULES:
-        raise InputError(f"rule must be one of {', '.join(RULES)}; got {rule!r}")
+    check_rule(rule)
     unstable = results.environment.get("nondeterministic") or {}
     ops = results.environment.get("matmul_ops")
     outputs = list(contexts(results))
     records: list[OutputRecord] = []
     with bar("rlx_nb compare", total=len(results.candidates) * len(outputs), unit="output", enabled=progress) as shown:
         for run in results.candidates.values():
-            for rec in _compare_run(results, run, outputs, tol_rel, rule, shown):
+            for rec in _compare_run(results, run, outputs, tol_rel=tol_rel, rule=rule, shown=shown):
                 if rec.output in unstable and rec.verdict not in (VERDICT_ERROR, VERDICT_SKIPPED):
                     j = dataclasses.replace(rec.judgement, verdict=NONDETERMINISTIC, cause=Cause.NONDETERMINISTIC,
                                             nondeterminism=unstable[rec.output])  # fmt: skip
@@ -58,11 +56,11 @@ def compare(
 
 
 def _compare_run(
-    results: RunResults, run: BackendRun, outputs: list[OutputContext], tol_rel: float | None, rule: str, shown: Any
+    results: RunResults, run: BackendRun, outputs: list[OutputContext], *, tol_rel: float | None, rule: str, shown: Any
 ) -> list[OutputRecord]:
     if run.status != OK:  # (skipped: the run did not fit in memory)
         status = VERDICT_SKIPPED if run.status == SKIPPED else VERDICT_ERROR
-        return [_plain(run, None, -1, "forward", status, run.message)]
+        return [_plain(run, (None, -1, "forward"), status, run.message)]
     out: list[OutputRecord] = []
     for ctx in outputs:
         shown.update()
@@ -73,7 +71,7 @@ def _compare_run(
                 grads = sum(1 for n in results.oracle.outputs if n.startswith(GRAD_PREFIX))
                 why = f"{run.grad_message}: its {grads} gradient output(s) are not compared"
                 status = VERDICT_SKIPPED if run.grad_status == SKIPPED else VERDICT_ERROR
-                out.append(_plain(run, GRAD_PREFIX + "*", ctx.index, "grad", status, why))
+                out.append(_plain(run, (GRAD_PREFIX + "*", ctx.index, "grad"), status, why))
             continue
         flips = flips_of(results, run.backend, ctx.name) if results.discrete else None
         rec = compare_output(
@@ -92,7 +90,7 @@ def _compare_run(
     extra = [n for n in run.outputs if n not in results.oracle.outputs]
     if extra:
         why = f"outputs the oracle does not have: {', '.join(extra[:5])}"
-        out.append(_plain(run, extra[0], len(results.oracle.outputs), "forward", SUSPECT, why, Cause.STRUCTURE))
+        out.append(_plain(run, (extra[0], len(results.oracle.outputs), "forward"), SUSPECT, why, Cause.STRUCTURE))
     return out
 
 
@@ -110,11 +108,11 @@ def failed(backend: str, why: str) -> OutputRecord:
     return OutputRecord(backend, None, -1, "forward", "float32", j, PairFields(), reason=why)
 
 
-def _plain(run: BackendRun, output: str | None, index: int, kind: str, status: str, why: str,
-           cause: str | None = None) -> OutputRecord:  # fmt: skip
+def _plain(run: BackendRun, where: tuple[str | None, int, str], status: str, why: str, cause: str = "") -> OutputRecord:
     # A record decided without statistics: the backend failed, was skipped, or gave outputs the oracle has not.
+    # ``where``: (output, its index, kind).
     j = verdict.without_statistics(status, cause or status, why)
-    return OutputRecord(run.backend, output, index, kind, run.compute_dtype, j, PairFields())
+    return OutputRecord(run.backend, *where, run.compute_dtype, j, PairFields())
 
 
 __all__: Sequence[str] = ["OutputRecord", "compare", "failed", "judge_leaf", "on_device"]

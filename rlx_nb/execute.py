@@ -225,7 +225,7 @@ def _execute(
     if sizes is not None:
         run.reduction_lengths = _reduction_lengths(model, sizes)
     if task.backward:
-        _backward(run, backend, model, out, fresh, task)
+        _backward(run, backend, model, out, fresh=fresh, task=task)
     run.seconds = time.perf_counter() - start
     return run
 
@@ -246,7 +246,7 @@ def _holds(value: Any, storages: set[int]) -> bool:
     )
 
 
-def _backward(run: BackendRun, backend: Backend, model: torch.nn.Module, out: Any, fresh: tuple, task: Task) -> None:
+def _backward(run: BackendRun, backend: Backend, model: torch.nn.Module, out: Any, *, fresh: tuple, task: Task) -> None:
     if not backend.differentiable:
         run.grad_status, run.grad_message = SKIPPED, f"{backend.name} cannot differentiate (forward only)"
         return

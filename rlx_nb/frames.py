@@ -332,6 +332,14 @@ def precision_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     return Table(rows, columns=PRECISION_COLUMNS)
 
 
+BASELINE_COLUMNS = [BACKEND, OUTPUT, "status", "old_verdict", "new_verdict", "old_excess", "new_excess", "moved"]
+
+
+def baseline_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
+    """How each (backend, output) moved against a baseline report (:data:`BASELINE_COLUMNS`)."""
+    return pd.DataFrame(rows, columns=BASELINE_COLUMNS)
+
+
 TIMING_COLUMNS = ["phase", "seconds", "peak_bytes", "rss_after_bytes"]
 
 

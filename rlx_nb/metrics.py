@@ -72,7 +72,9 @@ class PairStats:
     @property
     def pcc(self) -> float:
         """Pearson correlation (PCC); see :func:`pcc` for the constant cases."""
-        return pcc(self.finite, self.sum_x, self.sum_y, self.sum_xx, self.sum_yy, self.sum_xy, self.sum_dd)
+        return pcc(
+            self.finite, self.sum_x, self.sum_y, sxx=self.sum_xx, syy=self.sum_yy, sxy=self.sum_xy, sdd=self.sum_dd
+        )
 
     @property
     def sqnr_db(self) -> float:
@@ -164,6 +166,7 @@ def _pair_range(
     a: np.ndarray,
     start: int,
     stop: int,
+    *,
     rtol: float,
     atol: float,
     floor: float | None,
@@ -282,7 +285,7 @@ def on_cores(fn: Callable[[int, int], Any], ranges: list[tuple[int, int]]) -> li
 
 
 def _p99_from(
-    candidates: list[np.ndarray] | None, above: int, at_least: int, n: int, floor: float, exact: Callable[[], float]
+    candidates: list[np.ndarray] | None, above: int, at_least: int, n: int, *, floor: float, exact: Callable[[], float]
 ) -> float:
     # The exact p99 from the errors kept above a sampled floor (``candidates`` is None when not all
     # of them were kept): a partition of the candidates, the floor itself when the p99 rank falls
@@ -362,10 +365,13 @@ def pair_stats(
     if n == 0:
         return PairStats(0, 0.0, -1, 0.0, -1, 0.0, 0.0, 0, 0, 0)
     if e.dtype == a.dtype == np.float32 and _fused.kernel() is not None:
-        return _fused_pair_stats(e, a, rtol, atol, p99)
+        return _fused_pair_stats(e, a, rtol, atol, p99=p99)
     floor = _p99_floor(e, a, work) if p99 else None
     cap = max(1, n // 20)  # keep at most 5% of the errors as p99 candidates
-    parts = on_cores(lambda start, stop: _pair_range(e, a, start, stop, rtol, atol, floor, work, cap), ranges(n, CHUNK))
+    parts = on_cores(
+        lambda start, stop: _pair_range(e, a, start, stop, rtol=rtol, atol=atol, floor=floor, work_dtype=work, cap=cap),
+        ranges(n, CHUNK),
+    )
     total = _Partial()
     for p in parts:
         if p.max_abs > total.max_abs:
@@ -387,7 +393,9 @@ def pair_stats(
     p99_abs = 0.0
     if p99:
         kept = total.above if total.above_count <= cap else None
-        p99_abs = _p99_from(kept, total.above_count, total.at_least, n, floor, lambda: _exact_p99(e, a, work))
+        p99_abs = _p99_from(
+            kept, total.above_count, total.at_least, n, floor=floor, exact=lambda: _exact_p99(e, a, work)
+        )
     mean = total.sum_abs / total.finite if total.finite else 0.0
     return PairStats(
         numel=n,
@@ -418,7 +426,7 @@ def _sums_from_signed(sx: float, ss: float, sxx: float, sxs: float, sdd: float) 
 
 
 def _fused_pair_stats(
-    e: np.ndarray, a: np.ndarray, rtol: float, atol: float, p99: bool, sums: bool = True
+    e: np.ndarray, a: np.ndarray, rtol: float, atol: float, *, p99: bool, sums: bool = True
 ) -> PairStats:
     # One compiled pass per core (numba, GIL released); same statistics as the numpy path.
     # sums=False leaves the similarity sums at 0: only bench/extra_metrics_cost.py asks for it.
@@ -447,9 +455,8 @@ def _fused_pair_stats(
         overflow = any(counts[start] > caps[start] for start in caps)
         kept = None if overflow else [bufs[start][: counts[start]] for start in caps]
         # float32 for the rare full pass: at most one output of memory
-        p99_abs = _p99_from(
-            kept, sum(counts.values()), sum(f["at_least"]), n, floor, lambda: _exact_p99(e, a, np.dtype(np.float32))
-        )
+        exact = lambda: _exact_p99(e, a, np.dtype(np.float32))  # noqa: E731
+        p99_abs = _p99_from(kept, sum(counts.values()), sum(f["at_least"]), n, floor=floor, exact=exact)
     return PairStats(
         numel=n,
         max_abs=max(float(f["max_abs"][best]), 0.0),

@@ -84,10 +84,7 @@ def _oracle_off_reason(r: OutputRecord) -> str:
     at = ""
     if p.worst_index is not None:
         where = f"at {list(p.worst_index)}" if p.worst_index else "there"
-        at = (
-            f"; {where} the oracle gives {p.oracle_value:.6g}, fp64 {p.reference_value:.6g}, "
-            f"{b} {p.backend_value:.6g}"
-        )
+        at = f"; {where} the oracle gives {p.oracle_value:.6g}, fp64 {p.reference_value:.6g}, {b} {p.backend_value:.6g}"
     if j.oracle_outliers:
         return (
             f"the oracle, not {b}, is off the fp64 reference: {j.oracle_outliers} element(s) where {b} has NaN/Inf "

@@ -4,29 +4,26 @@ from __future__ import annotations
 
 import functools
 import html
-import weakref
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pandas as pd
-import torch
 
+from rlx_nb import lookups
 from rlx_nb.backends import ORACLE
-from rlx_nb.compare import OutputRecord, compare, on_device
-from rlx_nb.elements import rel_error, top_k, ulp_distance
+from rlx_nb.compare import OutputRecord, compare
 from rlx_nb.errors import InputError
 from rlx_nb.frames import (
     backends_frame,
     compact_backends_frame,
-    element_table,
-    elements_frame,
     summary_frame,
     timings_frame,
 )
 from rlx_nb.reasons import seed_line
 from rlx_nb.records import worst_record
 from rlx_nb.results import RunResults
+from rlx_nb.source import WeakSource
 from rlx_nb.verdict import VERDICT_ERROR
 
 
@@ -50,48 +47,33 @@ class DivergenceReport:
     False
     """
 
-    def __init__(self, results: RunResults, records: list[OutputRecord], *, rule: str, tol_rel: float | None):
+    def __init__(
+        self,
+        results: RunResults,
+        records: list[OutputRecord],
+        *,
+        rule: str,
+        tol_rel: float | None,
+        source: WeakSource | None = None,
+    ):
         self.results = results
         self.records = records
         self.rule = rule
         self.tol_rel = tol_rel
-        self._source: WeakSource | None = None  # the model and inputs, held weakly, when built by backend_divergence
+        self.source = source
+        """The model, inputs and params it was made from, held weakly (None for a loaded or merged report)."""
 
-    def localize(
-        self,
-        backend: str | None = None,
-        *,
-        model: Any = None,
-        inputs: Any = None,
-        params: Any = None,
-        backward: bool | None = None,
-        **kwargs: Any,
-    ):
+    def localize(self, backend: str | None = None, **kwargs: Any):
         """:func:`rlx_nb.localize` this report's model on ``backend`` (default: the first suspect).
 
         ``model`` and ``inputs`` default to the ones the report was made from, which it holds only
         weakly (a report keeps no model alive): pass them when those are gone, or for a loaded
         report.  ``backward=None`` localizes the backward when the backend's worst output is a
-        ``grad:`` output.
+        ``grad:`` output.  See :func:`rlx_nb.localize.localize_report`.
         """
-        from rlx_nb.localize import localize
+        from rlx_nb.localize import localize_report
 
-        if model is None or inputs is None:
-            held = self._source.get() if self._source is not None else None
-            if held is None:
-                why = "it was loaded or merged" if self._source is None else "they are no longer alive"
-                raise InputError(
-                    f"this report does not hold its model and inputs ({why}): "
-                    "pass them, report.localize(backend, model=model, inputs=inputs)"
-                )
-            model, inputs, params = held if params is None else (*held[:2], params)
-        if backend is None:
-            if not self.suspects:
-                raise InputError("no SUSPECT backend to localize; name one: report.localize('cpu-inductor')")
-            backend = self.suspects[0]
-        if backward is None:
-            backward = (self.record(backend).output or "").startswith("grad:")
-        return localize(model, inputs, backend=backend, params=params, backward=backward, **kwargs)
+        return localize_report(self, backend, **kwargs)
 
     @classmethod
     def from_results(
@@ -202,20 +184,8 @@ class DivergenceReport:
 
     def arrays(self, backend: str, output: str | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """``(oracle, backend, fp64 reference)`` arrays of one output (reference may be None)."""
-        rec = self.record(backend, output)
-        if rec.output is None:
-            raise InputError(f"backend {backend!r} did not run: {rec.reason}")
-        got = self.results.candidates[backend].outputs.get(rec.output)
-        if got is None or not got.is_array:
-            raise InputError(f"{backend!r} has no array output {rec.output!r}")
-        ref = self.results.reference.outputs.get(rec.output)
-        return (
-            self.results.oracle.outputs[rec.output].value,
-            got.value,
-            ref.value if ref is not None and ref.is_array else None,
-        )
+        return lookups.arrays(self.results, self.record(backend, output))
 
-    @np.errstate(invalid="ignore", over="ignore")
     def elements(self, backend: str, output: str | None = None, *, top: int = 20) -> pd.DataFrame:
         """The ``top`` worst elements (by absolute error) of one output, worst first.
 
@@ -229,41 +199,7 @@ class DivergenceReport:
         >>> list(r.elements("cpu-nomkldnn", top=2).columns[:3])
         ['rank', 'index', 'flat_index']
         """
-        if not isinstance(top, int) or top < 1:
-            raise InputError(f"top must be a positive integer, got {top!r}")
-        on_device = self._device_elements(backend, output, top)
-        if on_device is not None:
-            return on_device
-        o, b, r = self.arrays(backend, output)
-        if o.shape != b.shape:
-            raise InputError(f"{backend!r} output shape {b.shape} differs from the oracle's {o.shape}")
-        if np.iscomplexobj(o) or np.iscomplexobj(b):
-            # Complex outputs are compared as interleaved (real, imag): the last index doubles.
-            o, b = (np.ascontiguousarray(v.astype(np.complex128)).view(np.float64) for v in (o, b))
-            r = np.ascontiguousarray(r.astype(np.complex128)).view(np.float64) if r is not None else None
-        elif not np.issubdtype(o.dtype, np.floating):
-            o, b = o.astype(np.float64), b.astype(np.float64)
-        idx, err = top_k(o, b, top)
-        return _elements_rows(o, r, idx, err, o.reshape(-1)[idx], b.reshape(-1)[idx])
-
-    def _device_elements(self, backend: str, output: str | None, top: int) -> pd.DataFrame | None:
-        # A candidate whose output stayed on its device: the top-k runs there and only the k
-        # elements come to the host (None when the output is on the host).
-        rec = self.record(backend, output)
-        got = self.results.candidates[backend].outputs.get(rec.output) if rec.output is not None else None
-        if got is None or not got.on_device:
-            return None
-        o = self.results.oracle.outputs[rec.output].value
-        if o.shape != got.tensor.shape or not on_device(o, got):
-            return None
-        from rlx_nb import device_metrics
-
-        eb = got.tensor.reshape(-1)
-        idx, err = device_metrics.top_k(device_metrics.as_device(o, eb.device), eb, top)
-        ref = self.results.reference.outputs.get(rec.output)
-        r = ref.value if ref is not None and ref.is_array else None
-        bf = eb[torch.from_numpy(idx).to(eb.device)].cpu().numpy()
-        return _elements_rows(o, r, idx, err, o.reshape(-1)[idx], bf)
+        return lookups.elements(self.results, self.record(backend, output), top)
 
     def element(self, backend: str, output: str | None, index: tuple[int, ...]) -> pd.DataFrame:
         """One element of one output as a one-row frame (the columns of :meth:`elements`).
@@ -275,35 +211,8 @@ class DivergenceReport:
         >>> r.element("cpu-nomkldnn", "out", (0, 1))["index"].iloc[0]
         (0, 1)
         """
-        o, b, r = self.arrays(backend, output)
-        index = tuple(int(i) for i in index)
-        if len(index) != o.ndim or any(not (0 <= i < n) for i, n in zip(index, o.shape, strict=True)):
-            raise InputError(f"index {index} is not inside the output's shape {o.shape}")
-        flat = np.array([np.ravel_multi_index(index, o.shape) if o.ndim else 0])
-        of, bf = o.reshape(-1)[flat], b.reshape(-1)[flat]
-        with np.errstate(invalid="ignore", over="ignore"):
-            err = np.abs(bf.astype(np.float64) - of.astype(np.float64))
-        return _elements_rows(o, r, flat, err, of, bf)
+        return lookups.element(self.results, self.record(backend, output), index)
 
-    def neighbourhood(
-        self, backend: str, output: str | None, index: tuple[int, ...], fold: Any, radius: int = 2
-    ) -> np.ndarray:
-        """``|backend - oracle|`` around ``index`` on a heatmap's folded grid (``fold``, see :mod:`rlx_nb.maps`)."""
-        from rlx_nb.maps import error_window
-
-        o, b, _ = self.arrays(backend, output)
-        return error_window(o, b, fold, index, radius)
-
-    def worst_in_block(
-        self, backend: str, output: str | None, fold: Any, block: tuple[int, int], factors: tuple[int, int]
-    ) -> tuple[int, ...]:
-        """The index of the worst element in one pooled cell of a heatmap (what a click on it picks)."""
-        from rlx_nb.maps import block_argmax
-
-        o, b, _ = self.arrays(backend, output)
-        return block_argmax(o, b, fold, block, factors)
-
-    @np.errstate(invalid="ignore", over="ignore", divide="ignore")
     def element_frame(self, backend: str, output: str | None = None, *, max_bytes: float = 5e8) -> pd.DataFrame:
         """Every element of one output as a frame, with compact dtypes — only on explicit request.
 
@@ -312,19 +221,7 @@ class DivergenceReport:
         (float32) and ``ulp_err`` (uint32, saturated).  Anything above ``max_bytes`` (500 MB by
         default) is refused with its size; :meth:`elements` gives the worst ``top`` rows in O(top) memory.
         """
-        o, b, r = self.arrays(backend, output)
-        if o.shape != b.shape or o.dtype.kind not in "f":
-            raise InputError(f"a per-element frame needs a real floating output of one shape; got {o.dtype} {o.shape}")
-        width = 8 + 4 + 4 + 4 + sum(np.dtype(np.min_scalar_type(max(n - 1, 0))).itemsize for n in o.shape)
-        width += 2 * o.dtype.itemsize
-        size = o.size * width
-        if size > max_bytes:
-            raise InputError(
-                f"a per-element frame of {o.size:,} rows would take about {size / 1e9:.2f} GB "
-                f"(max_bytes={max_bytes:.3g}); use report.elements(..., top=k) for the worst elements, "
-                "or pass a larger max_bytes"
-            )
-        return element_table(o, b, r)
+        return lookups.element_frame(self.results, self.record(backend, output), max_bytes)
 
     def lines(self) -> list[str]:
         """The seed's report lines, one per backend."""
@@ -371,45 +268,6 @@ class DivergenceReport:
         return head + self.backends._repr_html_()
 
 
-class WeakSource:
-    """A report's model, inputs and params held by weak reference: the report can localize its model while the
-    caller keeps them, and keeps nothing alive itself (plain values, which cannot be weakly referenced, are held)."""
-
-    def __init__(self, model: Any, inputs: Any, params: Any) -> None:
-        self._refs = _weak((model, inputs, params))
-
-    def get(self) -> tuple[Any, Any, Any] | None:
-        """``(model, inputs, params)``, or None when any of them has been freed."""
-        try:
-            return _strong(self._refs)
-        except LookupError:
-            return None
-
-
-def _weak(obj: Any) -> Any:
-    if isinstance(obj, (tuple, list)):
-        return type(obj)(_weak(v) for v in obj) if not hasattr(obj, "_fields") else obj
-    if isinstance(obj, dict):
-        return {k: _weak(v) for k, v in obj.items()}
-    try:
-        return weakref.ref(obj)
-    except TypeError:
-        return lambda: obj
-
-
-def _strong(refs: Any) -> Any:
-    if isinstance(refs, (tuple, list)) and not hasattr(refs, "_fields"):
-        return type(refs)(_strong(v) for v in refs)
-    if isinstance(refs, dict):
-        return {k: _strong(v) for k, v in refs.items()}
-    if callable(refs):
-        obj = refs()
-        if obj is None and isinstance(refs, weakref.ref):
-            raise LookupError("freed")
-        return obj
-    return refs
-
-
 def load_report(path) -> DivergenceReport:
     """Read a report saved by :meth:`DivergenceReport.save`; arrays are read lazily, on first use.
 
@@ -425,25 +283,3 @@ def load_report(path) -> DivergenceReport:
     if records is None:
         return DivergenceReport.from_results(results, rule=rule, tol_rel=tol)
     return DivergenceReport(results, records, rule=rule, tol_rel=tol)
-
-
-@np.errstate(invalid="ignore", over="ignore")
-def _elements_rows(
-    o: np.ndarray, r: np.ndarray | None, idx: np.ndarray, err: np.ndarray, of: np.ndarray, bf: np.ndarray
-) -> pd.DataFrame:
-    rf = r.reshape(-1)[idx].astype(np.float64) if r is not None else np.full(idx.size, np.nan)
-    ulp = ulp_distance(of, bf.astype(of.dtype)) if of.dtype in (np.float16, np.float32, np.float64) else None
-    rows = {
-        "rank": np.arange(idx.size),
-        "index": [tuple(int(v) for v in np.unravel_index(i, o.shape)) for i in idx],
-        "flat_index": idx,
-        "oracle": of,
-        "backend": bf,
-        "reference": rf,
-        "abs_err": err,
-        "rel_err": rel_error(of, bf),
-        "ulp_err": ulp if ulp is not None else np.zeros(idx.size, np.int64),
-        "oracle_err_fp64": of.astype(np.float64) - rf,
-        "backend_err_fp64": bf.astype(np.float64) - rf,
-    }
-    return elements_frame(rows)

@@ -7,23 +7,36 @@ arrays, records and budgets and hands them over.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
 
 from rlx_nb.errors import InputError
 from rlx_nb.plotting import (
     METRIC_LABELS,
+    Heatmap,
+    heatmap,
     plot_effective_bits,
-    plot_heatmap,
     plot_histogram,
     plot_scatter,
     plot_tolerance_curve,
 )
+from rlx_nb.records import OutputRecord
+from rlx_nb.results import RunResults
 from rlx_nb.verdict import MAX_LIMIT, VERDICT_SKIPPED
 
-if TYPE_CHECKING:
-    from rlx_nb.report import DivergenceReport
+
+class Plottable(Protocol):
+    """What the plots read of a report (a :class:`~rlx_nb.DivergenceReport` is one)."""
+
+    results: RunResults
+    records: list[OutputRecord]
+    suspects: list[str]
+    errors: list[str]
+
+    def record(self, backend: str, output: str | None = None) -> OutputRecord: ...
+
+    def arrays(self, backend: str, output: str | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]: ...
 
 
 class ReportPlotter:
@@ -33,7 +46,7 @@ class ReportPlotter:
     ``output=None`` picks that backend's worst output.
     """
 
-    def __init__(self, report: DivergenceReport) -> None:
+    def __init__(self, report: Plottable) -> None:
         self._report = report
 
     def _pick(self, backend: str | None, output: str | None) -> tuple[str, str]:
@@ -49,6 +62,13 @@ class ReportPlotter:
 
     def heatmap(self, backend: str | None = None, output: str | None = None, *, metric: str = "abs", **kwargs: Any):
         """:func:`plot_heatmap` of one (backend, output)."""
+        return self.heatmap_picture(backend, output, metric=metric, **kwargs).ax
+
+    def heatmap_picture(
+        self, backend: str | None = None, output: str | None = None, *, metric: str = "abs", **kwargs: Any
+    ) -> Heatmap:
+        """:meth:`heatmap`, returning the :class:`~rlx_nb.plotting.Heatmap` it drew (its pooled values, folding
+        and marked element: what the explorer reads back)."""
         backend, output = self._pick(backend, output)
         o, b, ref = self._report.arrays(backend, output)
         rec = self._report.record(backend, output)
@@ -58,7 +78,7 @@ class ReportPlotter:
         kwargs.setdefault("title", f"{backend} · {output}{what} · {METRIC_LABELS.get(metric, metric)}")
         if metric == "abs" and rec.pair.worst_index is not None and not complex_:
             kwargs.setdefault("worst", rec.pair.worst_index)
-        return plot_heatmap(o, b, ref, metric=metric, budget=rec.judgement.budget_rmse, **kwargs)
+        return heatmap(o, b, ref, metric=metric, budget=rec.judgement.budget_rmse, **kwargs)
 
     def _pairs(self, output: str | None, backends: Sequence[str] | None) -> tuple[str, dict]:
         r = self._report

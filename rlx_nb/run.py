@@ -223,7 +223,7 @@ def run(
 
         def results(runs: dict[str, BackendRun], incomplete: str = "") -> RunResults:
             return RunResults(
-                label=label or _default_label(model),
+                label=label or default_label(model),
                 oracle=oracle,
                 reference=reference,
                 candidates=runs,
@@ -268,7 +268,16 @@ def run(
                 say("discrete events")
                 with meter.phase("discrete events"):
                     discrete.update(
-                        _discrete_events(private, inputs_.args, task, oracle, reference, sequential, runs, flipping)
+                        _discrete_events(
+                            private,
+                            inputs_.args,
+                            task,
+                            oracle=oracle,
+                            reference=reference,
+                            sequential=sequential,
+                            runs=runs,
+                            flipping=flipping,
+                        )
                     )
         except (KeyboardInterrupt, SystemExit) as exc:
             left = [b.name for b in candidates if b.name not in runs]
@@ -292,6 +301,7 @@ def _discrete_events(
     private: PrivateModel,
     args: tuple,
     task: Task,
+    *,
     oracle: BackendRun,
     reference: BackendRun,
     sequential: BackendRun | None,
@@ -337,5 +347,6 @@ def _why(run: BackendRun) -> str:
     return run.grad_message if run.grad_status not in (None, OK) else ""
 
 
-def _default_label(model: Any) -> str:
+def default_label(model: Any) -> str:
+    """A report's label when none is given: the model's class name (a function's name)."""
     return type(model).__name__ if isinstance(model, torch.nn.Module) else getattr(model, "__name__", "model")

@@ -16,7 +16,7 @@ def cosine(sxx: float, syy: float, sxy: float) -> float:
     return max(-1.0, min(1.0, sxy / math.sqrt(sxx * syy)))
 
 
-def pcc(n: int, sx: float, sy: float, sxx: float, syy: float, sxy: float, sdd: float) -> float:
+def pcc(n: int, sx: float, sy: float, *, sxx: float, syy: float, sxy: float, sdd: float) -> float:
     """Pearson correlation from the sums over ``n`` pairs, NaN-safe.
 
     Both sides constant: 1 when they are equal, else 0; one side constant: 0 (no linear relation).

@@ -26,6 +26,7 @@ import numpy as np
 
 from rlx_nb import formats
 from rlx_nb.chance import isolation, peak_mean, sample_allowance, slice_allowance, slice_lean
+from rlx_nb.errors import InputError
 from rlx_nb.judgement import (
     NONDETERMINISTIC,
     ROUNDOFF,
@@ -61,6 +62,13 @@ BETTER_THAN_ORACLE = 0.5
 CONCENTRATION_LIMIT = 3.0
 CONCENTRATED_OVER_ORACLE = 10.0
 FP32_U = formats.unit_roundoff("float32")
+
+
+def check_rule(rule: Any) -> str:
+    """``rule`` if it is one of :data:`RULES`, else an :class:`~rlx_nb.InputError` naming them."""
+    if rule not in RULES:
+        raise InputError(f"rule must be one of {', '.join(RULES)}; got {rule!r}")
+    return rule
 
 
 def fixed_verdict(max_rel: float, tol_rel: float, nonfinite_mismatch: int) -> str:
@@ -128,7 +136,7 @@ def judge(e: Evidence) -> Judgement:
             e.slices.legit,
             scale,
             floor * so.ref_rms,
-            e.slices.at_precision,
+            at_precision=e.slices.at_precision,
             pooled_rmse=legit_rmse,
             pooled_at_precision=anchor.rmse if anchor is not None and e.slices.at_precision else 0.0,
             profiles=e.slices.profiles,
@@ -266,6 +274,7 @@ def slice_ratio(
     legit: list[SliceStats],
     scale: float,
     floor_rmse: float,
+    *,
     at_precision: Sequence[SliceStats] = (),
     pooled_rmse: float = 0.0,
     pooled_at_precision: float = 0.0,

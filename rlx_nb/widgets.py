@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from rlx_nb import lookups
 from rlx_nb.errors import InputError
 from rlx_nb.plotting import HEATMAP_MARGINS, HISTOGRAM_MARGINS
 from rlx_nb.records import worst_first
@@ -104,6 +105,7 @@ class Explorer(W.VBox if W is not None else object):
         self.heatmap_data: np.ndarray | None = None
         self.histogram_data: list[np.ndarray] = []
         self._heatmap_ax = None
+        self._heatmap = None  # the drawn heatmap (plotting.Heatmap): its folding and pooling, for clicks and rings
         self._picked = None
         self._busy = False
         backends = [b for b in report.results.candidates if b not in report.errors]
@@ -246,18 +248,17 @@ class Explorer(W.VBox if W is not None else object):
         if self.output_picker.value is None:
             return
         ax = self._new_axes()
-        self.report.plot.heatmap(
+        drawn = self.report.plot.heatmap_picture(
             self.backend_picker.value, self.output_picker.value, metric=self.metric_toggle.value, ax=ax, max_pixels=400
         )
-        image = ax.images[0]
-        self.heatmap_data = image.rlx_pooled
+        self.heatmap_data = drawn.pooled
         if self.interactive and self._heatmap_ax is not None:
             import matplotlib.pyplot as plt
 
             plt.close(self._heatmap_ax.figure)
-        self._heatmap_ax = ax
+        self._heatmap_ax, self._heatmap = ax, drawn
         self._picked = None
-        if picked is None and self.selected_index is not None and len(self.selected_index) == len(image.rlx_fold.shape):
+        if picked is None and self.selected_index is not None and len(self.selected_index) == len(drawn.fold.shape):
             picked = self.selected_index  # a metric change keeps the picked element ringed
         if picked is not None:
             self._mark(picked, render=False)
@@ -272,14 +273,13 @@ class Explorer(W.VBox if W is not None else object):
 
     def _mark(self, index: tuple[int, ...], *, render: bool = True) -> None:
         # The picked element, marked on the heatmap (a white ring on its pooled cell).
-        ax = self._heatmap_ax
-        if ax is None or not ax.images:
+        ax, drawn = self._heatmap_ax, self._heatmap
+        if ax is None or drawn is None:
             return
-        image = ax.images[0]
-        cell = image.rlx_fold.cell(index)
+        cell = drawn.fold.cell(index)
         if cell is None:
             return
-        y, x = cell[0] // image.rlx_factors[0], cell[1] // image.rlx_factors[1]
+        y, x = cell[0] // drawn.factors[0], cell[1] // drawn.factors[1]
         if self._picked is None:
             (self._picked,) = ax.plot(
                 [x], [y], marker="o", markersize=14, markerfacecolor="none", markeredgecolor="white",
@@ -311,12 +311,11 @@ class Explorer(W.VBox if W is not None else object):
         _show_png(self.histogram_out, _png(ax.figure))
 
     def _on_click(self, event: Any) -> None:
-        if event.inaxes is not self._heatmap_ax or event.xdata is None:
+        if event.inaxes is not self._heatmap_ax or event.xdata is None or self._heatmap is None:
             return
-        image = self._heatmap_ax.images[0]
         block = (round(event.ydata), round(event.xdata))
-        backend, output = self.backend_picker.value, self.output_picker.value
-        self.select(self.report.worst_in_block(backend, output, image.rlx_fold, block, image.rlx_factors))
+        rec = self.report.record(self.backend_picker.value, self.output_picker.value)
+        self.select(lookups.worst_in_block(self.report.results, rec, self._heatmap.fold, block, self._heatmap.factors))
 
     # -- the localization view -----------------------------------------------------------------
 
@@ -329,7 +328,7 @@ class Explorer(W.VBox if W is not None else object):
         ax = Figure(figsize=(9, 4), layout="constrained").add_subplot()
         loc.plot(ax=ax)
         _show_png(self.localization_bars, _png(ax.figure))
-        names = [n for n in loc.frame["name"] if n in loc._checks]
+        names = loc.checked
         self.module_picker = W.Dropdown(
             options=[
                 (f"⚠ {n}" if n in loc.frame.query("verdict == 'SUSPECT'")["name"].tolist() else n, n) for n in names
@@ -358,12 +357,12 @@ class Explorer(W.VBox if W is not None else object):
             return
         ax = Figure(figsize=(6, 4), layout="constrained").add_subplot()
         try:
-            self.localization.plot_heatmap(name, ax=ax, max_pixels=300)
+            drawn = self.localization.heatmap_picture(name, ax=ax, max_pixels=300)
         except InputError as exc:
             self.module_heatmap.outputs = ()
             self.module_heatmap.append_display_data(W.HTML(html.escape(str(exc))))
             return
-        self.module_heatmap_data = ax.images[0].rlx_pooled
+        self.module_heatmap_data = drawn.pooled
         _show_png(self.module_heatmap, _png(ax.figure))
 
     # -- the element inspector -----------------------------------------------------------------
@@ -374,7 +373,7 @@ class Explorer(W.VBox if W is not None else object):
         backend, output = self.backend_picker.value, self.output_picker.value
         e = self.report.element(backend, output, index).iloc[0]  # (an InputError for an index outside the output)
         self.selected_index = index
-        image = self._heatmap_ax.images[0] if self._heatmap_ax is not None else None
+        drawn = self._heatmap
         rows = [
             ("index", str(index)),
             ("oracle (cpu fp32)", f"{float(e.oracle):.9g}"),
@@ -388,9 +387,10 @@ class Explorer(W.VBox if W is not None else object):
         ]
         body = "".join(f"<tr><th style='text-align:left'>{k}</th><td>{v}</td></tr>" for k, v in rows)
         hood = ""
-        if image is not None and self.report.record(backend, output).dtype.startswith(("float", "bfloat")):
+        rec = self.report.record(backend, output)
+        if drawn is not None and rec.dtype.startswith(("float", "bfloat")):
             try:
-                window = self.report.neighbourhood(backend, output, index, image.rlx_fold)
+                window = lookups.neighbourhood(self.report.results, rec, index, drawn.fold)
                 cells = "".join(
                     "<tr>"
                     + "".join(

@@ -112,3 +112,50 @@ def test_no_import_cycle():
 def test_modules_stay_small():
     big = {m: len(p.read_text().splitlines()) for m, p in _modules().items()}
     assert {m: n for m, n in big.items() if n > 500} == {}, "a module past ~400 lines is asking to be split"
+
+
+# Functions whose signature is someone else's, or the public API a user calls with keywords.
+WIDE_SIGNATURES = {
+    "rlx_nb.api.backend_divergence": "the public entry point: its keywords are the user's options",
+    "rlx_nb.run.run": "public (rlx_nb.run): backend_divergence's run without the comparison",
+    "rlx_nb.backends.registry.register_backend": "public: a backend's description, every field a keyword",
+    "rlx_nb.heatmap.plot_heatmap": "public (rlx_nb.plotting.plot_heatmap): a plot's keywords, as matplotlib's are",
+    "rlx_nb.backends.faults.attention": "torch.nn.functional.scaled_dot_product_attention's own signature",
+}
+
+
+def _signatures():
+    # Every function and method: (qualified module.name, positional count, total count, is an autograd forward).
+    for module, path in _modules().items():
+        tree = ast.parse(path.read_text())
+        forwards = {
+            id(f)
+            for c in ast.walk(tree)
+            if isinstance(c, ast.ClassDef)
+            and any(getattr(b, "attr", getattr(b, "id", "")) == "Function" for b in c.bases)
+            for f in c.body
+            if isinstance(f, ast.FunctionDef) and f.name in ("forward", "backward")
+        }
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                a = node.args
+                positional = [x for x in a.posonlyargs + a.args if x.arg not in ("self", "cls")]
+                yield (
+                    f"{module}.{node.name}",
+                    len(positional),
+                    len(positional) + len(a.kwonlyargs),
+                    id(node) in forwards,
+                )
+
+
+def test_no_function_takes_more_than_five_positional_or_ten_parameters():
+    # (numba kernels aside: rlx_nb/_fused.py; an autograd Function's forward takes the op's inputs)
+    wide = [
+        f"{name}: {pos} positional, {total} in all"
+        for name, pos, total, autograd in _signatures()
+        if (pos > 5 or total > 10)
+        and not autograd
+        and name not in WIDE_SIGNATURES
+        and not name.startswith("rlx_nb._fused")
+    ]
+    assert not wide, "\n".join(wide)

@@ -13,7 +13,7 @@ import torch
 
 import rlx_nb
 from rlx_nb.maps import error_map, make_fold
-from rlx_nb.plotting import plot_heatmap, plot_histogram, plot_scatter, plot_tolerance_curve
+from rlx_nb.plotting import heatmap, plot_heatmap, plot_histogram, plot_scatter, plot_tolerance_curve
 
 
 @pytest.fixture(autouse=True)
@@ -29,10 +29,9 @@ def test_every_planted_outlier_survives_pooling(rng):
     rows, cols = rng.choice(n, 20, replace=False), rng.choice(n, 20, replace=False)
     b[rows, cols] += np.float32(1.0)
     fig = plt.figure(figsize=(8, 8), dpi=100)  # an 800-px figure
-    ax = plot_heatmap(o, b, ax=fig.add_subplot())
-    image = ax.images[0]
-    data = image.get_array()
-    fy, fx = image.rlx_factors
+    drawn = heatmap(o, b, ax=fig.add_subplot())
+    data = drawn.ax.images[0].get_array()
+    fy, fx = drawn.factors
     assert data.shape[0] <= 800 and data.shape[1] <= 800 and fy > 1
     for r, c in zip(rows, cols, strict=True):
         assert data[r // fy, c // fx] >= 0.99, (r, c)
@@ -65,10 +64,11 @@ def test_worst_element_is_marked_and_labelled():
     o = np.zeros((2, 3, 8, 8), np.float32)
     b = o.copy()
     b[1, 2, 5, 6] = 0.5
-    ax = plot_heatmap(o, b)
-    assert ax.rlx_worst_index == (1, 2, 5, 6)
+    drawn = heatmap(o, b)
+    ax = drawn.ax
+    assert drawn.worst == (1, 2, 5, 6)
     (marker,) = [line for line in ax.lines if line.get_label() == "worst"]
-    fold = ax.images[0].rlx_fold
+    fold = drawn.fold
     row, col = fold.cell((1, 2, 5, 6))
     assert marker.get_xdata()[0] == col and marker.get_ydata()[0] == row
     assert any("(1, 2, 5, 6)" in t.get_text() for t in ax.texts)
@@ -128,11 +128,11 @@ def test_fold_rules_round_trip():
 
 
 def test_one_d_and_scalar_outputs_draw():
-    ax = plot_heatmap(np.zeros(10, np.float32), np.arange(10, dtype=np.float32))
-    assert ax.images[0].rlx_pooled.shape == (3, 4)  # wrapped into rows of ceil(sqrt(10))
-    assert ax.rlx_worst_index == (9,)
-    ax = plot_heatmap(np.float32(1.0).reshape(()), np.float32(2.0).reshape(()))
-    assert ax.images[0].rlx_pooled.shape == (1, 1)
+    drawn = heatmap(np.zeros(10, np.float32), np.arange(10, dtype=np.float32))
+    assert drawn.pooled.shape == (3, 4)  # wrapped into rows of ceil(sqrt(10))
+    assert drawn.worst == (9,)
+    drawn = heatmap(np.float32(1.0).reshape(()), np.float32(2.0).reshape(()))
+    assert drawn.pooled.shape == (1, 1)
 
 
 def test_budget_metric_centres_one():
@@ -141,10 +141,10 @@ def test_budget_metric_centres_one():
     o = r.astype(np.float32)
     b = o.copy()
     b[4, 4] += 1e-3
-    ax = plot_heatmap(o, b, r, metric="budget", budget=1e-7)
-    norm = ax.images[0].norm
+    drawn = heatmap(o, b, r, metric="budget", budget=1e-7)
+    norm = drawn.ax.images[0].norm
     assert norm.vmin == pytest.approx(1 / norm.vmax)
-    assert ax.images[0].rlx_pooled[4, 4] == pytest.approx(1e-3 / 1e-7, rel=1e-2)
+    assert drawn.pooled[4, 4] == pytest.approx(1e-3 / 1e-7, rel=1e-2)
 
 
 def test_nan_disagreement_is_infinite_on_the_map():
@@ -183,7 +183,7 @@ def test_report_plot_accessor():
     report = rlx_nb.backend_divergence(model, torch.randn(8, 16), backends=["cpu-nomkldnn", "fault:softmax-row"])
     ax = report.plot.heatmap()  # the suspect, its worst output
     assert "fault:softmax-row" in ax.get_title()
-    assert ax.rlx_worst_index[0] == 0
+    assert report.plot.heatmap_picture().worst[0] == 0
     assert len(report.plot.histogram().patches) == 2
     assert report.plot.scatter("cpu-nomkldnn").collections
     assert len(report.plot.tolerance_curve().lines) == 3

@@ -66,8 +66,8 @@ def test_the_histogram_follows_the_picked_backend_and_the_picked_element_is_mark
     assert ex.histogram_out.outputs[0]["data"]["image/png"] != before
     ex.select((0, 1, 2))
     ring = [line for line in ex._heatmap_ax.lines if line.get_label() == "picked"]
-    cell = ex._heatmap_ax.images[0].rlx_fold.cell((0, 1, 2))
-    factors = ex._heatmap_ax.images[0].rlx_factors
+    cell = ex._heatmap.fold.cell((0, 1, 2))
+    factors = ex._heatmap.factors
     assert ring and ring[0].get_xydata().tolist() == [[cell[1] // factors[1], cell[0] // factors[0]]]
 
 
@@ -93,7 +93,7 @@ def test_click_selects_the_worst_element_of_the_block(report):
 
     class Click:
         inaxes = ax
-        xdata, ydata = 117.0 / ax.images[0].rlx_factors[1], 0.0
+        xdata, ydata = 117.0 / ex._heatmap.factors[1], 0.0
 
     ex._on_click(Click())
     assert ex.selected_index[:2] == (0, 0)

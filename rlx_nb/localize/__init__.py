@@ -34,7 +34,7 @@ from rlx_nb.backends import ORACLE, REFERENCE, get_backend
 from rlx_nb.errors import InputError
 from rlx_nb.localize.capture import CallModule, OpModule, capture_calls
 from rlx_nb.localize.repro import resolve_function, template_from_json, template_to_json, write_repro
-from rlx_nb.localize.result import Localization
+from rlx_nb.localize.result import Found, Localization
 from rlx_nb.localize.search import KEEP_ARRAYS_BYTES, State, descend, user_name
 from rlx_nb.prepare import normalize_inputs, prepare_model
 from rlx_nb.progress import bar
@@ -107,17 +107,16 @@ def localize(
                 state.propagate(base, args)
         finally:
             state.shown.close()
-    loc = Localization(
-        backend,
-        backward,
+    found = Found(
         state.rows,
         user_name(culprit, keys) if culprit is not None else None,
         culprit_op,
         state.preparations,
         repro,
+        checks=state.checks,
+        full_run=state.full_run,
     )
-    loc._checks = state.checks
-    loc.full_run = state.full_run
+    loc = Localization(backend, backward, found)
     failed = loc.errors
     if len(failed):
         warnings.warn(
@@ -136,6 +135,37 @@ def localize(
     return loc
 
 
+def localize_report(
+    report: Any,
+    backend: str | None = None,
+    *,
+    model: Any = None,
+    inputs: Any = None,
+    params: Any = None,
+    backward: bool | None = None,
+    **kwargs: Any,
+) -> Localization:
+    """:func:`localize` the model a report was made from (``report.localize``): ``backend`` defaults to the
+    report's first suspect; ``model``, ``inputs`` and ``params`` to those the report holds weakly; ``backward``
+    to whether the backend's worst output is a gradient."""
+    if model is None or inputs is None:
+        held = report.source.get() if report.source is not None else None
+        if held is None:
+            why = "it was loaded or merged" if report.source is None else "they are no longer alive"
+            raise InputError(
+                f"this report does not hold its model and inputs ({why}): "
+                "pass them, report.localize(backend, model=model, inputs=inputs)"
+            )
+        model, inputs, params = held if params is None else (*held[:2], params)
+    if backend is None:
+        if not report.suspects:
+            raise InputError("no SUSPECT backend to localize; name one: report.localize('cpu-inductor')")
+        backend = report.suspects[0]
+    if backward is None:
+        backward = (report.record(backend).output or "").startswith("grad:")
+    return localize(model, inputs, backend=backend, params=params, backward=backward, **kwargs)
+
+
 __all__ = [
     "KEEP_ARRAYS_BYTES",
     "CallModule",
@@ -143,6 +173,7 @@ __all__ = [
     "OpModule",
     "capture_calls",
     "localize",
+    "localize_report",
     "resolve_function",
     "template_from_json",
     "template_to_json",

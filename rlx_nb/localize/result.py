@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import html
 from pathlib import Path
 from typing import Any
@@ -14,6 +15,21 @@ from rlx_nb.frames import localization_frame
 from rlx_nb.localize.repro import write_repro
 from rlx_nb.localize.search import KEEP_ARRAYS_BYTES
 from rlx_nb.verdict import SUSPECT, VERDICT_ERROR
+
+
+@dataclasses.dataclass(frozen=True)
+class Found:
+    """What a search found (:mod:`rlx_nb.localize.search`): the check rows, the culprit, the checks' runs."""
+
+    rows: list[dict]
+    culprit_module: str | None
+    culprit_op: str | None
+    preparations: int
+    repro_case: dict | None = None
+    checks: dict[str, tuple[Any, str | None]] = dataclasses.field(default_factory=dict)
+    """Each checked name's runs (None where they were not kept: a large module within round-off) and output."""
+    full_run: str = ""
+    """Why the search watched full runs instead of modules alone ("" when it did not)."""
 
 
 class Localization:
@@ -31,25 +47,21 @@ class Localization:
         How many times the backend prepared (ran, compiled or exported) a module or op.
     """
 
-    def __init__(
-        self,
-        backend: str,
-        backward: bool,
-        rows: list[dict],
-        culprit_module: str | None,
-        culprit_op: str | None,
-        preparations: int,
-        repro_case: dict | None,
-    ) -> None:
+    def __init__(self, backend: str, backward: bool, found: Found) -> None:
         self.backend = backend
         self.backward = backward
-        self.frame = localization_frame(rows)
-        self.culprit_module = culprit_module
-        self.culprit_op = culprit_op
-        self.preparations = preparations
-        self._repro_case = repro_case
-        self._checks: dict[str, tuple[Any, str | None]] = {}
-        self.full_run = ""  # why the search watched full runs instead of modules alone ("" when it did not)
+        self.frame = localization_frame(found.rows)
+        self.culprit_module = found.culprit_module
+        self.culprit_op = found.culprit_op
+        self.preparations = found.preparations
+        self._repro_case = found.repro_case
+        self._checks = dict(found.checks)
+        self.full_run = found.full_run
+
+    @property
+    def checked(self) -> list[str]:
+        """The names (modules, ops) whose check ran, in the frame's order; :meth:`arrays` reads their outputs."""
+        return [n for n in self.frame["name"] if n in self._checks]
 
     def arrays(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """``(oracle, backend, fp64)`` of the worst output of one checked module or op, run alone."""
@@ -70,13 +82,17 @@ class Localization:
 
     def plot_heatmap(self, name: str, **kwargs: Any):
         """The error heatmap of one checked module's (or op's) worst output, run alone on the backend."""
-        from rlx_nb.plotting import plot_heatmap
+        return self.heatmap_picture(name, **kwargs).ax
+
+    def heatmap_picture(self, name: str, **kwargs: Any):
+        """:meth:`plot_heatmap`, returning the :class:`~rlx_nb.plotting.Heatmap` it drew."""
+        from rlx_nb.plotting import heatmap
 
         o, b, r = self.arrays(name)
         kwargs.setdefault("title", f"{self.backend} · {name} (alone)")
         if kwargs.get("metric") == "budget":
             kwargs.setdefault("budget", self._budget(name))
-        return plot_heatmap(o, b, r, **kwargs)
+        return heatmap(o, b, r, **kwargs)
 
     def _budget(self, name: str) -> float:
         results, output = self._checks[name]

@@ -1,0 +1,88 @@
+"""What every figure of rlx_nb shares: metric labels, margins, colours, a new axes, log colour-bar ticks."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from rlx_nb.errors import InputError
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+
+
+METRIC_LABELS = {
+    "abs": "|backend - oracle|",
+    "rel": "|backend - oracle| / (|oracle| + 1e-6)",
+    "ulp": "ULP distance",
+    "budget": "|backend - fp64| / round-off budget",
+}
+
+COLORBAR_LABELS = {"abs": "abs error", "rel": "relative error", "ulp": "ULP distance", "budget": "x round-off budget"}
+"""Short names for the colour bar (the title spells the metric out): a long one ran off a short figure."""
+
+# The heatmap's own figure has fixed margins instead of a layout engine: constrained layout measures
+# every label twice per draw, and the inline backend draws twice (once for bbox_inches="tight"), which
+# made it about a third of a notebook heatmap's time.
+HEATMAP_MARGINS = {"left": 0.13, "right": 0.92, "bottom": 0.12, "top": 0.92}
+HISTOGRAM_MARGINS = {"left": 0.1, "right": 0.66, "bottom": 0.13, "top": 0.91}  # the legend to the right
+# A colour bar spanning more decades than this shows no minor labels, so no minor ticks either:
+# each tick is a few matplotlib objects, and a 6-decade bar had ~50 of them.
+MINOR_TICK_DECADES = 2.0
+
+
+def pyplot():
+    try:
+        import matplotlib.pyplot as plt
+    except ImportError:  # pragma: no cover - depends on the environment
+        raise InputError("plotting needs matplotlib: pip install 'rlx_nb[notebook]'") from None
+    return plt
+
+
+def new_axes(ax: Axes | None, figsize: tuple[float, float] = (6.0, 4.5), margins: dict | None = None) -> Axes:
+    # A new figure: constrained layout, or fixed ``margins`` (subplots_adjust's) and no layout engine.
+    if ax is not None:
+        return ax
+    fig = pyplot().figure(figsize=figsize, layout=None if margins else "constrained")
+    if margins:
+        fig.subplots_adjust(**margins)
+    return fig.add_subplot()
+
+
+def pixel_budget(ax: Axes, max_pixels: int | None) -> int:
+    # The axes' size in device pixels: finer data would be resampled away on screen.
+    bbox = ax.get_window_extent()
+    fit = int(max(16, min(bbox.width, bbox.height)))
+    return max(1, min(max_pixels, fit) if max_pixels else fit)
+
+
+EXACT_COLOUR = "#c8c8c8"
+"""How an exact match (error 0) is drawn on the heatmaps."""
+
+
+def log_ticks(colorbar: Any, norm: Any) -> None:
+    # Plain tick labels ("1e-07", "2.5e-07"), never mathtext (its parser costs ~0.02-0.1 s per label).  Over
+    # more than MINOR_TICK_DECADES: labelled decades only.  Over less than one decade (errors of a few
+    # ulps), a log locator's labels would all round to one value: a handful of ticks labelled to 3 digits.
+    from matplotlib.ticker import FixedLocator, FuncFormatter, LogFormatter, NullLocator
+
+    decades = math.log10(norm.vmax / norm.vmin)
+    axis = colorbar.ax.yaxis
+    if decades < 1.0:
+        axis.set_major_locator(FixedLocator(np.geomspace(norm.vmin, norm.vmax, 4)))
+        axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.3g}" if 1e-3 <= v < 1e4 else f"{v:.2e}"))
+        axis.set_minor_locator(NullLocator())
+        return
+    axis.set_major_formatter(LogFormatter(labelOnlyBase=True))
+    axis.set_minor_formatter(LogFormatter(labelOnlyBase=False))
+    if decades > MINOR_TICK_DECADES:
+        colorbar.ax.minorticks_off()
+
+
+SUSPECT_COLOUR = "#b00020"
+"""The one colour that means SUSPECT, on every figure."""
+PALETTE = ["#4c72b0", "#55a868", "#8172b2", "#ccb974", "#64b5cd", "#dd8452", "#8c8c8c", "#937860"]
+"""Colours for backends that are not SUSPECT (no red among them)."""
+LINESTYLES = ["-", "--", ":", "-."]
