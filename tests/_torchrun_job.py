@@ -6,6 +6,7 @@ faulty vendor backend), DIE_RANK (a rank that joins the group and then exits wit
 
 import os
 import sys
+import time
 
 import torch.distributed as dist
 
@@ -22,6 +23,9 @@ if rank == int(os.environ.get("FAULT_RANK", "-1")):
     backends.append("vendor-npu")
 if rank == int(os.environ.get("DIE_RANK", "-1")):
     dist.init_process_group("gloo")
+    # Die mid-run, not mid-handshake: a rank lost while the others are still connecting fails
+    # their init_process_group (gloo's full mesh), which is torch's business, not the gather's.
+    time.sleep(3.0)
     os._exit(0)  # gone without a word
 model, inputs = demo.transformer()
 report = gather_report(model, inputs, backends=backends, timeout_s=60)
