@@ -13,7 +13,7 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q $(TORCH_PIN)
-	$(BIN)/python -m pip install -q -e '.[onnx,openvino,notebook,browser,bench,dev]'
+	$(BIN)/python -m pip install -q -e '.[onnx,openvino,notebook,browser,bench,graph,dev]'
 	touch $(STAMP)
 
 demo: $(STAMP)

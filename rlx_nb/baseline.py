@@ -59,29 +59,40 @@ class BaselineComparison:
             move = f"worst move x{worst.moved:.3g}" if worst.moved == worst.moved else "not in both reports"
             out.append(
                 f"[{self.new_label}] {backend}: {status} — {move} on {worst.output} "
-                f"(excess {worst.old_excess:.3g} -> {worst.new_excess:.3g}; "
+                f"(x of the SUSPECT line {worst.old_line:.3g} -> {worst.new_line:.3g}; "
                 f"{worst.old_verdict or '-'} -> {worst.new_verdict or '-'})"
             )
         return out
 
     def plot(self, ax: Any = None) -> Any:
-        """Old against new excess per (backend, output), log-log, the budget's limit and y = x drawn."""
-        from rlx_nb.figures import SUSPECT_COLOUR, new_axes
+        """Old against new place on the SUSPECT line per (backend, output), log-log, the line and y = x drawn;
+        each point labelled (the first few), red where the new verdict is SUSPECT."""
+        from rlx_nb.figures import PALETTE, SUSPECT_COLOUR, new_axes
         from rlx_nb.safe import plot_text
 
-        ax = new_axes(ax, figsize=(5.5, 4.5))
-        f = self.frame.dropna(subset=["old_excess", "new_excess"])
-        colours = [SUSPECT_COLOUR if s == "worse" else "#4c72b0" for s in f.status]
-        ax.scatter(f.old_excess.clip(lower=1e-6), f.new_excess.clip(lower=1e-6), c=colours, s=18)
+        ax = new_axes(ax, figsize=(6.5, 4.8))
+        f = self.frame.dropna(subset=["old_line", "new_line"])
+        x, y = f.old_line.clip(lower=1e-6), f.new_line.clip(lower=1e-6)
+        markers = {"worse": "^", "better": "v", "same": "o"}
+        for status, marker in markers.items():
+            for suspect in (False, True):
+                sel = (f.status == status) & ((f.new_verdict == SUSPECT) == suspect)
+                if sel.any():
+                    ax.scatter(x[sel], y[sel], marker=marker, s=28, color=SUSPECT_COLOUR if suspect else PALETTE[0],
+                               label=f"{status}{' (SUSPECT now)' if suspect else ''}")  # fmt: skip
+        for k, row in enumerate(f.itertuples()):
+            if k < 12:  # a label for each of the first points; the frame has them all
+                ax.annotate(plot_text(f"{row.backend} · {row.output}"), (x.iloc[k], y.iloc[k]), xytext=(4, 3),
+                            textcoords="offset points", fontsize=6, color="#333333")  # fmt: skip
         lo = 1e-3
         ax.plot([lo, 1e4], [lo, 1e4], color="grey", linewidth=1, label="unchanged")
-        ax.axhline(1.0, color=SUSPECT_COLOUR, linestyle="--", linewidth=1, label="budget limit (new)")
+        ax.axhline(1.0, color="black", linestyle="--", linewidth=1, label="SUSPECT line (new)")
         ax.set_xscale("log")
         ax.set_yscale("log")
-        ax.set_xlabel(plot_text(f"old excess ({self.old_label})"))
-        ax.set_ylabel(plot_text(f"new excess ({self.new_label})"))
-        ax.legend(fontsize=8, loc="upper left")
-        ax.set_title("error in multiples of its round-off budget, old vs new", fontsize=9)
+        ax.set_xlabel(plot_text(f"old: x of the SUSPECT line ({self.old_label})"))
+        ax.set_ylabel(plot_text(f"new: x of the SUSPECT line ({self.new_label})"))
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, frameon=False)
+        ax.set_title("each output's place on the SUSPECT line, old vs new", fontsize=9)
         return ax
 
     def _repr_html_(self) -> str:
@@ -107,9 +118,9 @@ def _status(old: Any, new: Any) -> str:
         return "worse"
     if old.verdict == SUSPECT and new.verdict != SUSPECT:
         return "better"
-    if new.verdict == SUSPECT and old.verdict == SUSPECT and new.judgement.excess > WORSE_FACTOR * old.judgement.excess:
+    if new.verdict == SUSPECT and old.verdict == SUSPECT and new.judgement.line > WORSE_FACTOR * old.judgement.line:
         return "worse"
-    if new.verdict == SUSPECT and old.verdict == SUSPECT and old.judgement.excess > WORSE_FACTOR * new.judgement.excess:
+    if new.verdict == SUSPECT and old.verdict == SUSPECT and old.judgement.line > WORSE_FACTOR * new.judgement.line:
         return "better"
     return "same"
 
@@ -149,8 +160,8 @@ def compare_reports(old: Any, new: Any, *, allow_different_model: bool = False) 
     rows = []
     for key in list(olds) + [k for k in news if k not in olds]:
         o, n = olds.get(key), news.get(key)
-        oe = o.judgement.excess if o is not None else math.nan
-        ne = n.judgement.excess if n is not None else math.nan
+        oe = o.judgement.line if o is not None else math.nan
+        ne = n.judgement.line if n is not None else math.nan
         moved = ne / oe if oe > 0 and ne == ne else math.nan  # NaN when either is missing
         rows.append(
             {
@@ -159,8 +170,8 @@ def compare_reports(old: Any, new: Any, *, allow_different_model: bool = False) 
                 "status": _status(o, n),
                 "old_verdict": o.verdict if o is not None else "",
                 "new_verdict": n.verdict if n is not None else "",
-                "old_excess": oe,
-                "new_excess": ne,
+                "old_line": oe,
+                "new_line": ne,
                 "moved": moved,
             }
         )

@@ -18,16 +18,23 @@ METRIC_LABELS = {
     "rel": "|backend - oracle| / (|oracle| + 1e-6)",
     "ulp": "ULP distance",
     "budget": "|backend - fp64| / round-off budget",
+    "line": "|backend - fp64|, x of the SUSPECT line",
 }
 
-COLORBAR_LABELS = {"abs": "abs error", "rel": "relative error", "ulp": "ULP distance", "budget": "x round-off budget"}
+COLORBAR_LABELS = {
+    "abs": "abs error",
+    "rel": "relative error",
+    "ulp": "ULP distance",
+    "budget": "x round-off budget",
+    "line": "x of the SUSPECT line",
+}
 """Short names for the colour bar (the title spells the metric out): a long one ran off a short figure."""
 
 # The heatmap's own figure has fixed margins instead of a layout engine: constrained layout measures
 # every label twice per draw, and the inline backend draws twice (once for bbox_inches="tight"), which
 # made it about a third of a notebook heatmap's time.
-HEATMAP_MARGINS = {"left": 0.13, "right": 0.92, "bottom": 0.12, "top": 0.92}
-HISTOGRAM_MARGINS = {"left": 0.1, "right": 0.66, "bottom": 0.13, "top": 0.91}  # the legend to the right
+HEATMAP_MARGINS = {"left": 0.13, "right": 0.85, "bottom": 0.12, "top": 0.92}
+HISTOGRAM_MARGINS = {"left": 0.12, "right": 0.66, "bottom": 0.13, "top": 0.91}  # the legend to the right
 # A colour bar spanning more decades than this shows no minor labels, so no minor ticks either:
 # each tick is a few matplotlib objects, and a 6-decade bar had ~50 of them.
 MINOR_TICK_DECADES = 2.0
@@ -70,9 +77,17 @@ def log_ticks(colorbar: Any, norm: Any) -> None:
 
     decades = math.log10(norm.vmax / norm.vmin)
     axis = colorbar.ax.yaxis
+    if not hasattr(norm, "base") and type(norm).__name__ == "FuncNorm":  # a centred scale: its decades, and 1
+        lo, hi = math.floor(math.log10(norm.vmin)), math.ceil(math.log10(norm.vmax))
+        step = max(1, (hi - lo) // 6)
+        ticks = sorted({10.0**k for k in range(lo, hi + 1, step)} | {1.0})
+        axis.set_major_locator(FixedLocator([t for t in ticks if norm.vmin <= t <= norm.vmax]))
+        axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        axis.set_minor_locator(NullLocator())
+        return
     if decades < 1.0:
         axis.set_major_locator(FixedLocator(np.geomspace(norm.vmin, norm.vmax, 4)))
-        axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:.3g}" if 1e-3 <= v < 1e4 else f"{v:.2e}"))
+        axis.set_major_formatter(FuncFormatter(lambda v, _: _compact(v)))
         axis.set_minor_locator(NullLocator())
         return
     axis.set_major_formatter(LogFormatter(labelOnlyBase=True))
@@ -81,8 +96,15 @@ def log_ticks(colorbar: Any, norm: Any) -> None:
         colorbar.ax.minorticks_off()
 
 
+def _compact(v: float) -> str:
+    # 3 digits, and an exponent without padding ("4.99e-4", not "4.99e-04"): a colour bar's ticks stay narrow.
+    mantissa, exponent = f"{v:.2e}".split("e")
+    mantissa = mantissa.rstrip("0").rstrip(".")
+    return min(f"{v:.3g}".replace("e+0", "e").replace("e-0", "e-"), f"{mantissa}e{int(exponent)}", key=len)
+
+
 SUSPECT_COLOUR = "#b00020"
 """The one colour that means SUSPECT, on every figure."""
-PALETTE = ["#4c72b0", "#55a868", "#8172b2", "#ccb974", "#64b5cd", "#dd8452", "#8c8c8c", "#937860"]
+PALETTE = ["#4c72b0", "#55a868", "#8172b2", "#ccb974", "#64b5cd", "#2a9d8f", "#8c8c8c", "#6b6bb3"]
 """Colours for backends that are not SUSPECT (no red among them)."""
 LINESTYLES = ["-", "--", ":", "-."]

@@ -38,7 +38,10 @@ SUMMARY_COLUMNS = [
     *("anchor_likeness", "zero_mismatch", "zero_mismatch_max", "excess_elsewhere", "error_bias", "error_value_corr"),
     *("less_accurate", "discrete_events", "note", "cause", "line", "nonfinite_unexplained", "oracle_outliers"),
 ]
-"""One row per (backend, output): every figure of a record (``report.summary``)."""
+"""One row per (backend, output): every figure of a record (``report.summary_detail``)."""
+SUMMARY_SHORT_COLUMNS = [BACKEND, OUTPUT, "kind", VERDICT, "line", "why", "max_abs", "worst_index", "effective_bits"]
+"""... the columns a person reads first (``report.summary``): the verdict, its place on the SUSPECT line
+(``line``: 1.0 is the line) and a few words why; the whole reason and every other figure one attribute away."""
 RECORD_COLUMNS = [*SUMMARY_COLUMNS, "detail", "nondeterminism"]
 """... and what a saved report keeps besides."""
 
@@ -86,6 +89,7 @@ BACKEND_COLUMNS = [
     "max_abs",
     "max_rel",
     "max_rel_output",
+    "line",
     "ratio_rmse",
     "ratio_max",
     EXCESS,
@@ -117,10 +121,10 @@ LOCALIZE_COLUMNS = [
     "output",
     "local_ratio_rmse",
     "local_ratio_max",
-    "local_excess",
+    "local_line",
     "propagated_ratio_rmse",
     "propagated_ratio_max",
-    "propagated_excess",
+    "propagated_line",
     "amplification",
     "reason",
     "notes",
@@ -135,8 +139,9 @@ FORMATS: dict[str, str] = {
     **dict.fromkeys(("cosine", "pcc"), "{:.9f}"),
     "sqnr_db": "{:.1f}",
     **dict.fromkeys(("ratio_rmse", "ratio_max", "excess", "slice_ratio", "concentration", "mismatched_frac"), "{:.3g}"),
-    **dict.fromkeys(("local_ratio_rmse", "local_ratio_max", "local_excess", "amplification"), "{:.3g}"),
-    **dict.fromkeys(("propagated_ratio_rmse", "propagated_ratio_max", "propagated_excess"), "{:.3g}"),
+    **dict.fromkeys(("line", "old_line", "new_line"), "{:.3g}"),
+    **dict.fromkeys(("local_ratio_rmse", "local_ratio_max", "local_line", "amplification"), "{:.3g}"),
+    **dict.fromkeys(("propagated_ratio_rmse", "propagated_ratio_max", "propagated_line"), "{:.3g}"),
     **dict.fromkeys(("oracle_value", "backend_value", "oracle", "backend", "reference"), "{:.9g}"),
     **dict.fromkeys(("reference_value",), "{:.12g}"),
     **dict.fromkeys(("effective_bits", "anchor_likeness", "excess_elsewhere", "zero_mismatch_max"), "{:.3g}"),
@@ -201,9 +206,14 @@ def verdict_css(v: str) -> str:
     return "color: #1b5e20"
 
 
-def summary_frame(records: Sequence[OutputRecord]) -> pd.DataFrame:
-    """One row per (backend, output), in run order."""
-    return Table([record_row(r) for r in records], columns=SUMMARY_COLUMNS)
+def summary_frame(records: Sequence[OutputRecord], *, short: bool = False) -> pd.DataFrame:
+    """One row per (backend, output), in run order: every column, or (``short``) :data:`SUMMARY_SHORT_COLUMNS`."""
+    if not short:
+        return Table([record_row(r) for r in records], columns=SUMMARY_COLUMNS)
+    from rlx_nb.reasons import short_reason
+
+    rows = [{**record_row(r), "why": short_reason(r)} for r in records]
+    return Table(rows, columns=SUMMARY_SHORT_COLUMNS)
 
 
 def backends_frame(
@@ -235,9 +245,10 @@ def backends_frame(
                 "max_abs": np.nanmax([r.pair.max_abs for r in recs]) if rels else np.nan,
                 "max_rel": rel_worst.pair.max_rel if rel_worst else np.nan,
                 "max_rel_output": rel_worst.output if rel_worst else None,
+                "line": worst.judgement.line,
                 "ratio_rmse": worst.judgement.ratio_rmse,
                 "ratio_max": worst.judgement.ratio_max,
-                EXCESS: worst.judgement.excess,
+                EXCESS: worst.judgement.line,
                 "outputs": len([r for r in recs if r.output is not None]),
                 "suspect_outputs": sum(r.verdict == SUSPECT for r in recs),
                 "compute_dtype": worst.compute_dtype,
@@ -248,17 +259,9 @@ def backends_frame(
     return Table(rows, columns=BACKEND_COLUMNS)
 
 
-COMPACT_COLUMNS = [
-    BACKEND,
-    VERDICT,
-    "worst_output",
-    EXCESS,
-    "ratio_rmse",
-    "ratio_max",
-    "max_abs",
-    "effective_bits",
-    "why",
-]
+COMPACT_COLUMNS = [BACKEND, VERDICT, "line", "worst_output", "why", "max_abs", "effective_bits"]
+"""The backends at a glance (``report.backends``): the verdict and its place on the SUSPECT line (``line``: 1.0
+is the line, the one number of every verdict), the worst output and a few words why."""
 
 
 def compact_backends_frame(detail: pd.DataFrame, records: Sequence[OutputRecord]) -> pd.DataFrame:
@@ -332,12 +335,12 @@ def precision_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     return Table(rows, columns=PRECISION_COLUMNS)
 
 
-BASELINE_COLUMNS = [BACKEND, OUTPUT, "status", "old_verdict", "new_verdict", "old_excess", "new_excess", "moved"]
+BASELINE_COLUMNS = [BACKEND, OUTPUT, "status", "old_verdict", "new_verdict", "old_line", "new_line", "moved"]
 
 
 def baseline_frame(rows: list[dict[str, Any]]) -> pd.DataFrame:
     """How each (backend, output) moved against a baseline report (:data:`BASELINE_COLUMNS`)."""
-    return pd.DataFrame(rows, columns=BASELINE_COLUMNS)
+    return Table(rows, columns=BASELINE_COLUMNS)
 
 
 TIMING_COLUMNS = ["phase", "seconds", "peak_bytes", "rss_after_bytes"]

@@ -7,6 +7,7 @@ folding and marked element), which the explorer reads back for clicks and rings.
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -18,6 +19,7 @@ from rlx_nb.figures import (
     EXACT_COLOUR,
     HEATMAP_MARGINS,
     METRIC_LABELS,
+    SUSPECT_COLOUR,
     log_ticks,
     new_axes,
     pixel_budget,
@@ -39,6 +41,8 @@ class HeatmapView:
     cmap: str | None = None
     mark_worst: bool = True
     worst: Sequence[int] | None = None
+    profiles: bool = True
+    """Each row's and column's largest error beside the map (a bad row or column is a spike there)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,14 +142,16 @@ def draw_heatmap(
             metric=metric,
             budget=budget,
             fold=folded,
-            max_pixels=pixel_budget(ax, view.max_pixels),
+            max_pixels=pixel_budget(ax, view.max_pixels) // MIN_CELL_PX,
         )
     except ValueError as exc:
         raise InputError(str(exc)) from None
     finite = data[np.isfinite(data) & (data > 0)]
-    if metric == "budget":
+    centred = metric in ("budget", "line")
+    if centred:  # 1 (the oracle's round-off, or the SUSPECT line) in the middle of the colours, whatever the range
         vmax = max(10.0, float(finite.max()) if finite.size else 10.0)
-        norm, cmap = LogNorm(1.0 / vmax, vmax), view.cmap or "coolwarm"
+        vmin = min(0.1, max(float(finite.min()) if finite.size else 0.1, vmax * 1e-9))
+        norm, cmap = CentredLogNorm(vmin, vmax), view.cmap or "coolwarm"
     else:
         vmax = float(finite.max()) if finite.size else 1.0
         vmin = max(vmax * 1e-6, float(finite.min()) if finite.size else vmax * 1e-6)
@@ -156,7 +162,8 @@ def draw_heatmap(
     shown = np.where(np.isinf(data), vmax, np.where(data > 0, data, norm.vmin * 1e-3))
     image = ax.imshow(np.ma.masked_invalid(shown), norm=norm, cmap=colours, interpolation="nearest", aspect="auto")
     exact = float(np.mean(data == 0)) if data.size else 0.0
-    colorbar = ax.figure.colorbar(image, ax=ax, extend="min" if exact else "neither")
+    top, side, cax = _margins(ax, view.profiles)
+    colorbar = ax.figure.colorbar(image, cax=cax, extend="min" if exact else "neither")
     log_ticks(colorbar, norm)
     colorbar.set_label(
         COLORBAR_LABELS[metric] + (f"  (grey: exact, {100 * exact:.3g}%)" if exact else ""), fontsize=9, labelpad=2
@@ -168,6 +175,10 @@ def draw_heatmap(
     ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax.set_xlabel(f"cols: {folded.side_label('cols')}" + (f", pooled x{factors[1]}" if factors[1] > 1 else ""))
     ax.set_ylabel(f"rows: {folded.side_label('rows')}" + (f", pooled x{factors[0]}" if factors[0] > 1 else ""))
+    standout = _standouts(data, 1.0 if metric == "line" else None)
+    if top is not None:
+        _profiles(top, side, data, norm, standout, line=1.0 if metric == "line" else None)
+    _outline(ax, data.shape, standout)
     worst, index = view.worst, None
     cell = folded.cell(worst) if worst is not None else None
     if view.mark_worst and data.size and np.nanmax(data) > 0:
@@ -203,5 +214,137 @@ def draw_heatmap(
             va="center",
             bbox={"boxstyle": "round", "fc": "black", "alpha": 0.6, "lw": 0},
         )
-    ax.set_title(plot_text(title) if title else f"{METRIC_LABELS[metric]}  [{folded.describe()}]", fontsize=9)
+    where = top if top is not None else ax
+    where.set_title(
+        _fit(
+            plot_text(title) if title else f"{METRIC_LABELS[metric]}  [{folded.describe()}]",
+            ax,
+            profiles=top is not None,
+        ),
+        fontsize=9,
+    )
     return Heatmap(ax, data, factors, folded, index)
+
+
+class CentredLogNorm:
+    """A log colour scale with 1 at its middle colour: below 1 spread over the lower half, above 1 over the upper
+    half, however many decades each side spans (round-off far below the line stays blue, not the paper's grey)."""
+
+    def __new__(cls, vmin: float, vmax: float):
+        from matplotlib.colors import FuncNorm
+
+        lo, hi = math.log10(vmin), math.log10(vmax)
+
+        def forward(v: Any) -> Any:
+            with np.errstate(divide="ignore", invalid="ignore"):
+                x = np.log10(np.asarray(v, dtype=float))
+            return np.where(x <= 0, 0.5 * (x - lo) / max(-lo, 1e-12), 0.5 + 0.5 * x / max(hi, 1e-12))
+
+        def inverse(u: Any) -> Any:
+            u = np.asarray(u, dtype=float)
+            return 10.0 ** np.where(u <= 0.5, lo + (u / 0.5) * (-lo), (u - 0.5) / 0.5 * hi)
+
+        # FuncNorm applies ``forward`` to vmin/vmax too: on this scale they are 0 and 1.
+        return FuncNorm((forward, inverse), vmin=vmin, vmax=vmax)
+
+
+MIN_CELL_PX = 5
+"""A pooled cell is drawn at least this many screen pixels wide and tall: one bad row, column or element of an
+output of any size is a band or a block a reader sees, never a one-pixel line under the frame."""
+
+STANDOUT = 10.0
+"""A pooled row or column whose largest error is this many times the median row's (column's) largest, and past
+the SUSPECT line where the metric has one, stands out: it is outlined on the map and marked on its profile."""
+
+
+def _margins(ax: Axes, profiles: bool) -> tuple[Any, Any, Any]:
+    # (column-profile axes above the map, row-profile axes beside it, colour bar), carved from the map's axes.
+    from mpl_toolkits.axes_grid1 import make_axes_locatable
+
+    divider = make_axes_locatable(ax)
+    top = side = None
+    if profiles:
+        top = divider.append_axes("top", size="13%", pad=0.08, sharex=ax)
+        side = divider.append_axes("right", size="13%", pad=0.08, sharey=ax)
+    cax = divider.append_axes("right", size="4%", pad=0.1 if profiles else 0.15)
+    return top, side, cax
+
+
+def _standouts(data: np.ndarray, line: float | None) -> dict[str, list[int]]:
+    # Pooled rows and columns whose largest error stands far above the typical one's (and past the line).
+    out: dict[str, list[int]] = {"rows": [], "cols": []}
+    if data.size < 4 or not np.isfinite(data).any():
+        return out
+    with np.errstate(invalid="ignore"):
+        for side, profile in (("rows", np.nanmax(data, axis=1)), ("cols", np.nanmax(data, axis=0))):
+            if profile.size < 3:
+                continue
+            typical = float(np.nanmedian(np.where(np.isinf(profile), np.nan, profile)))
+            floor = max(typical * STANDOUT, line or 0.0)
+            hits = np.flatnonzero(profile > floor) if floor > 0 else np.array([], int)
+            if 0 < hits.size <= max(3, profile.size // 20):  # a few stand out; not everything
+                out[side] = hits.tolist()
+    return out
+
+
+def _profiles(top: Axes, side: Axes, data: np.ndarray, norm: Any, standout: dict, *, line: float | None) -> None:
+    # Each pooled column's (top) and row's (side) largest error on the colour bar's log scale: one bad row or
+    # column is a spike beside the map, whatever the output's size.
+    with np.errstate(invalid="ignore"):
+        cols, rows = np.nanmax(data, axis=0), np.nanmax(data, axis=1)
+    low = norm.vmin
+    cols, rows = (
+        np.clip(np.nan_to_num(cols, posinf=norm.vmax), low, None),
+        np.clip(np.nan_to_num(rows, posinf=norm.vmax), low, None),
+    )
+    top.step(np.arange(cols.size), cols, where="mid", color="#4a4a4a", linewidth=1.0)
+    side.step(rows, np.arange(rows.size), where="mid", color="#4a4a4a", linewidth=1.0)
+    top.set_yscale("log")
+    side.set_xscale("log")
+    top.set_ylim(low, norm.vmax * 1.5)
+    side.set_xlim(low, norm.vmax * 1.5)
+    for j in standout["cols"]:
+        top.plot([j], [cols[j]], "v", color=SUSPECT_COLOUR if line else "cyan", markersize=6)
+    for i in standout["rows"]:
+        side.plot([rows[i]], [i], "<", color=SUSPECT_COLOUR if line else "cyan", markersize=6)
+    if line is not None:
+        top.axhline(line, linestyle="--", color="black", linewidth=0.8)
+        side.axvline(line, linestyle="--", color="black", linewidth=0.8)
+    for a in (top, side):
+        a.tick_params(labelbottom=False, labelleft=False, labelsize=7, length=2)
+        a.minorticks_off()
+        for spine in a.spines.values():
+            spine.set_linewidth(0.5)
+    top.set_yticks([])
+    side.set_xticks([])
+    top.set_ylabel("max", fontsize=7, rotation=0, ha="right", va="center")
+    side.set_xlabel("max", fontsize=7)
+
+
+def _outline(ax: Axes, shape: tuple[int, int], standout: dict) -> None:
+    # The rows and columns that stand out, outlined across the map (a frame a few pixels wide around a band).
+    from matplotlib.patches import Rectangle
+
+    pad = 1.0  # of a cell: the frame sits outside the band, which keeps its colour
+    limits = ax.get_xlim(), ax.get_ylim()
+    for i in standout["rows"]:
+        ax.add_patch(Rectangle((-0.5, i - 0.5 - pad), shape[1], 1 + 2 * pad, fill=False, edgecolor="cyan",
+                               linewidth=1.2, linestyle="--", clip_on=False))  # fmt: skip
+    for j in standout["cols"]:
+        ax.add_patch(Rectangle((j - 0.5 - pad, -0.5), 1 + 2 * pad, shape[0], fill=False, edgecolor="cyan",
+                               linewidth=1.2, linestyle="--", clip_on=False))  # fmt: skip
+    ax.set_xlim(*limits[0])  # the frames reach past the map's edge; the view stays on the map
+    ax.set_ylim(*limits[1])
+
+
+def _fit(text: str, ax: Axes, *, profiles: bool = False) -> str:
+    # A title that fits inside the figure, centred over the map (about 7 pixels per character at size 9),
+    # cut in the middle.  The map's axes lose ~22% of their width to the row profile and the colour bar.
+    width = ax.figure.get_figwidth() * ax.figure.dpi
+    pos = ax.get_position()
+    left, right = pos.x0 * width, pos.x1 * width
+    if profiles:
+        right = left + (right - left) * 0.78
+    centre = (left + right) / 2
+    room = max(24, int((2 * min(centre, width - centre) - 8) / 7))
+    return text if len(text) <= room else text[: room // 2 - 1] + "…" + text[-(room - room // 2) :]

@@ -20,10 +20,10 @@ MAX_SECTIONS = 12
 """At most this many SUSPECT (backend, output) pairs get figures; the rest are listed."""
 
 MAX_SUMMARY_ROWS = 300
-"""Rows of the summary table, SUSPECT first, then by excess over the budget; the rest are counted."""
+"""Rows of the summary table, SUSPECT first, then by their place on the SUSPECT line; the rest are counted."""
 
 SUMMARY_COLUMNS = (
-    "backend", "output", "verdict", "shape", "max_abs", "max_rel", "ratio_rmse", "ratio_max", "excess",
+    "backend", "output", "verdict", "line", "cause", "shape", "max_abs", "max_rel", "ratio_rmse", "ratio_max",
     "mismatched", "max_ulp", "cosine", "pcc", "sqnr_db", "nmse", "effective_bits",
 )  # fmt: skip
 """The summary's columns in the file (the whole row of every output: the ``.rlxnb`` file)."""
@@ -81,12 +81,13 @@ def _environment(env: dict[str, Any]) -> str:
 def _summary(report: Any) -> str:
     from rlx_nb.verdict import SUSPECT
 
-    frame = report.summary
-    frame = frame.assign(_first=frame.verdict != SUSPECT).sort_values(["_first", "excess"], ascending=[True, False])
+    frame = report.summary_detail
+    frame = frame.assign(_first=frame.verdict != SUSPECT).sort_values(["_first", "line"], ascending=[True, False])
     cols = [c for c in SUMMARY_COLUMNS if c in frame]
     rest = len(frame) - MAX_SUMMARY_ROWS
     more = (
-        f"<p>{rest} more rows, after these in the same order (SUSPECT first, then by excess): the .rlxnb file has every row.</p>"
+        f"<p>{rest} more rows, after these in the same order (SUSPECT first, then by their place on the SUSPECT "
+        "line): <code>report.save(path)</code> keeps every row.</p>"
         if rest > 0
         else ""
     )
@@ -94,7 +95,7 @@ def _summary(report: Any) -> str:
 
 
 def _suspect_section(report: Any, rec: Any) -> str:
-    metric = "budget" if rec.judgement.budget_rmse == rec.judgement.budget_rmse else "abs"
+    metric = "line" if rec.judgement.budget_max == rec.judgement.budget_max else "abs"
     heat = _figure(6.0, 4.5)
     report.plot.heatmap(rec.backend, rec.output, metric=metric, ax=heat.add_subplot(), max_pixels=400)
     hist = _figure(6.5, 4.0)
@@ -119,7 +120,7 @@ def _localization(loc: Any) -> str:
         if loc.culprit
         else ""
     )
-    cols = [c for c in ("name", "kind", "verdict", "local_excess", "propagated_excess", "notes") if c in loc.frame]
+    cols = [c for c in ("name", "kind", "verdict", "local_line", "propagated_line", "notes") if c in loc.frame]
     return (
         f"<section><h2>Localization: {html.escape(loc.backend)}</h2><p>Culprit: <b>{culprit}</b>; suspects: "
         f"{html.escape(', '.join(loc.suspects) or 'none')}</p><img src='{_png(fig)}' alt='localization'>"
@@ -160,8 +161,8 @@ def report_html(report: Any, *, localization: Any = None, title: str | None = No
         "<h2>Environment</h2>",
         _environment(dict(report.results.environment)),
         "<p>No model weights are in this file: outputs' statistics, a few elements' values and pictures of the "
-        "errors only. The full report (every output) is the <code>.rlxnb</code> file, read by "
-        "<code>rlx_nb.load_report</code>.</p></body></html>",
+        "errors only. Every output's arrays are in the report itself: <code>report.save('name.rlxnb')</code> "
+        "writes them, <code>rlx_nb.load_report</code> reads them back.</p></body></html>",
     ]
     return "".join(parts)
 

@@ -33,7 +33,7 @@ from rlx_nb.elements import ulp_distance
 from rlx_nb.errors import InputError
 from rlx_nb.metrics import REL_EPS
 
-METRICS = ("abs", "rel", "ulp", "budget")
+METRICS = ("line", "abs", "rel", "ulp", "budget")
 BAND_ELEMENTS = 1 << 20
 
 
@@ -169,7 +169,7 @@ def _element_error(o: np.ndarray, b: np.ndarray, r: np.ndarray | None, metric: s
     if metric == "ulp":
         return ulp_distance(o, b.astype(o.dtype)).astype(np.float64)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        if metric == "budget":
+        if metric in ("budget", "line"):
             return np.abs(b.astype(np.float64) - r) / budget
         # abs/rel in the outputs' own precision (float32 for float32): half the memory traffic.
         work = np.float64 if np.float64 in (o.dtype, b.dtype) else np.float32
@@ -193,15 +193,16 @@ def error_map(
     """Per-element error on the folded grid, max-pooled to ``max_pixels`` per side.
 
     ``metric`` is ``abs`` (|b - o|), ``rel`` (the seed's |b - o| / (|o| + 1e-6)),
-    ``ulp`` (ULP distance in the oracle's dtype) or ``budget`` (|b - r| over the
-    output's round-off budget, so 1 is the oracle's own error; needs the fp64
-    ``reference`` and ``budget``).  Returns ``(map, (fy, fx), fold)`` where
+    ``ulp`` (ULP distance in the oracle's dtype), ``budget`` (|b - r| over the
+    output's round-off budget, so 1 is the oracle's own error) or ``line`` (|b - r| in units of the
+    SUSPECT line, ``budget`` the error at which one element alone makes the output SUSPECT: 1 is the line);
+    ``budget`` and ``line`` need the fp64 ``reference`` and ``budget``.  Returns ``(map, (fy, fx), fold)`` where
     ``(fy, fx)`` are the pooling block sizes.  NaN/Inf disagreements are +inf.
     """
     if metric not in METRICS:
         raise InputError(f"metric must be one of {METRICS}, got {metric!r}")
-    if metric == "budget" and (reference is None or not budget):
-        raise InputError("the 'budget' metric needs the fp64 reference and the output's budget")
+    if metric in ("budget", "line") and (reference is None or not budget):
+        raise InputError(f"the {metric!r} metric needs the fp64 reference and the output's budget")
     if oracle.shape != backend.shape:
         raise InputError(f"shapes differ: {oracle.shape} vs {backend.shape}")
     fold = fold or make_fold(oracle.shape)

@@ -64,7 +64,7 @@ def plot_histogram(
     if not pairs:
         raise InputError("plot_histogram needs at least one (oracle, backend) pair")
     scales = scales or {}
-    kind = "abs" if metric == "budget" else metric
+    kind = "abs" if metric in ("budget", "line") else metric
     ax = new_axes(ax, figsize=(7.5, 4.2), margins=HISTOGRAM_MARGINS)
     hi, lo = 0.0, math.inf
     for name, (o, b) in pairs.items():
@@ -102,7 +102,10 @@ def plot_histogram(
         # One line per distinct limit; shared limits (same output, same format) are drawn once.
         colour = colours.get(names[0], "black") if len(names) == 1 else "black"
         who = f"{plot_text(names[0])} limit" if len(names) == 1 else "limit"
-        ax.axvline(value, linestyle="--", color=colour, linewidth=1.2, label=f"{who} {value:.3g}")
+        if metric == "line":
+            colour, who = "black", "SUSPECT line"
+        label = who if metric == "line" else f"{who} {value:.3g}"
+        ax.axvline(value, linestyle="--", color=colour, linewidth=1.2, label=label)
     ax.set_xscale("log")
     ax.set_yscale("symlog", linthresh=1)
     _plainlog_ticks(ax, edges)
@@ -163,14 +166,17 @@ def plot_tolerance_curve(
     *,
     rtols: np.ndarray | None = None,
     mark: float | None = 2e-3,
+    suspects: Sequence[str] = (),
     ax: Axes | None = None,
     title: str | None = None,
 ) -> Axes:
-    """Fraction of elements failing a relative tolerance, as the tolerance varies, per backend."""
+    """Fraction of elements failing a relative tolerance, as the tolerance varies, per backend (``suspects`` in
+    :data:`SUSPECT_COLOUR`, the others in colours without red)."""
     ax = new_axes(ax)
     rtols = np.logspace(-9, 1, 81) if rtols is None else np.asarray(rtols)
-    for name, (o, b) in pairs.items():
-        ax.plot(rtols, tolerance_curve(o, b, rtols), label=plot_text(name))
+    for k, (name, (o, b)) in enumerate(pairs.items()):
+        colour = SUSPECT_COLOUR if name in suspects else PALETTE[k % len(PALETTE)]
+        ax.plot(rtols, tolerance_curve(o, b, rtols), label=plot_text(name), color=colour)
     if mark:
         ax.axvline(mark, linestyle="--", color="grey", label=f"tol_rel {mark:g}")
     ax.set_xscale("log")
@@ -183,21 +189,21 @@ def plot_tolerance_curve(
 
 
 def plot_localization(frame, *, ax: Axes | None = None, title: str | None = None) -> Axes:
-    """Local (bars) and propagated (line) error per module in execution order, in multiples of the budget.
+    """Local (bars) and propagated (line) error per module in execution order, on the verdict's one scale.
 
     ``frame`` is :attr:`rlx_nb.localize.Localization.frame`.  The y axis is
-    the verdict's ``excess`` (1 is the limit between round-off and SUSPECT):
+    x of the SUSPECT line (1 is the line between round-off and SUSPECT):
     a module whose own bar crosses 1 introduces the error; one whose line
     crosses 1 but whose bar does not only carries it along.
     """
     ax = new_axes(ax, figsize=(max(6.0, 0.35 * len(frame) + 2), 4.5))
     x = np.arange(len(frame))
-    local = frame["local_excess"].to_numpy(dtype=float)
-    colors = ["#b00020" if v == "SUSPECT" else "#4c72b0" for v in frame["verdict"]]
+    local = frame["local_line"].to_numpy(dtype=float)
+    colors = [SUSPECT_COLOUR if v == "SUSPECT" else PALETTE[0] for v in frame["verdict"]]
     floor = 1e-3
     bars = ax.bar(x, np.where(np.isfinite(local) & (local > floor), local, floor), color=colors, label="local")
     bars.set_label("local (module alone, oracle's inputs)")
-    prop = frame["propagated_excess"].to_numpy(dtype=float)
+    prop = frame["propagated_line"].to_numpy(dtype=float)
     if np.isfinite(prop).any():
         ax.plot(
             x,
@@ -206,11 +212,12 @@ def plot_localization(frame, *, ax: Axes | None = None, title: str | None = None
             color="black",
             label="propagated (full run)",
         )
-    ax.axhline(1.0, linestyle="--", color="grey", label="budget limit")
+    ax.axhline(1.0, linestyle="--", color="grey", label="SUSPECT line")
     ax.set_yscale("log")
     ax.set_xticks(x, [plot_text(n) for n in frame["name"]], rotation=60, ha="right", fontsize=7)
-    ax.set_ylabel("x round-off budget (excess)")
-    ax.legend(fontsize=8)
+    ax.set_ylabel("x of the SUSPECT line")
+    # Beside the axes, never over a bar.
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, frameon=False)
     ax.set_title(plot_text(title or "where the error is born"), fontsize=9)
     return ax
 

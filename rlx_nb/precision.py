@@ -28,12 +28,15 @@ if TYPE_CHECKING:
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
-    """One precision switch: a label, the switch in words, and the backend fn that runs under it."""
+    """One precision switch: a label, the switch in words, the backend fn that runs under it, and the format the
+    switch declares (``compute_dtype``: a declared reduced precision is judged on its own budget; a switch that
+    claims float32 and delivers less is SUSPECT, named for the format it behaves like)."""
 
     label: str
     switch: str
     fn: Callable[[Any, tuple], Any]
     device: str = "cpu"
+    compute_dtype: str = "float32"
 
 
 def _matmul_precision(level: str) -> contextlib.AbstractContextManager:
@@ -64,16 +67,35 @@ def default_settings() -> list[Setting]:
             "torch.set_float32_matmul_precision('medium')",
             _under(lambda: _matmul_precision("medium"), cpu),
         ),
-        Setting("tf32 (emulated)", "matmul/conv operands rounded to 10 mantissa bits", emulate(11)),
-        Setting("autocast bf16", "torch.autocast('cpu', torch.bfloat16)", get_backend("cpu-bf16").fn),
-        Setting("autocast fp16", "torch.autocast('cpu', torch.float16)", get_backend("cpu-fp16").fn),
+        Setting(
+            "tf32 (emulated)", "matmul/conv operands rounded to 10 mantissa bits", emulate(11), compute_dtype="tf32"
+        ),
+        Setting(
+            "autocast bf16",
+            "torch.autocast('cpu', torch.bfloat16)",
+            get_backend("cpu-bf16").fn,
+            compute_dtype="bfloat16",
+        ),
+        Setting(
+            "autocast fp16", "torch.autocast('cpu', torch.float16)", get_backend("cpu-fp16").fn, compute_dtype="float16"
+        ),
     ]
     if get_backend("cuda").live:
         settings += [
             Setting("cuda fp32", "allow_tf32 = False", get_backend("cuda").fn, "cuda"),
-            Setting("cuda tf32", "torch.backends.cuda.matmul.allow_tf32 = True", get_backend("cuda-tf32").fn, "cuda"),
             Setting(
-                "cuda autocast bf16", "torch.autocast('cuda', torch.bfloat16)", get_backend("cuda-bf16").fn, "cuda"
+                "cuda tf32",
+                "torch.backends.cuda.matmul.allow_tf32 = True",
+                get_backend("cuda-tf32").fn,
+                "cuda",
+                compute_dtype="tf32",
+            ),
+            Setting(
+                "cuda autocast bf16",
+                "torch.autocast('cuda', torch.bfloat16)",
+                get_backend("cuda-bf16").fn,
+                "cuda",
+                compute_dtype="bfloat16",
             ),
         ]
     if get_backend("openvino").live:
@@ -89,8 +111,9 @@ def precision_sweep(
 ) -> pandas.DataFrame:
     """One row per setting: the worst output's effective bits, the closest format and the verdict.
 
-    Every setting is judged as the fp32 it claims to be, so a silent precision mode shows as
-    SUSPECT with "behaves like bf16/tf32..." in the reason.  Keyword arguments go to
+    Every setting is judged as the format it declares (``Setting.compute_dtype``): autocast bf16 on a bf16
+    budget, and a switch that claims fp32 (matmul precision, a runtime's defaults) as fp32, so a silent
+    precision mode shows as SUSPECT with "behaves like bf16/tf32..." in the reason.  Keyword arguments go to
     :func:`rlx_nb.backend_divergence` (``backward=True`` sweeps gradients too).
 
     Examples
@@ -113,6 +136,7 @@ def precision_sweep(
             s.fn,
             device=s.device,
             default=False,
+            compute_dtype=s.compute_dtype,
             description=f"precision sweep: {s.label}",
             probe=device_probe(s.device),
         )

@@ -12,14 +12,17 @@ import math
 from rlx_nb import formats
 from rlx_nb.records import OutputRecord, worst_record
 from rlx_nb.verdict import (
+    MAX_LIMIT,
     NONDETERMINISTIC,
     PRECISION_ALIKE,
     PRECISION_UNLIKE,
+    RMSE_LIMIT,
     SUSPECT,
     VERDICT_ERROR,
     VERDICT_SKIPPED,
     Cause,
     Judgement,
+    whole_excess,
 )
 
 
@@ -109,54 +112,73 @@ def reason(r: OutputRecord, ops: dict[str, int] | None = None) -> str:
     if j.cause == Cause.NONFINITE or (j.cause == Cause.FIXED and r.pair.nonfinite_mismatch):
         n = j.nonfinite_unexplained if j.cause == Cause.NONFINITE else r.pair.nonfinite_mismatch
         return f"{n} NaN/Inf elements where the oracle has none (or the reverse)"
-    if j.cause == Cause.FIXED:
+    if j.cause == Cause.FIXED:  # (the seed's rule: its own line, max_rel at tol_rel)
         if j.verdict == SUSPECT:
             return f"max_rel {r.pair.max_rel:.3e} > tol_rel {j.tol_rel:.1e} — relative error too large for round-off"
         return f"max_rel {r.pair.max_rel:.3e} <= tol_rel {j.tol_rel:.1e}"
     fmt = formats.short(r.compute_dtype) if r.compute_dtype == "float32" else r.compute_dtype
     worst = max(j.ratio_rmse, j.ratio_max)
+    at = on_line(j.line)
     if j.cause == Cause.IDENTICAL:
         return "bit for bit identical to the oracle"
     if j.cause == Cause.ZEROS:
         share = j.zero_mismatch / max(r.numel, 1)
         return (
-            f"differs where the model writes zeros: {j.zero_mismatch} element(s) ({share:.2%}) that the "
+            f"{at}: differs where the model writes zeros: {j.zero_mismatch} element(s) ({share:.2%}) that the "
             f"oracle and fp64 both give as exactly 0 are nonzero here (up to {j.zero_mismatch_max:.3g}) — "
             "positions the eager model sets rather than computes, such as padding a fused inference fast "
-            f"path skips or a mask; everywhere else it is {fmt} round-off ({j.excess_elsewhere:.2g} of the "
-            "budget's limit)"
+            f"path skips or a mask; everywhere else it is {fmt} round-off ({j.excess_elsewhere:.2g} of the line)"
         )
     if j.cause == Cause.PRECISION:
-        return _precision_reason(j, worst)
+        return f"{at}: {_precision_reason(j, worst)}"
     if j.cause == Cause.LESS_ACCURATE:
-        return _less_accurate_reason(j, worst, ops)
+        return f"{at}: {_less_accurate_reason(j, worst, ops)}"
     if j.cause == Cause.SLICE:
+        whole = whole_excess(j.ratio_rmse, j.ratio_max)
         return (
-            f"systematic error on one slice: the mean error of {r.output}{j.slice_at} is {j.slice_ratio:.3g}x "
-            f"what round-off allows there, while the output as a whole is within {worst:.3g}x the "
-            f"{fmt} budget — round-off averages out over a slice, a bug on one row or channel does not"
+            f"{at} on one slice: the mean error of {r.output}{j.slice_at} is {j.slice_ratio:.3g}x what round-off "
+            f"allows there (the line is at {RMSE_LIMIT:g}x), while the output as a whole is at {whole:.2g} of the "
+            "line — round-off averages out over a slice, a bug on one row or channel does not"
         )
     if j.cause == Cause.CONCENTRATED:
         over = j.backend_max_err / j.oracle_max_err if j.oracle_max_err > 0 else math.inf
         return (
-            f"concentrated error: the worst element is {over:.3g}x the oracle's worst and stands out "
-            f"{j.concentration:.2g}x more than round-off does, while the output as a whole is within "
-            f"{worst:.3g}x the {fmt} budget — likely a bug on one row or channel"
+            f"{at} by concentration: the worst element is {over:.3g}x the oracle's worst and stands out "
+            f"{j.concentration:.2g}x more than round-off does, while the output as a whole is at {j.excess:.2g} of "
+            "the line — likely a bug on one row or channel"
         )
     if j.cause in (Cause.WHOLE, Cause.WORST):
-        return f"error {worst:.3g}x the {fmt} round-off budget — likely a kernel bug"
+        what = (
+            ("its largest error", j.ratio_max, MAX_LIMIT)
+            if j.cause == Cause.WORST
+            else ("its RMS error", j.ratio_rmse, RMSE_LIMIT)
+        )
+        return (
+            f"{at}: {what[0]} is {what[1]:.3g}x the {fmt} round-off budget (the line is at {what[2]:g}x) — likely a "
+            "kernel bug"
+        )
     if j.cause == Cause.ORACLE_OFF:
-        return _oracle_off_reason(r)
+        return f"round-off, {at}: {_oracle_off_reason(r)}"
     if j.cause == Cause.DISCRETE:
         return (
-            f"within {worst:.3g}x the {fmt} round-off budget once {j.discrete_events} discrete event(s) are "
-            "accounted for: inputs within round-off of a ReLU's threshold flipped (see the note)"
+            f"round-off, {at} once {j.discrete_events} discrete event(s) are accounted for: inputs within "
+            f"round-off of a ReLU's threshold flipped (see the note); its error {worst:.3g}x the {fmt} round-off budget"
         )
-    return f"within {worst:.3g}x the {fmt} round-off budget"
+    return f"round-off, {at}: its error {worst:.3g}x the {fmt} round-off budget"
+
+
+def on_line(line: float) -> str:
+    """A place on the SUSPECT line in words: ``0.31 of the SUSPECT line``, ``15.3x the SUSPECT line``."""
+    if line != line:
+        return "off the SUSPECT line's scale"
+    if math.isinf(line):
+        return "far past the SUSPECT line"
+    return f"{line:.3g}x the SUSPECT line" if line >= 1 else f"{line:.2g} of the SUSPECT line"
 
 
 def short_reason(r: OutputRecord) -> str:
-    """A few words for a table cell: what decided the record (the whole sentence is ``reason``)."""
+    """A few words for a table cell: the record's place on the SUSPECT line and what decided it (the whole
+    sentence is ``reason``)."""
     j = r.judgement
     if r.verdict in (VERDICT_ERROR, VERDICT_SKIPPED):
         text = r.reason.split(" (at ")[0]
@@ -168,24 +190,29 @@ def short_reason(r: OutputRecord) -> str:
     if j.cause == Cause.FIXED:
         if r.pair.nonfinite_mismatch:
             return f"{r.pair.nonfinite_mismatch} NaN/Inf mismatches"
-        return f"max_rel {r.pair.max_rel:.2e} {'>' if j.verdict == SUSPECT else '<='} {j.tol_rel:.0e}"
-    if j.verdict_budget is None or j.ratio_rmse != j.ratio_rmse:
+        return f"{j.line:.2g}x the seed's line (max_rel {r.pair.max_rel:.2e})"
+    if j.verdict_budget is None or j.line != j.line:
         return r.reason[:70]
-    worst = max(j.ratio_rmse, j.ratio_max)
+    if j.cause == Cause.IDENTICAL:
+        return "identical"
     if j.cause == Cause.ORACLE_OFF:
-        return "the oracle is off fp64"
+        return f"round-off, {j.line:.2g} of the line; the oracle is off fp64"
     if j.verdict != SUSPECT:
-        return "identical" if r.pair.max_abs == 0 else f"round-off ({worst:.2g}x budget)"
+        return f"round-off, {j.line:.2g} of the line"
+    head = f"{j.line:.3g}x the line"
     if j.cause == Cause.PRECISION:
         like = j.anchor_likeness
         verdict = "precision mode" if like >= PRECISION_ALIKE else "kernel error" if like <= PRECISION_UNLIKE else "?"
-        return f"~{j.effective_bits:.0f} bits, like {j.closest_format} ({verdict})"
-    return {
+        return f"{head}: ~{j.effective_bits:.0f} bits, like {j.closest_format} ({verdict})"
+    tail = {
         Cause.ZEROS: f"{j.zero_mismatch} zeroed positions computed",
-        Cause.LESS_ACCURATE: f"less accurate (~{j.effective_bits:.1f} bits, noise-like)",
-        Cause.SLICE: f"slice {j.slice_at} off {j.slice_ratio:.3g}x",
+        Cause.LESS_ACCURATE: f"less accurate, ~{j.effective_bits:.1f} bits",
+        Cause.SLICE: f"slice {j.slice_at}",
         Cause.CONCENTRATED: "concentrated on few elements",
-    }.get(j.cause, f"{worst:.3g}x budget")
+        Cause.WORST: "its largest error",
+        Cause.WHOLE: "the whole output",
+    }.get(j.cause)
+    return f"{head}: {tail}" if tail else head
 
 
 def nondeterministic_reason(difference: float) -> str:
@@ -213,7 +240,10 @@ def seed_line(label: str, name: str, recs: list[OutputRecord]) -> str:
     else:
         skipped = [r for r in recs if r.verdict in (VERDICT_SKIPPED, VERDICT_ERROR, NONDETERMINISTIC)]
         off = [r for r in recs if r.cause == Cause.ORACLE_OFF]
-        tail = "round-off (explainable)"
+        line = max((r.judgement.line for r in recs if r.judgement.line == r.judgement.line), default=math.nan)
+        # The seed's words stay whole ("round-off (explainable)", which CI logs are grepped for); the one
+        # number on the SUSPECT-line scale follows them.
+        tail = "round-off (explainable)" + (f", {on_line(line)}" if line == line else "")
         if off:
             tail += f"; the oracle itself is off the fp64 reference on {off[0].output}" + (
                 f" and {len(off) - 1} more output(s)" if len(off) > 1 else "")  # fmt: skip

@@ -24,7 +24,7 @@ from rlx_nb.reasons import seed_line
 from rlx_nb.records import worst_record
 from rlx_nb.results import RunResults
 from rlx_nb.source import WeakSource
-from rlx_nb.verdict import VERDICT_ERROR
+from rlx_nb.verdict import SUSPECT, VERDICT_ERROR
 
 
 class DivergenceReport:
@@ -114,7 +114,14 @@ class DivergenceReport:
 
     @functools.cached_property
     def summary(self) -> pd.DataFrame:
-        """One row per (backend, output): every metric, both verdicts and the reason."""
+        """One row per (backend, output), the columns read first: the verdict, ``line`` (its place on the SUSPECT
+        line: 1.0 is the line), a few words why, the largest difference and where; every other figure and the
+        whole reason: :attr:`summary_detail`."""
+        return summary_frame(self.records, short=True)
+
+    @functools.cached_property
+    def summary_detail(self) -> pd.DataFrame:
+        """One row per (backend, output): every figure of its record, both verdicts and the whole reason."""
         return summary_frame(self.records)
 
     @functools.cached_property
@@ -136,6 +143,19 @@ class DivergenceReport:
     def suspects(self) -> list[str]:
         """Names of the backends whose verdict is SUSPECT."""
         return [b for b in self.results.candidates if any(r.backend == b and r.suspect for r in self.records)]
+
+    @property
+    def worst(self) -> list[str]:
+        """The backends that produced outputs, worst first: SUSPECT ones, then by their worst output's place on
+        the SUSPECT line (what the explorer and the plots open on when no backend is named)."""
+
+        def rank(backend: str) -> tuple[bool, float]:
+            rec = self.record(backend)
+            line = rec.judgement.line
+            return rec.verdict == SUSPECT, line if line == line else -1.0
+
+        ran = [b for b in self.results.candidates if b not in self.errors]
+        return sorted(ran, key=rank, reverse=True)
 
     @property
     def any_suspect(self) -> bool:

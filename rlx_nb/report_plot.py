@@ -33,6 +33,7 @@ class Plottable(Protocol):
     records: list[OutputRecord]
     suspects: list[str]
     errors: list[str]
+    worst: list[str]
 
     def record(self, backend: str, output: str | None = None) -> OutputRecord: ...
 
@@ -51,34 +52,42 @@ class ReportPlotter:
 
     def _pick(self, backend: str | None, output: str | None) -> tuple[str, str]:
         r = self._report
-        names = [b for b in r.results.candidates if b not in r.errors]
+        names = r.worst
         if not names:
             raise InputError("no backend in this report produced outputs to plot")
-        backend = backend or (r.suspects[0] if r.suspects else names[0])
+        backend = backend or names[0]  # the worst: the first SUSPECT, else the one nearest the line
         rec = r.record(backend, output)
         if rec.output is None:
             raise InputError(f"backend {backend!r} did not run: {rec.reason}")
         return backend, rec.output
 
-    def heatmap(self, backend: str | None = None, output: str | None = None, *, metric: str = "abs", **kwargs: Any):
-        """:func:`plot_heatmap` of one (backend, output)."""
+    def heatmap(
+        self, backend: str | None = None, output: str | None = None, *, metric: str | None = None, **kwargs: Any
+    ):
+        """:func:`plot_heatmap` of one (backend, output).  ``metric=None``: ``"line"`` (each element's error
+        against fp64 in units of the SUSPECT line: past 1 it alone makes the output SUSPECT) where the fp64
+        reference ran, else ``"abs"``."""
         return self.heatmap_picture(backend, output, metric=metric, **kwargs).ax
 
     def heatmap_picture(
-        self, backend: str | None = None, output: str | None = None, *, metric: str = "abs", **kwargs: Any
+        self, backend: str | None = None, output: str | None = None, *, metric: str | None = None, **kwargs: Any
     ) -> Heatmap:
         """:meth:`heatmap`, returning the :class:`~rlx_nb.plotting.Heatmap` it drew (its pooled values, folding
         and marked element: what the explorer reads back)."""
         backend, output = self._pick(backend, output)
         o, b, ref = self._report.arrays(backend, output)
         rec = self._report.record(backend, output)
+        j = rec.judgement
+        if metric is None:
+            metric = "line" if ref is not None and j.budget_max == j.budget_max and j.budget_max > 0 else "abs"
         complex_ = _is_complex(o, b)
         o, b, ref = _real(o), _real(b), _real(ref)
         what = " (real, imag)" if complex_ else ""
         kwargs.setdefault("title", f"{backend} · {output}{what} · {METRIC_LABELS.get(metric, metric)}")
-        if metric == "abs" and rec.pair.worst_index is not None and not complex_:
+        if rec.pair.worst_index is not None and not complex_:  # the record's worst element, on every metric
             kwargs.setdefault("worst", rec.pair.worst_index)
-        return heatmap(o, b, ref, metric=metric, budget=rec.judgement.budget_rmse, **kwargs)
+        budget = MAX_LIMIT * j.budget_max if metric == "line" else j.budget_rmse
+        return heatmap(o, b, ref, metric=metric, budget=budget, **kwargs)
 
     def _pairs(self, output: str | None, backends: Sequence[str] | None) -> tuple[str, dict]:
         r = self._report
@@ -108,20 +117,25 @@ class ReportPlotter:
     ):
         """:func:`plot_histogram` of one output across backends (``highlight`` one of them).
 
-        The dashed line is the largest error the verdict allows: the max-based budget's limit
-        (``abs``; ``budget``: in budgets), or ``tol_rel`` (``rel``); none for ``ulp``.
+        The dashed line is the largest error the verdict allows: the SUSPECT line (``line``: at 1, each
+        element's error against fp64 in units of it), the max-based budget's limit (``abs``; ``budget``: in
+        budgets), or ``tol_rel`` (``rel``); none for ``ulp``.
         """
         output, pairs = self._pairs(output, backends)
         lines, scales = {}, {}
         r = self._report
-        if metric == "budget":
+        if metric in ("budget", "line"):
             reference = r.results.reference.outputs.get(output)
             if reference is None or not reference.is_array:
-                raise InputError(f"the 'budget' histogram needs the fp64 reference of {output!r}")
+                raise InputError(f"the {metric!r} histogram needs the fp64 reference of {output!r}")
             pairs = {name: (_real(reference.value), b) for name, (_, b) in pairs.items()}
         for name in pairs:
             rec = r.record(name, output)
-            if metric == "budget":
+            if metric == "line":
+                unit = MAX_LIMIT * rec.judgement.budget_max
+                scales[name] = 1.0 / unit if unit > 0 else 1.0
+                lines[name] = 1.0
+            elif metric == "budget":
                 scales[name] = 1.0 / rec.judgement.budget_rmse if rec.judgement.budget_rmse > 0 else 1.0
                 lines[name] = MAX_LIMIT * rec.judgement.budget_max * scales[name]
             elif metric in ("abs", "rel"):
@@ -158,7 +172,7 @@ class ReportPlotter:
         """:func:`plot_tolerance_curve` of one output across backends."""
         output, pairs = self._pairs(output, backends)
         kwargs.setdefault("title", f"{output}: fraction failing vs tol_rel")
-        return plot_tolerance_curve(pairs, **kwargs)
+        return plot_tolerance_curve(pairs, suspects=self._report.suspects, **kwargs)
 
 
 def _is_complex(*arrays: Any) -> bool:

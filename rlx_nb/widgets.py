@@ -29,10 +29,12 @@ try:
 except ImportError:  # pragma: no cover - depends on the environment
     W = None
 
-METRIC_OPTIONS = [("x budget", "budget"), ("abs", "abs"), ("rel", "rel"), ("ULP", "ulp")]
-"""The heatmap's metrics, the default first: errors in round-off budgets show every element (an exact
-match to the oracle is an error of 0 on the others, and a backend that matches it bit for bit would
-open on an empty map)."""
+METRIC_OPTIONS = [("x SUSPECT line", "line"), ("x budget", "budget"), ("abs", "abs"), ("rel", "rel"), ("ULP", "ulp")]
+"""The heatmap's metrics, the default first: each element's error against fp64 on the verdict's own scale (1 is
+the SUSPECT line; an exact match to the oracle is an error of 0 on the oracle-based metrics, and a backend that
+matches it bit for bit would open on an empty map)."""
+FP64_METRICS = ("line", "budget")
+"""The metrics that need the fp64 reference (the others are offered where it did not run)."""
 
 
 def _require_widgets() -> None:
@@ -108,16 +110,17 @@ class Explorer(W.VBox if W is not None else object):
         self._heatmap = None  # the drawn heatmap (plotting.Heatmap): its folding and pooling, for clicks and rings
         self._picked = None
         self._busy = False
-        backends = [b for b in report.results.candidates if b not in report.errors]
-        if not backends:
+        ordered = report.worst  # the worst backend first
+        if not ordered:
             raise InputError("nothing to explore: no candidate backend in this report produced outputs")
-        ordered = [b for b in backends if b in report.suspects] + [b for b in backends if b not in report.suspects]
+        wide = W.Layout(width="max-content", min_width="260px")  # a name and "(SUSPECT)" never cut
         self.backend_picker = W.Dropdown(
             options=[(f"⚠ {b} (SUSPECT)" if b in report.suspects else b, b) for b in ordered],
             description="backend",
+            layout=wide,
         )
-        self.output_picker = W.Dropdown(description="output")
-        self.metric_toggle = W.ToggleButtons(options=METRIC_OPTIONS, value="budget", description="metric")
+        self.output_picker = W.Dropdown(description="output", layout=wide)
+        self.metric_toggle = W.ToggleButtons(options=METRIC_OPTIONS, value="line", description="metric")
         self.heatmap_out = W.Output()
         self.histogram_out = W.Output()
         self.element_picker = W.Select(description="worst", rows=10, layout=W.Layout(width="340px"))
@@ -146,6 +149,56 @@ class Explorer(W.VBox if W is not None else object):
         self.element_picker.observe(self._on_element, names="value")
         self.index_box.observe(self._on_index, names="value")
         self._on_backend(None)
+
+    # -- the static snapshot -------------------------------------------------------------------
+
+    def _ipython_display_(self) -> None:
+        # Two outputs: a static snapshot of the current view, then the live widget.  A notebook opened without
+        # a kernel (JupyterLab, GitHub, nbviewer) has no widget state to draw the explorer from; it shows the
+        # snapshot instead of a raw ``Explorer(children=...)``.
+        from IPython.display import display
+
+        display(self.snapshot(), raw=True)
+        bundle = dict(self._repr_mimebundle_())
+        # What a reader without the widget's state sees in its place (Lab shows text/plain): a line, not the repr.
+        bundle["text/plain"] = "rlx_nb explorer: the live widget needs a running kernel (a static copy is above)"
+        display(bundle, raw=True)
+
+    def snapshot(self) -> dict[str, str]:
+        """The explorer's current view as a static picture: ``{"text/html": ..., "image/png": ..., "text/plain": ...}``
+        (the status line, the heatmap and histogram, the worst elements and the picked element)."""
+        images = [self._image(out) for out in (self.heatmap_out, self.histogram_out)]
+        if self.interactive and self._heatmap_ax is not None:
+            images[0] = base64.b64encode(_png(self._heatmap_ax.figure)).decode("ascii")
+        shown = "".join(
+            f"<img src='data:image/png;base64,{png}' style='max-width:48%;vertical-align:top'/>"
+            for png in images
+            if png
+        )
+        caption = (
+            "<p style='color:#555;font-size:smaller'>rlx_nb explorer — a static copy of its view, for readers "
+            "without a running kernel (the live explorer, when a kernel runs, is below)</p>"
+        )
+        body = (
+            f"<div class='rlx-snapshot'>{caption}<p>{self.status.value}</p><div>{shown}</div>"
+            f"<div style='display:flex;gap:2em'><div>{self.table.value}</div><div>{self.inspector.value}</div></div></div>"
+        )
+        bundle = {
+            "text/html": body,
+            "text/plain": f"<rlx_nb explorer: {self.backend_picker.value} · {self.output_picker.value}>",
+        }
+        if images[0]:
+            bundle["image/png"] = images[0]
+        return bundle
+
+    @staticmethod
+    def _image(out: Any) -> str:
+        # The base64 PNG an Output widget shows ("" when none).
+        for item in getattr(out, "outputs", ()) or ():
+            png = item.get("data", {}).get("image/png")
+            if png:
+                return png
+        return ""
 
     # -- state changes -------------------------------------------------------------------------
 
@@ -184,23 +237,24 @@ class Explorer(W.VBox if W is not None else object):
         )
         has_ref = rec.judgement.budget_rmse == rec.judgement.budget_rmse
         self._busy = True
-        options = METRIC_OPTIONS if has_ref else METRIC_OPTIONS[1:]
+        options = METRIC_OPTIONS if has_ref else [o for o in METRIC_OPTIONS if o[1] not in FP64_METRICS]
         if self.metric_toggle.options != tuple(options):
             self.metric_toggle.options = options
             self.metric_toggle.value = options[0][1]
         self._busy = False
         frame = self.report.elements(backend, output, top=self.top)
+        if len(frame) and (frame.abs_err > 0).any():  # elements that differ; exact ones only when none does
+            frame = frame[frame.abs_err > 0]
         self._elements = frame
-        self.table.value = frame.to_html(
-            index=False, escape=True, float_format=lambda v: f"{v:.4g}", classes="rlx-elements"
-        )
+        self.table.value = element_html(frame)
         self._busy = True
         self.element_picker.options = [
             (f"#{r.rank} {tuple(r.index)} abs={r.abs_err:.2e}", tuple(r.index)) for r in frame.itertuples()
         ]
         self.element_picker.value = None
         self._busy = False
-        first = tuple(frame["index"].iloc[0]) if len(frame) else None
+        # The element the heatmap marks worst is the one the inspector opens on (the record's worst element).
+        first = rec.pair.worst_index or (tuple(frame["index"].iloc[0]) if len(frame) else None)
         self._draw_heatmap(picked=first)  # one rendering, the first element already ringed
         self._draw_histogram()
         if first is not None:
@@ -214,14 +268,20 @@ class Explorer(W.VBox if W is not None else object):
     def _on_element(self, change: Any) -> None:
         if not self._busy and change["new"] is not None:
             self.select(change["new"])
+            self._busy = True
+            self.index_box.value = ""  # the typed index is not what is shown any more
+            self._busy = False
 
     def _on_index(self, change: Any) -> None:
         text = change["new"].strip().strip("()[]")
-        if not text:
+        if not text or self._busy:
             return
         try:
             index = tuple(int(p) for p in text.replace(" ", ",").split(",") if p)
             self.select(index)
+            self._busy = True  # the worst list follows: its row if the element is in it, else none highlighted
+            self.element_picker.value = index if index in [v for _, v in self.element_picker.options] else None
+            self._busy = False
         except (ValueError, InputError) as exc:
             self.inspector.value = f"<span style='color:#b00020'>{html.escape(str(exc))}</span>"
 
@@ -407,3 +467,22 @@ class Explorer(W.VBox if W is not None else object):
         self.inspector.value = f"<table>{body}</table>{hood}"
         if redraw:
             self._mark(index)
+
+
+ELEMENT_DIGITS = {"oracle": 9, "backend": 9, "reference": 12}
+"""Significant digits of the element table's values: float32's 9 tell the oracle and the backend apart where
+they differ in the last bit; the fp64 reference shows the digits that the float32 values round away."""
+
+
+def element_html(frame: Any) -> str:
+    """The worst elements as an HTML table whose numbers show the digits that differ (never wrapped)."""
+    shown = frame.copy()
+    for column in shown.columns:
+        digits = ELEMENT_DIGITS.get(column)
+        if digits is not None:
+            shown[column] = [f"{float(v):.{digits}g}" for v in shown[column]]
+        elif shown[column].dtype.kind == "f":
+            shown[column] = [f"{float(v):.3e}" for v in shown[column]]
+    shown["index"] = [str(tuple(v)) for v in shown["index"]]
+    body = shown.to_html(index=False, escape=True, classes="rlx-elements")
+    return f"<div style='white-space:nowrap;overflow-x:auto'>{body}</div>"

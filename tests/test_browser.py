@@ -71,6 +71,37 @@ def _interactive_notebook(path: Path) -> None:
     nbformat.write(nb, path)
 
 
+CALM = "no_suspect.ipynb"
+"""A report where every backend is legitimate: red must appear nowhere, and the explorer opens on the worst."""
+
+
+def _calm_notebook(path: Path) -> None:
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    code = [
+        "import pathlib, tempfile\nimport rlx_nb\nfrom rlx_nb import demo\nfrom rlx_nb.plotting import plot_effective_bits\n"
+        "model, inputs = demo.mlp()\n"
+        'backends = [b for b in ["cpu-nomkldnn", "onnxruntime", "openvino", "cpu-tf32-emulated", "cpu-bf16"]\n'
+        "            if b in rlx_nb.available_backends(include_optin=True)]\n"
+        'report = rlx_nb.backend_divergence(model, inputs, backends=backends, label="calm")\n'
+        "worst = max(report.records, key=lambda r: (r.verdict == 'SUSPECT', r.judgement.line))\n"
+        'print("SUSPECTS", len(report.suspects))\n'
+        'print("WORST", worst.backend, "|", worst.output, "|", worst.pair.worst_index)',
+        '<!-- tolerance -->\nreport.plot.tolerance_curve("out");',
+        "<!-- baseline -->\nout = pathlib.Path(tempfile.mkdtemp())\n"
+        'again = rlx_nb.backend_divergence(model, inputs, backends=backends, label="calm")\n'
+        'moved = rlx_nb.compare_reports(report.save(out / "before.rlxnb"), again)\n'
+        "moved.plot();",
+        "<!-- sweep -->\nsweep = rlx_nb.precision_sweep(model, inputs)\n"
+        "legit = sweep[sweep.verdict != 'SUSPECT']  # (a setting that claims fp32 and is not may be red)\n"
+        "plot_effective_bits(dict(zip(legit.setting, legit.effective_bits)), "
+        "verdicts=dict(zip(legit.setting, legit.verdict)));",
+        "rlx_nb.explore(report)",
+    ]
+    nb.cells = [nbformat.v4.new_code_cell(c.replace("<!-- ", "# ").replace(" -->", "")) for c in code]
+    nbformat.write(nb, path)
+
+
 @pytest.fixture(scope="module")
 def lab(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("lab")
@@ -82,6 +113,7 @@ def lab(tmp_path_factory):
     bench = Path(__file__).parent.parent / "bench" / "results"
     shutil.copytree(bench, root / "bench" / "results")  # notebook 03 reads the detection benchmark's results
     _interactive_notebook(root / "notebooks" / INTERACTIVE)
+    _calm_notebook(root / "notebooks" / CALM)
     settings = tmp_path / "settings"
     (settings / "@jupyterlab" / "apputils-extension").mkdir(parents=True)
     (settings / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings").write_text(
@@ -338,5 +370,117 @@ def test_the_live_canvas_fits_its_box(lab):
             )
         assert _pixels(canvas.screenshot()).std() > 8
         _keep(page.locator(".rlx-explorer").last.screenshot(), "explorer-live.png")
+    finally:
+        _close(page, base, token)
+
+
+RAW_WIDGET = re.compile(r"(Explorer|HBox|VBox|Tab|Output)\(children=|layout=Layout\(")
+
+
+def _red_pixels(png: bytes) -> int:
+    # Strong reds only (SUSPECT's #b00020, matplotlib's tab:red, crimson); a line's anti-aliased edge is pink.
+    rgb = np.asarray(PIL.open(io.BytesIO(png)).convert("RGB")).astype(int)
+    r, g, b = rgb[..., 0], rgb[..., 1], rgb[..., 2]
+    return int(((r > 150) & (g < 70) & (b < 80) & (r - g > 100)).sum())
+
+
+def _top_of_scale(pixels: np.ndarray) -> np.ndarray:
+    # Pixels in the top quarter of a heatmap's colour scale (past 10x the line on the SUSPECT-line scale's
+    # coolwarm; magma's brightest for plain errors), whichever map draws it: within 30 of one of its colours.
+    import matplotlib
+
+    tops = [
+        np.array(matplotlib.colormaps[c](t)[:3]) * 255 for c in ("coolwarm", "magma") for t in np.linspace(0.75, 1, 11)
+    ]
+    flat = pixels[..., :3].reshape(-1, 3)
+    hit = np.zeros(len(flat), bool)
+    for t in tops:
+        hit |= np.linalg.norm(flat - t, axis=-1) < 30
+    return hit.reshape(pixels.shape[:2])
+
+
+@pytest.mark.parametrize("notebook", [nb.name for nb in NOTEBOOKS])
+def test_committed_notebooks_show_pictures_without_running(lab, notebook):
+    # Opened as committed, nothing run: every explorer shows its static snapshot, never a raw widget repr,
+    # and every figure is drawn.  (GitHub and nbviewer readers see the same outputs.)
+    browser, base, token, _ = lab
+    page = browser.new_page()
+    page.set_default_timeout(TIMEOUT_MS)
+    try:
+        page.goto(_url(base, token, f"notebooks/{notebook}"))
+        playwright_api.expect(page.locator(".jp-OutputArea-output img").first).to_be_visible(timeout=TIMEOUT_MS)
+        time.sleep(3)  # what Lab shows for a widget whose kernel is gone takes a moment to replace the bundle
+        assert _check_figures(page, f"committed-{notebook}") >= 1
+        texts = page.locator(".jp-OutputArea-output").all_inner_texts()
+        raw = [t[:120] for t in texts if RAW_WIDGET.search(t)]
+        assert not raw, f"{notebook}: raw widget reprs where a picture belongs: {raw}"
+        cells = nbformat.read(Path(__file__).parent.parent / "notebooks" / notebook, as_version=4).cells
+        if any(c.cell_type == "code" and re.search(r"\bexplore\(", c.source) for c in cells):
+            snapshots = page.locator(".rlx-snapshot img")
+            assert snapshots.count() >= 1, f"{notebook}: an explorer without its static snapshot"
+            shot = snapshots.first.screenshot()
+            assert _pixels(shot).std() > 8
+            _keep(shot, f"committed-{notebook.removesuffix('.ipynb')}-snapshot.png")
+        _keep(page.screenshot(full_page=True), f"committed-{notebook.removesuffix('.ipynb')}.png")
+    finally:
+        _close(page, base, token)
+
+
+def test_the_headline_heatmap_shows_the_bad_row(lab):
+    # Notebook 01's first heatmap of the suspect (its softmax is off on one row): the row is a band of the
+    # colour scale's top, several pixels tall, not a one-pixel line under the map's edge.
+    browser, base, token, _ = lab
+    page = browser.new_page()
+    page.set_default_timeout(TIMEOUT_MS)
+    try:
+        page.goto(_url(base, token, "notebooks/01_find_the_suspect.ipynb"))
+        cell = page.locator(".jp-CodeCell", has_text="ax = report.plot.heatmap(suspect, rec.output").first
+        img = cell.locator(".jp-OutputArea-output img").first
+        playwright_api.expect(img).to_be_visible(timeout=TIMEOUT_MS)
+        img.scroll_into_view_if_needed()
+        shot = img.screenshot()
+        _keep(shot, "headline-heatmap.png")
+        pixels = np.asarray(PIL.open(io.BytesIO(shot)).convert("RGB")).astype(float)
+        hot = _top_of_scale(pixels)
+        rows = np.flatnonzero(hot.mean(axis=1) >= 0.3)  # pixel rows mostly at the top of the scale
+        assert rows.size >= 3, f"the bad row is {rows.size} pixel row(s) tall"
+        assert rows.size < 0.25 * pixels.shape[0]  # a band, distinct from the rest, not the whole map
+    finally:
+        _close(page, base, token)
+
+
+def test_a_report_without_suspects_shows_no_red_and_opens_on_its_worst(lab):
+    browser, base, token, _ = lab
+    page = _open_and_run_all(browser, base, token, CALM)
+    try:
+        first = page.locator(".jp-CodeCell").first.locator(".jp-OutputArea-output").all_inner_texts()
+        text = "\n".join(first)
+        assert "SUSPECTS 0" in text, text[-600:]
+        backend, output, index = next(ln for ln in text.splitlines() if ln.startswith("WORST"))[6:].split(" | ")
+        wrong = []  # every way the picture contradicts the report, collected, then asserted together
+        for tag in ("# tolerance", "# baseline", "# sweep"):
+            img = page.locator(".jp-CodeCell", has_text=tag).first.locator(".jp-OutputArea-output img").first
+            img.scroll_into_view_if_needed()
+            shot = img.screenshot()
+            _keep(shot, f"calm-{tag[2:]}.png")
+            assert _pixels(shot).std() > 8, tag
+            if _red_pixels(shot) >= 20:
+                wrong.append(f"{tag}: red on a figure without a SUSPECT ({_red_pixels(shot)} pixels)")
+        explorer = page.locator(".rlx-explorer").last
+        explorer.scroll_into_view_if_needed()
+        _keep(explorer.screenshot(), "calm-explorer.png")
+        picker = explorer.locator(".widget-dropdown select")
+        if backend not in picker.first.input_value():
+            wrong.append(f"the explorer opens on {picker.first.input_value()!r}, not the worst backend {backend!r}")
+        elif output not in picker.nth(1).input_value():
+            wrong.append(f"the explorer opens on output {picker.nth(1).input_value()!r}, not the worst {output!r}")
+        worst_list = explorer.locator(".widget-select select").first.locator("option").all_inner_texts()
+        zeros = [o for o in worst_list if "abs=0.00e+00" in o]
+        if zeros and len(zeros) < len(worst_list):
+            wrong.append(f"zero-error elements in the worst list beside non-zero ones: {zeros[:3]}")
+        inspector = explorer.locator(".widget-html", has_text="fp64").last.inner_text()
+        if index not in inspector:
+            wrong.append(f"the inspector does not show the worst element {index}: {inspector[:200]!r}")
+        assert not wrong, "\n".join(wrong)
     finally:
         _close(page, base, token)

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
+
+import pytest
 
 import rlx_nb
 from rlx_nb.backends.faults import CATALOGUE
@@ -31,3 +34,21 @@ def test_the_readme_shows_the_two_commands_and_an_install_line():
     assert "make demo" in text and "make test" in text and "pip install 'rlx_nb[" in text
     for name in ("backend_divergence", "localize", "explore", "merge_reports", "precision_sweep", "register_backend"):
         assert name in text and name in rlx_nb.__all__
+
+
+@pytest.mark.slow
+def test_the_readme_quickstart_runs_as_written(tmp_path):
+    # Its two blocks, as a reader pastes them: report on a Hugging Face model, then a faulty runtime of
+    # their own down to the heatmap, the explorer and the module.
+    import subprocess
+    import sys
+
+    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+    script = blocks[0] + blocks[1] + "\nprint('SUSPECTS', report.suspects)\nprint('CULPRIT', loc.culprit)\n"
+    env = dict(os.environ, MPLBACKEND="Agg", RLX_NB_PROGRESS="0")
+    done = subprocess.run(
+        [sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=900, env=env
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "SUSPECTS ['my-runtime']" in done.stdout
+    assert "CULPRIT transformer.h.0.ln_1 :: F.layer_norm" in done.stdout  # what the README says it prints

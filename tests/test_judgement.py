@@ -36,7 +36,7 @@ def test_an_inf_that_fp64_also_gives_is_not_a_nan_inf_mismatch_the_oracle_is_the
     assert rec.pair.nonfinite_mismatch == 1  # against the oracle: a mismatch ...
     assert rec.verdict == ROUNDOFF and rec.cause == Cause.ORACLE_OFF  # ... against fp64: none
     assert rec.judgement.nonfinite_unexplained == 0 and rec.judgement.oracle_outliers == 1
-    assert rec.reason.startswith(f"the oracle, not {wide}, is off the fp64 reference")
+    assert rec.reason.startswith(f"round-off, 0 of the SUSPECT line: the oracle, not {wide}, is off the fp64 reference")
     assert "the oracle itself is off the fp64 reference on out" in report.lines()[0]
     assert rec.judgement.verdict_fixed == SUSPECT  # the seed's rule still reads the oracle alone
 

@@ -72,9 +72,9 @@ def test_propagated_error_and_amplification_for_eager_backends():
     loc = rlx_nb.localize(model, inputs, backend="fault:softmax-row")
     rows = loc.frame.set_index("name")
     # The fault is born in blocks.0 and carried by the clean blocks after it.
-    assert rows.loc["blocks.0", "local_excess"] > 1
-    assert rows.loc["blocks.1", "local_excess"] <= 1
-    assert rows.loc["blocks.1", "propagated_excess"] > 1
+    assert rows.loc["blocks.0", "local_line"] > 1
+    assert rows.loc["blocks.1", "local_line"] <= 1
+    assert rows.loc["blocks.1", "propagated_line"] > 1
     assert rows.loc["blocks.1", "amplification"] > 1
 
 
@@ -83,8 +83,8 @@ def test_compiled_backends_report_local_only():
         pytest.skip("onnxruntime not installed")
     model, inputs = demo.layered()
     loc = rlx_nb.localize(model, inputs, backend="onnxruntime")
-    assert loc.frame["propagated_excess"].isna().all()
-    assert loc.frame["local_excess"].notna().all()
+    assert loc.frame["propagated_line"].isna().all()
+    assert loc.frame["local_line"].notna().all()
 
 
 def test_from_a_report_and_the_plot():

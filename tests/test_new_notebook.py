@@ -9,6 +9,7 @@ error of the size a reduced precision leaves, which must not be blamed on a prec
 
 from __future__ import annotations
 
+import ast
 import json
 
 import pytest
@@ -114,3 +115,66 @@ def test_a_new_users_notebook_goes_from_report_to_culprit(tmp_path):
     assert "CULPRIT ln-eps: norm1" in shown[7] and "'norm2'" in shown[7]  # the first of both, both listed
     assert any("image/png" in o.get("data", {}) for o in nb.cells[7].outputs)
     assert not [o for c in nb.cells for o in c.outputs if o.output_type == "error"]
+
+
+HF_CELLS = [
+    """\
+import torch, transformers, rlx_nb
+
+config = transformers.GPT2Config(n_layer=2, n_embd=64, n_head=4, vocab_size=200, bos_token_id=0, eos_token_id=0)
+torch.manual_seed(0)
+model = transformers.GPT2LMHeadModel(config).eval()       # my model, as it is
+inputs = {"input_ids": torch.randint(0, 200, (2, 12))}""",
+    """\
+from torch.overrides import TorchFunctionMode
+
+class BadNorm(TorchFunctionMode):                         # my runtime: its layer norm is off at position 3
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.nn.functional.layer_norm:
+            out = out.clone(); out[..., 3, :] *= 1.001
+        return out
+
+def my_runtime(model, inputs):
+    with BadNorm():
+        return model(*inputs)
+
+rlx_nb.register_backend("my-runtime", my_runtime, hookable=True)""",
+    """\
+report = rlx_nb.backend_divergence(model, inputs, backends=["cpu-nomkldnn", "my-runtime"])
+report""",
+    """\
+rec = report.record("my-runtime")
+print("WORST", rec.output, rec.pair.worst_index, rec.reason)
+ax = report.plot.heatmap()""",
+    "rlx_nb.explore(report)",
+    """\
+loc = report.localize()
+print("CULPRIT", loc.culprit)""",
+]
+
+
+@pytest.mark.slow
+def test_a_new_users_hugging_face_notebook_reaches_the_element_and_module_in_six_cells(tmp_path):
+    # A Hugging Face model passed as it is and a faulty backend of the user's own: report, the picture of the
+    # offending element, the explorer on it, the module -- six cells, none from rlx_nb's demos.
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(src) for src in HF_CELLS]
+    assert len(nb.cells) <= 6
+    client = nbclient.NotebookClient(nb, timeout=600, kernel_name="python3", store_widget_state=True)
+    client.execute(cwd=str(tmp_path))
+    shown = [_text(c) for c in nb.cells]
+    assert "suspects=['my-runtime']" in shown[2]
+    html = next(o.data["text/html"] for o in nb.cells[2].outputs if "text/html" in o.get("data", {}))
+    assert "my-runtime" in html and "SUSPECT" in html  # the backends table, in the report's own view
+    worst = next(line for line in shown[3].splitlines() if line.startswith("WORST"))
+    output, index = worst.split()[1], ast.literal_eval(worst.split(" ", 2)[2].split(")")[0] + ")")
+    # The worst element sits at the faulty position: logits (batch, position, vocab) or a cache (batch, head,
+    # position, feature).
+    assert index[1 if output == "logits" else 2] == 3, worst
+    assert any("image/png" in o.get("data", {}) for o in nb.cells[3].outputs)  # the heatmap drawn
+    explorer = [o for o in nb.cells[4].outputs if o.get("data")]
+    assert "image/png" in explorer[0].data and "my-runtime" in explorer[0].data["text/html"]  # its snapshot
+    assert "application/vnd.jupyter.widget-view+json" in explorer[1].data
+    assert "CULPRIT transformer.h.0.ln_1 :: F.layer_norm" in shown[5]  # the first module the fault touches
+    assert f"worst {index}" in explorer[0].data["text/html"] or str(index) in explorer[0].data["text/html"]

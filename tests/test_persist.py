@@ -38,7 +38,7 @@ def test_round_trip_is_exact_and_lazy(report, tmp_path):
         if leaf.is_array
     ]
     assert not any(leaf.loaded for leaf in leaves)  # nothing read yet
-    assert loaded.summary.equals(report.summary) and str(loaded) == str(report)
+    assert loaded.summary_detail.equals(report.summary_detail) and str(loaded) == str(report)
     for name, leaf in report.results.candidates["fault:softmax-row"].outputs.items():
         got = loaded.results.candidates["fault:softmax-row"].outputs[name].value
         np.testing.assert_array_equal(got, leaf.value)
@@ -49,7 +49,7 @@ def test_round_trip_is_exact_and_lazy(report, tmp_path):
     assert seq is not None and loaded.results.sequential.outputs.keys() == seq.outputs.keys()
     for name, leaf in seq.outputs.items():
         np.testing.assert_array_equal(loaded.results.sequential.outputs[name].value, leaf.value)
-    assert rlx_nb.DivergenceReport.from_results(loaded.results).summary.equals(report.summary)
+    assert rlx_nb.DivergenceReport.from_results(loaded.results).summary_detail.equals(report.summary_detail)
     assert loaded.results.environment["torch"] == torch.__version__
     with zipfile.ZipFile(path) as zf:
         assert all(n == "meta.json" or n.endswith(".npy") for n in zf.namelist())
@@ -167,9 +167,9 @@ def test_merge_keeps_what_the_verdicts_need(tmp_path):
     merged = rlx_nb.merge_reports([single.save(tmp_path / "a"), single.save(tmp_path / "b")])
     assert merged.results.anchors.keys() == single.results.anchors.keys()
     for node in ("a", "b"):
-        mine = merged.summary[merged.summary.backend == f"{node}/cpu-bf16"].reset_index(drop=True)
-        assert (mine.verdict == single.summary.verdict).all() and not merged.any_suspect
-        np.testing.assert_array_equal(mine.effective_bits, single.summary.effective_bits)
+        mine = merged.summary_detail[merged.summary_detail.backend == f"{node}/cpu-bf16"].reset_index(drop=True)
+        assert (mine.verdict == single.summary_detail.verdict).all() and not merged.any_suspect
+        np.testing.assert_array_equal(mine.effective_bits, single.summary_detail.effective_bits)
 
     class Noisy(torch.nn.Module):
         def forward(self, x):
@@ -178,7 +178,7 @@ def test_merge_keeps_what_the_verdicts_need(tmp_path):
     noisy = rlx_nb.backend_divergence(Noisy(), torch.randn(4, 4), backends=["cpu-nomkldnn"], progress=False)
     assert noisy.record("cpu-nomkldnn").verdict == "nondeterministic"
     merged = rlx_nb.merge_reports([noisy.save(tmp_path / "n1"), noisy.save(tmp_path / "n2")])
-    assert set(merged.summary.verdict) == {"nondeterministic"}, merged.summary[["backend", "verdict"]]
+    assert set(merged.summary_detail.verdict) == {"nondeterministic"}, merged.summary_detail[["backend", "verdict"]]
 
 
 def test_nondeterminism_survives_the_file(tmp_path):
@@ -267,7 +267,7 @@ def test_scalar_outputs_round_trip_as_scalars(tmp_path):
     loaded = rlx_nb.load_report(report.save(tmp_path / "scalar"))
     loss = loaded.results.oracle.outputs["loss"].value
     assert loss.shape == () and loss == report.results.oracle.outputs["loss"].value
-    assert loaded.summary.equals(report.summary)
+    assert loaded.summary_detail.equals(report.summary_detail)
     # Files written while scalars were stored as shape (1,) still read, as scalars.
     path = tmp_path / "legacy.rlxnb"
     with zipfile.ZipFile(tmp_path / "scalar.rlxnb") as src, zipfile.ZipFile(path, "w") as dst:

@@ -108,7 +108,7 @@ def _use(data: bytes, views: int, tmp_path) -> None:
         for leaf in run.outputs.values():
             _ = leaf.value
     if views >= 1:
-        assert report._repr_html_() and report.summary._repr_html_()
+        assert report._repr_html_() and report.summary._repr_html_() and report.summary_detail._repr_html_()
     if views >= 2:
         report.to_html(tmp_path / "fuzzed.html")
 

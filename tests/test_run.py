@@ -330,7 +330,9 @@ def test_on_a_large_model_the_anchors_run_only_where_a_verdict_needs_them(monkey
     assert any("run because a backend was SUSPECT" in e for e in faulty.results.environment["extra_runs"])
     monkeypatch.setattr(sys.modules["rlx_nb.run"], "ANCHORS_CHEAP_S", 1e9)
     eager = rlx_nb.backend_divergence(model, x, backends=["cpu-nomkldnn", "fault:gelu-approx"], progress=False)
-    assert faulty.summary.drop(columns="note").equals(eager.summary.drop(columns="note"))  # the same judgement
+    assert faulty.summary_detail.drop(columns="note").equals(
+        eager.summary_detail.drop(columns="note")
+    )  # the same judgement
     monkeypatch.setattr(sys.modules["rlx_nb.run"], "ANCHORS_CHEAP_S", -1.0)
     bf16 = rlx_nb.backend_divergence(model, x, backends=["cpu-bf16"], progress=False)
     assert sorted(bf16.results.anchors) == [8, 11]  # a reduced-precision budget is its anchor: always run

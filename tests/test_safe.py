@@ -112,7 +112,7 @@ def _rename_backends(path: Path, old: str, new: str) -> None:
 
 def _every_view(report: rlx_nb.DivergenceReport, tmp_path: Path, *, figures: bool = True) -> None:
     assert_safe_html(report._repr_html_())
-    for frame in (report.backends, report.backends_detail, report.summary):
+    for frame in (report.backends, report.backends_detail, report.summary, report.summary_detail):
         assert_safe_html(frame._repr_html_())
     for backend in report.results.candidates:
         if backend in report.errors:

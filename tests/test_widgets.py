@@ -49,8 +49,8 @@ def test_changing_backend_updates_outputs_plots_and_table(report):
 def test_metric_toggle_redraws_the_heatmap_and_the_histogram(report):
     ex = rlx_nb.explore(report)
     ex.output_picker.value = "out"
-    assert ex.metric_toggle.value == "budget"  # opens on a view where every element shows
-    assert ex.heatmap_data.max() > 10  # the faulty row, tens of budgets
+    assert ex.metric_toggle.value == "line"  # opens on the verdict's own scale, where every element shows
+    assert ex.heatmap_data.max() > 1  # the faulty row, past the SUSPECT line
     budget_map, budget_hist = ex.heatmap_data.copy(), [h.copy() for h in ex.histogram_data]
     ex.metric_toggle.value = "abs"
     assert ex.heatmap_data.max() != budget_map.max()

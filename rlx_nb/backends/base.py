@@ -69,6 +69,11 @@ class Backend:
     compare_on_device: bool | None = None
     prepare: Callable[[Any, tuple], Callable[[tuple], Any]] | None = None
 
+    def __repr__(self) -> str:
+        # Short: a notebook shows it when register_backend ends a cell.
+        default = "default" if self.default else "opt-in"
+        return f"<Backend {self.name!r}: {self.device}, {self.compute_dtype}, {default}>"
+
     @property
     def keeps_outputs_on_device(self) -> bool:
         return self.compare_on_device if self.compare_on_device is not None else self.device in ("cuda", "xpu")

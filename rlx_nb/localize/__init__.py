@@ -38,6 +38,8 @@ from rlx_nb.localize.result import Found, Localization
 from rlx_nb.localize.search import KEEP_ARRAYS_BYTES, State, descend, user_name
 from rlx_nb.prepare import normalize_inputs, prepare_model
 from rlx_nb.progress import bar
+from rlx_nb.source import WeakSource
+from rlx_nb.verdict import SUSPECT, VERDICT_ERROR
 
 
 def localize(
@@ -107,6 +109,10 @@ def localize(
                 state.propagate(base, args)
         finally:
             state.shown.close()
+    modules = [row for row in state.rows if row["kind"] == "module" and row["verdict"] != VERDICT_ERROR]
+    everywhere = len(modules) >= 2 and all(row["verdict"] == SUSPECT for row in modules)
+    if everywhere:  # no one module is where the error is born: naming the first would mislead
+        culprit = culprit_op = repro = None
     found = Found(
         state.rows,
         user_name(culprit, keys) if culprit is not None else None,
@@ -115,6 +121,8 @@ def localize(
         repro,
         checks=state.checks,
         full_run=state.full_run,
+        everywhere=everywhere,
+        source=WeakSource(model, inputs, params),
     )
     loc = Localization(backend, backward, found)
     failed = loc.errors

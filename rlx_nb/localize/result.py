@@ -30,6 +30,10 @@ class Found:
     """Each checked name's runs (None where they were not kept: a large module within round-off) and output."""
     full_run: str = ""
     """Why the search watched full runs instead of modules alone ("" when it did not)."""
+    everywhere: bool = False
+    """Every module checked is beyond round-off on its own: no one module is the culprit."""
+    source: Any = None
+    """The model, inputs and params searched, held weakly (:class:`rlx_nb.source.WeakSource`), for the graph."""
 
 
 class Localization:
@@ -57,6 +61,8 @@ class Localization:
         self._repro_case = found.repro_case
         self._checks = dict(found.checks)
         self.full_run = found.full_run
+        self.everywhere = found.everywhere
+        self._source = found.source
 
     @property
     def checked(self) -> list[str]:
@@ -110,9 +116,23 @@ class Localization:
 
         :attr:`culprit` is the first suspect module, in execution order, none of whose children is
         suspect -- where the error is born first; later suspects may be separate bugs, or its error
-        propagated (``propagated_excess`` against ``local_excess`` tells).
+        propagated (``propagated_line`` against ``local_line`` tells).
         """
         return self.frame[self.frame.verdict == SUSPECT].name.tolist()
+
+    @property
+    def finding(self) -> str:
+        """What the search found, in one sentence."""
+        if self.everywhere:
+            n = int((self.frame.kind == "module").sum())
+            return (
+                f"every one of the {n} modules checked is beyond round-off on its own: {self.backend} perturbs every "
+                "module it runs alone, so no one module is the culprit — look at what they all share (a precision "
+                "setting, a kernel every layer calls)"
+            )
+        if self.culprit is None:
+            return "every module within round-off"
+        return f"the error is born in {self.culprit}"
 
     @property
     def culprit(self) -> str | None:
@@ -124,15 +144,14 @@ class Localization:
     def __repr__(self) -> str:
         what = "backward" if self.backward else "forward"
         return (
-            f"<Localization {self.backend} ({what}): culprit={self.culprit!r}, "
+            f"<Localization {self.backend} ({what}): culprit={self.culprit!r}{', everywhere' if self.everywhere else ''}, "
             f"{len(self.frame)} checks, {self.preparations} preparations>"
         )
 
     def _repr_html_(self) -> str:
         head = (
-            f"<p><b>{html.escape(self.backend)}</b> ({'backward' if self.backward else 'forward'}): culprit "
-            f"<b>{html.escape(self.culprit or 'none — every module within round-off')}</b>; "
-            f"{self.preparations} backend preparations.</p>"
+            f"<p><b>{html.escape(self.backend)}</b> ({'backward' if self.backward else 'forward'}): "
+            f"<b>{html.escape(self.finding)}</b>; {self.preparations} backend preparations.</p>"
         )
         return head + self.frame.to_html(index=False, escape=True, float_format=lambda v: f"{v:.3g}")
 
@@ -141,6 +160,59 @@ class Localization:
         from rlx_nb.plotting import plot_localization
 
         return plot_localization(self.frame, ax=ax, title=f"{self.backend}: where the error is born")
+
+    def to_model_explorer(self, path: str | Path, *, model: Any = None, inputs: Any = None, params: Any = None) -> Path:
+        """Write this localization as node data for Google's Model Explorer (``ai-edge-model-explorer``): each op
+        of the model's ``torch.export`` graph valued at its module's (or op's) place on the SUSPECT line, red past
+        it, blue below.  ``model`` and ``inputs`` default to the ones searched (held weakly).  Returns the path
+        (``.json`` appended when it has no suffix); :meth:`show_model_explorer` opens both."""
+        from rlx_nb.localize import graph
+
+        program, strip = self._exported(model, inputs, params)
+        return graph.write(graph.node_data(program, self.frame, strip=strip), path)
+
+    def show_model_explorer(self, *, model: Any = None, inputs: Any = None, params: Any = None, **kwargs: Any) -> Path:
+        """Open the model's graph in Model Explorer with this localization's error on its nodes (needs the
+        ``graph`` extra: ``pip install 'rlx_nb[graph]'``); ``kwargs`` go to ``model_explorer.visualize_from_config``
+        (``port=``, ``no_open_in_browser=``...).  Returns the node-data file."""
+        try:
+            import model_explorer
+        except ImportError:
+            raise InputError(
+                "Model Explorer is not installed: pip install 'rlx_nb[graph]' (ai-edge-model-explorer)"
+            ) from None
+        import tempfile
+
+        from rlx_nb.localize import graph
+
+        program, strip = self._exported(model, inputs, params)
+        path = graph.write(graph.node_data(program, self.frame, strip=strip), Path(tempfile.mkdtemp()) / "rlx_nb.json")
+        config = (
+            model_explorer.config().add_model_from_pytorch(self.backend, program).add_node_data_from_path(str(path))
+        )
+        model_explorer.visualize_from_config(config, **kwargs)
+        return path
+
+    def _exported(self, model: Any, inputs: Any, params: Any) -> tuple[Any, str]:
+        # The model searched, prepared as the search ran it, exported; and the prefix its module paths carry.
+        from rlx_nb.localize import graph
+        from rlx_nb.prepare import normalize_inputs, prepare_model
+
+        if model is None or inputs is None:
+            held = self._source.get() if self._source is not None else None
+            if held is None:
+                raise InputError(
+                    "this localization does not hold its model and inputs any more: pass them, "
+                    "loc.to_model_explorer(path, model=model, inputs=inputs)"
+                )
+            model, inputs, params = held if params is None else (*held[:2], params)
+        args, keys = normalize_inputs(inputs)
+        base = prepare_model(model, params, keys)
+        try:
+            program = graph.exported(base, args)
+        except Exception as exc:  # torch.export's own limits (data-dependent control flow, ...)
+            raise InputError(f"torch.export could not trace the model for Model Explorer: {exc}") from None
+        return program, "model." if keys is not None else ""
 
     def repro(self, path: str | Path) -> Path:
         """Write a standalone reproduction of the culprit op to ``path`` (a directory).

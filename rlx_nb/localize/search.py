@@ -118,10 +118,10 @@ class State:
                 "output": r.output,
                 "local_ratio_rmse": r.judgement.ratio_rmse,
                 "local_ratio_max": r.judgement.ratio_max,
-                "local_excess": r.judgement.excess,
+                "local_line": r.judgement.line,
                 "propagated_ratio_rmse": math.nan,
                 "propagated_ratio_max": math.nan,
-                "propagated_excess": math.nan,
+                "propagated_line": math.nan,
                 "amplification": math.nan,
                 "reason": r.reason,
                 "notes": "; ".join(check.results.candidates[self.backend].notes) if check.results is not None else "",
@@ -221,11 +221,11 @@ class State:
                 rec.judgement.ratio_rmse,
                 rec.judgement.ratio_max,
             )
-            row["propagated_excess"], row["notes"] = (
-                rec.judgement.excess,
+            row["propagated_line"], row["notes"] = (
+                rec.judgement.line,
                 "full run on the backend (modules could not run alone)",
             )
-            for key in ("local_ratio_rmse", "local_ratio_max", "local_excess"):
+            for key in ("local_ratio_rmse", "local_ratio_max", "local_line"):
                 row[key] = math.nan
             if rec.verdict == SUSPECT:
                 suspects.append(name)
@@ -254,9 +254,9 @@ class State:
                 rec.judgement.ratio_rmse,
                 rec.judgement.ratio_max,
             )
-            row["propagated_excess"] = rec.judgement.excess
-            local = row["local_excess"]
-            row["amplification"] = rec.judgement.excess / local if local and local == local and local > 0 else math.nan
+            row["propagated_line"] = rec.judgement.line
+            local = row["local_line"]
+            row["amplification"] = rec.judgement.line / local if local and local == local and local > 0 else math.nan
 
 
 def full_run_outputs(backend, base: torch.nn.Module, args: tuple) -> dict[str, Any]:
