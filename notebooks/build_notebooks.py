@@ -37,7 +37,7 @@ report""",
     ),
     (
         "md",
-        """Each backend is judged against a **float64 reference**: the fp32 oracle's own error against fp64 is the round-off *budget*, and a backend is SUSPECT when its error is many times that budget (`excess` is in multiples of the limit: above 1 is SUSPECT). A backend that could not run the model at all is an `error` row, with the cause in `why` and the whole error in `report.error_detail(name)`.
+        """Each backend is judged against a **float64 reference**: the fp32 oracle's own error against fp64 is the round-off *budget*, and a backend is SUSPECT when its error is many times that budget. One number says how close: `line`, the backend's place on the **SUSPECT line** (1.0 is the line: below it round-off, above it SUSPECT), the same in every table, text line and plot. A backend that could not run the model at all is an `error` row, with the cause in `why` and the whole error in `report.error_detail(name)`.
 
 The seed's fixed rule (`max_rel > 2e-3`) is computed too — `verdict_fixed`, in `report.backends_detail` with every other column — and it gets legitimate backends wrong, because outputs near zero blow the relative error up:""",
     ),
@@ -57,20 +57,23 @@ print(f"worst element {p.worst_index}: oracle {p.oracle_value:.7g}, backend {p.b
     ),
     (
         "md",
-        """The heatmap shows the error of every element divided by the round-off budget (`metric="budget"`): 1 is the oracle's own round-off. The whole (4, 128, 256) output folds to 2-D with batch × token on the rows and features on the columns, max-pooled so no outlier can vanish; the worst element is marked:""",
+        """The heatmap shows every element's error against fp64 on the same scale (`metric="line"`, the default): 1 is the SUSPECT line, blue below it, red above. The whole (4, 128, 256) output folds to 2-D with batch × token on the rows and features on the columns, max-pooled so no outlier can vanish; the worst element is marked:""",
     ),
-    ("code", """ax = report.plot.heatmap(suspect, rec.output, metric="budget")"""),
+    ("code", """ax = report.plot.heatmap(suspect, rec.output)"""),
     (
         "md",
-        """The faulty row is one of 512: a thin line at the top. Zoom in — the plot functions take plain arrays too — on batch 0, tokens 0 to 15: token 0 is red across all 256 features, tens to hundreds of times the round-off budget, and every other token sits at the oracle's own round-off.""",
+        """The faulty row is one of 512, and it shows: a red band at the top, outlined, and a spike in the row profile beside the map (each row's and column's largest error; a bad row, column or channel is a spike there at any output size). Zoom in — the plot functions take plain arrays too — on batch 0, tokens 0 to 15: token 0 is red across all 256 features, tens to hundreds of times the round-off budget, and every other token sits at the oracle's own round-off.""",
     ),
     (
         "code",
         """from rlx_nb.plotting import plot_heatmap
 
 oracle, backend, fp64 = report.arrays(suspect, rec.output)
-ax = plot_heatmap(oracle[0, :16], backend[0, :16], fp64[0, :16], metric="budget", budget=rec.judgement.budget_rmse,
-                  title=f"{suspect} · batch 0, tokens 0-15 · x budget")""",
+from rlx_nb.verdict import MAX_LIMIT
+
+line = MAX_LIMIT * rec.judgement.budget_max   # one element this far off makes the output SUSPECT on its own
+ax = plot_heatmap(oracle[0, :16], backend[0, :16], fp64[0, :16], metric="line", budget=line,
+                  title=f"{suspect} · batch 0, tokens 0-15 · x of the SUSPECT line")""",
     ),
     ("code", """report.elements(suspect, rec.output, top=8)"""),
     (
@@ -85,12 +88,12 @@ ax = plot_heatmap(oracle[0, :16], backend[0, :16], fp64[0, :16], metric="budget"
         "code",
         """legit = "cpu-nomkldnn"
 print(report.record(legit).reason)
-ax = report.plot.heatmap(legit, "out", metric="budget")""",
+ax = report.plot.heatmap(legit, "out")""",
     ),
-    ("code", """ax = report.plot.histogram("out", metric="budget", highlight=suspect)"""),
+    ("code", """ax = report.plot.histogram("out", metric="line", highlight=suspect)"""),
     (
         "md",
-        """Errors in multiples of the round-off budget, one line per backend: the faulty backend (red, the colour of SUSPECT everywhere) has a tail far right of its limit (dashed), the legitimate ones sit left of it. Backends whose histograms are identical say so in the legend.""",
+        """Each element's error in units of the SUSPECT line, one line per backend: the faulty backend (red, the colour of SUSPECT everywhere) has a tail right of the line (dashed, at 1), the legitimate ones sit far left of it. Backends whose histograms are identical say so in the legend.""",
     ),
     (
         "code",
@@ -156,11 +159,11 @@ print("backends that did not run:", report.errors or "none")""",
         """loc = report.localize()
 print("culprit:", loc.culprit)
 print("backend preparations:", loc.preparations)
-loc.frame[["name", "kind", "verdict", "local_excess", "propagated_excess", "amplification"]]""",
+loc.frame[["name", "kind", "verdict", "local_line", "propagated_line", "amplification"]]""",
     ),
     (
         "md",
-        """For an eager backend the full run's activations are compared too (*propagated*): block 1 introduces the error (its bar crosses the budget line), block 2 only carries it (its local bar is low, its propagated point is high).""",
+        """For an eager backend the full run's activations are compared too (*propagated*): block 1 introduces the error (its bar crosses the SUSPECT line), block 2 only carries it (its local bar is low, its propagated point is high).""",
     ),
     ("code", """ax = loc.plot()"""),
     (
@@ -191,6 +194,21 @@ print(run.stdout)""",
     ),
     (
         "md",
+        """## On the model's graph
+
+`loc.to_model_explorer(path)` writes the localization as node data for Google's [Model Explorer](https://github.com/google-ai-edge/model-explorer): every op of the model's `torch.export` graph carries its module's (or op's) place on the SUSPECT line, red past it, blue below. With the `graph` extra installed (`pip install 'rlx_nb[graph]'`), `loc.show_model_explorer()` opens the graph with the data on it.""",
+    ),
+    (
+        "code",
+        """import json
+
+nodes = loc.to_model_explorer(where.parent / "model_explorer.json")
+results = json.loads(nodes.read_text())["graph"]["results"]
+print(f"{len(results)} nodes valued; past the SUSPECT line:", [n for n, v in results.items() if v["value"] > 1])
+# loc.show_model_explorer()   # opens Model Explorer in the browser (needs rlx_nb[graph])""",
+    ),
+    (
+        "md",
         """## The same, for a legitimate backend
 
 A legitimate backend has no culprit: every module is within its round-off budget.""",
@@ -199,7 +217,7 @@ A legitimate backend has no culprit: every module is within its round-off budget
         "code",
         """legit = rlx_nb.localize(model, inputs, backend="cpu-nomkldnn")
 print("culprit:", legit.culprit)
-legit.frame[["name", "verdict", "local_excess"]]""",
+legit.frame[["name", "verdict", "local_line"]]""",
     ),
     (
         "md",
@@ -269,7 +287,7 @@ report.plot.scatter("fault:linear-bias-channel", "out", ax=axes[1]);""",
     (
         "code",
         """bf16 = rlx_nb.backend_divergence(model, inputs, backends=["cpu-bf16", "cpu-fp16"])
-bf16.summary[["backend", "compute_dtype", "max_rel", "verdict_fixed", "ratio_rmse", "ratio_max", "verdict", "reason"]]""",
+bf16.summary_detail[["backend", "compute_dtype", "max_rel", "verdict_fixed", "ratio_rmse", "ratio_max", "verdict", "reason"]]""",
     ),
     (
         "md",
@@ -288,7 +306,7 @@ print(f"ATen's sum is off by {abs(float(terms.sum()) - exact):.2e}, one sequenti
       f"{abs(float(sequential_sum(terms, [0])) - exact):.2e}")
 conv_model, conv_inputs = demo.conv(0)
 conv = rlx_nb.backend_divergence(conv_model, conv_inputs, backends=["cpu-nomkldnn"], backward=True)
-conv.summary[["output", "oracle_max_err", "sequential_max_err", "backend_max_err", "ratio_max", "verdict"]]""",
+conv.summary_detail[["output", "oracle_max_err", "sequential_max_err", "backend_max_err", "ratio_max", "verdict"]]""",
     ),
     (
         "md",
@@ -303,14 +321,14 @@ A budget sized for the whole output can dilute a bug confined to one class or ch
 bias_fault = fault_backend("linear-bias-channel", 1e-5)  # a catalogue fault at a milder severity
 rlx_nb.register_backend(bias_fault.name, bias_fault.fn, replace=True, default=False)
 sliced = rlx_nb.backend_divergence(conv_model, conv_inputs, backends=["onnxruntime", bias_fault.name])
-sliced.summary[["backend", "output", "ratio_rmse", "ratio_max", "slice_ratio", "slice_at", "verdict"]]""",
+sliced.summary_detail[["backend", "output", "ratio_rmse", "ratio_max", "slice_ratio", "slice_at", "verdict"]]""",
     ),
     ("code", """print(sliced.record(bias_fault.name, "out").reason)"""),
     (
         "md",
         """## How the budget decides
 
-Each case's *excess* is its worst output's error against fp64, in multiples of the budget limit (1 = the boundary). Legitimate backends sit left of 1, faults right of it — with faults at mild severities crossing over as their error approaches round-off, which is where no rule can see them. A fault confined to one row or channel that stays under the whole output's budget is caught by its slice mean (above), or as *concentrated* (its worst element is 10x beyond the legitimate runs' and stands out from otherwise round-off-sized errors; see the README's verdict rule) — on this benchmark the measured budget and the slice clause already catch every such fault, so the concentration clause is a second line.""",
+Each case's *excess* is its worst output's error against fp64 on the SUSPECT line's scale (1 = the line). Legitimate backends sit left of 1, faults right of it — with faults at mild severities crossing over as their error approaches round-off, which is where no rule can see them. A fault confined to one row or channel that stays under the whole output's budget is caught by its slice mean (above), or as *concentrated* (its worst element is 10x beyond the legitimate runs' and stands out from otherwise round-off-sized errors; see the README's verdict rule) — on this benchmark the measured budget and the slice clause already catch every such fault, so the concentration clause is a second line.""",
     ),
     (
         "code",
@@ -319,7 +337,7 @@ bins = np.logspace(-3, 7, 61)
 ax.hist(df[df.legit].excess.clip(1e-3, 1e7), bins=bins, alpha=0.7, label="legitimate backends")
 ax.hist(df[~df.legit & df.fired].excess.clip(1e-3, 1e7), bins=bins, alpha=0.7, label="faults (fired)")
 ax.axvline(1.0, color="black", linestyle="--", label="SUSPECT above")
-ax.set_xscale("log"); ax.set_xlabel("excess (x budget limit)"); ax.set_ylabel("cases"); ax.legend();""",
+ax.set_xscale("log"); ax.set_xlabel("x of the SUSPECT line"); ax.set_ylabel("cases"); ax.legend();""",
     ),
     ("md", """And the fixed rule on the same cases: legitimate and faulty overlap across the `2e-3` line."""),
     (
@@ -403,7 +421,7 @@ report""",
         """suspect = report.suspects[0]
 rec = report.record(suspect)
 print(suspect, "—", rec.output, "—", rec.reason)
-ax = report.plot.heatmap(suspect, rec.output, metric="budget", select={0: 0})""",
+ax = report.plot.heatmap(suspect, rec.output, select={0: 0})""",
     ),
     ("code", """report.elements(suspect, rec.output, top=5)"""),
     (
@@ -444,7 +462,7 @@ model, inputs = demo.mlp()
 backends = [b for b in ["cpu-nomkldnn", "onnxruntime", "openvino", "openvino-default", "cpu-tf32-emulated",
                         "cpu-fp16", "cpu-bf16"] if b in rlx_nb.available_backends(include_optin=True)]
 report = rlx_nb.backend_divergence(model, inputs, backends=backends)
-report.summary[["backend", "compute_dtype", "effective_bits", "closest_format", "verdict", "reason"]]""",
+report.summary_detail[["backend", "compute_dtype", "effective_bits", "closest_format", "verdict", "reason"]]""",
     ),
     ("code", """ax = report.plot.effective_bits()"""),
     (
