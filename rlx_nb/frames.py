@@ -248,7 +248,7 @@ def backends_frame(
                 "line": worst.judgement.line,
                 "ratio_rmse": worst.judgement.ratio_rmse,
                 "ratio_max": worst.judgement.ratio_max,
-                EXCESS: worst.judgement.line,
+                EXCESS: worst.judgement.excess,
                 "outputs": len([r for r in recs if r.output is not None]),
                 "suspect_outputs": sum(r.verdict == SUSPECT for r in recs),
                 "compute_dtype": worst.compute_dtype,

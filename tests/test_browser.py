@@ -28,6 +28,7 @@ import numpy as np
 import pytest
 
 from rlx_nb.distributed import free_local_port
+from tests.pixels import near
 
 playwright_api = pytest.importorskip("playwright.sync_api")
 pytest.importorskip("jupyterlab")
@@ -392,11 +393,7 @@ def _top_of_scale(pixels: np.ndarray) -> np.ndarray:
     tops = [
         np.array(matplotlib.colormaps[c](t)[:3]) * 255 for c in ("coolwarm", "magma") for t in np.linspace(0.75, 1, 11)
     ]
-    flat = pixels[..., :3].reshape(-1, 3)
-    hit = np.zeros(len(flat), bool)
-    for t in tops:
-        hit |= np.linalg.norm(flat - t, axis=-1) < 30
-    return hit.reshape(pixels.shape[:2])
+    return np.any([near(pixels, t, tol=30) for t in tops], axis=0)
 
 
 @pytest.mark.parametrize("notebook", [nb.name for nb in NOTEBOOKS])

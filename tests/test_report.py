@@ -28,6 +28,10 @@ def test_frames_have_their_columns():
     assert list(r.summary_detail.columns) == SUMMARY_COLUMNS  # every figure, one attribute away
     assert len(r.summary.columns) <= 10
     assert r.summary.line.tolist() == r.summary_detail.line.tolist()  # the one number, the same in both
+    detail = r.backends_detail.set_index("backend")
+    for backend in detail.index:  # each ratio keeps the name of what it measures: excess is the budget's part
+        j = r.record(backend).judgement
+        assert detail.loc[backend, "line"] == j.line and detail.loc[backend, "excess"] == j.excess
     assert list(r.backends_detail.columns) == BACKEND_COLUMNS
     assert list(r.backends.columns) == COMPACT_COLUMNS  # the glance: verdict, how far over, a few words why
     assert (
