@@ -274,3 +274,24 @@ def test_a_localization_exports_node_data_model_explorer_reads():
     assert all(v["bgColor"] != "#b00020" for k, v in data["results"].items() if k not in red)
     config = model_explorer.config().add_model_from_pytorch("block", program).add_node_data_from_path(str(path))
     assert config.node_data_sources == [str(path)]
+
+
+def test_the_small_items_a_short_backend_repr_an_honest_closing_line_and_a_legend_beside_the_bars(
+    mixed_report, tmp_path
+):
+    backend = rlx_nb.register_backend("test-short-repr", lambda m, xs: m(*xs), replace=True)
+    try:
+        shown = repr(backend)
+        assert len(shown) < 80 and "test-short-repr" in shown and "default" in shown  # not Backend(fn=..., ...)
+    finally:
+        rlx_nb.unregister_backend("test-short-repr")
+    page = mixed_report.to_html(tmp_path / "r.html").read_text()
+    assert "report.save(" in page and not (tmp_path / "r.rlxnb").exists()  # says how to write one, names none
+    from rlx_nb import demo
+
+    model, inputs = demo.transformer()
+    ax = rlx_nb.localize(model, inputs, backend="fault:softmax-row").plot()
+    fig = ax.figure
+    fig.canvas.draw()
+    legend = ax.get_legend().get_window_extent()
+    assert legend.x0 >= ax.get_window_extent().x1 - 1  # beside the axes: it covers no bar
