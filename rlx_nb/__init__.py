@@ -13,6 +13,7 @@ from rlx_nb.backends import available_backends, register_backend, unregister_bac
 from rlx_nb.baseline import compare_reports
 from rlx_nb.compare import OutputRecord, compare
 from rlx_nb.errors import BackendError, InputError, ReportFormatError, RlxError
+from rlx_nb.generation import GenerationReport, generation_divergence
 from rlx_nb.localize import Localization, localize
 from rlx_nb.merge import merge_reports
 from rlx_nb.precision import precision_sweep
@@ -34,6 +35,7 @@ def explore(report, **kwargs):
 __all__ = [
     "BackendError",
     "DivergenceReport",
+    "GenerationReport",
     "InputError",
     "Localization",
     "OutputRecord",
@@ -47,6 +49,7 @@ __all__ = [
     "compare",
     "compare_reports",
     "explore",
+    "generation_divergence",
     "interrupted_report",
     "kept_preparations",
     "load_report",

@@ -24,6 +24,11 @@ class InputError(RlxError, ValueError):
     """
 
 
+class NotApplicable(Exception):
+    """Raised by a backend that cannot run this kind of model (e.g. an export with no route for a decode step):
+    its row is ``skipped`` with the message, not an error."""
+
+
 class TargetError(RlxError):
     """A CLI target (``file.py:factory`` or ``package.module:factory``) cannot be loaded."""
 

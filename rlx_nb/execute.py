@@ -20,7 +20,7 @@ import torch
 from rlx_nb import phases, preparations, switches
 from rlx_nb.backends import Backend
 from rlx_nb.backends.notes import add_note, collecting
-from rlx_nb.errors import InputError, describe_error, error_detail
+from rlx_nb.errors import InputError, NotApplicable, describe_error, error_detail
 from rlx_nb.phases import rss_bytes
 from rlx_nb.prepare import PrivateModel, fresh_leaves, named_params, user_name
 from rlx_nb.results import ERROR, GRAD_PREFIX, OK, SKIPPED, BackendRun, to_leaf
@@ -209,6 +209,9 @@ def _execute(
         weights = _storages(model)
         outputs = {name: to_leaf(v, keep, copy=_holds(v, weights)) for name, v in flatten(out)}
         _remove(hooks)
+    except NotApplicable as exc:  # the backend cannot run this kind of model: a skipped row saying why
+        _remove(hooks)
+        return BackendRun(backend.name, SKIPPED, {}, str(exc), compute_dtype=backend.compute_dtype, notes=notes)
     except Exception as exc:
         _remove(hooks)
         return BackendRun(

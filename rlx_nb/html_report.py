@@ -128,8 +128,9 @@ def _localization(loc: Any) -> str:
     )
 
 
-def report_html(report: Any, *, localization: Any = None, title: str | None = None) -> str:
-    """The whole HTML document for ``report`` (and ``localization``, a :class:`rlx_nb.Localization`)."""
+def report_html(report: Any, *, localization: Any = None, title: str | None = None, prelude: str = "") -> str:
+    """The whole HTML document for ``report`` (and ``localization``, a :class:`rlx_nb.Localization`);
+    ``prelude`` (HTML rlx_nb built, its texts escaped) goes before the verdicts."""
     from rlx_nb._version import __version__
     from rlx_nb.verdict import SUSPECT
 
@@ -145,6 +146,7 @@ def report_html(report: Any, *, localization: Any = None, title: str | None = No
         f"<i>{html.escape(report.rule)}</i> rule; suspects: <span class='suspect'>"
         f"{html.escape(', '.join(report.suspects) or 'none')}</span>. Written by rlx_nb {__version__} on "
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC.</p>",
+        prelude,
         "<h2>Verdicts</h2><pre>" + html.escape("\n".join(report.lines())) + "</pre>",
         "<h2>Backends</h2>" + _table(report.backends),
         _summary(report),

@@ -291,6 +291,8 @@ class DivergenceReport:
 def load_report(path) -> DivergenceReport:
     """Read a report saved by :meth:`DivergenceReport.save`; arrays are read lazily, on first use.
 
+    A generation's report (:meth:`rlx_nb.generation.GenerationReport.save`) comes back as a GenerationReport.
+
     Raises :class:`rlx_nb.persist.ReportFormatError` (an :class:`RlxError`) for anything that is not
     a readable report of this version; never unpickles or executes anything.
     """
@@ -301,5 +303,9 @@ def load_report(path) -> DivergenceReport:
     tol = float(meta["tol_rel"]) if meta.get("tol_rel") is not None else None
     records = records_from_meta(meta, path, results)
     if records is None:
-        return DivergenceReport.from_results(results, rule=rule, tol_rel=tol)
-    return DivergenceReport(results, records, rule=rule, tol_rel=tol)
+        report = DivergenceReport.from_results(results, rule=rule, tol_rel=tol)
+    else:
+        report = DivergenceReport(results, records, rule=rule, tol_rel=tol)
+    from rlx_nb.generation import load_generation
+
+    return load_generation(report, path)

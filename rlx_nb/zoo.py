@@ -253,6 +253,38 @@ def build(name: str, *, batch: int = 2, seed: int = 0) -> tuple[torch.nn.Module,
     return model.eval(), inputs
 
 
+DECODERS = ("gpt2", "llama", "qwen2", "mistral")
+"""The causal language models :func:`decoder` builds (for :func:`rlx_nb.generation_divergence`)."""
+PROMPT_LEN = 8
+
+
+def decoder(name: str, *, batch: int = 1, seed: int = 0, prompt_len: int = PROMPT_LEN) -> tuple[torch.nn.Module, torch.Tensor]:
+    """A causal language model ``name`` with its LM head (random weights, eval mode) and a prompt's
+    ``input_ids`` (``batch x prompt_len``), positions for 256 tokens.  Names: :data:`DECODERS`.
+
+    Mistral's sliding window (16) is shorter than a long decode, so its cache rolls as it grows.
+    """
+    if name not in DECODERS:
+        raise InputError(f"unknown zoo decoder {name!r}; the zoo's decoders: {', '.join(DECODERS)}")
+    if not isinstance(batch, int) or batch < 1:
+        raise InputError(f"batch must be a positive integer, got {batch!r}")
+    t = _transformers()
+    torch.manual_seed(seed)
+    gen = torch.Generator().manual_seed(seed)
+    lm = {**_LM, "max_position_embeddings": 256}
+    if name == "gpt2":
+        model = t.GPT2LMHeadModel(t.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256))
+    elif name == "llama":
+        model = t.LlamaForCausalLM(t.LlamaConfig(**lm))
+    elif name == "qwen2":
+        model = t.Qwen2ForCausalLM(t.Qwen2Config(**lm))
+    else:
+        model = t.MistralForCausalLM(t.MistralConfig(**lm, sliding_window=16))
+    ids = torch.randint(4, VOCAB, (batch, prompt_len), generator=gen)
+    _trained_looking(model, gen, {"input_ids": ids})
+    return model.eval(), ids
+
+
 @torch.no_grad()
 def _trained_looking(model: torch.nn.Module, gen: torch.Generator, inputs: dict[str, torch.Tensor]) -> None:
     # Hugging Face's initialisation (weights of std 0.02 whatever the fan-in, unit norms, zero BatchNorm

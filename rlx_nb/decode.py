@@ -1,0 +1,130 @@
+"""A causal language model's decode, as one module every backend can run: the steps' logits as outputs.
+
+:class:`Decode` wraps a Hugging Face causal LM (with its own cache, as it is) or a user's
+``step(model, input_ids, cache) -> (logits, cache)``.  Called with the prompt followed by the tokens to
+feed, it runs the prompt (the prefill) and then one decode step per token, each with the cache the
+previous step returned, and returns ``{"step 0": logits, "step 1": logits, ...}``: the last position's
+logits after each step (``batch x vocab``).
+
+*Teacher forcing*: every step is fed the oracle's token, whatever the backend's own logits preferred, so
+each backend's step ``k`` sees the same tokens as the oracle's and the fp64 reference's step ``k``: the
+steps stay aligned and one step's error is compared with the same step's round-off.  A backend still
+keeps its own cache (its own keys and values, with its own errors), which is how error grows through the
+cache.  ``free=True`` instead feeds each step its own greedy token (the text the backend would generate).
+
+Because a decode is one module with tensor outputs, every backend runs it as it runs any model: the
+eager ones (oneDNN off, reduced precision, faults, a user's) as they are; the fp64 reference casts it
+whole.  Compiled backends compile the step, not the loop (:func:`compiled_step`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+Step = Callable[[Any, torch.Tensor, Any], tuple[torch.Tensor, Any]]
+
+
+def hf_step(model: Any, input_ids: torch.Tensor, cache: Any, attention_mask: torch.Tensor | None = None) -> tuple:
+    """One step of a Hugging Face causal LM with its own cache: ``(logits, cache)``."""
+    kwargs: dict[str, Any] = {"input_ids": input_ids, "use_cache": True}
+    if cache is not None:
+        kwargs[cache_argument(model)] = cache
+    if attention_mask is not None:
+        kwargs["attention_mask"] = attention_mask
+    out = model(**kwargs)
+    logits = getattr(out, "logits", None)
+    if logits is None:
+        raise TypeError(
+            f"{type(model).__name__} returns no logits ({type(out).__name__}): generation needs a causal LM "
+            "(e.g. ...ForCausalLM), or a step(model, input_ids, cache) -> (logits, cache)"
+        )
+    cache = getattr(out, "cache", None)
+    if cache is None:
+        cache = getattr(out, "past_key_values", None)
+    return logits, cache
+
+
+def cache_argument(model: Any) -> str:
+    """The keyword a Hugging Face model takes its cache by: ``cache`` (transformers 5.2x) or ``past_key_values``."""
+    import inspect
+
+    model = getattr(model, "_orig_mod", model)  # (a torch.compile'd model: the module it wraps)
+    fn = getattr(model, "forward", model)
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def last_logits(logits: Any) -> torch.Tensor:
+    """A step's logits at its last position (``batch x vocab``) from ``batch x [positions x] vocab``."""
+    if not isinstance(logits, torch.Tensor):
+        raise TypeError(f"a step must return (logits, cache) with logits a tensor, got {type(logits).__name__}")
+    if logits.dim() == 3:
+        return logits[:, -1]
+    if logits.dim() == 2:
+        return logits
+    raise TypeError(f"a step's logits must be batch x vocab or batch x positions x vocab, got shape {tuple(logits.shape)}")
+
+
+class Decode(torch.nn.Module):
+    """Prefill ``prompt_len`` tokens, then ``steps - 1`` decode steps; returns each step's last logits.
+
+    ``forward(ids)``: ``ids`` is ``batch x (prompt_len + steps - 1)`` (teacher forcing: the prompt, then the
+    tokens to feed), or ``batch x prompt_len`` when ``free`` (each step fed its own argmax).  ``step`` is
+    ``None`` for a Hugging Face model's own call, else the user's function.  ``run_step`` may be replaced by a
+    backend (a compiled step: :func:`compiled_step`).
+    """
+
+    def __init__(self, model: Any, *, prompt_len: int, steps: int, step: Step | None = None, free: bool = False,
+                 masked: bool = False) -> None:  # fmt: skip
+        super().__init__()
+        self.model = model
+        self.prompt_len, self.steps, self.free, self.masked = prompt_len, steps, free, masked
+        self.step = step
+        self.run_step: Callable[..., tuple] | None = None
+
+    def call(self, input_ids: torch.Tensor, cache: Any, mask: torch.Tensor | None) -> tuple:
+        if self.run_step is not None:
+            return self.run_step(input_ids, cache, mask)
+        return self.call_model(self.model, input_ids, cache, mask)
+
+    def call_model(self, model: Any, input_ids: torch.Tensor, cache: Any, mask: torch.Tensor | None) -> tuple:
+        """One step of ``model`` (the wrapped one, or a compiled form of it): ``(logits, cache)``."""
+        if self.step is None:
+            return hf_step(model, input_ids, cache, mask)
+        return self.step(model, input_ids, cache)
+
+    def forward(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        p = self.prompt_len
+        batch = ids.shape[0]
+        mask = torch.ones(batch, p, dtype=torch.long, device=ids.device) if self.masked else None
+        current, cache = ids[:, :p], None
+        out: dict[str, torch.Tensor] = {}
+        for k in range(self.steps):
+            logits, cache = self.call(current, cache, mask)
+            last = last_logits(logits)
+            out[step_name(k)] = last
+            if k + 1 == self.steps:
+                break
+            if self.free:
+                current = last.argmax(-1, keepdim=True).to(ids.dtype)
+            else:
+                current = ids[:, p + k : p + k + 1]
+            if mask is not None:
+                mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
+        return out
+
+
+def step_name(k: int) -> str:
+    """The output name of step ``k``'s logits."""
+    return f"step {k}"
+
+
+def step_of(output: str) -> int:
+    """The step number of an output named by :func:`step_name`."""
+    return int(output.split()[-1])

@@ -1,0 +1,71 @@
+"""The pictures and the page of a :class:`rlx_nb.generation.GenerationReport`."""
+
+from __future__ import annotations
+
+import html
+from pathlib import Path
+from typing import Any
+
+from rlx_nb.figures import PALETTE, SUSPECT_COLOUR, new_axes
+from rlx_nb.judgement import SUSPECT
+
+
+def plot_steps(report: Any, ax: Any = None) -> Any:
+    """Each backend's worst logits error per step (over the batch), on the SUSPECT-line scale (log), the
+    SUSPECT line at 1, every flip marked: a hollow circle for a near-tie, a cross for a real disagreement."""
+    from rlx_nb.generation import DISAGREEMENT, NEAR_TIE
+
+    ax = new_axes(ax, figsize=(8.0, 4.2), margins={"left": 0.09, "right": 0.72, "bottom": 0.13, "top": 0.9})
+    table = report.steps
+    verdicts = report.verdicts()
+    colour = 0
+    labelled: set[str] = set()
+    for name in report.backend_names:
+        mine = table[table.backend == name]
+        per_step = mine.groupby("step").line.max()
+        per_step = per_step[per_step == per_step]
+        if per_step.empty:
+            continue
+        if verdicts[name] == SUSPECT:
+            c = SUSPECT_COLOUR
+        else:
+            c, colour = PALETTE[colour % len(PALETTE)], colour + 1
+        y = per_step.clip(lower=1e-3)
+        ax.plot(per_step.index, y, color=c, marker=".", lw=1.4, label=f"{name} ({verdicts[name]})")
+        for kind, marker, face in ((NEAR_TIE, "o", "none"), (DISAGREEMENT, "X", SUSPECT_COLOUR)):
+            flips = mine[mine.flip_kind == kind].step.unique()
+            if len(flips):
+                label = None if kind in labelled else f"token flip: {kind}"
+                labelled.add(kind)
+                ax.scatter(flips, y.reindex(flips).fillna(1e-3), s=90, marker=marker, facecolors=face,
+                           edgecolors=c if kind == NEAR_TIE else SUSPECT_COLOUR, linewidths=1.5, zorder=3,
+                           label=label)  # fmt: skip
+    ax.axhline(1.0, color="black", ls="--", lw=1.2, label="SUSPECT line")
+    ax.set_yscale("log")
+    ax.set_xlabel("decode step (0: the prompt's logits)")
+    ax.set_ylabel("logits error (x of the SUSPECT line)")
+    ax.set_title(f"{report.label}: where generation parts ({report.n_steps} steps, teacher-forced)", fontsize=10)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
+    ax.grid(True, which="major", alpha=0.3)
+    return ax
+
+
+def write_html(report: Any, path: str | Path, *, title: str | None = None) -> Path:
+    """The generation's lines, step plot and first divergences, then the logits report (every step's verdicts)."""
+    from rlx_nb.html_report import _figure, _png, _table, report_html
+
+    path = Path(path)
+    if path.suffix.lower() not in (".html", ".htm"):
+        path = path.with_name(path.name + ".html")
+    fig = _figure(8.0, 4.2)
+    plot_steps(report, ax=fig.add_subplot())
+    first = report.first_divergence.reset_index()
+    prelude = (
+        "<h2>Generation</h2><pre>" + html.escape("\n".join(report.lines())) + "</pre>"
+        f"<img alt='logits error per step' src='{_png(fig)}'>"
+        "<h3>First divergence per backend</h3>" + _table(first)
+    )
+    text = report_html(report.logits, title=title or f"rlx_nb generation: {report.label}", prelude=prelude)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text, encoding="utf-8")
+    return path
