@@ -68,7 +68,9 @@ def last_logits(logits: Any) -> torch.Tensor:
         return logits[:, -1]
     if logits.dim() == 2:
         return logits
-    raise TypeError(f"a step's logits must be batch x vocab or batch x positions x vocab, got shape {tuple(logits.shape)}")
+    raise TypeError(
+        f"a step's logits must be batch x vocab or batch x positions x vocab, got shape {tuple(logits.shape)}"
+    )
 
 
 class Decode(torch.nn.Module):

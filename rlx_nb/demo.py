@@ -310,3 +310,37 @@ MODELS: dict[str, Callable[..., tuple[nn.Module, tuple]]] = {
 }
 FAULTS: list[str] = list(CATALOGUE)
 """Names of the fault-injection backends (each a registered, opt-in backend)."""
+
+
+def long_context_fault(after: int = 24, severity: float = 2e-3, name: str = "long-context-attention"):
+    """A backend with a subtle attention bug that only shows once the cache holds more than ``after`` keys.
+
+    Like a tiled attention kernel that mis-scales every tile past the first: the scores of keys at positions
+    ``after`` and beyond are multiplied by ``1 + severity``.  A forward pass over a short prompt never meets
+    it; a decode meets it at the step whose cache passes ``after`` keys.  Returns a :class:`Backend` to pass
+    in ``backends=[...]`` (or to :func:`rlx_nb.register_backend`'s arguments).
+
+    Examples
+    --------
+    >>> long_context_fault(after=16).name
+    'long-context-attention'
+    """
+    from rlx_nb.backends.base import Backend
+    from rlx_nb.backends.faults import SubstituteFunctions, _softmax_targets
+
+    if not isinstance(after, int) or after < 1:
+        raise InputError(f"after must be a positive number of keys, got {after!r}")
+
+    def softmax(x: torch.Tensor, dim: int | None = None, *args, **kwargs) -> torch.Tensor:
+        if dim not in (-1, x.dim() - 1) or x.shape[-1] <= after:
+            return F.softmax(x, dim=dim, dtype=kwargs.get("dtype"))
+        late = torch.ones(x.shape[-1], dtype=x.dtype, device=x.device)
+        late[after:] = 1.0 + severity
+        return F.softmax(x * late, dim=dim, dtype=kwargs.get("dtype"))
+
+    def fn(model, inputs):
+        with SubstituteFunctions(_softmax_targets(softmax), name):
+            return model(*inputs)
+
+    return Backend(name, fn, default=False, hookable=True,
+                   description=f"attention scores of keys past {after} scaled by 1+{severity:g} (a tiling bug)")  # fmt: skip

@@ -24,9 +24,8 @@ import torch
 
 from rlx_nb import switches
 from rlx_nb.backends import Backend, resolve_backends
-from rlx_nb.backends.base import ORACLE
 from rlx_nb.decode import Decode, Step, hf_step, last_logits, step_name
-from rlx_nb.errors import InputError, RlxError
+from rlx_nb.errors import InputError
 from rlx_nb.judgement import SUSPECT, VERDICT_ERROR, VERDICT_SKIPPED
 from rlx_nb.reasons import on_line
 from rlx_nb.report import DivergenceReport
@@ -139,6 +138,9 @@ def generation_divergence(
             meta["texts"].update(
                 {name: [tokenizer.decode(row) for row in rows] for name, rows in meta["free"].items() if rows}
             )
+    again = _reproduced(forward, tokens)
+    if again:
+        meta["oracle_note"] = again
     forward.results.environment[ENV_KEY] = meta
     report = GenerationReport(forward, tokenizer=tokenizer)
     report.source = (model, ids, step, masked)
@@ -147,6 +149,21 @@ def generation_divergence(
         shown |= {t for rows in (meta.get("free") or {}).values() for r in rows for t in r}
         meta["token_texts"] = {str(i): report._text(i) for i in sorted(shown) if i >= 0}
     return report
+
+
+def _reproduced(forward: DivergenceReport, tokens: torch.Tensor) -> str:
+    # "" when the oracle's teacher-forced run picks the tokens its greedy decode picked (it must: the same
+    # float32 computation on the same tokens), else where it does not.
+    outputs = forward.results.oracle.outputs
+    for k in range(tokens.shape[1]):
+        leaf = outputs.get(step_name(k))
+        if leaf is None or not leaf.is_array:
+            return f"the oracle's teacher-forced run has no logits for step {k}"
+        picked = np.asarray(leaf.value).argmax(-1)
+        if not np.array_equal(picked, tokens[:, k].numpy()):
+            return (f"the oracle's teacher-forced run picks other tokens than its greedy decode from step {k} on: "
+                    "the model's decode is not reproducible (its own nondeterminism, or state kept between calls)")  # fmt: skip
+    return ""
 
 
 def _label(model: Any) -> str:
@@ -181,15 +198,14 @@ def _prompt(inputs: Any) -> tuple[torch.Tensor, bool]:
 
 
 @torch.no_grad()
-def oracle_tokens(model: Any, ids: torch.Tensor, steps: int, *, step: Step | None, masked: bool, label: str) -> torch.Tensor:
+def oracle_tokens(
+    model: Any, ids: torch.Tensor, steps: int, *, step: Step | None, masked: bool, label: str
+) -> torch.Tensor:
     """The oracle's greedy decode: float32 eager on the CPU with the model's own cache, ``batch x steps``."""
     from rlx_nb.prepare import prepare_model
 
     with switches.exclusive(lambda _: None):
-        try:
-            base = prepare_model(model, None, None)
-        except RlxError:
-            raise
+        base = prepare_model(model, None, None)
         decode = Decode(base, prompt_len=ids.shape[1], steps=steps, step=step, free=True, masked=masked)
         try:
             out = decode(ids)
@@ -389,12 +405,16 @@ class GenerationReport:
         rows = []
         for name, toks in runs.items():
             if not toks:
-                rows.append({"backend": name, "parts_at": None, "sequence": None, "oracle": None, "backend_tokens": None})
+                rows.append(
+                    {"backend": name, "parts_at": None, "sequence": None, "oracle": None, "backend_tokens": None}
+                )
                 continue
             mine = np.asarray(toks, dtype=np.int64)
             differ = np.argwhere(mine != self.tokens)
             if differ.size == 0:
-                rows.append({"backend": name, "parts_at": None, "sequence": None, "oracle": None, "backend_tokens": None})
+                rows.append(
+                    {"backend": name, "parts_at": None, "sequence": None, "oracle": None, "backend_tokens": None}
+                )
                 continue
             k = int(differ[:, 1].min())
             b = int(differ[differ[:, 1] == k][0, 0])
@@ -407,7 +427,10 @@ class GenerationReport:
                 row["oracle_text"] = "".join(self._text(t) for t in self.tokens[b, k:].tolist())
                 row["backend_text"] = "".join(self._text(t) for t in mine[b, k:].tolist())
             rows.append(row)
-        return pd.DataFrame(rows).set_index("backend")
+        frame = pd.DataFrame(rows).set_index("backend")
+        for column in ("parts_at", "sequence"):
+            frame[column] = frame[column].astype("Int64")
+        return frame
 
     # -- words --------------------------------------------------------------------------------------
 
@@ -431,7 +454,11 @@ class GenerationReport:
             worst = mine.loc[mine.line.fillna(-1).idxmax()]
             suspect_steps = mine[mine.verdict == SUSPECT]
             if f.kind in (NEAR_TIE, DISAGREEMENT):
-                within = "within round-off" if f.kind == NEAR_TIE else f"{abs(f.gap_fp64) / f.allowance:.3g}x the round-off allowance"
+                within = (
+                    "within round-off"
+                    if f.kind == NEAR_TIE
+                    else f"{abs(f.gap_fp64) / f.allowance:.3g}x the round-off allowance"
+                )
                 a, b = int(f.oracle_token), int(f.backend_token)
                 if self.has_text:
                     pair = f"token {a} {self._text(a)!r} vs {b} {self._text(b)!r}"
@@ -450,6 +477,8 @@ class GenerationReport:
             else:
                 tail = f"round-off (explainable), {on_line(float(worst.line))} (worst: step {int(worst.step)})"
             out.append(f"{head} — {tail}")
+        if self.meta.get("oracle_note"):
+            out.append(f"[{label}] NOTE: {self.meta['oracle_note']}")
         if self.logits.incomplete:
             out.append(f"[{label}] INCOMPLETE: {self.logits.incomplete}")
         return out
@@ -625,7 +654,9 @@ def load_generation(report: DivergenceReport, where: Any = "report") -> Generati
     if meta is None:
         return report
     if not isinstance(meta, dict) or not _token_rows(meta.get("tokens")):
-        raise ReportFormatError(f"{where}: environment.generation must hold 'tokens', a non-empty rectangle of integers")
+        raise ReportFormatError(
+            f"{where}: environment.generation must hold 'tokens', a non-empty rectangle of integers"
+        )
     free = meta.get("free")
     if free is not None and not (isinstance(free, dict) and all(r == [] or _token_rows(r) for r in free.values())):
         raise ReportFormatError(f"{where}: environment.generation.free must map backends to rectangles of integers")

@@ -258,7 +258,9 @@ DECODERS = ("gpt2", "llama", "qwen2", "mistral")
 PROMPT_LEN = 8
 
 
-def decoder(name: str, *, batch: int = 1, seed: int = 0, prompt_len: int = PROMPT_LEN) -> tuple[torch.nn.Module, torch.Tensor]:
+def decoder(
+    name: str, *, batch: int = 1, seed: int = 0, prompt_len: int = PROMPT_LEN
+) -> tuple[torch.nn.Module, torch.Tensor]:
     """A causal language model ``name`` with its LM head (random weights, eval mode) and a prompt's
     ``input_ids`` (``batch x prompt_len``), positions for 256 tokens.  Names: :data:`DECODERS`.
 

@@ -1,0 +1,229 @@
+"""generation_divergence: the oracle's greedy decode, teacher-forced backends, near-ties and real disagreements."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+
+import rlx_nb
+from rlx_nb import demo, zoo
+from rlx_nb.backends.base import Backend
+from rlx_nb.backends.faults import fault_backend
+from rlx_nb.errors import InputError, ReportFormatError
+from rlx_nb.generation import DISAGREEMENT, NEAR_TIE
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+
+
+@pytest.fixture(scope="module")
+def llama():
+    return zoo.decoder("llama", batch=4, seed=1)
+
+
+@pytest.fixture(scope="module")
+def legit(llama):
+    model, ids = llama
+    return rlx_nb.generation_divergence(model, ids, max_new_tokens=48, backends=["cpu-nomkldnn", "cpu-bf16"],
+                                        progress=False)  # fmt: skip
+
+
+def test_the_oracle_decodes_what_hugging_face_generate_does(llama, legit):
+    model, ids = llama
+    want = model.generate(ids, max_new_tokens=48, do_sample=False, min_new_tokens=48)[:, ids.shape[1] :]
+    assert np.array_equal(legit.tokens, want.numpy())
+    assert legit.meta.get("oracle_note") is None
+
+
+def test_legitimate_backends_are_round_off_and_every_step_is_judged(legit):
+    steps = legit.steps
+    assert len(steps) == 2 * 48 * 4  # backends x steps x sequences
+    assert set(steps.verdict) == {"round-off"}
+    assert legit.suspects == []
+    kinds = set(legit.first_divergence.kind)
+    assert kinds <= {"same tokens", NEAR_TIE}
+    # Every flip a legitimate backend makes is a near-tie: the fp64 gap within the step's allowance.
+    flips = steps[steps.flip]
+    assert len(flips[flips.backend == "cpu-bf16"]) >= 1  # bfloat16 breaks some near-ties the other way
+    assert (flips.flip_kind == NEAR_TIE).all()
+    assert (flips.gap_fp64.abs() <= flips.allowance).all()
+    for line in legit.lines():
+        assert line.endswith(")") and "round-off (explainable)" in line
+        assert re.match(r"\[LlamaForCausalLM\] cpu-\w+ vs cpu: (same 48 tokens|generation parts at step \d+ \(token "
+                        r"\d+ vs \d+; fp64 gap \S+, within round-off\)) — round-off", line)  # fmt: skip
+
+
+def test_a_fault_that_needs_a_grown_cache_is_caught_at_the_step_it_starts(llama):
+    model, ids = llama
+    after = 14  # the prompt is 8 tokens: step k's attention sees 8 + k keys
+    report = rlx_nb.generation_divergence(model, ids, max_new_tokens=12,
+                                          backends=[demo.long_context_fault(after=after, severity=0.05)],
+                                          progress=False)  # fmt: skip
+    steps = report.steps
+    first = int(steps[steps.verdict == "SUSPECT"].step.min())
+    assert first == after - ids.shape[1] + 1  # the first step whose cache holds more than `after` keys
+    assert set(steps[steps.step < first].verdict) == {"round-off"}
+    assert report.suspects == ["long-context-attention"]
+    assert f"SUSPECT (step {first}'s logits" in report.lines()[0]
+    assert report.focus_step("long-context-attention") == first
+
+
+def _nudged(step_at: int, token_of, amount: float, name: str) -> Backend:
+    # A backend that moves one logit of one step by `amount` (tokens chosen from the oracle's own run).
+    def fn(model, inputs):
+        out = model(*inputs)
+        key = f"step {step_at}"
+        logits = out[key].clone()
+        logits[0, token_of(logits)] += amount
+        out[key] = logits
+        return out
+
+    return Backend(name, fn, default=False)
+
+
+def test_a_flip_is_a_near_tie_only_when_fp64_says_the_two_tokens_were_that_close():
+    # A step function model whose logits at one step hold a near-tie: tokens 3 and 5 differ by 1e-7 in fp64.
+    class Tiny(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.table = torch.nn.Parameter(0.1 * torch.randn(16, 16, generator=torch.Generator().manual_seed(0)))
+
+        def forward(self, ids):
+            return self.table[ids[:, -1]]
+
+    model = Tiny()
+    with torch.no_grad():
+        model.table[:, 3] = 1.0
+        model.table[:, 5] = float(np.nextafter(np.float32(1.0), np.float32(0.0)))  # one fp32 step below
+
+    def step(m, ids, cache):
+        return m(ids), None
+
+    second = lambda logits: 5  # noqa: E731
+    ids = torch.tensor([[1, 2]])
+    near = _nudged(1, second, 2e-7, "nudged-a-little")  # two fp32 steps: past the tie, a flip within round-off
+    far = _nudged(2, lambda logits: int(logits[0].argsort()[-4]), 50.0, "nudged-far")
+    report = rlx_nb.generation_divergence(model, ids, step=step, max_new_tokens=4, backends=[near, far], progress=False)
+    first = report.first_divergence
+    assert first.loc["nudged-far", "kind"] == DISAGREEMENT and first.loc["nudged-far", "step"] == 2
+    assert report.verdicts()["nudged-far"] == "SUSPECT"
+    assert first.loc["nudged-a-little", "step"] == 1
+    assert first.loc["nudged-a-little", "kind"] == NEAR_TIE
+    assert abs(first.loc["nudged-a-little", "gap_fp64"]) < first.loc["nudged-a-little", "allowance"]
+    assert report.verdicts()["nudged-a-little"] == "round-off"
+    assert "generation parts at step 1 (token 3 vs 5; fp64 gap 6e-08, within round-off)" in report.lines()[0]
+    assert "generation parts at step 2" in report.lines()[1] and "round-off allowance) — SUSPECT" in report.lines()[1]
+
+
+def test_cpu_inductor_compiles_the_step_once_for_every_step(llama):
+    model, ids = llama
+    report = rlx_nb.generation_divergence(model, ids, max_new_tokens=10, backends=["cpu-inductor"], progress=False)
+    run = report.logits.results.candidates["cpu-inductor"]
+    note = next(n for n in run.notes if n.startswith("torch.compile"))
+    graphs = int(re.search(r"(\d+) graph\(s\) compiled with dynamic shapes for 10 steps", note).group(1))
+    assert 1 <= graphs <= 4  # (the prefill, the first step, then every step on one dynamic graph)
+    assert report.verdicts()["cpu-inductor"] == "round-off"
+
+
+def test_exported_backends_say_why_they_are_skipped(llama):
+    model, ids = llama
+    report = rlx_nb.generation_divergence(model, ids, max_new_tokens=3, backends=["onnxruntime"], progress=False)
+    assert report.first_divergence.loc["onnxruntime", "kind"] == "skipped"
+    assert "cache as inputs and outputs" in report.lines()[0]
+
+
+def test_free_running_reports_where_the_text_parts_with_both_continuations(llama):
+    model, ids = llama
+
+    class Words:
+        def decode(self, ids):
+            return "".join(f"<w{i}>" for i in ids)
+
+    fault = fault_backend("fault:attention-scale", 0.5)
+    report = rlx_nb.generation_divergence(model, ids, max_new_tokens=16, mode="free", tokenizer=Words(),
+                                          backends=[fault, "cpu-nomkldnn"], progress=False)  # fmt: skip
+    assert report.free.loc["cpu-nomkldnn", "parts_at"] is pd.NA  # the same arithmetic: never parts
+    free = report.free.loc[fault.name]
+    k, b = int(free.parts_at), int(free.sequence)
+    assert free.oracle == report.tokens[b, k:].tolist()
+    assert free.oracle[0] != free.backend_tokens[0]
+    assert free.oracle_text.startswith(f"<w{free.oracle[0]}>")
+
+
+def test_save_load_html_and_tampered_files(legit, tmp_path):
+    path = legit.save(tmp_path / "gen.rlxnb")
+    back = rlx_nb.load_report(path)
+    assert isinstance(back, rlx_nb.GenerationReport)
+    assert back.lines() == legit.lines()
+    assert back.steps.equals(legit.steps)
+    page = legit.to_html(tmp_path / "gen.html").read_text()
+    assert "<h2>Generation</h2>" in page and "data:image/png;base64" in page
+    # A received file whose tokens are not integers is refused, never half-read.
+    env = dict(back.logits.results.environment)
+    env["generation"] = {**env["generation"], "tokens": [["<script>"]]}
+    back.logits.results.environment.update(env)
+    bad = back.logits.save(tmp_path / "bad.rlxnb")
+    with pytest.raises(ReportFormatError, match="tokens"):
+        rlx_nb.load_report(bad)
+
+
+def test_token_text_is_escaped_in_the_page(llama, tmp_path):
+    model, ids = llama
+
+    class Hostile:
+        def decode(self, ids):
+            return "<script>alert(1)</script>"
+
+    report = rlx_nb.generation_divergence(model, ids, max_new_tokens=3, tokenizer=Hostile(),
+                                          backends=["fault:attention-scale"], progress=False)  # fmt: skip
+    page = report.to_html(tmp_path / "x.html").read_text()
+    assert "<script>alert" not in page
+    assert "<script>alert" not in report._repr_html_()
+
+
+def test_explorer_and_localize_on_a_step(llama):
+    model, ids = llama
+    report = rlx_nb.generation_divergence(model, ids, max_new_tokens=6, backends=["fault:softmax-row"],
+                                          progress=False)  # fmt: skip
+    explorer = report.explore(step=4)
+    assert (explorer.backend_picker.value, explorer.output_picker.value) == ("fault:softmax-row", "step 4")
+    loc = report.localize(step=4)
+    assert loc.culprit is not None and "self_attn" in loc.culprit
+
+
+def test_plot_marks_flips_and_the_suspect_line(legit):
+    ax = legit.plot()
+    assert ax.get_yscale() == "log"
+    labels = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert "SUSPECT line" in labels and any(t.startswith("cpu-bf16") for t in labels)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"max_new_tokens": 0}, "max_new_tokens must be a positive integer"),
+        ({"mode": "sampled"}, "mode must be one of"),
+        ({"step": 3}, "step must be a callable"),
+        ({"tokenizer": object()}, "tokenizer must have decode"),
+    ],
+)
+def test_bad_arguments_are_named(llama, kwargs, match):
+    model, ids = llama
+    with pytest.raises(InputError, match=match):
+        rlx_nb.generation_divergence(model, ids, backends=["cpu-nomkldnn"], progress=False, **kwargs)
+
+
+def test_bad_prompts_and_models_are_named(llama):
+    model, ids = llama
+    with pytest.raises(InputError, match="padded prompts are not supported"):
+        rlx_nb.generation_divergence(
+            model, {"input_ids": ids, "attention_mask": torch.tensor([[1] * 8, [0] + [1] * 7])}
+        )
+    with pytest.raises(InputError, match="integer tensor of shape batch x length"):
+        rlx_nb.generation_divergence(model, ids.float())
+    body = zoo.build("mistral", batch=1)[0]  # a model without an LM head
+    with pytest.raises(InputError, match="returns no logits"):
+        rlx_nb.generation_divergence(body, ids, max_new_tokens=2, backends=["cpu-nomkldnn"], progress=False)
