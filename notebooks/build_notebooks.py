@@ -608,6 +608,93 @@ moved.frame""",
     ),
 ]
 
+GENERATION = [
+    (
+        "md",
+        """# 07 · Where generation parts
+
+An exported or compiled language model generates other text than eager. After how many tokens — and is that a bug, or a near-tie broken by rounding?
+
+`rlx_nb.generation_divergence` decodes greedily on the CPU oracle (float32, the model's own cache), then runs the float64 reference and every backend **teacher-forced** on the oracle's tokens, each with its own cache. Every step's logits are judged by the same round-off budget as a forward pass, and every token flip is classed: a **near-tie** (the fp64 logits of the two tokens are within the step's round-off allowance: explainable) or a **real disagreement** (SUSPECT).
+
+The model here is a small Llama-architecture decoder with random weights, passed as it is. One backend has a subtle bug of the kind that only shows once the cache has grown: an attention kernel that mis-scales the scores of keys past position 24 (a tile boundary) by 3%. A forward pass over the 8-token prompt never meets it.""",
+    ),
+    (
+        "code",
+        """import rlx_nb
+from rlx_nb import demo, zoo
+
+model, prompt = zoo.decoder("llama", batch=1, seed=1)     # LlamaForCausalLM, an 8-token prompt
+tiled = demo.long_context_fault(after=24, severity=3e-2)   # the subtle bug, as a user's own backend
+
+
+class Words:  # a toy tokenizer: one word per id (any tokenizer with .decode works)
+    words = [f"{a}{b}" for a in ("ka", "lo", "mi", "nu", "po", "ra", "si", "tu", "vo", "we", "xi", "yu", "za", "be", "co", "du")
+             for b in ("n", "r", "s", "t", "l", "m", "k", "p", "d", "g", "f", "h", "b", "v", "z", "x")]
+
+    def decode(self, ids):
+        return " ".join(self.words[i] for i in ids)
+
+
+print("forward pass on the prompt:", rlx_nb.backend_divergence(model, prompt, backends=[tiled], progress=False).lines()[0])
+report = rlx_nb.generation_divergence(model, prompt, max_new_tokens=48, tokenizer=Words(),
+                                      backends=["cpu-nomkldnn", "cpu-bf16", "cpu-inductor", "onnxruntime", tiled])
+report""",
+    ),
+    (
+        "md",
+        """The forward pass over the prompt says round-off: the bug is not there yet. The generation report has one line per backend. `cpu-inductor` compiled the model's step once (dynamic shapes) and ran every step through it; ONNX Runtime is a `skipped` row saying what it would need. The step plot shows each backend's logits error per step on the SUSPECT-line scale (1 is the line); token flips are marked — a hollow circle for a near-tie, a cross for a real disagreement:""",
+    ),
+    ("code", """report.plot();"""),
+    (
+        "md",
+        """The faulty backend is round-off for the first steps, then jumps above the line at the step whose cache first holds more than 24 keys — and stays there. `first_divergence` says where each backend's greedy token first differs from the oracle's, and what kind of flip that is:""",
+    ),
+    ("code", """report.first_divergence"""),
+    (
+        "md",
+        """`report.steps` has every (backend, step, sequence): both tokens, the fp64 top-1/top-2 gap, the gap between the two tokens when they differ, the step's allowance, and the step's verdict. Around the onset:""",
+    ),
+    (
+        "code",
+        """steps = report.steps
+onset = report.focus_step(tiled.name)
+steps[(steps.backend == tiled.name) & steps.step.between(onset - 2, onset + 3)][
+    ["step", "oracle_token", "backend_token", "flip_kind", "top2_gap_fp64", "line", "verdict"]]""",
+    ),
+    (
+        "md",
+        """## That step's logits
+
+`report.explore()` opens the explorer on the worst backend at its first SUSPECT step: the step's logits (batch × vocabulary) as a heatmap, the histogram of their errors, the worst tokens. `report.logits` is an ordinary forward report whose outputs are the steps, so everything that works on a forward report (`summary`, `arrays`, `elements`, `save`) works here.""",
+    ),
+    ("code", """report.explore()"""),
+    (
+        "md",
+        """## Localize the step
+
+`report.localize()` replays that one step — the model fed that step's token, with the oracle's cache of the steps before — on the backend, module by module and op by op, against the oracle and fp64:""",
+    ),
+    (
+        "code",
+        """loc = report.localize()
+print(loc.finding)
+loc.plot();""",
+    ),
+    (
+        "md",
+        """## The text itself
+
+With `mode="free"` each backend also decodes on its own, and `report.free` shows where its text parts from the oracle's, with both continuations. The verdict stays the teacher-forced one: once the texts differ, later steps compare two different computations.""",
+    ),
+    (
+        "code",
+        """free = rlx_nb.generation_divergence(model, prompt, max_new_tokens=48, tokenizer=Words(), mode="free",
+                                    backends=["cpu-bf16", tiled], progress=False)
+free.free[["parts_at", "oracle_text", "backend_text"]]""",
+    ),
+]
+
 NOTEBOOKS = {
     "01_find_the_suspect.ipynb": FIND_THE_SUSPECT,
     "02_localize_the_operator.ipynb": LOCALIZE,
@@ -615,6 +702,7 @@ NOTEBOOKS = {
     "04_cluster.ipynb": CLUSTER,
     "05_precision.ipynb": PRECISION,
     "06_share_gate_baseline.ipynb": SHARE_AND_GATE,
+    "07_where_generation_parts.ipynb": GENERATION,
 }
 
 

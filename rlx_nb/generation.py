@@ -24,6 +24,7 @@ import torch
 
 from rlx_nb import switches
 from rlx_nb.backends import Backend, resolve_backends
+from rlx_nb.backends.registry import lent
 from rlx_nb.decode import Decode, Step, hf_step, last_logits, step_name
 from rlx_nb.errors import InputError
 from rlx_nb.judgement import SUSPECT, VERDICT_ERROR, VERDICT_SKIPPED
@@ -144,6 +145,7 @@ def generation_divergence(
     forward.results.environment[ENV_KEY] = meta
     report = GenerationReport(forward, tokenizer=tokenizer)
     report.source = (model, ids, step, masked)
+    report.backend_objects = {b.name: b for b in resolve_backends(backends)}
     if tokenizer is not None:  # the words of every token a table or line names, kept for a saved report
         shown = set(tokens.reshape(-1).tolist()) | set(report.steps.backend_token[report.steps.flip].tolist())
         shown |= {t for rows in (meta.get("free") or {}).values() for r in rows for t in r}
@@ -261,6 +263,7 @@ class GenerationReport:
         self.meta = meta
         self.tokenizer = tokenizer
         self.source: Any = None
+        self.backend_objects: dict[str, Backend] = {}
         self.tokens = np.asarray(meta["tokens"], dtype=np.int64)
         self._steps: pd.DataFrame | None = None
 
@@ -404,17 +407,16 @@ class GenerationReport:
             return None
         rows = []
         for name, toks in runs.items():
+            empty = {"backend": name, "parts_at": None, "sequence": None, "oracle": None, "backend_tokens": None}
+            if self.has_text:
+                empty.update(oracle_text=None, backend_text=None)
             if not toks:
-                rows.append(
-                    {"backend": name, "parts_at": None, "sequence": None, "oracle": None, "backend_tokens": None}
-                )
+                rows.append(empty)
                 continue
             mine = np.asarray(toks, dtype=np.int64)
             differ = np.argwhere(mine != self.tokens)
             if differ.size == 0:
-                rows.append(
-                    {"backend": name, "parts_at": None, "sequence": None, "oracle": None, "backend_tokens": None}
-                )
+                rows.append(empty)
                 continue
             k = int(differ[:, 1].min())
             b = int(differ[differ[:, 1] == k][0, 0])
@@ -562,7 +564,11 @@ class GenerationReport:
         step = self.focus_step(backend) if step is None else self._check_step(step)
         model, ids, step_fn, masked = self.source
         at, token = at_step(model, ids, self.tokens, step, step_fn=step_fn, masked=masked)
-        return localize(at, (token,), backend=backend, **kwargs)
+        given = self.backend_objects.get(backend)
+        if given is None:
+            return localize(at, (token,), backend=backend, **kwargs)
+        with lent(given):  # (a Backend object passed in backends=[...], not registered)
+            return localize(at, (token,), backend=backend, **kwargs)
 
 
 def _record(report: DivergenceReport, backend: str, output: str | None) -> Any:

@@ -95,7 +95,10 @@ class ReportPlotter:
         names = list(backends) if backends else [b for b in r.results.candidates if b not in r.errors]
         pairs = {}
         for name in names:
-            rec = r.record(name, output)
+            try:
+                rec = r.record(name, output)
+            except InputError:  # a backend that did not run (a skipped row): nothing to draw
+                continue
             if rec.output is not None and rec.shape is not None and rec.verdict != VERDICT_SKIPPED:
                 try:
                     o, b, _ = r.arrays(name, output)

@@ -130,9 +130,13 @@ def test_cpu_inductor_compiles_the_step_once_for_every_step(llama):
 
 def test_exported_backends_say_why_they_are_skipped(llama):
     model, ids = llama
-    report = rlx_nb.generation_divergence(model, ids, max_new_tokens=3, backends=["onnxruntime"], progress=False)
+    report = rlx_nb.generation_divergence(model, ids, max_new_tokens=3, backends=["onnxruntime", "cpu-nomkldnn"],
+                                          progress=False)  # fmt: skip
     assert report.first_divergence.loc["onnxruntime", "kind"] == "skipped"
     assert "cache as inputs and outputs" in report.lines()[0]
+    # The explorer's histogram overlays every backend that ran, passing over the skipped one.
+    explorer = report.explore(backend="cpu-nomkldnn")
+    assert explorer.output_picker.value == report.logits.record("cpu-nomkldnn", explorer.output_picker.value).output
 
 
 def test_free_running_reports_where_the_text_parts_with_both_continuations(llama):

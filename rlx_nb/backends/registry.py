@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import threading
 from collections.abc import Callable, Iterable
@@ -162,6 +163,23 @@ def device_probe(device: str) -> Callable[[], str | None] | None:
         return device_reason(device)
 
     return probe
+
+
+@contextlib.contextmanager
+def lent(backend: Backend):
+    """``backend`` known by name inside the block (an unregistered Backend object a report ran, for a tool that
+    looks backends up by name); a registered one of that name is left as it is."""
+    _ensure_builtins()
+    with _LOCK:
+        added = backend.name not in _REGISTRY
+        if added:
+            _REGISTRY[backend.name] = backend
+    try:
+        yield backend
+    finally:
+        if added:
+            with _LOCK:
+                _REGISTRY.pop(backend.name, None)
 
 
 def get_backend(name: str) -> Backend:

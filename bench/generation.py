@@ -1,0 +1,210 @@
+"""Generation: legitimate backends never SUSPECT, catalogue faults caught at the step they pass 10x, the flip
+rate, and the time against the manual workflow.
+
+The zoo's decoders (``rlx_nb.zoo.decoder``: GPT-2, Llama, Qwen2, Mistral with a 16-token sliding window),
+random weights, an 8-token prompt, 64 new tokens, seeds 0-2, batch 1 and 4.  Each case is one
+``rlx_nb.generation_divergence`` call with the legitimate backends (``cpu-nomkldnn``, ``cpu-inductor``,
+``cpu-bf16``, ``cpu-fp16``) and the catalogue's forward faults at their default severities.
+
+- *false SUSPECT*: a legitimate backend whose generation verdict is SUSPECT (a step's logits, or a flip that
+  is no near-tie).
+- *faults caught at the step*: every (fault, step) whose logits error exceeds 10x the legitimate error at that
+  step (the largest of the oracle's and the sequential-sums run's error against fp64 there) must be SUSPECT
+  at that step.
+- *flip rate*: the share of (step, sequence) where a legitimate backend's greedy token differs from the
+  oracle's; every such flip must be classed a near-tie.
+- *time*: on batch 1, seed 0, with ``cpu-nomkldnn``, ``cpu-bf16`` and ``cpu-inductor``, a warm
+  ``generation_divergence`` call (the second in the process) against the manual workflow, warm too: Hugging
+  Face ``generate`` (greedy) on the oracle, with oneDNN off, in bfloat16 and on ``torch.compile(model)``,
+  then the token comparison.
+
+    python bench/generation.py [--models gpt2,llama,qwen2,mistral] [--seeds 0,1,2] [--batches 1,4]
+
+Writes ``bench/results/generation.md`` and ``generation.csv``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import os
+import sys
+import time
+import warnings
+from pathlib import Path
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+warnings.filterwarnings("ignore")
+
+import torch  # noqa: E402
+
+import rlx_nb  # noqa: E402
+from rlx_nb import zoo  # noqa: E402
+from rlx_nb.backends.faults import HITS  # noqa: E402
+from rlx_nb.judgement import SUSPECT  # noqa: E402
+
+LEGIT = ["cpu-nomkldnn", "cpu-inductor", "cpu-bf16", "cpu-fp16"]
+FAULTS = [
+    "fault:softmax-row",
+    "fault:attention-scale",
+    "fault:layernorm-eps",
+    "fault:layernorm-unbiased",
+    "fault:linear-bias-channel",
+    "fault:gelu-approx",
+    "fault:linear-lowp-accum",
+]
+STEPS = 64
+OUT = Path(__file__).parent / "results"
+
+
+def case(name: str, seed: int, batch: int) -> tuple[list[dict], dict]:
+    model, ids = zoo.decoder(name, batch=batch, seed=seed)
+    HITS.clear()
+    start = time.perf_counter()
+    report = rlx_nb.generation_divergence(model, ids, max_new_tokens=STEPS, backends=LEGIT + FAULTS, progress=False)
+    seconds = time.perf_counter() - start
+    verdicts = report.verdicts()
+    steps = report.steps
+    rows = []
+    for backend in report.backend_names:
+        mine = steps[steps.backend == backend]
+        recs = {r.output: r for r in report.logits.records if r.backend == backend and r.output}
+        big = caught = 0
+        first_big = None
+        for k in range(STEPS):
+            rec = recs.get(f"step {k}")
+            if rec is None:
+                continue
+            j = rec.judgement
+            legit = max(j.oracle_max_err, j.sequential_max_err if j.sequential_max_err == j.sequential_max_err else 0.0)
+            if j.backend_max_err > 10.0 * legit:
+                big += 1
+                caught += rec.verdict == SUSPECT
+                first_big = k if first_big is None else first_big
+        flips = mine[mine.flip]
+        rows.append({
+            "model": name, "seed": seed, "batch": batch, "backend": backend,
+            "legit": backend in LEGIT, "verdict": verdicts[backend],
+            "flips": len(flips), "near_ties": int((flips.flip_kind == "near-tie").sum()),
+            "positions": len(mine), "fired": HITS.get(backend, 0) > 0 if backend in FAULTS else True,
+            "steps_over_10x": big, "caught_at_step": caught,
+            "first_over_10x": first_big,
+            "first_suspect": int(mine[mine.verdict == SUSPECT].step.min()) if (mine.verdict == SUSPECT).any() else None,
+            "worst_line": float(mine.line.max()),
+        })  # fmt: skip
+    return rows, {"model": name, "seed": seed, "batch": batch, "seconds": seconds}
+
+
+def manual(model: torch.nn.Module, ids: torch.Tensor) -> float:
+    """The manual workflow: greedy generate on the oracle and on each backend, then compare the tokens."""
+    import copy
+
+    start = time.perf_counter()
+    kw = {"max_new_tokens": STEPS, "min_new_tokens": STEPS, "do_sample": False}
+    with torch.no_grad():
+        ref = model.generate(ids, **kw)
+        with torch.backends.mkldnn.flags(enabled=False):
+            nomkldnn = model.generate(ids, **kw)
+        bf16 = copy.deepcopy(model).to(torch.bfloat16).generate(ids, **kw)
+        compiled = copy.deepcopy(model)
+        compiled.forward = torch.compile(compiled.forward, dynamic=True)
+        inductor = compiled.generate(ids, **kw)
+    for other in (nomkldnn, bf16, inductor):
+        differ = (other != ref).nonzero()
+        _ = int(differ[0, 1]) if len(differ) else None  # where the text parts, as a person would print it
+    return time.perf_counter() - start
+
+
+def timing(name: str) -> dict:
+    model, ids = zoo.decoder(name, batch=1, seed=0)
+    backends = ["cpu-nomkldnn", "cpu-bf16", "cpu-inductor"]
+    call = lambda: rlx_nb.generation_divergence(model, ids, max_new_tokens=STEPS, backends=backends, progress=False)  # noqa: E731
+    call()  # cold: compiles land in Inductor's caches
+    start = time.perf_counter()
+    call()
+    ours = time.perf_counter() - start
+    manual(model, ids)  # cold
+    by_hand = manual(model, ids)
+    return {"model": name, "rlx_nb_s": ours, "manual_s": by_hand, "ratio": ours / by_hand}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default=",".join(zoo.DECODERS))
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--batches", default="1,4")
+    ap.add_argument("--no-timing", action="store_true")
+    args = ap.parse_args()
+    models = args.models.split(",")
+    rows, calls = [], []
+    for name in models:
+        for seed in map(int, args.seeds.split(",")):
+            for batch in map(int, args.batches.split(",")):
+                got, took = case(name, seed, batch)
+                rows += got
+                calls.append(took)
+                print(f"{name} seed {seed} batch {batch}: {took['seconds']:.1f} s", file=sys.stderr, flush=True)
+    times = [] if args.no_timing else [timing(n) for n in models]
+    OUT.mkdir(exist_ok=True)
+    with open(OUT / "generation.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    legit = [r for r in rows if r["legit"]]
+    faults = [r for r in rows if not r["legit"]]
+    false = [r for r in legit if r["verdict"] == SUSPECT]
+    lines = [
+        "# Generation benchmark (bench/generation.py)",
+        "",
+        f"{len(models)} decoders x seeds {args.seeds} x batch {args.batches} x {STEPS} new tokens: "
+        f"{len(calls)} calls, {sum(c['seconds'] for c in calls):.0f} s in all.",
+        "",
+        "## Legitimate backends",
+        "",
+        f"- false SUSPECT: **{len(false)} of {len(legit)}** (backend, case) verdicts",
+        "",
+        "| backend | cases | flips / positions | flip rate | flips classed near-tie | worst step line |",
+        "|---|---|---|---|---|---|",
+    ]
+    for b in LEGIT:
+        mine = [r for r in legit if r["backend"] == b]
+        flips, pos = sum(r["flips"] for r in mine), sum(r["positions"] for r in mine)
+        ties = sum(r["near_ties"] for r in mine)
+        worst = max(r["worst_line"] for r in mine)
+        lines.append(
+            f"| {b} | {len(mine)} | {flips} / {pos} | {flips / max(pos, 1):.2%} | {ties} / {flips} | {worst:.2g} |"
+        )
+    big = sum(r["steps_over_10x"] for r in faults)
+    caught = sum(r["caught_at_step"] for r in faults)
+    lines += [
+        "",
+        "## Catalogue faults (default severity)",
+        "",
+        f"- (fault, step) pairs whose logits error exceeds 10x the legitimate error at that step: **{caught} / {big} "
+        "caught at that step**",
+        "",
+        "| fault | cases fired | SUSPECT | steps > 10x | caught at the step |",
+        "|---|---|---|---|---|",
+    ]
+    for fault in FAULTS:
+        mine = [r for r in faults if r["backend"] == fault]
+        fired = [r for r in mine if r["fired"]]
+        lines.append(
+            f"| {fault} | {len(fired)} / {len(mine)} | {sum(r['verdict'] == SUSPECT for r in fired)} | "
+            f"{sum(r['steps_over_10x'] for r in mine)} | {sum(r['caught_at_step'] for r in mine)} |"
+        )
+    if times:
+        lines += [
+            "",
+            "## Time: a warm call against the manual workflow (batch 1, seed 0; cpu-nomkldnn, cpu-bf16, cpu-inductor)",
+            "",
+            "| decoder | rlx_nb (s) | manual (s) | ratio |",
+            "|---|---|---|---|",
+        ]
+        lines += [f"| {t['model']} | {t['rlx_nb_s']:.2f} | {t['manual_s']:.2f} | {t['ratio']:.2f}x |" for t in times]
+    (OUT / "generation.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
