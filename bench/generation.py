@@ -4,7 +4,8 @@ rate, and the time against the manual workflow.
 The zoo's decoders (``rlx_nb.zoo.decoder``: GPT-2, Llama, Qwen2, Mistral with a 16-token sliding window),
 random weights, an 8-token prompt, 64 new tokens, seeds 0-2, batch 1 and 4.  Each case is one
 ``rlx_nb.generation_divergence`` call with the legitimate backends (``cpu-nomkldnn``, ``cpu-inductor``,
-``cpu-bf16``, ``cpu-fp16``) and the catalogue's forward faults at their default severities.
+``onnxruntime``, ``openvino``, ``cpu-bf16``, ``cpu-fp16``) and the catalogue's forward faults at their default
+severities.
 
 - *false SUSPECT*: a legitimate backend whose generation verdict is SUSPECT (a step's logits, or a flip that
   is no near-tie).
@@ -13,10 +14,9 @@ random weights, an 8-token prompt, 64 new tokens, seeds 0-2, batch 1 and 4.  Eac
   at that step.
 - *flip rate*: the share of (step, sequence) where a legitimate backend's greedy token differs from the
   oracle's; every such flip must be classed a near-tie.
-- *time*: on batch 1, seed 0, with ``cpu-nomkldnn``, ``cpu-bf16`` and ``cpu-inductor``, a warm
-  ``generation_divergence`` call (the second in the process) against the manual workflow, warm too: Hugging
-  Face ``generate`` (greedy) on the oracle, with oneDNN off, in bfloat16 and on ``torch.compile(model)``,
-  then the token comparison.
+- *time*: on batch 1, seed 0, a warm ``generation_divergence`` call (the second in the process) against the
+  manual workflow, warm too (:func:`manual`), with the default backends and with the eager and compiled ones
+  (``cpu-nomkldnn``, ``cpu-bf16``, ``cpu-inductor``).
 
     python bench/generation.py [--models gpt2,llama,qwen2,mistral] [--seeds 0,1,2] [--batches 1,4]
 
@@ -43,7 +43,7 @@ from rlx_nb import zoo  # noqa: E402
 from rlx_nb.backends.faults import HITS  # noqa: E402
 from rlx_nb.judgement import SUSPECT  # noqa: E402
 
-LEGIT = ["cpu-nomkldnn", "cpu-inductor", "cpu-bf16", "cpu-fp16"]
+LEGIT = ["cpu-nomkldnn", "cpu-inductor", "onnxruntime", "openvino", "cpu-bf16", "cpu-fp16"]
 FAULTS = [
     "fault:softmax-row",
     "fault:attention-scale",
@@ -95,37 +95,67 @@ def case(name: str, seed: int, batch: int) -> tuple[list[dict], dict]:
     return rows, {"model": name, "seed": seed, "batch": batch, "seconds": seconds}
 
 
-def manual(model: torch.nn.Module, ids: torch.Tensor) -> float:
-    """The manual workflow: greedy generate on the oracle and on each backend, then compare the tokens."""
+def manual(model: torch.nn.Module, ids: torch.Tensor, backends: list[str]) -> float:
+    """The manual workflow: greedy generation on the oracle and on each backend, then the tokens compared.
+
+    Hugging Face ``generate`` for the eager and compiled backends; for ONNX Runtime and OpenVINO, the prefill
+    and the decode step exported once (``rlx_nb.decode_export``, the same export a person writes by hand) and a
+    greedy loop on each runtime.
+    """
     import copy
+
+    from rlx_nb import decode_export
+    from rlx_nb.decode import Decode
 
     start = time.perf_counter()
     kw = {"max_new_tokens": STEPS, "min_new_tokens": STEPS, "do_sample": False}
+    runs = []
     with torch.no_grad():
-        ref = model.generate(ids, **kw)
-        with torch.backends.mkldnn.flags(enabled=False):
-            nomkldnn = model.generate(ids, **kw)
-        bf16 = copy.deepcopy(model).to(torch.bfloat16).generate(ids, **kw)
-        compiled = copy.deepcopy(model)
-        compiled.forward = torch.compile(compiled.forward, dynamic=True)
-        inductor = compiled.generate(ids, **kw)
-    for other in (nomkldnn, bf16, inductor):
+        ref = model.generate(ids, **kw)[:, ids.shape[1] :]
+        if "cpu-nomkldnn" in backends:
+            with torch.backends.mkldnn.flags(enabled=False):
+                runs.append(model.generate(ids, **kw)[:, ids.shape[1] :])
+        if "cpu-bf16" in backends:
+            runs.append(copy.deepcopy(model).to(torch.bfloat16).generate(ids, **kw)[:, ids.shape[1] :])
+        if "cpu-inductor" in backends:
+            compiled = copy.deepcopy(model)
+            compiled.forward = torch.compile(compiled.forward, dynamic=True)
+            runs.append(compiled.generate(ids, **kw)[:, ids.shape[1] :])
+        for runtime in ("onnxruntime", "openvino"):
+            if runtime in backends:
+                decode = Decode(model, prompt_len=ids.shape[1], steps=STEPS, free=True)
+                logits = decode_export.exported_decode(runtime)(decode, (ids,))
+                runs.append(torch.stack([logits[f"step {k}"].argmax(-1) for k in range(STEPS)], dim=1))
+        decode_export.forget()
+    for other in runs:
         differ = (other != ref).nonzero()
         _ = int(differ[0, 1]) if len(differ) else None  # where the text parts, as a person would print it
     return time.perf_counter() - start
 
 
-def timing(name: str) -> dict:
+TIMED = {
+    "default backends": ["cpu-nomkldnn", "cpu-inductor", "onnxruntime", "openvino"],
+    "eager and compiled": ["cpu-nomkldnn", "cpu-bf16", "cpu-inductor"],
+}
+
+
+def timing(name: str) -> list[dict]:
     model, ids = zoo.decoder(name, batch=1, seed=0)
-    backends = ["cpu-nomkldnn", "cpu-bf16", "cpu-inductor"]
-    call = lambda: rlx_nb.generation_divergence(model, ids, max_new_tokens=STEPS, backends=backends, progress=False)  # noqa: E731
-    call()  # cold: compiles land in Inductor's caches
-    start = time.perf_counter()
-    call()
-    ours = time.perf_counter() - start
-    manual(model, ids)  # cold
-    by_hand = manual(model, ids)
-    return {"model": name, "rlx_nb_s": ours, "manual_s": by_hand, "ratio": ours / by_hand}
+    rows = []
+    for what, backends in TIMED.items():
+
+        def call(b: list[str] = backends) -> object:
+            return rlx_nb.generation_divergence(model, ids, max_new_tokens=STEPS, backends=b, progress=False)
+
+        call()  # cold: compiles land in Inductor's caches
+        start = time.perf_counter()
+        call()
+        ours = time.perf_counter() - start
+        manual(model, ids, backends)  # cold
+        by_hand = manual(model, ids, backends)
+        rows.append({"model": name, "backends": what, "rlx_nb_s": ours, "manual_s": by_hand, "ratio": ours / by_hand})
+        print(f"timing {name} {what}: {ours:.2f} s vs {by_hand:.2f} s", file=sys.stderr, flush=True)
+    return rows
 
 
 def main() -> None:
@@ -144,7 +174,7 @@ def main() -> None:
                 rows += got
                 calls.append(took)
                 print(f"{name} seed {seed} batch {batch}: {took['seconds']:.1f} s", file=sys.stderr, flush=True)
-    times = [] if args.no_timing else [timing(n) for n in models]
+    times = [] if args.no_timing else [row for n in models for row in timing(n)]
     OUT.mkdir(exist_ok=True)
     with open(OUT / "generation.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))
@@ -196,12 +226,13 @@ def main() -> None:
     if times:
         lines += [
             "",
-            "## Time: a warm call against the manual workflow (batch 1, seed 0; cpu-nomkldnn, cpu-bf16, cpu-inductor)",
+            "## Time: a warm call against the manual workflow (batch 1, seed 0, 64 tokens)",
             "",
-            "| decoder | rlx_nb (s) | manual (s) | ratio |",
-            "|---|---|---|---|",
+            "| decoder | backends | rlx_nb (s) | manual (s) | ratio |",
+            "|---|---|---|---|---|",
         ]
-        lines += [f"| {t['model']} | {t['rlx_nb_s']:.2f} | {t['manual_s']:.2f} | {t['ratio']:.2f}x |" for t in times]
+        lines += [f"| {t['model']} | {t['backends']} | {t['rlx_nb_s']:.2f} | {t['manual_s']:.2f} | {t['ratio']:.2f}x |"
+                  for t in times]  # fmt: skip
     (OUT / "generation.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -638,12 +638,12 @@ class Words:  # a toy tokenizer: one word per id (any tokenizer with .decode wor
 
 print("forward pass on the prompt:", rlx_nb.backend_divergence(model, prompt, backends=[tiled], progress=False).lines()[0])
 report = rlx_nb.generation_divergence(model, prompt, max_new_tokens=48, tokenizer=Words(),
-                                      backends=["cpu-nomkldnn", "cpu-bf16", "cpu-inductor", "onnxruntime", tiled])
+                                      backends=["cpu-nomkldnn", "cpu-bf16", "cpu-inductor", "onnxruntime", "openvino", tiled])
 report""",
     ),
     (
         "md",
-        """The forward pass over the prompt says round-off: the bug is not there yet. The generation report has one line per backend. `cpu-inductor` compiled the model's step once (dynamic shapes) and ran every step through it; ONNX Runtime is a `skipped` row saying what it would need. The step plot shows each backend's logits error per step on the SUSPECT-line scale (1 is the line); token flips are marked — a hollow circle for a near-tie, a cross for a real disagreement:""",
+        """The forward pass over the prompt says round-off: the bug is not there yet. The generation report has one line per backend. `cpu-inductor` compiled the model's step once (dynamic shapes) and ran every step through it; ONNX Runtime and OpenVINO ran the prefill and the decode step exported to ONNX with the cache as inputs and outputs, each keeping its own cache, as a deployment does. The step plot shows each backend's logits error per step on the SUSPECT-line scale (1 is the line); token flips are marked — a hollow circle for a near-tie, a cross for a real disagreement:""",
     ),
     ("code", """report.plot();"""),
     (
@@ -666,9 +666,9 @@ steps[(steps.backend == tiled.name) & steps.step.between(onset - 2, onset + 3)][
         "md",
         """## That step's logits
 
-`report.explore()` opens the explorer on the worst backend at its first SUSPECT step: the step's logits (batch × vocabulary) as a heatmap, the histogram of their errors, the worst tokens. `report.logits` is an ordinary forward report whose outputs are the steps, so everything that works on a forward report (`summary`, `arrays`, `elements`, `save`) works here.""",
+`rlx_nb.explore(report)` opens the explorer on the worst backend at its first SUSPECT step (`step=` picks another): the step's logits (batch × vocabulary) as a heatmap, the histogram of their errors, the worst tokens. `report.logits` is an ordinary forward report whose outputs are the steps, so everything that works on a forward report (`summary`, `arrays`, `elements`, `save`) works here.""",
     ),
-    ("code", """report.explore()"""),
+    ("code", """rlx_nb.explore(report)"""),
     (
         "md",
         """## Localize the step

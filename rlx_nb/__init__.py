@@ -13,7 +13,8 @@ from rlx_nb.backends import available_backends, register_backend, unregister_bac
 from rlx_nb.baseline import compare_reports
 from rlx_nb.compare import OutputRecord, compare
 from rlx_nb.errors import BackendError, InputError, ReportFormatError, RlxError
-from rlx_nb.generation import GenerationReport, generation_divergence
+from rlx_nb.generation import generation_divergence
+from rlx_nb.generation_report import GenerationReport
 from rlx_nb.localize import Localization, localize
 from rlx_nb.merge import merge_reports
 from rlx_nb.precision import precision_sweep
@@ -26,7 +27,8 @@ _warmup.start()  # the numba kernels load in the background (rlx_nb/_warmup.py)
 
 
 def explore(report, **kwargs):
-    """The widget explorer for ``report`` (needs ipywidgets); see :func:`rlx_nb.widgets.explore`."""
+    """The widget explorer for ``report`` (a forward or a generation report; needs ipywidgets); see
+    :func:`rlx_nb.widgets.explore`."""
     from rlx_nb.widgets import explore as _explore
 
     return _explore(report, **kwargs)

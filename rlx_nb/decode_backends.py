@@ -5,11 +5,14 @@ whole decode as they run any model: the step loop runs under them, every step wi
 
 A compiled backend must not compile the loop (it would unroll every step into one graph, a program nobody
 runs): :func:`compiled_decode` compiles the model's step once, with dynamic shapes, and runs every step
-through it.  Every step must run compiled code, or the run is an error (never silently eager).
+through it.  Every step must run compiled code, or the run is an error (never silently eager).  As a user's
+own ``torch.compile(model)`` does, a later call on a model of the same code reuses the compiled step when
+dynamo's guards pass (one shared Inductor backend); a call whose first step runs no compiled code (a
+recompile limit reached) compiles again in a fresh cache region.
 
-Exported backends (ONNX Runtime, OpenVINO) need the step exported with the cache as inputs and outputs;
-rlx_nb does not build that export yet, so they are ``skipped`` rows saying so (judge the prompt's forward
-pass with :func:`rlx_nb.backend_divergence`, which exports the model as it is).
+Exported backends (ONNX Runtime, OpenVINO) run the prefill and the decode step exported with the cache as
+inputs and outputs (:mod:`rlx_nb.decode_export`); a model whose cache or code does not export is a
+``skipped`` row saying what stopped it.
 """
 
 from __future__ import annotations
@@ -23,10 +26,11 @@ from rlx_nb.backends.base import Backend
 from rlx_nb.backends.compiled import _ACCUMULATED_LIMIT, _ISOLATES, CountingInductor, NotCompiledError, _dynamo_counts
 from rlx_nb.backends.eager import on_device
 from rlx_nb.backends.notes import add_note
+from rlx_nb.decode_export import exported_decode
 from rlx_nb.errors import NotApplicable
 
-EXPORTED = ("onnxruntime", "openvino", "onnxruntime-cuda")
-"""Backends that run an exported graph: no decode-step export with cache inputs and outputs yet."""
+EXPORTED = ("onnxruntime-cuda", "openvino-default")
+"""Exported backends without a decode export here yet (ONNX Runtime and OpenVINO on the CPU have one)."""
 
 
 def for_generation(backend: Backend) -> Backend:
@@ -34,6 +38,8 @@ def for_generation(backend: Backend) -> Backend:
     if backend.name in ("cpu-inductor", "cuda-inductor"):
         device = "cuda" if backend.name.startswith("cuda") else "cpu"
         return dataclasses.replace(backend, fn=compiled_decode(device), prepare=None)
+    if backend.name in ("onnxruntime", "openvino"):
+        return dataclasses.replace(backend, fn=exported_decode(backend.name), prepare=None)
     if backend.name in EXPORTED or backend.name.startswith("openvino"):
         return dataclasses.replace(backend, fn=_not_exported, prepare=None)
     return dataclasses.replace(backend, prepare=None)  # (a prepared runner would be kept for a single input)
@@ -41,8 +47,8 @@ def for_generation(backend: Backend) -> Backend:
 
 def _not_exported(model: Any, inputs: tuple) -> Any:
     raise NotApplicable(
-        "a decode needs its step exported with the cache as inputs and outputs, which rlx_nb does not build yet; "
-        "judge the prompt's forward pass with backend_divergence(model, prompt), which exports the model as it is"
+        "this backend has no decode export in rlx_nb yet (ONNX Runtime and OpenVINO on the CPU do); judge the "
+        "prompt's forward pass with backend_divergence(model, prompt)"
     )
 
 
@@ -54,42 +60,65 @@ def compiled_decode(device: str = "cpu"):
         if device != "cpu":
             decode.to(device)
             inputs = tuple(x.to(device) for x in inputs)
-        counter = CountingInductor()
-        options: dict[str, Any] = {"backend": counter, "dynamic": True}
-        if _ISOLATES:
-            options["isolate_recompiles"] = True
-        else:
-            torch._dynamo.reset()
-        compiled = torch.compile(decode.model, **options)
-        calls: list[int] = []
         breaks_before, _ = _dynamo_counts()
-
-        def run_step(ids: torch.Tensor, cache: Any, mask: Any) -> tuple:
-            before = counter.calls
-            with torch._dynamo.config.patch(accumulated_recompile_limit=_ACCUMULATED_LIMIT):
-                out = decode.call_model(compiled, ids, cache, mask)
-            if counter.calls == before:
-                raise NotCompiledError(
-                    f"torch.compile ran no compiled code for decode step {len(calls)} ({counter.graphs} graph(s) "
-                    "compiled): that step was eager, so the run is not reported as a compiled backend"
-                )
-            calls.append(counter.calls - before)
-            return out
-
-        decode.run_step = run_step
-        try:
-            if device == "cuda":
-                out = on_device("cuda")(decode, inputs)
-            else:
-                out = decode(*inputs)
-        finally:
-            decode.run_step = None
+        try:  # the compiled step dynamo already holds for this model's code, when its guards pass
+            out, graphs, calls, reused = _decode_compiled(decode, inputs, device, isolated=False)
+        except NotCompiledError:  # (e.g. a recompile limit reached): once more in a fresh cache region
+            out, graphs, calls, reused = _decode_compiled(decode, inputs, device, isolated=True)
         breaks = _dynamo_counts()[0] - breaks_before
-        note = (f"torch.compile: {counter.graphs} graph(s) compiled with dynamic shapes for {len(calls)} steps "
-                f"(the prefill and the decode step), {sum(calls)} compiled call(s) ran")  # fmt: skip
+        what = (
+            f"{graphs} graph(s) compiled"
+            if graphs
+            else f"reused the {reused} graph(s) compiled earlier in this process"
+        )
+        note = (f"torch.compile: {what} with dynamic shapes for {len(calls)} steps (the prefill and the decode "
+                f"step), {sum(calls)} compiled call(s) ran")  # fmt: skip
         if breaks:
             note += f"; {breaks} graph break(s): the code between graphs ran eagerly, as it does in real use"
         add_note(note)
         return out
 
     return fn
+
+
+_SHARED: list[CountingInductor] = []
+"""One Inductor backend for every decode compile outside an isolated region: dynamo reuses a compiled step
+only under the backend that compiled it, as it does for a user's repeated ``torch.compile(model)``."""
+
+
+def _decode_compiled(decode: Any, inputs: tuple, device: str, *, isolated: bool) -> tuple:
+    # (outputs, graphs compiled now, compiled calls per step, graphs held before); NotCompiledError when a step
+    # ran no compiled code.
+    if isolated:
+        counter = CountingInductor()
+        options: dict[str, Any] = {"backend": counter, "dynamic": True}
+        if _ISOLATES:
+            options["isolate_recompiles"] = True
+        else:
+            torch._dynamo.reset()
+    else:
+        if not _SHARED:
+            _SHARED.append(CountingInductor())
+        counter = _SHARED[0]
+        options = {"backend": counter, "dynamic": True}
+    compiled = torch.compile(decode.model, **options)
+    graphs_before, calls = counter.graphs, []
+
+    def run_step(ids: torch.Tensor, cache: Any, mask: Any) -> tuple:
+        before = counter.calls
+        with torch._dynamo.config.patch(accumulated_recompile_limit=_ACCUMULATED_LIMIT):
+            out = decode.call_model(compiled, ids, cache, mask)
+        if counter.calls == before:
+            raise NotCompiledError(
+                f"torch.compile ran no compiled code for decode step {len(calls)} ({counter.graphs} graph(s) "
+                "compiled): that step was eager, so the run is not reported as a compiled backend"
+            )
+        calls.append(counter.calls - before)
+        return out
+
+    decode.run_step = run_step
+    try:
+        out = on_device("cuda")(decode, inputs) if device == "cuda" else decode(*inputs)
+    finally:
+        decode.run_step = None
+    return out, counter.graphs - graphs_before, calls, graphs_before

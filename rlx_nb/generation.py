@@ -12,29 +12,21 @@ reasoning is in ``docs/verdict.md`` ("Generation").
 
 from __future__ import annotations
 
-import copy
-import math
 from collections.abc import Callable, Iterable, Mapping
-from pathlib import Path
 from typing import Any
 
 import numpy as np
-import pandas as pd
 import torch
 
 from rlx_nb import switches
 from rlx_nb.backends import Backend, resolve_backends
-from rlx_nb.backends.registry import lent
-from rlx_nb.decode import Decode, Step, hf_step, last_logits, step_name
+from rlx_nb.decode import Decode, Step, step_name
+from rlx_nb.decode_export import forget as forget_export
 from rlx_nb.errors import InputError
-from rlx_nb.judgement import SUSPECT, VERDICT_ERROR, VERDICT_SKIPPED
-from rlx_nb.reasons import on_line
+from rlx_nb.generation_report import ENV_KEY, GenerationReport
 from rlx_nb.report import DivergenceReport
 
 MODES = ("teacher", "free")
-NEAR_TIE = "near-tie"
-DISAGREEMENT = "real disagreement"
-ENV_KEY = "generation"
 
 
 def generation_divergence(
@@ -68,7 +60,7 @@ def generation_divergence(
         As for :func:`rlx_nb.backend_divergence`: ``None`` runs every live default backend.  Eager backends
         (``cpu-nomkldnn``, ``cpu-bf16``, ``cpu-fp16``, ``fault:*``, registered ones) run the whole decode as
         they run any model; ``cpu-inductor`` compiles the step once (dynamic shapes) for every step; ONNX
-        Runtime and OpenVINO need an exported decode step (:mod:`rlx_nb.decode_backends`).
+        Runtime and OpenVINO run the exported prefill and decode step (:mod:`rlx_nb.decode_export`).
     step : callable, optional
         ``step(model, input_ids, cache) -> (logits, cache)``: one decode step of a model without Hugging
         Face's interface.  The first call gets the prompt and ``cache=None``; ``logits`` are
@@ -111,19 +103,30 @@ def generation_divergence(
     label = label or _label(model)
     candidates = [for_generation(b) for b in resolve_backends(backends)]
 
-    tokens = oracle_tokens(model, ids, max_new_tokens, step=step, masked=masked, label=label)
+    greedy = oracle_logits(model, ids, max_new_tokens, step=step, masked=masked, label=label)
+    tokens = torch.stack([torch.as_tensor(greedy[step_name(k)]).argmax(-1) for k in range(max_new_tokens)], dim=1)
     fed = torch.cat([ids, tokens[:, :-1]], dim=1)
     decode = Decode(model, prompt_len=ids.shape[1], steps=max_new_tokens, step=step, masked=masked)
-    forward = backend_divergence(
-        decode,
-        (fed,),
-        backends=candidates,
-        label=label,
-        progress=progress,
-        timeout_s=timeout_s,
-        check_determinism=check_determinism,
-        memory_budget=memory_budget,
-    )
+
+    def judged(again: bool) -> DivergenceReport:
+        try:
+            return backend_divergence(decode, (fed,), backends=candidates, label=label, progress=progress,
+                                      timeout_s=timeout_s, check_determinism=again, memory_budget=memory_budget)  # fmt: skip
+        finally:
+            forget_export()
+
+    # The greedy decode is the oracle's first run: the teacher-forced oracle run is its second, the same
+    # computation on the same tokens.  Where the two agree bit for bit the model's decode is deterministic and
+    # no third run is needed; where they do not, the call runs again with the determinism rerun.
+    forward = judged(False)
+    if check_determinism:
+        if _same_logits(forward, greedy):
+            forward.results.environment["extra_runs"].append(
+                "oracle, again: the greedy decode and the teacher-forced oracle run agree bit for bit at every "
+                "step (check_determinism=True)"
+            )
+        else:
+            forward = judged(True)
     meta: dict[str, Any] = {
         "mode": mode,
         "prompt": ids.tolist(),
@@ -134,7 +137,10 @@ def generation_divergence(
     if tokenizer is not None:
         meta["texts"] = {"oracle": [tokenizer.decode(row) for row in tokens.tolist()]}
     if mode == "free":
-        meta["free"] = free_runs(model, ids, max_new_tokens, [c for c in candidates], step=step, masked=masked)
+        try:
+            meta["free"] = free_runs(model, ids, max_new_tokens, candidates, step=step, masked=masked)
+        finally:
+            forget_export()
         if tokenizer is not None:
             meta["texts"].update(
                 {name: [tokenizer.decode(row) for row in rows] for name, rows in meta["free"].items() if rows}
@@ -199,11 +205,20 @@ def _prompt(inputs: Any) -> tuple[torch.Tensor, bool]:
     return inputs.detach().to("cpu", torch.int64), masked
 
 
+def _same_logits(forward: DivergenceReport, greedy: dict[str, torch.Tensor]) -> bool:
+    outputs = forward.results.oracle.outputs
+    for name, value in greedy.items():
+        leaf = outputs.get(name)
+        if leaf is None or not leaf.is_array or not np.array_equal(np.asarray(leaf.value), value.numpy()):
+            return False
+    return True
+
+
 @torch.no_grad()
-def oracle_tokens(
+def oracle_logits(
     model: Any, ids: torch.Tensor, steps: int, *, step: Step | None, masked: bool, label: str
-) -> torch.Tensor:
-    """The oracle's greedy decode: float32 eager on the CPU with the model's own cache, ``batch x steps``."""
+) -> dict[str, torch.Tensor]:
+    """The oracle's greedy decode, float32 eager on the CPU with the model's own cache: each step's logits."""
     from rlx_nb.prepare import prepare_model
 
     with switches.exclusive(lambda _: None):
@@ -214,7 +229,7 @@ def oracle_tokens(
         except Exception as exc:  # the user's model or step: their error, said plainly
             raise InputError(f"generation_divergence({label}): the greedy decode fails on the CPU oracle: "
                              f"{type(exc).__name__}: {exc}") from exc  # fmt: skip
-    return torch.stack([out[step_name(k)].argmax(-1) for k in range(steps)], dim=1)
+    return {name: torch.as_tensor(v).detach().float() for name, v in out.items()}
 
 
 def free_runs(model: Any, ids: torch.Tensor, steps: int, candidates: list[Backend], *, step: Step | None,
@@ -240,450 +255,4 @@ def free_runs(model: Any, ids: torch.Tensor, steps: int, candidates: list[Backen
     return out
 
 
-class GenerationReport:
-    """Every backend's decode against the oracle's, step by step.
-
-    Attributes
-    ----------
-    logits : DivergenceReport
-        The steps' logits as outputs (``"step 0"``, ``"step 1"``, ...): its records, arrays, explorer and
-        HTML are those of any forward report.
-    steps : DataFrame
-        One row per (backend, step, sequence).
-    first_divergence : DataFrame
-        Per backend: the first step whose greedy token differs from the oracle's, and whether that is a
-        near-tie (round-off) or a real disagreement (SUSPECT).
-    """
-
-    def __init__(self, logits: DivergenceReport, *, tokenizer: Any = None) -> None:
-        meta = logits.results.environment.get(ENV_KEY)
-        if not isinstance(meta, dict) or "tokens" not in meta:
-            raise InputError("this report is not a generation report (no generation metadata in its environment)")
-        self.logits = logits
-        self.meta = meta
-        self.tokenizer = tokenizer
-        self.source: Any = None
-        self.backend_objects: dict[str, Backend] = {}
-        self.tokens = np.asarray(meta["tokens"], dtype=np.int64)
-        self._steps: pd.DataFrame | None = None
-
-    # -- tables -------------------------------------------------------------------------------------
-
-    @property
-    def label(self) -> str:
-        return self.logits.label
-
-    @property
-    def backend_names(self) -> list[str]:
-        return list(self.logits.results.candidates)
-
-    @property
-    def n_steps(self) -> int:
-        return int(self.tokens.shape[1])
-
-    @property
-    def has_text(self) -> bool:
-        return self.tokenizer is not None or bool(self.meta.get("token_texts"))
-
-    def _text(self, token: int) -> str:
-        kept = self.meta.get("token_texts") or {}
-        if str(int(token)) in kept:
-            return str(kept[str(int(token))])
-        if self.tokenizer is None:
-            return ""
-        try:
-            return str(self.tokenizer.decode([int(token)]))
-        except Exception:  # a tokenizer that cannot decode one id: no text
-            return ""
-
-    @property
-    def steps(self) -> pd.DataFrame:
-        """One row per (backend, step, sequence): the oracle's and the backend's token, the fp64 top-1/top-2
-        gap, the fp64 gap between the two tokens when they differ, the step's round-off allowance for a flip,
-        and the step's logits judged (``line`` on the SUSPECT-line scale, ``verdict``, ``reason``)."""
-        if self._steps is None:
-            self._steps = self._build_steps()
-        return self._steps
-
-    def _build_steps(self) -> pd.DataFrame:
-        results = self.logits.results
-        ref = results.reference
-        rows = []
-        for name in self.backend_names:
-            run = results.candidates[name]
-            for k in range(self.n_steps):
-                out = step_name(k)
-                rec = _record(self.logits, name, out)
-                got = run.outputs.get(out) if run.outputs else None
-                r = ref.outputs.get(out) if ref is not None and ref.outputs else None
-                got_v = got.value if got is not None and got.is_array else None
-                ref_v = r.value.astype(np.float64) if r is not None and r.is_array else None
-                budget = rec.judgement.budget_max if rec is not None else math.nan
-                allowance = 2.0 * budget if budget == budget else math.nan
-                for b in range(self.tokens.shape[0]):
-                    want = int(self.tokens[b, k])
-                    tok = int(np.argmax(got_v[b])) if got_v is not None else -1
-                    top2 = gap = math.nan
-                    if ref_v is not None:
-                        two = np.sort(ref_v[b])[-2:]
-                        top2 = float(two[1] - two[0]) if two.size == 2 else math.nan
-                        if tok >= 0 and tok != want:
-                            gap = float(ref_v[b, want] - ref_v[b, tok])
-                    flip = tok >= 0 and tok != want
-                    kind = ""
-                    if flip:
-                        kind = NEAR_TIE if abs(gap) <= allowance else DISAGREEMENT
-                    rows.append({
-                        "backend": name, "step": k, "sequence": b,
-                        "oracle_token": want, "backend_token": tok, "flip": flip, "flip_kind": kind,
-                        "top2_gap_fp64": top2, "gap_fp64": gap, "allowance": allowance,
-                        "line": rec.judgement.line if rec is not None else math.nan,
-                        "verdict": rec.verdict if rec is not None else VERDICT_ERROR,
-                        "reason": rec.reason if rec is not None else "",
-                    })  # fmt: skip
-        return pd.DataFrame(rows)
-
-    @property
-    def first_divergence(self) -> pd.DataFrame:
-        """Per backend (the index): the first step whose greedy token differs from the oracle's (``step``,
-        ``sequence``, both tokens, their text with a tokenizer), the fp64 gap between the two tokens' logits,
-        the step's allowance, and ``kind``: ``"near-tie"`` (round-off), ``"real disagreement"`` (SUSPECT),
-        ``"same tokens"`` or the backend's error/skip verdict."""
-        rows = []
-        table = self.steps
-        for name in self.backend_names:
-            mine = table[table.backend == name]
-            status = _status(self.logits, name)
-            row: dict[str, Any] = {"backend": name, "step": None, "sequence": None, "oracle_token": None,
-                                   "backend_token": None, "gap_fp64": math.nan, "allowance": math.nan}  # fmt: skip
-            if status:
-                row["kind"] = status
-            else:
-                flips = mine[mine.flip]
-                if flips.empty:
-                    row["kind"] = "same tokens"
-                else:
-                    f = flips.iloc[0]
-                    row.update(step=int(f.step), sequence=int(f.sequence), oracle_token=int(f.oracle_token),
-                               backend_token=int(f.backend_token), gap_fp64=float(f.gap_fp64),
-                               allowance=float(f.allowance), kind=f.flip_kind)  # fmt: skip
-                    if self.has_text:
-                        row.update(oracle_text=self._text(f.oracle_token), backend_text=self._text(f.backend_token))
-            row["verdict"] = self.verdicts()[name]
-            rows.append(row)
-        frame = pd.DataFrame(rows).set_index("backend")
-        for column in ("step", "sequence", "oracle_token", "backend_token"):
-            frame[column] = frame[column].astype("Int64")
-        return frame
-
-    def verdicts(self) -> dict[str, str]:
-        """Each backend's generation verdict: SUSPECT when a step's logits are, or a flip is a real disagreement."""
-        out = {}
-        table = self.steps
-        for name in self.backend_names:
-            status = _status(self.logits, name)
-            if status:
-                out[name] = status
-                continue
-            mine = table[table.backend == name]
-            bad = (mine.verdict == SUSPECT).any() or (mine.flip_kind == DISAGREEMENT).any()
-            out[name] = SUSPECT if bad else "round-off"
-        return out
-
-    @property
-    def suspects(self) -> list[str]:
-        return [n for n, v in self.verdicts().items() if v == SUSPECT]
-
-    @property
-    def any_suspect(self) -> bool:
-        return bool(self.suspects)
-
-    @property
-    def free(self) -> pd.DataFrame | None:
-        """``mode="free"``: per backend, where its own greedy text parts from the oracle's (``parts_at``, None
-        when it never does) and both continuations from there; None for a teacher-forced report."""
-        runs = self.meta.get("free")
-        if not isinstance(runs, dict):
-            return None
-        rows = []
-        for name, toks in runs.items():
-            empty = {"backend": name, "parts_at": None, "sequence": None, "oracle": None, "backend_tokens": None}
-            if self.has_text:
-                empty.update(oracle_text=None, backend_text=None)
-            if not toks:
-                rows.append(empty)
-                continue
-            mine = np.asarray(toks, dtype=np.int64)
-            differ = np.argwhere(mine != self.tokens)
-            if differ.size == 0:
-                rows.append(empty)
-                continue
-            k = int(differ[:, 1].min())
-            b = int(differ[differ[:, 1] == k][0, 0])
-            row = {"backend": name, "parts_at": k, "sequence": b, "oracle": self.tokens[b, k:].tolist(),
-                   "backend_tokens": mine[b, k:].tolist()}  # fmt: skip
-            if self.tokenizer is not None:
-                row["oracle_text"] = self.tokenizer.decode(self.tokens[b, k:].tolist())
-                row["backend_text"] = self.tokenizer.decode(mine[b, k:].tolist())
-            elif self.has_text:
-                row["oracle_text"] = "".join(self._text(t) for t in self.tokens[b, k:].tolist())
-                row["backend_text"] = "".join(self._text(t) for t in mine[b, k:].tolist())
-            rows.append(row)
-        frame = pd.DataFrame(rows).set_index("backend")
-        for column in ("parts_at", "sequence"):
-            frame[column] = frame[column].astype("Int64")
-        return frame
-
-    # -- words --------------------------------------------------------------------------------------
-
-    def lines(self) -> list[str]:
-        """One line per backend, in the seed's form."""
-        label = self.label
-        if not self.backend_names:
-            return [f"[{label}] generation divergence: CPU-only node — nothing to compare"]
-        first = self.first_divergence
-        verdicts = self.verdicts()
-        out = []
-        for name in self.backend_names:
-            f = first.loc[name]
-            verdict = verdicts[name]
-            head = f"[{label}] {name} vs cpu: "
-            if verdict in (VERDICT_ERROR, VERDICT_SKIPPED):
-                rec = _record(self.logits, name, None) or _record(self.logits, name, step_name(0))
-                out.append(head + f"{verdict.upper()} — {rec.reason if rec is not None else ''}")
-                continue
-            mine = self.steps[self.steps.backend == name]
-            worst = mine.loc[mine.line.fillna(-1).idxmax()]
-            suspect_steps = mine[mine.verdict == SUSPECT]
-            if f.kind in (NEAR_TIE, DISAGREEMENT):
-                within = (
-                    "within round-off"
-                    if f.kind == NEAR_TIE
-                    else f"{abs(f.gap_fp64) / f.allowance:.3g}x the round-off allowance"
-                )
-                a, b = int(f.oracle_token), int(f.backend_token)
-                if self.has_text:
-                    pair = f"token {a} {self._text(a)!r} vs {b} {self._text(b)!r}"
-                else:
-                    pair = f"token {a} vs {b}"
-                head += f"generation parts at step {int(f.step)} ({pair}; fp64 gap {abs(f.gap_fp64):.2g}, {within})"
-            else:
-                head += f"same {self.n_steps} tokens"
-            if verdict == SUSPECT:
-                if not suspect_steps.empty:
-                    s = suspect_steps.iloc[0]
-                    tail = f"SUSPECT (step {int(s.step)}'s logits: {s.reason})"
-                else:
-                    tail = "SUSPECT (the flip is no near-tie: the fp64 logits of the two tokens are further apart "
-                    tail += "than the legitimate runs' error at that step allows)"
-            else:
-                tail = f"round-off (explainable), {on_line(float(worst.line))} (worst: step {int(worst.step)})"
-            out.append(f"{head} — {tail}")
-        if self.meta.get("oracle_note"):
-            out.append(f"[{label}] NOTE: {self.meta['oracle_note']}")
-        if self.logits.incomplete:
-            out.append(f"[{label}] INCOMPLETE: {self.logits.incomplete}")
-        return out
-
-    def __str__(self) -> str:
-        return "\n".join(self.lines())
-
-    def __repr__(self) -> str:
-        return f"<GenerationReport {self.label}: {self.n_steps} steps, {len(self.backend_names)} backend(s), suspects {self.suspects}>"
-
-    def _repr_html_(self) -> str:
-        import html
-
-        return "<pre>" + html.escape("\n".join(self.lines())) + "</pre>" + self.first_divergence.to_html()
-
-    # -- pictures, files, tools ---------------------------------------------------------------------
-
-    def plot(self, ax: Any = None) -> Any:
-        """Each backend's logits error per step on the SUSPECT-line scale, flips marked; returns the axes."""
-        from rlx_nb.generation_plot import plot_steps
-
-        return plot_steps(self, ax=ax)
-
-    def save(self, path: str | Path) -> Path:
-        """Save (the logits report with the generation's tokens); :func:`rlx_nb.load_report` reads it back."""
-        return self.logits.save(path)
-
-    def to_html(self, path: str | Path, *, title: str | None = None) -> Path:
-        """A self-contained HTML page: the lines, the step plot, the first divergences, then the logits report."""
-        from rlx_nb.generation_plot import write_html
-
-        return write_html(self, path, title=title)
-
-    def explore(self, step: int | None = None, backend: str | None = None, **kwargs: Any) -> Any:
-        """The explorer on one step's logits: by default the worst backend's first flip (or worst step)."""
-        from rlx_nb.widgets import explore
-
-        backend = backend or self.worst_backend()
-        if backend not in self.backend_names:
-            raise InputError(f"unknown backend {backend!r}; this report has {self.backend_names}")
-        step = self.focus_step(backend) if step is None else self._check_step(step)
-        explorer = explore(self.logits, **kwargs)
-        explorer.backend_picker.value = backend
-        explorer.output_picker.value = step_name(step)
-        return explorer
-
-    def worst_backend(self) -> str:
-        """SUSPECT backends first, then the one with the largest step line."""
-        if not self.backend_names:
-            raise InputError("this report has no backend but the oracle")
-        table = self.steps
-        verdicts = self.verdicts()
-
-        def rank(name: str) -> tuple:
-            line = table[table.backend == name].line.max()
-            return (verdicts[name] != SUSPECT, -(line if line == line else -1.0))
-
-        return sorted(self.backend_names, key=rank)[0]
-
-    def focus_step(self, backend: str) -> int:
-        """The step to look at for ``backend``: its first SUSPECT step, else its first flip, else its worst step."""
-        mine = self.steps[self.steps.backend == backend]
-        for rows in (mine[mine.verdict == SUSPECT], mine[mine.flip]):
-            if not rows.empty:
-                return int(rows.iloc[0].step)
-        return int(mine.loc[mine.line.fillna(-1).idxmax()].step) if not mine.empty else 0
-
-    def _check_step(self, step: Any) -> int:
-        if not isinstance(step, int) or isinstance(step, bool) or not 0 <= step < self.n_steps:
-            raise InputError(f"step must be an integer from 0 to {self.n_steps - 1}, got {step!r}")
-        return step
-
-    def localize(self, backend: str | None = None, step: int | None = None, **kwargs: Any) -> Any:
-        """:func:`rlx_nb.localize` one step: the model fed that step's token with the oracle's cache of the steps
-        before, on ``backend`` (default: the worst) against the oracle and fp64; returns a Localization."""
-        from rlx_nb.localize import localize
-
-        if self.source is None:
-            raise InputError("this report does not hold its model (it was loaded): run generation_divergence again")
-        backend = backend or self.worst_backend()
-        step = self.focus_step(backend) if step is None else self._check_step(step)
-        model, ids, step_fn, masked = self.source
-        at, token = at_step(model, ids, self.tokens, step, step_fn=step_fn, masked=masked)
-        given = self.backend_objects.get(backend)
-        if given is None:
-            return localize(at, (token,), backend=backend, **kwargs)
-        with lent(given):  # (a Backend object passed in backends=[...], not registered)
-            return localize(at, (token,), backend=backend, **kwargs)
-
-
-def _record(report: DivergenceReport, backend: str, output: str | None) -> Any:
-    for r in report.records:
-        if r.backend == backend and r.output == output:
-            return r
-    return None
-
-
-def _status(report: DivergenceReport, backend: str) -> str:
-    # "error"/"skipped" for a backend that did not run (its records have no output), else "".
-    recs = [r for r in report.records if r.backend == backend]
-    if recs and all(r.output is None for r in recs):
-        return recs[0].verdict
-    return ""
-
-
-class AtStep(torch.nn.Module):
-    """One decode step on its own: ``forward(token)`` with the oracle's cache of the steps before (copied per
-    call, cast to the model's float format), for :func:`rlx_nb.localize`."""
-
-    def __init__(self, model: Any, cache: Any, step: Step | None, mask_len: int | None) -> None:
-        super().__init__()
-        self.model = model
-        self._cache = [cache]  # (not a submodule or buffer: the backends never see it but through forward)
-        self.step, self.mask_len = step, mask_len
-
-    def forward(self, token: torch.Tensor) -> torch.Tensor:
-        dtype = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32)
-        cache = _cast_cache(copy.deepcopy(self._cache[0]), dtype, token.device)
-        if self.step is not None:
-            logits, _ = self.step(self.model, token, cache)
-        else:
-            mask = None
-            if self.mask_len is not None:
-                mask = torch.ones(token.shape[0], self.mask_len, dtype=torch.long, device=token.device)
-            logits, _ = hf_step(self.model, token, cache, mask)
-        return last_logits(logits)
-
-
-def _cast_cache(obj: Any, dtype: torch.dtype, device: Any, depth: int = 0) -> Any:
-    # Every floating tensor inside a cache object (lists, tuples, dicts, attributes) to ``dtype``.
-    if isinstance(obj, torch.Tensor):
-        return obj.to(device=device, dtype=dtype) if obj.is_floating_point() else obj.to(device)
-    if depth > 6:
-        return obj
-    if isinstance(obj, (list, tuple)):
-        cast = [_cast_cache(x, dtype, device, depth + 1) for x in obj]
-        return type(obj)(cast) if not hasattr(obj, "_fields") else type(obj)(*cast)
-    if isinstance(obj, dict):
-        return {k: _cast_cache(v, dtype, device, depth + 1) for k, v in obj.items()}
-    if hasattr(obj, "__dict__") and not isinstance(obj, (type, torch.nn.Module)):
-        for k, v in list(vars(obj).items()):
-            setattr(obj, k, _cast_cache(v, dtype, device, depth + 1))
-    return obj
-
-
-@torch.no_grad()
-def at_step(model: Any, ids: torch.Tensor, tokens: np.ndarray, k: int, *, step_fn: Step | None,
-            masked: bool) -> tuple[AtStep, torch.Tensor]:  # fmt: skip
-    """(module, token): step ``k`` alone, the oracle's cache of steps ``0..k-1`` built here in float32."""
-    from rlx_nb.prepare import prepare_model
-
-    base = prepare_model(model, None, None)
-    toks = torch.as_tensor(tokens)
-    fed = torch.cat([ids, toks[:, :-1]], dim=1)
-    p = ids.shape[1]
-    if k == 0:  # the prefill itself
-        return AtStep(base, None, step_fn, p if masked else None), ids.clone()
-    decode = Decode(base, prompt_len=p, steps=k, step=step_fn, masked=masked)
-    cache: list[Any] = []
-
-    def keep(input_ids: torch.Tensor, c: Any, mask: Any) -> tuple:
-        logits, new = decode.call_model(base, input_ids, c, mask)
-        cache[:] = [new]
-        return logits, new
-
-    decode.run_step = keep
-    decode(fed[:, : p + k])
-    return AtStep(base, cache[0], step_fn, (p + k) if masked else None), fed[:, p + k - 1 : p + k].clone()
-
-
-def load_generation(report: DivergenceReport, where: Any = "report") -> GenerationReport | DivergenceReport:
-    """A loaded report as a GenerationReport when it holds a generation's tokens, else as it is; metadata
-    that is not a generation's (tokens a rectangle of integers matching the steps) raises ReportFormatError."""
-    from rlx_nb.errors import ReportFormatError
-
-    meta = report.results.environment.get(ENV_KEY)
-    if meta is None:
-        return report
-    if not isinstance(meta, dict) or not _token_rows(meta.get("tokens")):
-        raise ReportFormatError(
-            f"{where}: environment.generation must hold 'tokens', a non-empty rectangle of integers"
-        )
-    free = meta.get("free")
-    if free is not None and not (isinstance(free, dict) and all(r == [] or _token_rows(r) for r in free.values())):
-        raise ReportFormatError(f"{where}: environment.generation.free must map backends to rectangles of integers")
-    texts = meta.get("texts")
-    if texts is not None and not (isinstance(texts, dict) and all(
-            isinstance(v, list) and all(isinstance(x, str) for x in v) for v in texts.values())):  # fmt: skip
-        raise ReportFormatError(f"{where}: environment.generation.texts must map names to lists of strings")
-    steps = len(meta["tokens"][0])
-    names = {o for run in report.results.candidates.values() for o in (run.outputs or {})}
-    if any(n.startswith("step ") and not (n[5:].isdigit() and int(n[5:]) < steps) for n in names):
-        raise ReportFormatError(f"{where}: its step outputs do not match its {steps} generated tokens")
-    return GenerationReport(report)
-
-
-def _token_rows(rows: Any) -> bool:
-    # A non-empty list of equally long non-empty lists of non-negative integers.
-    if not isinstance(rows, list) or not rows or not all(isinstance(r, list) and r for r in rows):
-        return False
-    width = len(rows[0])
-    return all(len(r) == width and all(isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in r)
-               for r in rows)  # fmt: skip
-
-
-__all__ = ["GenerationReport", "generation_divergence", "load_generation"]
+__all__ = ["GenerationReport", "generation_divergence"]

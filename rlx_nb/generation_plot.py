@@ -7,14 +7,12 @@ from pathlib import Path
 from typing import Any
 
 from rlx_nb.figures import PALETTE, SUSPECT_COLOUR, new_axes
-from rlx_nb.judgement import SUSPECT
+from rlx_nb.judgement import DISAGREEMENT, NEAR_TIE, SUSPECT
 
 
 def plot_steps(report: Any, ax: Any = None) -> Any:
     """Each backend's worst logits error per step (over the batch), on the SUSPECT-line scale (log), the
     SUSPECT line at 1, every flip marked: a hollow circle for a near-tie, a cross for a real disagreement."""
-    from rlx_nb.generation import DISAGREEMENT, NEAR_TIE
-
     ax = new_axes(ax, figsize=(8.0, 4.2), margins={"left": 0.09, "right": 0.72, "bottom": 0.13, "top": 0.9})
     table = report.steps
     verdicts = report.verdicts()

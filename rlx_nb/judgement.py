@@ -13,6 +13,10 @@ ROUNDOFF = "round-off"
 SUSPECT = "SUSPECT"
 VERDICT_ERROR = "error"
 VERDICT_SKIPPED = "skipped"
+NEAR_TIE = "near-tie"
+"""A generated token that differs from the oracle's where fp64 puts the two within the step's round-off."""
+DISAGREEMENT = "real disagreement"
+"""A generated token that differs from the oracle's further than the step's round-off allows (SUSPECT)."""
 NONDETERMINISTIC = "nondeterministic"
 
 

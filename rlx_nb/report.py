@@ -306,6 +306,6 @@ def load_report(path) -> DivergenceReport:
         report = DivergenceReport.from_results(results, rule=rule, tol_rel=tol)
     else:
         report = DivergenceReport(results, records, rule=rule, tol_rel=tol)
-    from rlx_nb.generation import load_generation
+    from rlx_nb.generation_report import load_generation
 
     return load_generation(report, path)

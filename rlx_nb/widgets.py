@@ -17,6 +17,7 @@ import numpy as np
 
 from rlx_nb import lookups
 from rlx_nb.errors import InputError
+from rlx_nb.generation_report import GenerationReport
 from rlx_nb.plotting import HEATMAP_MARGINS, HISTOGRAM_MARGINS
 from rlx_nb.records import worst_first
 from rlx_nb.verdict import SUSPECT, VERDICT_ERROR, VERDICT_SKIPPED
@@ -63,14 +64,14 @@ def _show_png(out, png: bytes) -> None:
     out.outputs = ({"output_type": "display_data", "data": image, "metadata": {}},)
 
 
-def explore(
-    report: DivergenceReport, *, top: int = 20, interactive: bool | None = None, localization: Any = None
-) -> Explorer:
+def explore(report: DivergenceReport | GenerationReport, *, top: int = 20, interactive: bool | None = None,
+            localization: Any = None, step: int | None = None, backend: str | None = None) -> Explorer:  # fmt: skip
     """An explorer widget for ``report``: pickers, heatmap, histogram, worst elements, inspector.
 
     Parameters
     ----------
-    report : DivergenceReport
+    report : DivergenceReport or GenerationReport
+        A generation report opens on ``step``'s logits of ``backend`` (:meth:`GenerationReport.explorer_view`).
     top : int
         How many worst elements the table and picker list.
     interactive : bool, optional
@@ -89,7 +90,16 @@ def explore(
     'cpu-nomkldnn'
     """
     _require_widgets()
-    explorer = Explorer(report, top=top, interactive=_ipympl_active() if interactive is None else interactive)
+    view = report.explorer_view(backend, step) if isinstance(report, GenerationReport) else None
+    if view is None and (step, backend) != (None, None):
+        raise InputError("step= and backend= pick a generation report's step; this is a forward report")
+    explorer = Explorer(
+        report if view is None else view[0],
+        top=top,
+        interactive=_ipympl_active() if interactive is None else interactive,
+    )
+    if view is not None:
+        explorer.backend_picker.value, explorer.output_picker.value = view[1], view[2]
     if localization is not None:
         explorer.add_localization(localization)
     return explorer

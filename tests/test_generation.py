@@ -14,7 +14,7 @@ from rlx_nb import demo, zoo
 from rlx_nb.backends.base import Backend
 from rlx_nb.backends.faults import fault_backend
 from rlx_nb.errors import InputError, ReportFormatError
-from rlx_nb.generation import DISAGREEMENT, NEAR_TIE
+from rlx_nb.generation_report import DISAGREEMENT, NEAR_TIE
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
@@ -123,20 +123,39 @@ def test_cpu_inductor_compiles_the_step_once_for_every_step(llama):
     report = rlx_nb.generation_divergence(model, ids, max_new_tokens=10, backends=["cpu-inductor"], progress=False)
     run = report.logits.results.candidates["cpu-inductor"]
     note = next(n for n in run.notes if n.startswith("torch.compile"))
-    graphs = int(re.search(r"(\d+) graph\(s\) compiled with dynamic shapes for 10 steps", note).group(1))
+    graphs = int(re.search(r"(\d+) graph\(s\) compiled.* with dynamic shapes for 10 steps", note).group(1))
     assert 1 <= graphs <= 4  # (the prefill, the first step, then every step on one dynamic graph)
+    assert "10 compiled call(s) ran" in note
     assert report.verdicts()["cpu-inductor"] == "round-off"
+    # A second call reuses the compiled step (as a user's repeated torch.compile does), still compiled code.
+    again = rlx_nb.generation_divergence(model, ids, max_new_tokens=10, backends=["cpu-inductor"], progress=False)
+    note = next(n for n in again.logits.results.candidates["cpu-inductor"].notes if n.startswith("torch.compile"))
+    assert "reused the" in note and "10 compiled call(s) ran" in note
+    assert again.steps.line.tolist() == report.steps.line.tolist()
 
 
-def test_exported_backends_say_why_they_are_skipped(llama):
+def test_exported_runtimes_decode_with_their_own_cache_and_say_why_when_they_cannot(llama):
     model, ids = llama
-    report = rlx_nb.generation_divergence(model, ids, max_new_tokens=3, backends=["onnxruntime", "cpu-nomkldnn"],
+    report = rlx_nb.generation_divergence(model, ids[:2], max_new_tokens=6, backends=["onnxruntime", "cpu-nomkldnn"],
                                           progress=False)  # fmt: skip
-    assert report.first_divergence.loc["onnxruntime", "kind"] == "skipped"
-    assert "cache as inputs and outputs" in report.lines()[0]
-    # The explorer's histogram overlays every backend that ran, passing over the skipped one.
-    explorer = report.explore(backend="cpu-nomkldnn")
-    assert explorer.output_picker.value == report.logits.record("cpu-nomkldnn", explorer.output_picker.value).output
+    assert report.verdicts()["onnxruntime"] == "round-off"
+    note = report.logits.results.candidates["onnxruntime"].notes[0]
+    assert "cache as inputs and outputs" in note and "5 steps ran" in note
+    assert not (
+        report.logits.results.candidates["onnxruntime"].outputs["step 3"].value
+        == report.logits.results.oracle.outputs["step 3"].value
+    ).all()  # (its own arithmetic, not eager's)
+    # The explorer's histogram overlays every backend that ran.
+    explorer = rlx_nb.explore(report, backend="cpu-nomkldnn")
+    assert explorer.output_picker.value.startswith("step ")
+    # A sliding-window cache stops growing: not what the exported step models, so a skipped row says so.
+    mistral, prompt = zoo.decoder("mistral", batch=1)
+    skipped = rlx_nb.generation_divergence(mistral, prompt, max_new_tokens=3, backends=["openvino", "cpu-nomkldnn"],
+                                           progress=False)  # fmt: skip
+    assert skipped.first_divergence.loc["openvino", "kind"] == "skipped"
+    assert "sliding-window" in skipped.lines()[0]
+    # (the histogram passes over the skipped backend)
+    assert rlx_nb.explore(skipped, backend="cpu-nomkldnn").output_picker.value.startswith("step ")
 
 
 def test_free_running_reports_where_the_text_parts_with_both_continuations(llama):
@@ -192,7 +211,7 @@ def test_explorer_and_localize_on_a_step(llama):
     model, ids = llama
     report = rlx_nb.generation_divergence(model, ids, max_new_tokens=6, backends=["fault:softmax-row"],
                                           progress=False)  # fmt: skip
-    explorer = report.explore(step=4)
+    explorer = rlx_nb.explore(report, step=4)
     assert (explorer.backend_picker.value, explorer.output_picker.value) == ("fault:softmax-row", "step 4")
     loc = report.localize(step=4)
     assert loc.culprit is not None and "self_attn" in loc.culprit
