@@ -81,6 +81,8 @@ def compiled_decode(device: str = "cpu"):
     return fn
 
 
+SHARED_RECOMPILE_LIMIT = 64
+"""Compiled variants of one function dynamo keeps for rlx_nb's decode compiles (its default: 8)."""
 _SHARED: list[CountingInductor] = []
 """One Inductor backend for every decode compile outside an isolated region: dynamo reuses a compiled step
 only under the backend that compiled it, as it does for a user's repeated ``torch.compile(model)``."""
@@ -104,9 +106,13 @@ def _decode_compiled(decode: Any, inputs: tuple, device: str, *, isolated: bool)
     compiled = torch.compile(decode.model, **options)
     graphs_before, calls = counter.graphs, []
 
+    # Every Hugging Face model's forward enters through one shared wrapper function, so a process that checks
+    # several models (or batch sizes) recompiles that one function for each: more than dynamo's default 8.
+    limits = {"accumulated_recompile_limit": _ACCUMULATED_LIMIT, "recompile_limit": SHARED_RECOMPILE_LIMIT}
+
     def run_step(ids: torch.Tensor, cache: Any, mask: Any) -> tuple:
         before = counter.calls
-        with torch._dynamo.config.patch(accumulated_recompile_limit=_ACCUMULATED_LIMIT):
+        with torch._dynamo.config.patch(**limits):
             out = decode.call_model(compiled, ids, cache, mask)
         if counter.calls == before:
             raise NotCompiledError(

@@ -61,6 +61,9 @@ def generation_divergence(
         (``cpu-nomkldnn``, ``cpu-bf16``, ``cpu-fp16``, ``fault:*``, registered ones) run the whole decode as
         they run any model; ``cpu-inductor`` compiles the step once (dynamic shapes) for every step; ONNX
         Runtime and OpenVINO run the exported prefill and decode step (:mod:`rlx_nb.decode_export`).
+        A registered backend's ``fn(decode, inputs)`` gets the :class:`~rlx_nb.decode.Decode` module:
+        ``decode(*inputs)`` runs every step under it; a runtime with its own step sets
+        ``decode.run_step = lambda input_ids, cache, mask: (logits, cache)`` first (its cache is its own).
     step : callable, optional
         ``step(model, input_ids, cache) -> (logits, cache)``: one decode step of a model without Hugging
         Face's interface.  The first call gets the prompt and ``cache=None``; ``logits`` are

@@ -250,3 +250,23 @@ def test_bad_prompts_and_models_are_named(llama):
     body = zoo.build("mistral", batch=1)[0]  # a model without an LM head
     with pytest.raises(InputError, match="returns no logits"):
         rlx_nb.generation_divergence(body, ids, max_new_tokens=2, backends=["cpu-nomkldnn"], progress=False)
+
+
+def test_a_users_runtime_with_its_own_step_and_cache(llama):
+    # A backend that replaces the step: its own cache (plain tensors), its own attention arithmetic.
+    model, ids = llama
+    calls = []
+
+    def fn(decode, inputs):
+        def run_step(input_ids, cache, mask):
+            calls.append(input_ids.shape[1])
+            logits, new = decode.call_model(decode.model, input_ids, cache, mask)
+            return logits.double().float(), new  # (a runtime that hands back its logits through float64)
+
+        decode.run_step = run_step
+        return decode(*inputs)
+
+    mine = Backend("my-runtime", fn, default=False)
+    report = rlx_nb.generation_divergence(model, ids, max_new_tokens=5, backends=[mine], progress=False)
+    assert calls == [ids.shape[1], 1, 1, 1, 1]  # the prefill, then one token a step
+    assert report.verdicts() == {"my-runtime": "round-off"}
