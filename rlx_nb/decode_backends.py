@@ -29,8 +29,8 @@ from rlx_nb.backends.notes import add_note
 from rlx_nb.decode_export import exported_decode
 from rlx_nb.errors import NotApplicable
 
-EXPORTED = ("onnxruntime-cuda", "openvino-default")
-"""Exported backends without a decode export here yet (ONNX Runtime and OpenVINO on the CPU have one)."""
+EXPORTED = ("onnxruntime", "openvino", "openvino-default")
+"""Exported runtimes that decode the exported prefill and step (:mod:`rlx_nb.decode_export`)."""
 
 
 def for_generation(backend: Backend) -> Backend:
@@ -38,23 +38,23 @@ def for_generation(backend: Backend) -> Backend:
     if backend.name in ("cpu-inductor", "cuda-inductor"):
         device = "cuda" if backend.name.startswith("cuda") else "cpu"
         return dataclasses.replace(backend, fn=compiled_decode(device), prepare=None)
-    if backend.name in ("onnxruntime", "openvino"):
+    if backend.name in EXPORTED:
         return dataclasses.replace(backend, fn=exported_decode(backend.name), prepare=None)
-    if backend.name in EXPORTED or backend.name.startswith("openvino"):
+    if backend.name.startswith(("onnxruntime", "openvino")):
         return dataclasses.replace(backend, fn=_not_exported, prepare=None)
     return dataclasses.replace(backend, prepare=None)  # (a prepared runner would be kept for a single input)
 
 
 def _not_exported(model: Any, inputs: tuple) -> Any:
     raise NotApplicable(
-        "this backend has no decode export in rlx_nb yet (ONNX Runtime and OpenVINO on the CPU do); judge the "
+        "this backend has no decode export in rlx_nb yet (onnxruntime, openvino and openvino-default do); judge the "
         "prompt's forward pass with backend_divergence(model, prompt)"
     )
 
 
 def compiled_decode(device: str = "cpu"):
-    """``fn(decode, inputs)``: compile ``decode.model``'s step once (Inductor, dynamic shapes, an isolated cache
-    region) and run every step of the decode through it; a step that runs no compiled code raises."""
+    """``fn(decode, inputs)``: compile ``decode.model``'s step once (Inductor, dynamic shapes) and run every step
+    of the decode through it; a step that runs no compiled code raises :class:`NotCompiledError`."""
 
     def fn(decode: Any, inputs: tuple) -> Any:
         if device != "cpu":

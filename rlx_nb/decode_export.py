@@ -161,8 +161,9 @@ def forget() -> None:
 
 
 def exported_decode(runtime: str) -> Callable[[Any, tuple], Any]:
-    """``fn(decode, inputs)`` for ``runtime`` ``"onnxruntime"`` or ``"openvino"``: export (or reuse this run's
-    export of the same model), then decode there."""
+    """``fn(decode, inputs)`` for ``runtime`` ``"onnxruntime"``, ``"openvino"`` (f32 hint) or
+    ``"openvino-default"`` (its own settings): export (or reuse this run's export of the same model), then decode
+    there."""
 
     def fn(decode: Any, inputs: tuple) -> Any:
         (ids,) = inputs
@@ -203,7 +204,7 @@ def _sessions(runtime: str, prefill: Path, step: Path) -> tuple[Callable, Callab
     import openvino as ov
 
     core = ov.Core()
-    config = {"INFERENCE_PRECISION_HINT": "f32"}
+    config = {"INFERENCE_PRECISION_HINT": "f32"} if runtime == "openvino" else {}  # (openvino-default: its own)
     a = core.compile_model(core.read_model(str(prefill)), "CPU", config)
     b = core.compile_model(core.read_model(str(step)), "CPU", config)
 

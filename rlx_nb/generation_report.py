@@ -26,6 +26,8 @@ from rlx_nb.reasons import on_line
 if TYPE_CHECKING:
     from rlx_nb.report import DivergenceReport
 
+UNJUDGED = "flip, not judged"
+"""A flip at a step without fp64 logits or a budget (the reference or the step's record is missing)."""
 ENV_KEY = "generation"
 """Where a generation report keeps its tokens: ``environment["generation"]``."""
 
@@ -98,35 +100,36 @@ class GenerationReport:
     def _build_steps(self) -> pd.DataFrame:
         results = self.logits.results
         ref = results.reference
+        records = {(r.backend, r.output): r for r in self.logits.records}
+        top2: dict[int, np.ndarray] = {}  # step -> each sequence's fp64 top-1 minus top-2 (the same for every backend)
         rows = []
         for name in self.backend_names:
             run = results.candidates[name]
             for k in range(self.n_steps):
                 out = step_name(k)
-                rec = _record(self.logits, name, out)
+                rec = records.get((name, out))
                 got = run.outputs.get(out) if run.outputs else None
                 r = ref.outputs.get(out) if ref is not None and ref.outputs else None
                 got_v = got.value if got is not None and got.is_array else None
-                ref_v = r.value.astype(np.float64) if r is not None and r.is_array else None
+                ref_v = r.value if r is not None and r.is_array else None
+                if ref_v is not None and k not in top2:
+                    two = np.partition(ref_v.astype(np.float64), -2, axis=-1)[:, -2:]
+                    top2[k] = two[:, 1] - two[:, 0]
                 budget = rec.judgement.budget_max if rec is not None else math.nan
                 allowance = 2.0 * budget if budget == budget else math.nan
                 for b in range(self.tokens.shape[0]):
                     want = int(self.tokens[b, k])
                     tok = int(np.argmax(got_v[b])) if got_v is not None else -1
-                    top2 = gap = math.nan
-                    if ref_v is not None:
-                        two = np.sort(ref_v[b])[-2:]
-                        top2 = float(two[1] - two[0]) if two.size == 2 else math.nan
-                        if tok >= 0 and tok != want:
-                            gap = float(ref_v[b, want] - ref_v[b, tok])
                     flip = tok >= 0 and tok != want
+                    gap = float(ref_v[b, want]) - float(ref_v[b, tok]) if flip and ref_v is not None else math.nan
                     kind = ""
-                    if flip:
+                    if flip and gap == gap and allowance == allowance:
                         kind = NEAR_TIE if abs(gap) <= allowance else DISAGREEMENT
                     rows.append({
                         "backend": name, "step": k, "sequence": b,
                         "oracle_token": want, "backend_token": tok, "flip": flip, "flip_kind": kind,
-                        "top2_gap_fp64": top2, "gap_fp64": gap, "allowance": allowance,
+                        "top2_gap_fp64": float(top2[k][b]) if k in top2 else math.nan, "gap_fp64": gap,
+                        "allowance": allowance,
                         "line": rec.judgement.line if rec is not None else math.nan,
                         "verdict": rec.verdict if rec is not None else VERDICT_ERROR,
                         "reason": rec.reason if rec is not None else "",
@@ -156,7 +159,7 @@ class GenerationReport:
                     f = flips.iloc[0]
                     row.update(step=int(f.step), sequence=int(f.sequence), oracle_token=int(f.oracle_token),
                                backend_token=int(f.backend_token), gap_fp64=float(f.gap_fp64),
-                               allowance=float(f.allowance), kind=f.flip_kind)  # fmt: skip
+                               allowance=float(f.allowance), kind=f.flip_kind or UNJUDGED)  # fmt: skip
                     if self.has_text:
                         row.update(oracle_text=self._text(f.oracle_token), backend_text=self._text(f.backend_token))
             row["verdict"] = self.verdicts()[name]
@@ -245,18 +248,18 @@ class GenerationReport:
             mine = self.steps[self.steps.backend == name]
             worst = mine.loc[mine.line.fillna(-1).idxmax()]
             suspect_steps = mine[mine.verdict == SUSPECT]
-            if f.kind in (NEAR_TIE, DISAGREEMENT):
-                within = (
-                    "within round-off"
-                    if f.kind == NEAR_TIE
-                    else f"{abs(f.gap_fp64) / f.allowance:.3g}x the round-off allowance"
-                )
+            if f.kind in (NEAR_TIE, DISAGREEMENT, UNJUDGED):
+                within = {
+                    NEAR_TIE: "within round-off",
+                    UNJUDGED: "not judged: no fp64 logits or budget at that step",
+                }.get(f.kind) or f"{abs(f.gap_fp64) / f.allowance:.3g}x the round-off allowance"
                 a, b = int(f.oracle_token), int(f.backend_token)
                 if self.has_text:
                     pair = f"token {a} {self._text(a)!r} vs {b} {self._text(b)!r}"
                 else:
                     pair = f"token {a} vs {b}"
-                head += f"generation parts at step {int(f.step)} ({pair}; fp64 gap {abs(f.gap_fp64):.2g}, {within})"
+                gap = f"fp64 gap {abs(f.gap_fp64):.2g}, " if f.gap_fp64 == f.gap_fp64 else ""
+                head += f"generation parts at step {int(f.step)} ({pair}; {gap}{within})"
             else:
                 head += f"same {self.n_steps} tokens"
             if verdict == SUSPECT:

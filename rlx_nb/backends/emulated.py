@@ -119,14 +119,33 @@ class RoundMatmulOperands(TorchFunctionMode):
         super().__init__()
         self.bits = bits
         self.results = results
+        self.seen: set[tuple[int, int]] = set()
+        self.kept: dict[tuple[int, int], torch.Tensor] = {}
+
+    def weight(self, v: torch.Tensor) -> torch.Tensor:
+        # A parameter rounded again at every use of a loop (a decode's 64 steps) costs more than the steps:
+        # from its second use outside autograd, its rounded copy is kept (the key holds its version).
+        key = (id(v), v._version)
+        if key in self.kept:
+            return self.kept[key]
+        out = round_mantissa(v, self.bits, gradient=self.results)
+        if key in self.seen:
+            self.kept[key] = out
+        self.seen.add(key)
+        return out
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func in TARGETS:
             bits, both = self.bits, self.results
+            reuse = not torch.is_grad_enabled()
 
             def narrow(v: Any) -> Any:
-                return round_mantissa(v, bits, gradient=both) if isinstance(v, torch.Tensor) else v
+                if not isinstance(v, torch.Tensor):
+                    return v
+                if reuse and isinstance(v, torch.nn.Parameter):
+                    return self.weight(v)
+                return round_mantissa(v, bits, gradient=both)
 
             out = func(*(narrow(a) for a in args), **{k: narrow(v) for k, v in kwargs.items()})
             if not isinstance(out, torch.Tensor):
