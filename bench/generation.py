@@ -14,14 +14,14 @@ severities.
   at that step.
 - *flip rate*: the share of (step, sequence) where a legitimate backend's greedy token differs from the
   oracle's; every such flip must be classed a near-tie.
-- *time*: on batch 1, seed 0, a warm ``generation_divergence`` call (the second in the process) against the
-  manual workflow, warm too (:func:`manual`), with the default backends and with the eager and compiled ones
-  (``cpu-nomkldnn``, ``cpu-bf16``, ``cpu-inductor``).
+- *time*: on batch 1, seed 0, a warm ``generation_divergence`` call (the second in a fresh process) against
+  the manual workflow, warm too (:func:`manual`), with the default backends and with the eager and compiled
+  ones (``cpu-nomkldnn``, ``cpu-bf16``, ``cpu-inductor``).
 
     python bench/generation.py [--models gpt2,llama,qwen2,mistral] [--seeds 0,1,2] [--batches 1,4]
     python bench/generation.py --timing-only gpt2-small   # GPT-2 at its real size (124M), time only
 
-Writes ``bench/results/generation.md`` and ``generation.csv`` (``generation_timing.md`` for --timing-only).
+Writes ``bench/results/generation.md`` and ``generation.csv`` (``generation_timing_<models>.md`` for --timing-only).
 """
 
 from __future__ import annotations
@@ -171,6 +171,17 @@ def timing(name: str) -> list[dict]:
     return rows
 
 
+def fresh_timing(name: str) -> list[dict]:
+    """:func:`timing` of ``name`` in a fresh interpreter: no compile of an earlier case in the process."""
+    import json
+    import subprocess
+
+    done = subprocess.run(
+        [sys.executable, __file__, "--timing-only", name, "--json"], capture_output=True, text=True, check=True
+    )
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default=",".join(zoo.DECODERS))
@@ -178,9 +189,16 @@ def main() -> None:
     ap.add_argument("--batches", default="1,4")
     ap.add_argument("--no-timing", action="store_true")
     ap.add_argument("--timing-only", default="", help="time these models only (e.g. gpt2-small: 124M parameters)")
+    ap.add_argument("--json", action="store_true", help="with --timing-only: print the rows as JSON, write nothing")
     args = ap.parse_args()
     if args.timing_only:
-        times = [row for n in args.timing_only.split(",") for row in timing(n)]
+        names = args.timing_only.split(",")
+        if args.json:  # (the child a fresh process runs: fresh_timing)
+            import json
+
+            print(json.dumps([row for n in names for row in timing(n)]))
+            return
+        times = [row for n in names for row in fresh_timing(n)]
         text = "\n".join(
             ["| decoder | backends | rlx_nb (s) | manual (s) | ratio |", "|---|---|---|---|---|"]
             + [
@@ -189,7 +207,9 @@ def main() -> None:
             ]
         )
         OUT.mkdir(exist_ok=True)
-        (OUT / "generation_timing.md").write_text(f"# Generation: warm call against the manual workflow\n\n{text}\n")
+        (OUT / f"generation_timing_{'_'.join(names)}.md").write_text(
+            f"# Generation: warm call against the manual workflow (a fresh process per model)\n\n{text}\n"
+        )
         print(text)
         return
     models = args.models.split(",")
@@ -201,7 +221,7 @@ def main() -> None:
                 rows += got
                 calls.append(took)
                 print(f"{name} seed {seed} batch {batch}: {took['seconds']:.1f} s", file=sys.stderr, flush=True)
-    times = [] if args.no_timing else [row for n in models for row in timing(n)]
+    times = [] if args.no_timing else [row for n in models for row in fresh_timing(n)]
     OUT.mkdir(exist_ok=True)
     with open(OUT / "generation.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=list(rows[0]))

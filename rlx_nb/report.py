@@ -291,7 +291,7 @@ class DivergenceReport:
 def load_report(path) -> DivergenceReport:
     """Read a report saved by :meth:`DivergenceReport.save`; arrays are read lazily, on first use.
 
-    A generation's report (:meth:`rlx_nb.generation.GenerationReport.save`) comes back as a GenerationReport.
+    A generation's report (:meth:`rlx_nb.generation_report.GenerationReport.save`) comes back as a GenerationReport.
 
     Raises :class:`rlx_nb.persist.ReportFormatError` (an :class:`RlxError`) for anything that is not
     a readable report of this version; never unpickles or executes anything.
