@@ -241,16 +241,21 @@ def build(name: str, *, batch: int = 2, seed: int = 0) -> tuple[torch.nn.Module,
 
     ``seed`` fixes both the weights and the inputs.  Names: :data:`MODELS`.
     """
-    if name not in BUILDERS:
-        raise InputError(f"unknown zoo model {name!r}; the zoo has: {', '.join(MODELS)}")
+    t, gen = _start(name, MODELS, "the zoo has", batch, seed)
+    model, inputs = BUILDERS[name](t, gen, batch)
+    _trained_looking(model, gen, inputs)
+    return model.eval(), inputs
+
+
+def _start(name: str, names: tuple[str, ...], which: str, batch: Any, seed: int) -> tuple[Any, torch.Generator]:
+    # (transformers, a generator): the name and batch checked, torch's and the generator's seeds set.
+    if name not in names:
+        raise InputError(f"unknown zoo model {name!r}; {which}: {', '.join(names)}")
     if not isinstance(batch, int) or batch < 1:
         raise InputError(f"batch must be a positive integer, got {batch!r}")
     t = _transformers()
     torch.manual_seed(seed)
-    gen = torch.Generator().manual_seed(seed)
-    model, inputs = BUILDERS[name](t, gen, batch)
-    _trained_looking(model, gen, inputs)
-    return model.eval(), inputs
+    return t, torch.Generator().manual_seed(seed)
 
 
 DECODERS = ("gpt2", "llama", "qwen2", "mistral")
@@ -266,13 +271,7 @@ def decoder(
 
     Mistral's sliding window (16) is shorter than a long decode, so its cache rolls as it grows.
     """
-    if name not in DECODERS:
-        raise InputError(f"unknown zoo decoder {name!r}; the zoo's decoders: {', '.join(DECODERS)}")
-    if not isinstance(batch, int) or batch < 1:
-        raise InputError(f"batch must be a positive integer, got {batch!r}")
-    t = _transformers()
-    torch.manual_seed(seed)
-    gen = torch.Generator().manual_seed(seed)
+    t, gen = _start(name, DECODERS, "the zoo's decoders", batch, seed)
     lm = {**_LM, "max_position_embeddings": 256}
     if name == "gpt2":
         model = t.GPT2LMHeadModel(t.GPT2Config(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=256))
