@@ -19,9 +19,12 @@ whole.  Compiled backends compile the step, not the loop (:func:`compiled_step`)
 
 from __future__ import annotations
 
+import copy
+import types
 from collections.abc import Callable
 from typing import Any
 
+import numpy as np
 import torch
 
 Step = Callable[[Any, torch.Tensor, Any], tuple[torch.Tensor, Any]]
@@ -130,3 +133,96 @@ def step_name(k: int) -> str:
 def step_of(output: str) -> int:
     """The step number of an output named by :func:`step_name`."""
     return int(output.split()[-1])
+
+
+# -- one step alone, for localize ------------------------------------------------------------------------
+
+
+class AtStep(torch.nn.Module):
+    """One decode step on its own: ``forward(token)`` with the oracle's cache of the steps before (copied per
+    call, cast to the model's float format), for :func:`rlx_nb.localize`."""
+
+    def __init__(self, model: Any, cache: Any, step: Step | None, mask_len: int | None) -> None:
+        super().__init__()
+        self.model = model
+        self._cache = [cache]  # (not a submodule or buffer: the backends never see it but through forward)
+        self.step, self.mask_len = step, mask_len
+
+    def forward(self, token: torch.Tensor) -> torch.Tensor:
+        dtype = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32)
+        cache = _cast_cache(copy.deepcopy(self._cache[0]), dtype, token.device)
+        if self.step is not None:
+            logits, _ = self.step(self.model, token, cache)
+        else:
+            mask = None
+            if self.mask_len is not None:
+                mask = torch.ones(token.shape[0], self.mask_len, dtype=torch.long, device=token.device)
+            logits, _ = hf_step(self.model, token, cache, mask)
+        return last_logits(logits)
+
+
+def _one_step(base: torch.nn.Module, cache: Any, mask_len: int | None) -> torch.nn.Module:
+    # The Hugging Face model itself (a private copy), its forward made one step: ``forward(token)`` with the
+    # oracle's cache of the steps before.  Its modules keep the names the user's model gives them.
+    base._rlx_nb_step = (cache, mask_len)
+    base.forward = types.MethodType(_step_forward, base)
+    return base
+
+
+def _step_forward(self: torch.nn.Module, token: torch.Tensor) -> torch.Tensor:
+    cache, mask_len = self._rlx_nb_step
+    dtype = next((p.dtype for p in self.parameters() if p.is_floating_point()), torch.float32)
+    kwargs: dict[str, Any] = {"input_ids": token, "use_cache": True}
+    if cache is not None:
+        kwargs[cache_argument(type(self))] = _cast_cache(copy.deepcopy(cache), dtype, token.device)
+    if mask_len is not None:
+        kwargs["attention_mask"] = torch.ones(token.shape[0], mask_len, dtype=torch.long, device=token.device)
+    return last_logits(type(self).forward(self, **kwargs).logits)
+
+
+def _cast_cache(obj: Any, dtype: torch.dtype, device: Any, depth: int = 0) -> Any:
+    # Every floating tensor inside a cache object (lists, tuples, dicts, attributes) to ``dtype``.
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device=device, dtype=dtype) if obj.is_floating_point() else obj.to(device)
+    if depth > 6:
+        return obj
+    if isinstance(obj, (list, tuple)):
+        cast = [_cast_cache(x, dtype, device, depth + 1) for x in obj]
+        return type(obj)(cast) if not hasattr(obj, "_fields") else type(obj)(*cast)
+    if isinstance(obj, dict):
+        return {k: _cast_cache(v, dtype, device, depth + 1) for k, v in obj.items()}
+    if hasattr(obj, "__dict__") and not isinstance(obj, (type, torch.nn.Module)):
+        for k, v in list(vars(obj).items()):
+            setattr(obj, k, _cast_cache(v, dtype, device, depth + 1))
+    return obj
+
+
+@torch.no_grad()
+def at_step(model: Any, ids: torch.Tensor, tokens: np.ndarray, k: int, *, step_fn: Step | None,
+            masked: bool) -> tuple[torch.nn.Module, torch.Tensor]:  # fmt: skip
+    """(module, token): step ``k`` alone, the oracle's cache of steps ``0..k-1`` built here in float32."""
+    from rlx_nb.prepare import prepare_model
+
+    base = prepare_model(model, None, None)
+    toks = torch.as_tensor(tokens)
+    fed = torch.cat([ids, toks[:, :-1]], dim=1)
+    p = ids.shape[1]
+    if k == 0:  # the prefill itself
+        return _alone(base, None, step_fn, p if masked else None), ids.clone()
+    decode = Decode(base, prompt_len=p, steps=k, step=step_fn, masked=masked)
+    cache: list[Any] = []
+
+    def keep(input_ids: torch.Tensor, c: Any, mask: Any) -> tuple:
+        logits, new = decode.call_model(base, input_ids, c, mask)
+        cache[:] = [new]
+        return logits, new
+
+    decode.run_step = keep
+    decode(fed[:, : p + k])
+    return _alone(base, cache[0], step_fn, (p + k) if masked else None), fed[:, p + k - 1 : p + k].clone()
+
+
+def _alone(base: torch.nn.Module, cache: Any, step_fn: Step | None, mask_len: int | None) -> torch.nn.Module:
+    # A Hugging Face model runs its one step itself (its module names as the user knows them); a user's step
+    # function is wrapped (its modules under ``model.``).
+    return AtStep(base, cache, step_fn, mask_len) if step_fn is not None else _one_step(base, cache, mask_len)
