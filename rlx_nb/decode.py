@@ -139,25 +139,18 @@ def step_of(output: str) -> int:
 
 
 class AtStep(torch.nn.Module):
-    """One decode step on its own: ``forward(token)`` with the oracle's cache of the steps before (copied per
-    call, cast to the model's float format), for :func:`rlx_nb.localize`."""
+    """One step of a user's step function on its own: ``forward(token)`` with the oracle's cache of the steps
+    before (copied per call, cast to the model's float format), for :func:`rlx_nb.localize`."""
 
-    def __init__(self, model: Any, cache: Any, step: Step | None, mask_len: int | None) -> None:
+    def __init__(self, model: Any, cache: Any, step: Step) -> None:
         super().__init__()
         self.model = model
         self._cache = [cache]  # (not a submodule or buffer: the backends never see it but through forward)
-        self.step, self.mask_len = step, mask_len
+        self.step = step
 
     def forward(self, token: torch.Tensor) -> torch.Tensor:
         dtype = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32)
-        cache = _cast_cache(copy.deepcopy(self._cache[0]), dtype, token.device)
-        if self.step is not None:
-            logits, _ = self.step(self.model, token, cache)
-        else:
-            mask = None
-            if self.mask_len is not None:
-                mask = torch.ones(token.shape[0], self.mask_len, dtype=torch.long, device=token.device)
-            logits, _ = hf_step(self.model, token, cache, mask)
+        logits, _ = self.step(self.model, token, _cast_cache(copy.deepcopy(self._cache[0]), dtype, token.device))
         return last_logits(logits)
 
 
@@ -225,4 +218,4 @@ def at_step(model: Any, ids: torch.Tensor, tokens: np.ndarray, k: int, *, step_f
 def _alone(base: torch.nn.Module, cache: Any, step_fn: Step | None, mask_len: int | None) -> torch.nn.Module:
     # A Hugging Face model runs its one step itself (its module names as the user knows them); a user's step
     # function is wrapped (its modules under ``model.``).
-    return AtStep(base, cache, step_fn, mask_len) if step_fn is not None else _one_step(base, cache, mask_len)
+    return AtStep(base, cache, step_fn) if step_fn is not None else _one_step(base, cache, mask_len)
