@@ -23,7 +23,13 @@ from typing import Any
 import torch
 
 from rlx_nb.backends.base import Backend
-from rlx_nb.backends.compiled import _ACCUMULATED_LIMIT, _ISOLATES, CountingInductor, NotCompiledError, _dynamo_counts
+from rlx_nb.backends.compiled import (
+    _ACCUMULATED_LIMIT,
+    CountingInductor,
+    NotCompiledError,
+    _dynamo_counts,
+    compile_isolated,
+)
 from rlx_nb.backends.eager import on_device
 from rlx_nb.backends.notes import add_note
 from rlx_nb.decode_export import exported_decode
@@ -92,18 +98,12 @@ def _decode_compiled(decode: Any, inputs: tuple, device: str, *, isolated: bool)
     # (outputs, graphs compiled now, compiled calls per step, graphs held before); NotCompiledError when a step
     # ran no compiled code.
     if isolated:
-        counter = CountingInductor()
-        options: dict[str, Any] = {"backend": counter, "dynamic": True}
-        if _ISOLATES:
-            options["isolate_recompiles"] = True
-        else:
-            torch._dynamo.reset()
+        compiled, counter = compile_isolated(decode.model, dynamic=True)
     else:
         if not _SHARED:
             _SHARED.append(CountingInductor())
         counter = _SHARED[0]
-        options = {"backend": counter, "dynamic": True}
-    compiled = torch.compile(decode.model, **options)
+        compiled = torch.compile(decode.model, backend=counter, dynamic=True)
     graphs_before, calls = counter.graphs, []
 
     # Every Hugging Face model's forward enters through one shared wrapper function, so a process that checks

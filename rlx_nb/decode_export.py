@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from rlx_nb.backends.notes import add_note
-from rlx_nb.decode import cache_argument, step_name
+from rlx_nb.decode import hf_step, last_logits, step_name
 from rlx_nb.errors import NotApplicable
 
 
@@ -58,9 +58,8 @@ class _Prefill(torch.nn.Module):
         self.model = model
 
     def forward(self, input_ids: torch.Tensor) -> tuple:
-        out = self.model(input_ids=input_ids, use_cache=True)
-        cache = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
-        return (out.logits[:, -1], *[t for pair in _layers(cache) for t in pair])
+        logits, cache = hf_step(self.model, input_ids, None)
+        return (last_logits(logits), *[t for pair in _layers(cache) for t in pair])
 
 
 class _Step(torch.nn.Module):
@@ -74,9 +73,8 @@ class _Step(torch.nn.Module):
         cache = DynamicCache(config=self.model.config)
         for i in range(len(past) // 2):
             cache.update(past[2 * i], past[2 * i + 1], i)
-        out = self.model(input_ids=input_ids, use_cache=True, **{cache_argument(self.model): cache})
-        new = getattr(out, "cache", None) or getattr(out, "past_key_values", None)
-        return (out.logits[:, -1], *[t for pair in _layers(new) for t in pair])
+        logits, new = hf_step(self.model, input_ids, cache)
+        return (last_logits(logits), *[t for pair in _layers(new) for t in pair])
 
 
 def _export(module: torch.nn.Module, args: tuple, path: Path, dynamic: Any, names: list[str]) -> None:

@@ -25,6 +25,7 @@ from rlx_nb.decode_export import forget as forget_export
 from rlx_nb.errors import InputError
 from rlx_nb.generation_report import ENV_KEY, GenerationReport
 from rlx_nb.report import DivergenceReport
+from rlx_nb.run import default_label
 
 MODES = ("teacher", "free")
 
@@ -103,8 +104,9 @@ def generation_divergence(
     if tokenizer is not None and not callable(getattr(tokenizer, "decode", None)):
         raise InputError(f"tokenizer must have decode(list_of_ids) -> str, got {type(tokenizer).__name__}")
     ids, masked = _prompt(inputs)
-    label = label or _label(model)
-    candidates = [for_generation(b) for b in resolve_backends(backends)]
+    label = label or default_label(model)
+    given = resolve_backends(backends)
+    candidates = [for_generation(b) for b in given]
 
     greedy = oracle_logits(model, ids, max_new_tokens, step=step, masked=masked, label=label)
     tokens = torch.stack([torch.as_tensor(greedy[step_name(k)]).argmax(-1) for k in range(max_new_tokens)], dim=1)
@@ -122,8 +124,9 @@ def generation_divergence(
     # computation on the same tokens.  Where the two agree bit for bit the model's decode is deterministic and
     # no third run is needed; where they do not, the call runs again with the determinism rerun.
     forward = judged(False)
+    same = _same_logits(forward, greedy)
     if check_determinism:
-        if _same_logits(forward, greedy):
+        if same:
             forward.results.environment["extra_runs"].append(
                 "oracle, again: the greedy decode and the teacher-forced oracle run agree bit for bit at every "
                 "step (check_determinism=True)"
@@ -148,13 +151,13 @@ def generation_divergence(
             meta["texts"].update(
                 {name: [tokenizer.decode(row) for row in rows] for name, rows in meta["free"].items() if rows}
             )
-    again = _reproduced(forward, tokens)
+    again = "" if same else _reproduced(forward, tokens)  # (the same logits pick the same tokens)
     if again:
         meta["oracle_note"] = again
     forward.results.environment[ENV_KEY] = meta
     report = GenerationReport(forward, tokenizer=tokenizer)
     report.source = (model, ids, step, masked)
-    report.backend_objects = {b.name: b for b in resolve_backends(backends)}
+    report.backend_objects = {b.name: b for b in given}
     if tokenizer is not None:  # the words of every token a table or line names, kept for a saved report
         shown = set(tokens.reshape(-1).tolist()) | set(report.steps.backend_token[report.steps.flip].tolist())
         shown |= {t for rows in (meta.get("free") or {}).values() for r in rows for t in r}
@@ -175,10 +178,6 @@ def _reproduced(forward: DivergenceReport, tokens: torch.Tensor) -> str:
             return (f"the oracle's teacher-forced run picks other tokens than its greedy decode from step {k} on: "
                     "the model's decode is not reproducible (its own nondeterminism, or state kept between calls)")  # fmt: skip
     return ""
-
-
-def _label(model: Any) -> str:
-    return type(model).__name__ if isinstance(model, torch.nn.Module) else getattr(model, "__name__", "model")
 
 
 def _prompt(inputs: Any) -> tuple[torch.Tensor, bool]:

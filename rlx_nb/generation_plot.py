@@ -50,11 +50,9 @@ def plot_steps(report: Any, ax: Any = None) -> Any:
 
 def write_html(report: Any, path: str | Path, *, title: str | None = None) -> Path:
     """The generation's lines, step plot and first divergences, then the logits report (every step's verdicts)."""
-    from rlx_nb.html_report import _figure, _png, _table, report_html
+    from rlx_nb import html_report
+    from rlx_nb.html_report import _figure, _png, _table
 
-    path = Path(path)
-    if path.suffix.lower() not in (".html", ".htm"):
-        path = path.with_name(path.name + ".html")
     fig = _figure(8.0, 4.2)
     plot_steps(report, ax=fig.add_subplot())
     first = report.first_divergence.reset_index()
@@ -63,7 +61,5 @@ def write_html(report: Any, path: str | Path, *, title: str | None = None) -> Pa
         f"<img alt='logits error per step' src='{_png(fig)}'>"
         "<h3>First divergence per backend</h3>" + _table(first)
     )
-    text = report_html(report.logits, title=title or f"rlx_nb generation: {report.label}", prelude=prelude)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text, encoding="utf-8")
-    return path
+    title = title or f"rlx_nb generation: {report.label}"
+    return html_report.write_html(report.logits, path, title=title, prelude=prelude)

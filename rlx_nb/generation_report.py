@@ -142,6 +142,7 @@ class GenerationReport:
         ``"same tokens"`` or the backend's error/skip verdict."""
         rows = []
         table = self.steps
+        verdicts = self.verdicts()
         for name in self.backend_names:
             mine = table[table.backend == name]
             status = _status(self.logits, name)
@@ -160,7 +161,7 @@ class GenerationReport:
                                allowance=float(f.allowance), kind=f.flip_kind or UNJUDGED)  # fmt: skip
                     if self.has_text:
                         row.update(oracle_text=self._text(f.oracle_token), backend_text=self._text(f.backend_token))
-            row["verdict"] = self.verdicts()[name]
+            row["verdict"] = verdicts[name]
             rows.append(row)
         frame = pd.DataFrame(rows).set_index("backend")
         for column in ("step", "sequence", "oracle_token", "backend_token"):

@@ -169,13 +169,15 @@ def report_html(report: Any, *, localization: Any = None, title: str | None = No
     return "".join(parts)
 
 
-def write_html(report: Any, path: str | Path, *, localization: Any = None, title: str | None = None) -> Path:
+def write_html(
+    report: Any, path: str | Path, *, localization: Any = None, title: str | None = None, prelude: str = ""
+) -> Path:
     """Write :func:`report_html` to ``path`` (``.html`` appended when it has no suffix); returns the path."""
     path = Path(path)
     if path.suffix.lower() not in (".html", ".htm"):
         path = path.with_name(path.name + ".html")
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(report_html(report, localization=localization, title=title), encoding="utf-8")
+    path.write_text(report_html(report, localization=localization, title=title, prelude=prelude), encoding="utf-8")
     return path
 
 

@@ -97,6 +97,18 @@ def _why_not(before: dict[str, int], after: dict[str, int]) -> str:
     return "; dynamo: " + " — ".join(lines[:2]).replace("Explanation: ", "")
 
 
+def compile_isolated(model: Any, *, dynamic: bool, reset: bool = False) -> tuple[Any, CountingInductor]:
+    """``torch.compile(model)`` through a fresh :class:`CountingInductor` in its own cache region (on a torch
+    without isolated regions, or with ``reset``, dynamo's caches are emptied first): (compiled, counter)."""
+    if reset or not _ISOLATES:
+        torch._dynamo.reset()  # a torch without isolated regions, or a retry: start from empty caches
+    counter = CountingInductor()
+    options: dict[str, Any] = {"backend": counter, "dynamic": dynamic}
+    if _ISOLATES:
+        options["isolate_recompiles"] = True
+    return torch.compile(model, **options), counter
+
+
 def prepare_compiled(model: Any, inputs: tuple, *, call: Callable[[Any, tuple], Any] | None = None) -> Callable:
     """Compile ``model`` with Inductor (static shapes) in a fresh cache region; return ``runner(inputs)``.
 
@@ -109,13 +121,8 @@ def prepare_compiled(model: Any, inputs: tuple, *, call: Callable[[Any, tuple], 
     state: dict[str, Any] = {"first": True}
 
     def build(reset: bool) -> None:
-        if reset or not _ISOLATES:
-            torch._dynamo.reset()  # a torch without isolated regions, or a retry: start from empty caches
-        counter = CountingInductor()
-        options: dict[str, Any] = {"backend": counter, "dynamic": False}
-        if _ISOLATES:
-            options["isolate_recompiles"] = True
-        state.update(counter=counter, compiled=torch.compile(model, **options), reset=reset)
+        compiled, counter = compile_isolated(model, dynamic=False, reset=reset)
+        state.update(counter=counter, compiled=compiled, reset=reset)
 
     def runner(xs: tuple) -> Any:
         attempts = 2 if state["first"] else 1
