@@ -17,9 +17,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlx_nb import device_metrics, discrete, formats, verdict
+from rlx_nb import device_metrics, formats, verdict
 from rlx_nb.context import OutputContext
 from rlx_nb.elements import rel_error
+from rlx_nb.flips import Flips
 from rlx_nb.metrics import PairStats, pair_stats
 from rlx_nb.records import OutputRecord, PairFields
 from rlx_nb.reference import error_stats, reference_stats
@@ -37,7 +38,7 @@ class Candidate:
     leaf: Leaf | None
     rule: str = "budget"
     tol_rel: float | None = None
-    flips: discrete.Flips | None = None
+    flips: Flips | None = None
     """The discrete events accounted for on this output (its own and the legitimate runs'), or None."""
 
 

@@ -16,7 +16,7 @@ from typing import Any
 from rlx_nb import reasons, verdict
 from rlx_nb.comparators import Candidate, compare_output, on_device
 from rlx_nb.context import OutputContext, contexts
-from rlx_nb.discrete import flips_of
+from rlx_nb.flips import flips_of
 from rlx_nb.progress import bar
 from rlx_nb.records import OutputRecord, PairFields
 from rlx_nb.results import GRAD_PREFIX, OK, SKIPPED, BackendRun, Leaf, RunResults

@@ -16,8 +16,9 @@ from typing import Any
 
 import numpy as np
 
-from rlx_nb import device_metrics, discrete, formats, verdict
+from rlx_nb import device_metrics, formats, verdict
 from rlx_nb.backends import ORACLE
+from rlx_nb.flips import Flips, flips_of, less
 from rlx_nb.reference import ReferenceStats, SliceStats, error_stats, reference_stats
 from rlx_nb.results import GRAD_PREFIX, OK, Leaf, RunResults
 
@@ -53,7 +54,7 @@ class OutputContext:
     sequential: Leaf | None
     anchors: dict[int, Leaf]
     reduction_length: int = 1
-    flips: discrete.Flips | None = None
+    flips: Flips | None = None
     _uploads: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @property
@@ -93,7 +94,7 @@ class OutputContext:
         """
         if self.flips is None or self.flips.oracle is None or self._anchors_checked:
             return self.oracle_errors
-        return errors_of(discrete.less(self.flat_oracle, self.flips.oracle), self.r)
+        return errors_of(less(self.flat_oracle, self.flips.oracle), self.r)
 
     # -- the sequential run and the anchors ------------------------------------------------------------
 
@@ -206,7 +207,7 @@ def contexts(results: RunResults) -> Iterator[OutputContext]:
             sequential.get(name),
             anchors,
             results.oracle.reduction_lengths.get(name, 1),
-            flips=discrete.flips_of(results, ORACLE, name) if results.discrete else None,
+            flips=flips_of(results, ORACLE, name) if results.discrete else None,
         )
 
 
