@@ -14,7 +14,18 @@ cache.  ``free=True`` instead feeds each step its own greedy token (the text the
 
 Because a decode is one module with tensor outputs, every backend runs it as it runs any model: the
 eager ones (oneDNN off, reduced precision, faults, a user's) as they are; the fp64 reference casts it
-whole.  Compiled backends compile the step, not the loop (:func:`compiled_step`).
+whole.  Compiled backends compile the step, not the loop (:mod:`rlx_nb.decode_backends`).
+
+rlx_nb's helper runs (the fp64 reference, the sequential-sums run, the precision anchors:
+:func:`rlx_nb.phases.in_helper_run`) need the steps' *values*, not the decode's own computation: there a
+Hugging Face model teacher-forced runs every step at once, one forward over the prompt and the fed tokens
+without a cache (``whole_helpers``).  A causal model's logits at position ``prompt_len - 1 + k`` are step
+``k``'s: the same dot products over the same keys, without 64 calls' overhead.  In float64 the two
+computations agree to ~1e-15, far below any float32 budget; a sequential-sums or anchor run so computed is a
+legitimate float32 (or emulated) computation of the same logits, which is what those runs measure.
+:func:`rlx_nb.generation_divergence` checks that the oracle's decode agrees with the whole-sequence
+reference (a model whose cached path computes something else would not) and otherwise runs the helpers
+step by step.
 """
 
 from __future__ import annotations
@@ -26,6 +37,8 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from rlx_nb import phases
 
 Step = Callable[[Any, torch.Tensor, Any], tuple[torch.Tensor, Any]]
 
@@ -82,7 +95,7 @@ class Decode(torch.nn.Module):
     ``forward(ids)``: ``ids`` is ``batch x (prompt_len + steps - 1)`` (teacher forcing: the prompt, then the
     tokens to feed), or ``batch x prompt_len`` when ``free`` (each step fed its own argmax).  ``step`` is
     ``None`` for a Hugging Face model's own call, else the user's function.  ``run_step`` may be replaced by a
-    backend (a compiled step: :func:`compiled_step`).
+    backend (a compiled step: :mod:`rlx_nb.decode_backends`).
     """
 
     def __init__(self, model: Any, *, prompt_len: int, steps: int, step: Step | None = None, free: bool = False,
@@ -92,6 +105,7 @@ class Decode(torch.nn.Module):
         self.prompt_len, self.steps, self.free, self.masked = prompt_len, steps, free, masked
         self.step = step
         self.run_step: Callable[..., tuple] | None = None
+        self.whole_helpers = step is None and not free
 
     def call(self, input_ids: torch.Tensor, cache: Any, mask: torch.Tensor | None) -> tuple:
         if self.run_step is not None:
@@ -105,6 +119,8 @@ class Decode(torch.nn.Module):
         return self.step(model, input_ids, cache)
 
     def forward(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        if self.whole_helpers and self.run_step is None and phases.in_helper_run():
+            return self.whole(ids)
         p = self.prompt_len
         batch = ids.shape[0]
         mask = torch.ones(batch, p, dtype=torch.long, device=ids.device) if self.masked else None
@@ -123,6 +139,15 @@ class Decode(torch.nn.Module):
             if mask is not None:
                 mask = torch.cat([mask, mask.new_ones(batch, 1)], dim=1)
         return out
+
+    def whole(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        """Every teacher-forced step's logits from one forward over ``ids`` without a cache (a helper run)."""
+        kwargs: dict[str, Any] = {"input_ids": ids, "use_cache": False}
+        if self.masked:
+            kwargs["attention_mask"] = torch.ones(ids.shape, dtype=torch.long, device=ids.device)
+        logits = self.model(**kwargs).logits
+        p = self.prompt_len
+        return {step_name(k): logits[:, p - 1 + k].contiguous() for k in range(self.steps)}
 
 
 def step_name(k: int) -> str:

@@ -119,6 +119,26 @@ def measuring(meter: Meter) -> Iterator[Meter]:
         _CURRENT["meter"] = before
 
 
+_HELPER = {"depth": 0}
+
+
+@contextlib.contextmanager
+def helper_run(on: bool = True) -> Iterator[None]:
+    """Mark a run as one of rlx_nb's own helper runs (the fp64 reference, the sequential-sums run, the
+    precision anchors): runs whose *values* matter, not the computation that gives them.  A model that can
+    compute the same values another way may (:class:`rlx_nb.decode.Decode` runs every step at once there)."""
+    _HELPER["depth"] += 1 if on else 0
+    try:
+        yield
+    finally:
+        _HELPER["depth"] -= 1 if on else 0
+
+
+def in_helper_run() -> bool:
+    """Whether the run in progress is one of rlx_nb's helper runs (:func:`helper_run`)."""
+    return _HELPER["depth"] > 0
+
+
 def step(name: str) -> contextlib.AbstractContextManager:
     """A phase of the current run's meter (nothing when no run is measuring)."""
     meter = _CURRENT["meter"]

@@ -110,7 +110,8 @@ def run(
             if short:
                 return BackendRun(backend.name, SKIPPED, {}, short, compute_dtype=backend.compute_dtype)
             before = rss_bytes()
-            with meter.phase(phase):
+            helper = phase in ("fp64 reference", "sequential sums") or phase.startswith("anchor ")
+            with meter.phase(phase), phases.helper_run(helper):
                 if streamed:  # the float32 weights as they are, each op's cast to float64 where it runs
                     result = execute(STREAMED, private, inputs_.args, task, saved=saved, **kw)
                     result.notes.append(streamed)

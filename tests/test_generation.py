@@ -270,3 +270,48 @@ def test_a_users_runtime_with_its_own_step_and_cache(llama):
     report = rlx_nb.generation_divergence(model, ids, max_new_tokens=5, backends=[mine], progress=False)
     assert calls == [ids.shape[1], 1, 1, 1, 1]  # the prefill, then one token a step
     assert report.verdicts() == {"my-runtime": "round-off"}
+
+
+def test_the_helper_runs_compute_every_step_at_once_and_agree_with_the_step_by_step_reference(llama, legit):
+    # The fp64 reference (and sequential sums, anchors) teacher-forced: one forward over the prompt and the fed
+    # tokens gives every step's logits; step by step in float64 gives the same to ~1e-15 of their size.
+    from rlx_nb.decode import Decode, step_name
+    from rlx_nb.prepare import prepare_model
+
+    model, ids = llama
+    assert any("every teacher-forced step at once" in e for e in legit.logits.results.environment["extra_runs"])
+    fed = torch.cat([ids, torch.as_tensor(legit.tokens)[:, :-1]], dim=1)
+    decode = Decode(prepare_model(model, None, None).double(), prompt_len=ids.shape[1], steps=48)
+    with torch.no_grad():
+        stepwise = decode(fed)  # (not a helper run: step by step, with the cache)
+        whole = decode.whole(fed)
+    reference = legit.logits.results.reference.outputs
+    for k in range(48):
+        want = stepwise[step_name(k)].numpy()
+        scale = np.abs(want).max()
+        assert np.abs(whole[step_name(k)].numpy() - want).max() <= 1e-12 * scale
+        assert np.abs(reference[step_name(k)].value - want).max() <= 1e-12 * scale
+
+
+class CachedPathDiffers(torch.nn.Module):
+    """A causal LM whose cached steps compute something else than its full forward (a model's own bug)."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids, cache=None, use_cache=True, attention_mask=None):
+        out = self.inner(input_ids=input_ids, cache=cache, use_cache=use_cache, attention_mask=attention_mask)
+        if cache is not None:
+            out.logits = out.logits + 0.05 * out.logits.abs().amax()
+        return out
+
+
+def test_a_model_whose_cached_path_differs_gets_its_helpers_step_by_step(llama):
+    model, ids = llama
+    odd = CachedPathDiffers(model)
+    report = rlx_nb.generation_divergence(odd, ids[:1], max_new_tokens=6, backends=["cpu-nomkldnn"], progress=False)
+    extra = report.logits.results.environment["extra_runs"]
+    assert any("the helper runs step by step: the oracle's cached decode and one forward" in e for e in extra)
+    assert report.verdicts()["cpu-nomkldnn"] == "round-off"  # judged against the step-by-step reference
+    assert report.logits.record("cpu-nomkldnn").judgement.line < 1
