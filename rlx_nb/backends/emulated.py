@@ -38,12 +38,12 @@ def round_mantissa(x: torch.Tensor, bits: int, *, gradient: bool = False) -> tor
     """
     if not x.is_floating_point() or bits >= 24:
         return x
-    return _Rounded.apply(x, bits, gradient) if x.requires_grad else _round(x, bits)
+    return _Rounded.apply(x, bits, gradient) if x.requires_grad and torch.is_grad_enabled() else _round(x, bits)
 
 
 def _round(x: torch.Tensor, bits: int) -> torch.Tensor:
     fast = round_kernel() if x.dtype == torch.float32 and x.device.type == "cpu" and x.numel() >= _FAST_FROM else None
-    if fast is not None and not x.requires_grad:
+    if fast is not None:  # (a parameter requires grad even where none is recorded: its bits are what count)
         # One pass in numba instead of six tensor passes and their temporaries (the weights of a 124M model
         # are rounded once per anchor run: 2.2 s of a GPT-2 call before).  The same integer arithmetic.
         src = x.detach().contiguous()
