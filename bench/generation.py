@@ -16,7 +16,8 @@ severities.
   oracle's; every such flip must be classed a near-tie.
 - *time*: on batch 1, seed 0, a warm ``generation_divergence`` call (the second in a fresh process) against
   the manual workflow, warm too (:func:`manual`), with the default backends and with the eager and compiled
-  ones (``cpu-nomkldnn``, ``cpu-bf16``, ``cpu-inductor``).
+  ones (``cpu-nomkldnn``, ``cpu-bf16``, ``cpu-inductor``), the latter also with ``check_determinism=False``
+  (one oracle decode: the manual workflow checks no determinism either).
 
     python bench/generation.py [--models gpt2,llama,qwen2,mistral] [--seeds 0,1,2] [--batches 1,4]
     python bench/generation.py --timing-only gpt2-small   # GPT-2 at its real size (124M), time only
@@ -141,6 +142,7 @@ def manual(model: torch.nn.Module, ids: torch.Tensor, backends: list[str]) -> fl
 TIMED = {
     "default backends": ["cpu-nomkldnn", "cpu-inductor", "onnxruntime", "openvino"],
     "eager and compiled": ["cpu-nomkldnn", "cpu-bf16", "cpu-inductor"],
+    "eager and compiled, check_determinism=False": ["cpu-nomkldnn", "cpu-bf16", "cpu-inductor"],
 }
 
 
@@ -157,8 +159,9 @@ def timing(name: str) -> list[dict]:
     rows = []
     for what, backends in TIMED.items():
 
-        def call(b: list[str] = backends) -> object:
-            return rlx_nb.generation_divergence(model, ids, max_new_tokens=STEPS, backends=b, progress=False)
+        def call(b: list[str] = backends, again: bool = "check_determinism=False" not in what) -> object:
+            return rlx_nb.generation_divergence(model, ids, max_new_tokens=STEPS, backends=b, progress=False,
+                                                check_determinism=again)  # fmt: skip
 
         call()  # cold: compiles land in Inductor's caches
         start = time.perf_counter()

@@ -89,6 +89,17 @@ def last_logits(logits: Any) -> torch.Tensor:
     )
 
 
+class Tokens:
+    """The oracle's greedy tokens (``batch x steps``), kept for every run after it: one holder shared by every
+    copy of its :class:`Decode` (a private copy, a backend's own, a cast one)."""
+
+    def __init__(self) -> None:
+        self.value: torch.Tensor | None = None
+
+    def __deepcopy__(self, memo: dict) -> Tokens:
+        return self
+
+
 class Decode(torch.nn.Module):
     """Prefill ``prompt_len`` tokens, then ``steps - 1`` decode steps; returns each step's last logits.
 
@@ -96,16 +107,29 @@ class Decode(torch.nn.Module):
     tokens to feed), or ``batch x prompt_len`` when ``free`` (each step fed its own argmax).  ``step`` is
     ``None`` for a Hugging Face model's own call, else the user's function.  ``run_step`` may be replaced by a
     backend (a compiled step: :mod:`rlx_nb.decode_backends`).
+
+    ``oracle_first``: ``forward`` gets the prompt only; its first call (the oracle's run, the first a
+    :func:`rlx_nb.run` makes) decodes greedily and keeps its tokens (``tokens.value``); every later call is
+    teacher-forced on them (:meth:`fed`).  The oracle's greedy decode is then the oracle's run itself, and a
+    determinism rerun is the teacher-forced decode of the same tokens: bit for bit the same computation.
     """
 
     def __init__(self, model: Any, *, prompt_len: int, steps: int, step: Step | None = None, free: bool = False,
-                 masked: bool = False) -> None:  # fmt: skip
+                 masked: bool = False, oracle_first: bool = False) -> None:  # fmt: skip
         super().__init__()
         self.model = model
         self.prompt_len, self.steps, self.free, self.masked = prompt_len, steps, free, masked
         self.step = step
         self.run_step: Callable[..., tuple] | None = None
         self.whole_helpers = step is None and not free
+        self.tokens = Tokens() if oracle_first else None
+
+    def fed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The ids a teacher-forced run is fed: the prompt and the oracle's tokens before the last (``ids``
+        itself where no oracle tokens are held)."""
+        if self.tokens is None or self.tokens.value is None:
+            return ids
+        return torch.cat([ids[:, : self.prompt_len], self.tokens.value[:, :-1].to(ids)], dim=1)
 
     def call(self, input_ids: torch.Tensor, cache: Any, mask: torch.Tensor | None) -> tuple:
         if self.run_step is not None:
@@ -119,8 +143,17 @@ class Decode(torch.nn.Module):
         return self.step(model, input_ids, cache)
 
     def forward(self, ids: torch.Tensor) -> dict[str, torch.Tensor]:
+        if self.tokens is not None and self.tokens.value is None:  # the oracle's run: greedy, its tokens kept
+            out = self.loop(ids[:, : self.prompt_len], free=True)
+            self.tokens.value = torch.stack([out[step_name(k)].argmax(-1) for k in range(self.steps)], dim=1)
+            return out
+        ids = self.fed(ids)
         if self.whole_helpers and self.run_step is None and phases.in_helper_run():
             return self.whole(ids)
+        return self.loop(ids, free=self.free)
+
+    def loop(self, ids: torch.Tensor, *, free: bool) -> dict[str, torch.Tensor]:
+        """The prefill and every step, each with the cache the step before returned."""
         p = self.prompt_len
         batch = ids.shape[0]
         mask = torch.ones(batch, p, dtype=torch.long, device=ids.device) if self.masked else None
@@ -132,7 +165,7 @@ class Decode(torch.nn.Module):
             out[step_name(k)] = last
             if k + 1 == self.steps:
                 break
-            if self.free:
+            if free:
                 current = last.argmax(-1, keepdim=True).to(ids.dtype)
             else:
                 current = ids[:, p + k : p + k + 1]

@@ -165,6 +165,7 @@ def exported_decode(runtime: str) -> Callable[[Any, tuple], Any]:
 
     def fn(decode: Any, inputs: tuple) -> Any:
         (ids,) = inputs
+        ids = decode.fed(ids)  # (the oracle's tokens, where the decode holds them)
         p = decode.prompt_len
         prefill_path, step_path, n_layers = shared_export(decode, ids[:, :p])
         reused = not _KEPT.get("fresh", True)

@@ -315,3 +315,34 @@ def test_a_model_whose_cached_path_differs_gets_its_helpers_step_by_step(llama):
     assert any("the helper runs step by step: the oracle's cached decode and one forward" in e for e in extra)
     assert report.verdicts()["cpu-nomkldnn"] == "round-off"  # judged against the step-by-step reference
     assert report.logits.record("cpu-nomkldnn").judgement.line < 1
+
+
+class Noisy(torch.nn.Module):
+    """A causal LM whose every call adds fresh noise to its logits: its own nondeterminism."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner = inner
+
+    def forward(self, input_ids, cache=None, use_cache=True, attention_mask=None):
+        out = self.inner(input_ids=input_ids, cache=cache, use_cache=use_cache, attention_mask=attention_mask)
+        out.logits = out.logits + 1e-3 * torch.randn_like(out.logits)
+        return out
+
+
+def test_the_oracles_greedy_decode_is_its_run_and_the_rerun_checks_determinism(llama, legit):
+    model, ids = llama
+    # check_determinism=True (the default): the oracle's run is its greedy decode, the rerun the teacher-forced
+    # decode of its tokens; a deterministic model agrees bit for bit, so nothing is marked.
+    assert "determinism rerun" in set(legit.logits.timings.phase)
+    assert legit.logits.results.environment["nondeterministic"] == {}
+    # check_determinism=False: one oracle decode in all, and still the tokens Hugging Face's generate picks.
+    fast = rlx_nb.generation_divergence(model, ids, max_new_tokens=8, backends=["cpu-nomkldnn"], progress=False,
+                                        check_determinism=False)  # fmt: skip
+    assert "determinism rerun" not in set(fast.logits.timings.phase)
+    assert np.array_equal(fast.tokens, legit.tokens[:, :8])
+    # A model that is not reproducible is said to be so, step by step.
+    noisy = rlx_nb.generation_divergence(Noisy(model), ids[:1], max_new_tokens=4, backends=["cpu-nomkldnn"],
+                                         progress=False)  # fmt: skip
+    assert set(noisy.logits.results.environment["nondeterministic"]) == {f"step {k}" for k in range(4)}
+    assert "the oracle's decode is not reproducible" in noisy.meta["oracle_note"]
