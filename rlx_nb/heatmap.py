@@ -169,10 +169,12 @@ def draw_heatmap(
         COLORBAR_LABELS[metric] + (f"  (grey: exact, {100 * exact:.3g}%)" if exact else ""), fontsize=9, labelpad=2
     )
     colorbar.ax.tick_params(labelsize=8)
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import FuncFormatter, MaxNLocator
 
-    ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # rows and columns are whole
-    ax.yaxis.set_major_locator(MaxNLocator(integer=True))
+    for axis, factor in ((ax.yaxis, factors[0]), (ax.xaxis, factors[1])):
+        axis.set_major_locator(MaxNLocator(integer=True))  # rows and columns are whole
+        if factor > 1:  # a pooled cell's tick reads the first element it holds: the index a user looks up
+            axis.set_major_formatter(FuncFormatter(lambda v, _, f=factor: f"{round(v) * f:d}"))
     ax.set_xlabel(f"cols: {folded.side_label('cols')}" + (f", pooled x{factors[1]}" if factors[1] > 1 else ""))
     ax.set_ylabel(f"rows: {folded.side_label('rows')}" + (f", pooled x{factors[0]}" if factors[0] > 1 else ""))
     standout = _standouts(data, 1.0 if metric == "line" else None)

@@ -295,3 +295,30 @@ def test_the_small_items_a_short_backend_repr_an_honest_closing_line_and_a_legen
     fig.canvas.draw()
     legend = ax.get_legend().get_window_extent()
     assert legend.x0 >= ax.get_window_extent().x1 - 1  # beside the axes: it covers no bar
+
+
+def test_a_pooled_maps_ticks_read_the_element_indices_a_user_looks_up():
+    # Pooled x4, a tick at cell 5 read "5" while the worst element, at column 22, is named by its own index:
+    # the ticks now read the first element each cell holds, on the same scale as "worst (0, 22)".
+    import matplotlib.pyplot as plt
+
+    rng = np.random.default_rng(0)
+    oracle = rng.standard_normal((3, 512)).astype(np.float32)
+    backend = oracle.copy()
+    backend[1, 300] += 1.0
+    fig, ax = plt.subplots(figsize=(4, 3), dpi=100)
+    try:
+        drawn = heatmap(oracle, backend, oracle.astype(np.float64), ax=ax)
+        fig.canvas.draw()
+        fy, fx = drawn.factors
+        assert fx > 1 and fy == 1
+        labels = [t.get_text() for t in ax.get_xticklabels() if t.get_text()]
+        values = [int(v) for v in labels]
+        cells = [round(v) for v in ax.get_xticks() if 0 <= v < drawn.pooled.shape[1]]
+        assert values and all(v % fx == 0 for v in values)
+        assert max(values) > drawn.pooled.shape[1]  # (element indices, not pooled cells)
+        assert [c * fx for c in cells] == [v for v in values if v // fx in cells]
+        rows = [t.get_text() for t, v in zip(ax.get_yticklabels(), ax.get_yticks(), strict=True) if 0 <= v <= 2]
+        assert rows == ["0", "1", "2"]  # rows: not pooled, their own indices
+    finally:
+        plt.close(fig)
