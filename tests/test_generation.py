@@ -293,41 +293,37 @@ def test_the_helper_runs_compute_every_step_at_once_and_agree_with_the_step_by_s
         assert np.abs(reference[step_name(k)].value - want).max() <= 1e-12 * scale
 
 
-class CachedPathDiffers(torch.nn.Module):
-    """A causal LM whose cached steps compute something else than its full forward (a model's own bug)."""
+class Altered(torch.nn.Module):
+    """A causal LM whose logits ``alter(logits, cache)`` changes: a model with a bug or a noise of its own."""
 
-    def __init__(self, inner: torch.nn.Module) -> None:
+    def __init__(self, inner: torch.nn.Module, alter) -> None:
         super().__init__()
-        self.inner = inner
+        self.inner, self.alter = inner, alter
 
     def forward(self, input_ids, cache=None, use_cache=True, attention_mask=None):
         out = self.inner(input_ids=input_ids, cache=cache, use_cache=use_cache, attention_mask=attention_mask)
-        if cache is not None:
-            out.logits = out.logits + 0.05 * out.logits.abs().amax()
+        out.logits = self.alter(out.logits, cache)
         return out
+
+
+def _cached_path_differs(logits, cache):
+    # Its cached steps compute something else than its full forward (a model's own bug).
+    return logits + 0.05 * logits.abs().amax() if cache is not None else logits
+
+
+def _noisy(logits, cache):
+    # Every call adds fresh noise: its own nondeterminism.
+    return logits + 1e-3 * torch.randn_like(logits)
 
 
 def test_a_model_whose_cached_path_differs_gets_its_helpers_step_by_step(llama):
     model, ids = llama
-    odd = CachedPathDiffers(model)
+    odd = Altered(model, _cached_path_differs)
     report = rlx_nb.generation_divergence(odd, ids[:1], max_new_tokens=6, backends=["cpu-nomkldnn"], progress=False)
     extra = report.logits.results.environment["extra_runs"]
     assert any("the helper runs step by step: the oracle's cached decode and one forward" in e for e in extra)
     assert report.verdicts()["cpu-nomkldnn"] == "round-off"  # judged against the step-by-step reference
     assert report.logits.record("cpu-nomkldnn").judgement.line < 1
-
-
-class Noisy(torch.nn.Module):
-    """A causal LM whose every call adds fresh noise to its logits: its own nondeterminism."""
-
-    def __init__(self, inner: torch.nn.Module) -> None:
-        super().__init__()
-        self.inner = inner
-
-    def forward(self, input_ids, cache=None, use_cache=True, attention_mask=None):
-        out = self.inner(input_ids=input_ids, cache=cache, use_cache=use_cache, attention_mask=attention_mask)
-        out.logits = out.logits + 1e-3 * torch.randn_like(out.logits)
-        return out
 
 
 def test_the_oracles_greedy_decode_is_its_run_and_the_rerun_checks_determinism(llama, legit):
@@ -342,7 +338,7 @@ def test_the_oracles_greedy_decode_is_its_run_and_the_rerun_checks_determinism(l
     assert "determinism rerun" not in set(fast.logits.timings.phase)
     assert np.array_equal(fast.tokens, legit.tokens[:, :8])
     # A model that is not reproducible is said to be so, step by step.
-    noisy = rlx_nb.generation_divergence(Noisy(model), ids[:1], max_new_tokens=4, backends=["cpu-nomkldnn"],
+    noisy = rlx_nb.generation_divergence(Altered(model, _noisy), ids[:1], max_new_tokens=4, backends=["cpu-nomkldnn"],
                                          progress=False)  # fmt: skip
     assert set(noisy.logits.results.environment["nondeterministic"]) == {f"step {k}" for k in range(4)}
     assert "the oracle's decode is not reproducible" in noisy.meta["oracle_note"]
