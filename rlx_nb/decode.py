@@ -129,7 +129,7 @@ class Decode(torch.nn.Module):
         itself where no oracle tokens are held)."""
         if self.tokens is None or self.tokens.value is None:
             return ids
-        return torch.cat([ids[:, : self.prompt_len], self.tokens.value[:, :-1].to(ids)], dim=1)
+        return teacher_ids(ids[:, : self.prompt_len], self.tokens.value)
 
     def call(self, input_ids: torch.Tensor, cache: Any, mask: torch.Tensor | None) -> tuple:
         if self.run_step is not None:
@@ -181,6 +181,11 @@ class Decode(torch.nn.Module):
         logits = self.model(**kwargs).logits
         p = self.prompt_len
         return {step_name(k): logits[:, p - 1 + k].contiguous() for k in range(self.steps)}
+
+
+def teacher_ids(prompt: torch.Tensor, tokens: Any) -> torch.Tensor:
+    """What a teacher-forced decode is fed: the prompt, then the oracle's ``tokens`` but the last."""
+    return torch.cat([prompt, torch.as_tensor(tokens)[:, :-1].to(prompt)], dim=1)
 
 
 def step_name(k: int) -> str:
@@ -255,8 +260,7 @@ def at_step(model: Any, ids: torch.Tensor, tokens: np.ndarray, k: int, *, step_f
     from rlx_nb.prepare import prepare_model
 
     base = prepare_model(model, None, None)
-    toks = torch.as_tensor(tokens)
-    fed = torch.cat([ids, toks[:, :-1]], dim=1)
+    fed = teacher_ids(ids, tokens)
     p = ids.shape[1]
     if k == 0:  # the prefill itself
         return _alone(base, None, step_fn, p if masked else None), ids.clone()

@@ -185,8 +185,9 @@ class Analysis:
     directions: list[dict[str, np.ndarray]]
     kinks: list[tuple[str, str]]  # (op, where) per recorded call
     note: str = ""
-    joint: Callable[[Sequence[int]], dict[str, np.ndarray]] | None = None
-    """The gradients' change if the given units flipped together (kept while the float64 graph is)."""
+    joint: Callable[[Sequence[int]], dict[str, np.ndarray]] = lambda picked: {}
+    """The gradients' change if the given units flipped together (kept while the float64 graph is; without
+    one, flips explain nothing and none is credited)."""
 
 
 def analyse(
@@ -395,16 +396,7 @@ REFINE = 16
 def _choose(
     analysis: Analysis, diffs: dict[str, np.ndarray], usable: list[int], weights: dict[str, float]
 ) -> tuple[list[int], dict[str, np.ndarray]]:
-    # The flips (of ``usable``) that explain ``diffs``, and what they explain together.  Without a joint
-    # account (an Analysis built by hand), the fitted directions' sum.
-    def summed(picked: list[int]) -> dict[str, np.ndarray]:
-        out = {}
-        for name in diffs:
-            parts = [analysis.directions[i][name] for i in picked if name in analysis.directions[i]]
-            if parts:
-                out[name] = np.sum(parts, axis=0, dtype=np.float64)
-        return out
-
+    # The flips (of ``usable``) that explain ``diffs``, and what they explain together (nothing: ``[], {}``).
     def left(explained: dict[str, np.ndarray]) -> float:
         return sum(
             weights.get(n, 1.0) ** 2 * float(np.sum((y - explained[n]) ** 2 if n in explained else y**2))
@@ -413,29 +405,26 @@ def _choose(
 
     chosen = fit(diffs, [analysis.directions[i] for i in usable], weights)
     picked = [usable[i] for i, c in enumerate(chosen) if c > 0]
-    if not picked or analysis.joint is None:
-        return picked, summed(picked)
+    if not picked:
+        return [], {}
     explained = analysis.joint(picked)
     cost = left(explained)
-    tries = 0
-    while tries < REFINE:
-        # the toggle (add a unit, or take one back) the one-at-a-time directions rate best on what is left,
-        # tried exactly
+    tries, improved = 0, True
+    while improved and tries < REFINE:
+        # the toggles (add a unit, or take one back) the one-at-a-time directions rate best on what is left,
+        # tried exactly in that order until one explains more
         rest = {n: y - explained.get(n, 0.0) for n, y in diffs.items()}
         gains = {i: _gain(rest, analysis.directions[i], weights, -1.0 if i in picked else 1.0) for i in usable}
         ranked = [i for i in sorted(gains, key=gains.get, reverse=True) if gains[i] > 0]
-        for i in ranked:
+        improved = False
+        for i in ranked[: REFINE - tries]:
             tries += 1
             trial = sorted(set(picked) ^ {i})
             trial_explained = analysis.joint(trial) if trial else {}
             trial_cost = left(trial_explained)
             if trial_cost < cost:
-                picked, explained, cost = trial, trial_explained, trial_cost
+                picked, explained, cost, improved = trial, trial_explained, trial_cost, True
                 break
-            if tries >= REFINE:
-                break
-        else:
-            break
     if not picked or cost >= left({}):
         return [], {}  # (the flips together explain nothing: none is credited)
     return picked, explained

@@ -51,15 +51,14 @@ def plot_steps(report: Any, ax: Any = None) -> Any:
 def write_html(report: Any, path: str | Path, *, title: str | None = None) -> Path:
     """The generation's lines, step plot and first divergences, then the logits report (every step's verdicts)."""
     from rlx_nb import html_report
-    from rlx_nb.html_report import _figure, _png, _table
 
-    fig = _figure(8.0, 4.2)
+    fig = html_report._figure(8.0, 4.2)
     plot_steps(report, ax=fig.add_subplot())
     first = report.first_divergence.reset_index()
     prelude = (
         "<h2>Generation</h2><pre>" + html.escape("\n".join(report.lines())) + "</pre>"
-        f"<img alt='logits error per step' src='{_png(fig)}'>"
-        "<h3>First divergence per backend</h3>" + _table(first)
+        f"<img alt='logits error per step' src='{html_report._png(fig)}'>"
+        "<h3>First divergence per backend</h3>" + html_report._table(first)
     )
     title = title or f"rlx_nb generation: {report.label}"
     return html_report.write_html(report.logits, path, title=title, prelude=prelude)

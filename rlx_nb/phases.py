@@ -127,11 +127,11 @@ def helper_run(on: bool = True) -> Iterator[None]:
     """Mark a run as one of rlx_nb's own helper runs (the fp64 reference, the sequential-sums run, the
     precision anchors): runs whose *values* matter, not the computation that gives them.  A model that can
     compute the same values another way may (:class:`rlx_nb.decode.Decode` runs every step at once there)."""
-    _HELPER["depth"] += 1 if on else 0
+    _HELPER["depth"] += int(on)
     try:
         yield
     finally:
-        _HELPER["depth"] -= 1 if on else 0
+        _HELPER["depth"] -= int(on)
 
 
 def in_helper_run() -> bool:

@@ -102,7 +102,8 @@ def run(
         task = Task(backward, loss, tuple(grad_inputs), tuple(input_names))
         inputs_ = PrivateInputs(args, cast=cast)
 
-        def go(backend: Backend, phase: str, **kw: Any) -> BackendRun:
+        def go(backend: Backend, phase: str, *, helper: bool = False, **kw: Any) -> BackendRun:
+            # ``helper``: one of rlx_nb's own helper runs (phases.helper_run), whose values matter, not their path
             short = memory.shortfall(backend, phase)
             streamed = ""
             if short and backend.name == REFERENCE:
@@ -110,7 +111,6 @@ def run(
             if short:
                 return BackendRun(backend.name, SKIPPED, {}, short, compute_dtype=backend.compute_dtype)
             before = rss_bytes()
-            helper = phase in ("fp64 reference", "sequential sums") or phase.startswith("anchor ")
             with meter.phase(phase), phases.helper_run(helper):
                 if streamed:  # the float32 weights as they are, each op's cast to float64 where it runs
                     result = execute(STREAMED, private, inputs_.args, task, saved=saved, **kw)
@@ -173,13 +173,13 @@ def run(
         if check_determinism:
             unstable = nondeterministic(oracle, go(get_backend(ORACLE), "determinism rerun", scope=lambda: counter))
         say(REFERENCE)
-        reference = go(get_backend(REFERENCE), "fp64 reference", timeout_s=timeout_s)
+        reference = go(get_backend(REFERENCE), "fp64 reference", helper=True, timeout_s=timeout_s)
         sequential = None
         if counter.calls != 0:
             say("sequential")
             sequential = go(
-                Backend("sequential", run_eager, hookable=True), "sequential sums", timeout_s=timeout_s,
-                scope=SequentialSums,
+                Backend("sequential", run_eager, hookable=True), "sequential sums", helper=True,
+                timeout_s=timeout_s, scope=SequentialSums,
             )  # fmt: skip
         failed = _why(sequential) if sequential is not None else ""
         anchors: dict[int, BackendRun] = {}
@@ -187,7 +187,7 @@ def run(
         def run_anchors() -> None:
             for bits in formats.ANCHOR_BITS:
                 anchor = Backend(f"anchor:{bits}", emulate(bits, results=True), hookable=True)
-                anchors[bits] = go(anchor, f"anchor {bits} bits", timeout_s=timeout_s)
+                anchors[bits] = go(anchor, f"anchor {bits} bits", helper=True, timeout_s=timeout_s)
 
         # The anchors only widen an fp32 backend's budget (and read its effective bits); a reduced-precision
         # backend's budget is its anchor.  On a large model (an oracle run past ANCHORS_CHEAP_S) they wait

@@ -119,19 +119,21 @@ class RoundMatmulOperands(TorchFunctionMode):
         super().__init__()
         self.bits = bits
         self.results = results
-        self.seen: set[tuple[int, int]] = set()
-        self.kept: dict[tuple[int, int], torch.Tensor] = {}
+        self.seen: dict[tuple[int, int], torch.Tensor] = {}
+        self.kept: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
     def weight(self, v: torch.Tensor) -> torch.Tensor:
         # A parameter rounded again at every use of a loop (a decode's 64 steps) costs more than the steps:
-        # from its second use outside autograd, its rounded copy is kept (the key holds its version).
+        # from its second use outside autograd, its rounded copy is kept (the key holds its version; the
+        # parameter itself is held beside it, so a new tensor at a freed one's address is never taken for it).
         key = (id(v), v._version)
-        if key in self.kept:
-            return self.kept[key]
+        held = self.kept.get(key)
+        if held is not None and held[0] is v:
+            return held[1]
         out = round_mantissa(v, self.bits, gradient=self.results)
-        if key in self.seen:
-            self.kept[key] = out
-        self.seen.add(key)
+        if self.seen.get(key) is v:
+            self.kept[key] = (v, out)
+        self.seen[key] = v
         return out
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
