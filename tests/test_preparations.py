@@ -120,3 +120,25 @@ def test_keys_see_values_not_identities():
     x = torch.randn(4, 16)
     assert preparations.inputs_key((x,)) == preparations.inputs_key((x + 1,))
     assert preparations.inputs_key((x,)) != preparations.inputs_key((x.double(),))
+
+
+def test_kept_preparations_are_held_to_a_byte_budget_least_recently_used_out(net):
+    # Not only a count: what the kept preparations hold together stays within the run's byte budget (a share
+    # of the memory free when it began), the least recently used dropped first.
+    require_live("onnxruntime")
+    rlx_nb.clear_preparations()
+    model, _ = net
+    for batch in (1, 2, 3):
+        rlx_nb.backend_divergence(model, torch.randn(batch, 16), backends=["onnxruntime"], progress=False)
+    kept = list(preparations._CACHE.values())
+    assert len(kept) == 3
+    for i, prep in enumerate(kept):  # (what each held, set here: a session's own growth is noise-sized)
+        prep.held_bytes = (i + 1) * 1000
+    newest = list(preparations._CACHE)[-1]
+    preparations.fit(5000)  # 1000 + 2000 + 3000 held: the oldest goes
+    assert [p.held_bytes for p in preparations._CACHE.values()] == [2000, 3000]
+    preparations.fit(3000)
+    assert list(preparations._CACHE) == [newest]
+    preparations.fit(None)  # (no budget known: nothing dropped)
+    assert len(preparations._CACHE) == 1
+    rlx_nb.clear_preparations()
