@@ -7,8 +7,10 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import dataclasses
 import functools
+import threading
 import time
 import zlib
 from collections.abc import Callable
@@ -74,12 +76,13 @@ def execute(
 ) -> BackendRun:
     """Run one backend on its copy of the model (``private.copy_for``); never raises for a backend failure.
 
-    The run gets new leaf tensors over ``args``' storage, not copies: ``args`` must be the
-    caller's private copy (:func:`run` keeps one in :class:`~rlx_nb.prepare.PrivateInputs`).  With
-    ``timeout_s``, the backend runs in a worker thread; one still running after that long
-    becomes an error row and its thread is abandoned (Python cannot kill a thread): the switches are
-    put back to ``saved`` (the run's snapshot, :mod:`rlx_nb.switches`) at once, and the thread can no
-    longer flip one.  ``scope`` is a context manager factory entered around the forward and the backward.
+    The run gets new leaf tensors over ``args``' storage, not copies: ``args`` must be the caller's private
+    copy (:func:`run` keeps one in :class:`~rlx_nb.prepare.PrivateInputs`).  With ``timeout_s``, an exported,
+    device or registered backend runs in a worker thread; one still running after that long becomes an error
+    row and its thread is abandoned (Python cannot kill a thread): the switches are put back to ``saved`` (the
+    run's snapshot, :mod:`rlx_nb.switches`) at once, and the thread can no longer flip one.  rlx_nb's own CPU
+    runs (:attr:`Backend.on_caller`) stay on the calling thread, stopped at their next Python step once past
+    ``timeout_s``.  ``scope`` is a context manager factory entered around the forward and the backward.
 
     ``KeyboardInterrupt`` and ``SystemExit``, raised by the backend or by the user while it runs, are
     never a row: they propagate (after the thread is abandoned and the switches restored).
@@ -94,6 +97,8 @@ def execute(
 
     if timeout_s is None:
         return go()
+    if backend.on_caller:
+        return _on_caller(go, backend, timeout_s)
     box: list[BackendRun] = []
     raised: list[BaseException] = []
 
@@ -125,6 +130,53 @@ def execute(
             abandoned=True,
         )
     return box[0]
+
+
+class _TimedOut(BaseException):
+    """Raised into the calling thread when a run on it passes its timeout (a BaseException: a model's own
+    ``except Exception`` does not swallow it)."""
+
+
+def _raise_in(thread_id: int, exc: type[BaseException] | None) -> None:
+    # Raise ``exc`` in that thread at its next Python step (None: clear one still pending).
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(exc) if exc else None)
+
+
+def _on_caller(go: Callable[[], BackendRun], backend: Backend, timeout_s: float) -> BackendRun:
+    # The run on the calling thread (Backend.on_caller); past ``timeout_s`` a watchdog raises _TimedOut
+    # in it, which lands at its next Python step (a decode's next step, a model's next module).
+    caller = threading.get_ident()
+    lock = threading.Lock()
+    state = {"done": False, "fired": False}
+
+    def fire() -> None:
+        with lock:
+            if not state["done"]:
+                state["fired"] = True
+                _raise_in(caller, _TimedOut)
+
+    watchdog = threading.Timer(timeout_s, fire)
+    watchdog.daemon = True
+    start = time.perf_counter()
+    try:
+        watchdog.start()
+        try:
+            return go()
+        finally:
+            with lock:
+                state["done"] = True
+                watchdog.cancel()
+                if state["fired"]:  # (fired after the run's last Python step: never let it land elsewhere)
+                    _raise_in(caller, None)
+    except _TimedOut:
+        return BackendRun(
+            backend.name,
+            ERROR,
+            {},
+            f"timed out after {timeout_s:g} s (raise timeout_s if it is only slow); stopped at its next Python step",
+            time.perf_counter() - start,
+            compute_dtype=backend.compute_dtype,
+        )
 
 
 class Given:

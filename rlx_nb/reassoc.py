@@ -323,26 +323,32 @@ def _float32_cpu(args: tuple) -> bool:
 
 
 class CountReductions(QuietDispatchMode):
-    """Counts the reductions :class:`SequentialSums` would change, in ``calls``; changes nothing."""
+    """Counts the reductions :class:`SequentialSums` would change, in ``calls``; changes nothing.
 
-    def __init__(self) -> None:
+    ``dtypes``: the result dtypes counted.  A float32 run's reductions are float32's; counted during the
+    float64 reference run (``(torch.float32, torch.float64)``), its float64 reductions are the ones the
+    float32 model computes in float32 there.
+    """
+
+    def __init__(self, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> None:
         super().__init__()
         self.calls = 0
+        self.dtypes = dtypes
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
-        if _changes(func, kwargs, out):
+        if _changes(func, kwargs, out, self.dtypes):
             self.calls += 1
         return out
 
 
-def _changes(func: Any, kwargs: dict, out: Any) -> bool:
-    # A covered reduction with float32 CPU results (a sum asked for another dtype is left alone).
-    if func not in _SEQUENTIAL or kwargs.get("dtype") not in (None, torch.float32):
+def _changes(func: Any, kwargs: dict, out: Any, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> bool:
+    # A covered reduction with CPU results in ``dtypes`` (a sum asked for another dtype is left alone).
+    if func not in _SEQUENTIAL or kwargs.get("dtype") not in (None, *dtypes):
         return False
     leaves = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(t, torch.Tensor)]
-    return bool(leaves) and all(t.dtype == torch.float32 and t.device.type == "cpu" for t in leaves)
+    return bool(leaves) and all(t.dtype in dtypes and t.device.type == "cpu" for t in leaves)
 
 
 # aten ops (overload packet names) that multiply matrices: what the anchors' torch-level targets
@@ -355,8 +361,8 @@ class CountCalls(CountReductions):
     """:class:`~rlx_nb.reassoc.CountReductions` that also counts matmul-like aten ops in ``matmuls``, and by class
     in ``ops`` (``convolution``, ``matrix product``, ``attention``)."""
 
-    def __init__(self) -> None:
-        super().__init__()
+    def __init__(self, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> None:
+        super().__init__(dtypes)
         self.matmuls = 0
         self.ops: dict[str, int] = {}
 

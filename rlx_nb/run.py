@@ -44,7 +44,9 @@ from rlx_nb.results import (
 )
 from rlx_nb.tree import map_tensors
 
-STREAMED = Backend(REFERENCE, run_float64_streamed, compute_dtype="float64", hookable=True)
+STREAMED = Backend(
+    REFERENCE, run_float64_streamed, compute_dtype="float64", builtin=True, hookable=True, on_caller=True
+)
 ANCHORS_CHEAP_S = 0.1
 """An oracle run this short (seconds) makes the precision anchors cheap: they always run.  Past it they run
 only where a verdict needs them (:func:`run`'s ``on_backend``)."""
@@ -149,20 +151,17 @@ def run(
 
         extra_notes: list[str] = []
 
-        # A run under this dispatch mode counts the matmul-like calls the precision anchors would round
-        # (without any, the anchors would only repeat the oracle, so they are not run) and the reductions a
-        # plain sequential kernel would sum in another order.  A dispatch mode sees the ops the model's own
-        # run executes and changes none of them: a torch-function mode would not do, because it turns off
-        # PyTorch's inference fast paths (nn.TransformerEncoderLayer, nn.MultiheadAttention).
-        counter = CountCalls()
+        # The fp64 reference runs under this dispatch mode, which counts the matmul-like calls the precision
+        # anchors would round (without any, the anchors would only repeat the oracle, so they are not run) and
+        # the reductions a plain sequential kernel would sum in another order.  A dispatch mode sees the ops
+        # the model's own run executes and changes none of them: a torch-function mode would not do, because
+        # it turns off PyTorch's inference fast paths (nn.TransformerEncoderLayer, nn.MultiheadAttention).
+        # Counted there, not in an oracle run: the oracle's runs are timed like a backend's and stay as they
+        # are, and the reference is a helper run like the ones the counts decide (a decode's helpers compute
+        # every step at once: rlx_nb.decode), so it sees their ops, in float64.
+        counter = CountCalls(dtypes=(torch.float32, torch.float64))
         say(ORACLE)
-        # Without a second run to count in, the oracle's own run counts.
-        oracle = go(
-            get_backend(ORACLE),
-            "oracle",
-            measure_reductions=True,
-            scope=None if check_determinism else lambda: counter,
-        )
+        oracle = go(get_backend(ORACLE), "oracle", measure_reductions=True)
         if oracle.status != OK:
             raise InputError(
                 f"the model fails on the CPU oracle, so nothing can be compared: {oracle.message}{dtype_hint(inputs)}"
@@ -171,14 +170,16 @@ def run(
             raise InputError(f"backward=True but the oracle's backward did not run: {oracle.grad_message}")
         unstable = {}
         if check_determinism:
-            unstable = nondeterministic(oracle, go(get_backend(ORACLE), "determinism rerun", scope=lambda: counter))
+            unstable = nondeterministic(oracle, go(get_backend(ORACLE), "determinism rerun"))
         say(REFERENCE)
-        reference = go(get_backend(REFERENCE), "fp64 reference", helper=True, timeout_s=timeout_s)
+        reference = go(
+            get_backend(REFERENCE), "fp64 reference", helper=True, timeout_s=timeout_s, scope=lambda: counter
+        )
         sequential = None
         if counter.calls != 0:
             say("sequential")
             sequential = go(
-                Backend("sequential", run_eager, hookable=True), "sequential sums", helper=True,
+                Backend("sequential", run_eager, builtin=True, hookable=True, on_caller=True), "sequential sums", helper=True,
                 timeout_s=timeout_s, scope=SequentialSums,
             )  # fmt: skip
         failed = _why(sequential) if sequential is not None else ""
@@ -186,7 +187,9 @@ def run(
 
         def run_anchors() -> None:
             for bits in formats.ANCHOR_BITS:
-                anchor = Backend(f"anchor:{bits}", emulate(bits, results=True), hookable=True)
+                anchor = Backend(
+                    f"anchor:{bits}", emulate(bits, results=True), builtin=True, hookable=True, on_caller=True
+                )
                 anchors[bits] = go(anchor, f"anchor {bits} bits", helper=True, timeout_s=timeout_s)
 
         # The anchors only widen an fp32 backend's budget (and read its effective bits); a reduced-precision

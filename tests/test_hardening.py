@@ -129,6 +129,64 @@ def test_misbehaving_backends_are_rows_and_others_survive():
         rlx_nb.unregister_backend(name)
 
 
+def test_rlx_nbs_own_eager_runs_stay_on_the_calling_thread_and_registered_ones_get_a_worker():
+    # A worker thread's second OpenMP team made libgomp throttle its spin: every parallel region woke its
+    # threads from sleep, and eager backends ran 25-40% slower than on the caller's thread.
+    import threading
+
+    where: dict[str, set[bool]] = {}
+    caller = threading.get_ident()
+
+    class Where(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            kind = str(x.dtype) if torch.backends.mkldnn.enabled else "nomkldnn"
+            where.setdefault(kind, set()).add(threading.get_ident() == caller)
+            return self.lin(x)
+
+    rlx_nb.register_backend("test-registered", lambda m, xs: m(*xs.__class__(t * 1.0 for t in xs)), replace=True)
+    try:
+        rlx_nb.backend_divergence(Where(), torch.randn(3, 4), backends=["cpu-nomkldnn", "test-registered"],
+                                  progress=False)  # fmt: skip
+    finally:
+        rlx_nb.unregister_backend("test-registered")
+    # the oracle, its rerun, the sequential sums and the anchors (float32), the fp64 reference, oneDNN off:
+    # all on the caller's thread; the registered backend (float32 too) in a worker
+    assert where["torch.float64"] == {True} and where["nomkldnn"] == {True}
+    assert where["torch.float32"] == {True, False}
+    from rlx_nb.backends import get_backend
+
+    assert get_backend("cpu-inductor").on_caller and get_backend("fault:softmax-row").on_caller
+    assert not get_backend("onnxruntime").on_caller and not get_backend("cuda").on_caller
+
+
+def test_an_eager_run_on_the_calling_thread_past_its_timeout_is_a_row_and_the_call_goes_on():
+    class SlowWithoutOneDNN(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(4, 4)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            for _ in range(200 if not torch.backends.mkldnn.enabled else 0):
+                time.sleep(0.05)  # 10 s in all, in Python steps
+            return self.lin(x)
+
+    start = time.perf_counter()
+    report = rlx_nb.backend_divergence(SlowWithoutOneDNN(), torch.randn(3, 4), backends=["cpu-nomkldnn"],
+                                       timeout_s=0.5, progress=False)  # fmt: skip
+    took = time.perf_counter() - start
+    rec = report.record("cpu-nomkldnn")
+    assert rec.verdict == "error" and "timed out after 0.5 s" in rec.reason and "next Python step" in rec.reason
+    assert took < 8
+    assert torch.backends.mkldnn.enabled  # its switch restored on the way out
+    time.sleep(0.2)
+    again = rlx_nb.backend_divergence(SlowWithoutOneDNN(), torch.randn(3, 4), backends=["cpu-bf16"], progress=False)
+    assert again.record("cpu-bf16").verdict == ROUNDOFF  # nothing left pending lands in a later call
+
+
 def test_nondeterministic_model_is_not_blamed_on_a_backend():
     class Noisy(torch.nn.Module):
         def forward(self, x):

@@ -86,6 +86,56 @@ def test_count_reductions_sees_forward_and_backward_reductions():
     assert both.calls >= 2
 
 
+def test_the_float64_reference_run_counts_what_the_float32_run_would():
+    # backend_divergence counts during the fp64 reference run: its float64 reductions and matmuls are the ones
+    # the float32 model computes there, forward and backward; a float32-only count there sees none.
+    from rlx_nb.reassoc import CountCalls
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Conv2d(3, 8, 3), torch.nn.GroupNorm(2, 8), torch.nn.Flatten(), torch.nn.Linear(8 * 6 * 6, 4),
+        torch.nn.LayerNorm(4),
+    )  # fmt: skip
+    x = torch.randn(2, 3, 8, 8)
+
+    def count(m: torch.nn.Module, dtype: torch.dtype, counter: CountCalls) -> CountCalls:
+        with counter:
+            m.to(dtype)(x.to(dtype)).square().sum().backward()
+        return counter
+
+    f32 = count(model, torch.float32, CountCalls())
+    f64 = count(model, torch.float64, CountCalls(dtypes=(torch.float32, torch.float64)))
+    assert f32.calls > 0 and f32.matmuls > 0
+    assert (f64.calls, f64.matmuls, f64.ops) == (f32.calls, f32.matmuls, f32.ops)
+    assert count(model, torch.float64, CountCalls()).calls == 0
+
+
+def test_the_oracles_runs_are_not_run_under_the_counting_mode():
+    # The oracle's run and its determinism rerun are timed like a backend's: nothing passes their ops through
+    # Python.  The fp64 reference run counts, and its counts still decide the sequential-sums run.
+    seen: dict[str, bool] = {}
+
+    class Spy(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = torch.nn.Linear(6, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+            seen[str(x.dtype)] = seen.get(str(x.dtype), False) or any(
+                isinstance(m, reassoc.CountReductions) for m in _get_current_dispatch_mode_stack()
+            )
+            return self.lin(x).sum(-1)
+
+    report = rlx_nb.backend_divergence(Spy(), torch.randn(5, 6), backends=["cpu-nomkldnn"], progress=False)
+    assert seen == {"torch.float32": False, "torch.float64": True}
+    assert any(
+        r.startswith("sequential sums: a second legitimate error (") for r in report.results.environment["extra_runs"]
+    )
+    assert report.results.sequential is not None
+
+
 def test_norm_backwards_match_eager_within_round_off():
     # The rewritten LayerNorm / BatchNorm / GroupNorm / softmax backwards are the same maths.
     torch.manual_seed(0)

@@ -54,6 +54,13 @@ class Backend:
         ``prepare(model, inputs) -> runner``, ``runner(inputs) -> outputs``: the backend's costly step
         (a compile, an export) apart from running, so :mod:`rlx_nb.preparations` can keep it across
         calls.  ``fn`` must do the same as ``prepare(model, inputs)(inputs)``.
+    on_caller : bool
+        Run on the calling thread, as the oracle (and a user's own run) does, instead of a worker thread a
+        timeout can abandon; past ``timeout_s`` it is stopped at its next Python step.  rlx_nb's own CPU
+        backends whose code is PyTorch's (eager kernels with a switch, a format or a fault changed; the
+        helper runs; Inductor's compiled CPU code): in a worker thread they ran 25-40% slower, because a
+        second OpenMP team makes libgomp count more threads than cores and wake them from sleep at every
+        parallel region.  Exported runtimes, devices and registered backends keep the worker thread.
     """
 
     name: str
@@ -68,6 +75,7 @@ class Backend:
     hookable: bool = False
     compare_on_device: bool | None = None
     prepare: Callable[[Any, tuple], Callable[[tuple], Any]] | None = None
+    on_caller: bool = False
 
     def __repr__(self) -> str:
         # Short: a notebook shows it when register_backend ends a cell.

@@ -199,6 +199,7 @@ BACKENDS = [
         prepare=prepare_compiled,
         description="torch.compile (Inductor) on the CPU",
         builtin=True,
+        on_caller=True,
     ),
     Backend(
         "cuda-inductor",

@@ -145,7 +145,9 @@ def _probe(device: str):
 
 
 BACKENDS = [
-    Backend(ORACLE, run_eager, description="torch eager, float32 (the oracle)", builtin=True, hookable=True),
+    Backend(
+        ORACLE, run_eager, description="torch eager, float32 (the oracle)", builtin=True, hookable=True, on_caller=True
+    ),
     Backend(
         REFERENCE,
         run_float64,
@@ -154,6 +156,7 @@ BACKENDS = [
         description="torch eager, float64 (the reference the verdict uses)",
         builtin=True,
         hookable=True,
+        on_caller=True,
     ),
     Backend(
         "cpu-nomkldnn",
@@ -161,6 +164,7 @@ BACKENDS = [
         description="torch eager with oneDNN and NNPACK disabled (ATen's native kernels)",
         builtin=True,
         hookable=True,
+        on_caller=True,
     ),
     Backend(
         "cpu-nnpack",
@@ -170,6 +174,7 @@ BACKENDS = [
         description="torch eager with oneDNN disabled: NNPACK's fast convolutions from batch 16, as PyTorch picks them",
         builtin=True,
         hookable=True,
+        on_caller=True,
     ),
     Backend(
         "cuda",

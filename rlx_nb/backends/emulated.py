@@ -177,6 +177,7 @@ BACKENDS = [
         default=False,
         builtin=True,
         hookable=True,
+        on_caller=True,
         description="eager CPU with matmul/conv operands rounded to TF32 (10-bit mantissa)",
     ),
 ]

@@ -472,7 +472,13 @@ def fault_backend(kind: str, severity: float | None = None) -> Backend:
         raise InputError(f"unknown fault {kind!r}; the catalogue has: {', '.join(CATALOGUE)}")
     name = fault.name if severity is None else f"{fault.name}@{severity:g}"
     return Backend(
-        name, fault_fn(fault, severity), default=False, description=fault.description, builtin=True, hookable=True
+        name,
+        fault_fn(fault, severity),
+        default=False,
+        description=fault.description,
+        builtin=True,
+        hookable=True,
+        on_caller=True,
     )
 
 

@@ -16,6 +16,7 @@ BACKENDS = [
         description="CPU autocast bfloat16 (judged against a bfloat16 budget)",
         builtin=True,
         hookable=True,
+        on_caller=True,
     ),
     Backend(
         "cpu-fp16",
@@ -25,5 +26,6 @@ BACKENDS = [
         description="CPU autocast float16 (judged against a float16 budget; slow on most CPUs)",
         builtin=True,
         hookable=True,
+        on_caller=True,
     ),
 ]
