@@ -31,6 +31,7 @@ step by step.
 from __future__ import annotations
 
 import copy
+import functools
 import types
 from collections.abc import Callable
 from typing import Any
@@ -65,10 +66,18 @@ def hf_step(model: Any, input_ids: torch.Tensor, cache: Any, attention_mask: tor
 
 def cache_argument(model: Any) -> str:
     """The keyword a Hugging Face model takes its cache by: ``cache`` (transformers 5.2x) or ``past_key_values``."""
-    import inspect
-
     model = getattr(model, "_orig_mod", model)  # (a torch.compile'd model: the module it wraps)
     fn = getattr(model, "forward", model)
+    try:
+        return _cache_keyword(getattr(fn, "__func__", fn))  # (once per forward function, not once per step)
+    except TypeError:  # (unhashable)
+        return _cache_keyword.__wrapped__(fn)
+
+
+@functools.lru_cache(maxsize=64)
+def _cache_keyword(fn: Any) -> str:
+    import inspect
+
     try:
         params = inspect.signature(fn).parameters
     except (TypeError, ValueError):

@@ -12,6 +12,7 @@ import functools
 import gc
 import re
 import sys
+import threading
 import warnings
 import zlib
 from collections.abc import Callable, Iterable, Mapping
@@ -273,15 +274,38 @@ def shared_copy(model: torch.nn.Module) -> torch.nn.Module:
 
 
 def tensors_crc(model: torch.nn.Module) -> int:
-    """crc32 over the bytes of every CPU parameter and buffer of ``model`` (~7 GB/s, without the GIL)."""
-    crc = 0
+    """crc32s over the bytes of every CPU parameter and buffer of ``model``, as one number (~7 GB/s per core,
+    without the GIL: the tensors are split in two halves by bytes, one summed in a second thread)."""
+    tensors: list[torch.Tensor] = []
     seen: set[int] = set()
     for t in (*model.parameters(), *model.buffers()):
         if id(t) in seen or t.device.type != "cpu" or t.numel() == 0 or t.layout != torch.strided:
             continue
         seen.add(id(t))
         d = t.detach()
-        d = d if d.is_contiguous() else d.contiguous()
+        tensors.append(d if d.is_contiguous() else d.contiguous())
+    total = sum(d.numel() * d.element_size() for d in tensors)
+    cut, size = 0, 0
+    while cut < len(tensors) and size < total // 2:
+        size += tensors[cut].numel() * tensors[cut].element_size()
+        cut += 1
+    if total < CRC_SPLIT_BYTES:
+        return _crc(tensors)
+    other: list[int] = []
+    helper = threading.Thread(target=lambda: other.append(_crc(tensors[cut:])), name="rlx_nb:crc", daemon=True)
+    helper.start()
+    first = _crc(tensors[:cut])
+    helper.join()
+    return first | other[0] << 32
+
+
+CRC_SPLIT_BYTES = 32 << 20
+"""Models with more bytes than this have their crc computed in two threads."""
+
+
+def _crc(tensors: list[torch.Tensor]) -> int:
+    crc = 0
+    for d in tensors:
         crc = zlib.crc32(raw_bytes(d), crc)
     return crc
 

@@ -306,3 +306,20 @@ def test_the_streamed_reference_is_float64_round_off_from_a_fused_fast_path_it_t
                                        torch.randn(2, 5, 32))  # fmt: skip
     assert streamed.dtype == torch.float64
     torch.testing.assert_close(streamed, whole, rtol=1e-12, atol=1e-12)
+
+
+def test_the_write_check_sees_a_write_in_either_half_of_a_large_models_bytes():
+    # Past CRC_SPLIT_BYTES the crc is two halves, one in a second thread: a write anywhere still changes it.
+    from rlx_nb.prepare import CRC_SPLIT_BYTES, tensors_crc
+
+    model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(12)])  # 50 MB
+    assert sum(p.numel() * 4 for p in model.parameters()) > CRC_SPLIT_BYTES
+    before = tensors_crc(model)
+    assert tensors_crc(model) == before
+    with torch.no_grad():
+        for p in (model[0].weight, model[11].bias):
+            kept = p.data[0].clone()
+            p.data[0] += 1.0
+            assert tensors_crc(model) != before
+            p.data[0] = kept
+            assert tensors_crc(model) == before
