@@ -14,8 +14,9 @@ severities.
   at that step.
 - *flip rate*: the share of (step, sequence) where a legitimate backend's greedy token differs from the
   oracle's; every such flip must be classed a near-tie.
-- *time*: on batch 1, seed 0, a warm ``generation_divergence`` call (the second in a fresh process) against
-  the manual workflow, warm too (:func:`manual`), with the default backends and with the eager and compiled
+- *time*: on batch 1, seed 0, warm ``generation_divergence`` calls (after a first one in a fresh process)
+  against the manual workflow, warm too (:func:`manual`), :data:`REPEATS` of each alternating, the ratio of
+  their medians; with the default backends and with the eager and compiled
   ones (``cpu-nomkldnn``, ``cpu-bf16``, ``cpu-inductor``), the latter also with ``check_determinism=False``
   (one oracle decode: the manual workflow checks no determinism either).
 
@@ -30,6 +31,7 @@ from __future__ import annotations
 import argparse
 import csv
 import os
+import statistics
 import sys
 import time
 import warnings
@@ -154,6 +156,11 @@ def gpt2_small() -> tuple[torch.nn.Module, torch.Tensor]:
     return GPT2LMHeadModel(GPT2Config()).eval(), torch.randint(0, 50257, (1, zoo.PROMPT_LEN))
 
 
+REPEATS = 3
+"""Warm calls and manual workflows timed per case, alternating; the ratio is of their medians (this machine's
+speed moves by 10-30% between minutes, so one pair swings the ratio by as much)."""
+
+
 def timing(name: str) -> list[dict]:
     model, ids = gpt2_small() if name == "gpt2-small" else zoo.decoder(name, batch=1, seed=0)
     rows = []
@@ -164,14 +171,24 @@ def timing(name: str) -> list[dict]:
                                                 check_determinism=again)  # fmt: skip
 
         call()  # cold: compiles land in Inductor's caches
-        start = time.perf_counter()
-        call()
-        ours = time.perf_counter() - start
         manual(model, ids, backends)  # cold
-        by_hand = manual(model, ids, backends)
-        rows.append({"model": name, "backends": what, "rlx_nb_s": ours, "manual_s": by_hand, "ratio": ours / by_hand})
-        print(f"timing {name} {what}: {ours:.2f} s vs {by_hand:.2f} s", file=sys.stderr, flush=True)
+        ours, by_hand = [], []
+        for _ in range(REPEATS):
+            start = time.perf_counter()
+            call()
+            ours.append(time.perf_counter() - start)
+            by_hand.append(manual(model, ids, backends))
+        o, m = statistics.median(ours), statistics.median(by_hand)
+        rows.append({"model": name, "backends": what, "rlx_nb_s": o, "manual_s": m, "ratio": o / m,
+                     "pair_ratios": [a / b for a, b in zip(ours, by_hand, strict=True)]})  # fmt: skip
+        print(f"timing {name} {what}: {o:.2f} s vs {m:.2f} s", file=sys.stderr, flush=True)
     return rows
+
+
+def timing_row(t: dict) -> str:
+    pairs = ", ".join(f"{r:.2f}" for r in t.get("pair_ratios", []))
+    return (f"| {t['model']} | {t['backends']} | {t['rlx_nb_s']:.2f} | {t['manual_s']:.2f} | {t['ratio']:.2f}x "
+            f"| {pairs} |")  # fmt: skip
 
 
 def fresh_timing(name: str) -> list[dict]:
@@ -203,11 +220,8 @@ def main() -> None:
             return
         times = [row for n in names for row in fresh_timing(n)]
         text = "\n".join(
-            ["| decoder | backends | rlx_nb (s) | manual (s) | ratio |", "|---|---|---|---|---|"]
-            + [
-                f"| {t['model']} | {t['backends']} | {t['rlx_nb_s']:.2f} | {t['manual_s']:.2f} | {t['ratio']:.2f}x |"
-                for t in times
-            ]
+            ["| decoder | backends | rlx_nb (s) | manual (s) | ratio | each pair |", "|---|---|---|---|---|---|"]
+            + [timing_row(t) for t in times]
         )
         OUT.mkdir(exist_ok=True)
         (OUT / f"generation_timing_{'_'.join(names)}.md").write_text(
@@ -278,11 +292,10 @@ def main() -> None:
             "",
             "## Time: a warm call against the manual workflow (batch 1, seed 0, 64 tokens)",
             "",
-            "| decoder | backends | rlx_nb (s) | manual (s) | ratio |",
-            "|---|---|---|---|---|",
+            "| decoder | backends | rlx_nb (s) | manual (s) | ratio | each pair |",
+            "|---|---|---|---|---|---|",
         ]
-        lines += [f"| {t['model']} | {t['backends']} | {t['rlx_nb_s']:.2f} | {t['manual_s']:.2f} | {t['ratio']:.2f}x |"
-                  for t in times]  # fmt: skip
+        lines += [timing_row(t) for t in times]
     (OUT / "generation.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

@@ -69,7 +69,10 @@ def backend_divergence(
         instead.  ``False``: no bars and no messages (quiet CI logs).
     timeout_s : float or None
         Per-backend limit (default 600 s); a backend still running then is an
-        ``error`` row and the others keep going.  ``None``: no limit.
+        ``error`` row and the others keep going.  ``None``: no limit.  Exported,
+        device and registered backends run in a worker thread, abandoned at the
+        limit; rlx_nb's own CPU backends (eager, autocast, faults, Inductor) run on
+        the calling thread, as the oracle does, and stop at their next Python step.
     check_determinism : bool
         Run the oracle twice; outputs that differ are the model's own
         nondeterminism and get the verdict ``nondeterministic``, not SUSPECT.
