@@ -285,12 +285,12 @@ def tensors_crc(model: torch.nn.Module) -> int:
         d = t.detach()
         tensors.append(d if d.is_contiguous() else d.contiguous())
     total = sum(d.numel() * d.element_size() for d in tensors)
+    if total < CRC_SPLIT_BYTES:
+        return _crc(tensors)
     cut, size = 0, 0
     while cut < len(tensors) and size < total // 2:
         size += tensors[cut].numel() * tensors[cut].element_size()
         cut += 1
-    if total < CRC_SPLIT_BYTES:
-        return _crc(tensors)
     other: list[int] = []
     helper = threading.Thread(target=lambda: other.append(_crc(tensors[cut:])), name="rlx_nb:crc", daemon=True)
     helper.start()
