@@ -44,9 +44,13 @@ from rlx_nb.results import (
 )
 from rlx_nb.tree import map_tensors
 
-STREAMED = Backend(
-    REFERENCE, run_float64_streamed, compute_dtype="float64", builtin=True, hookable=True, on_caller=True
-)
+
+def _helper_backend(name: str, fn: Callable[[Any, tuple], Any], **kw: Any) -> Backend:
+    """One of rlx_nb's own helper runs: eager on the CPU, hookable, run on the calling thread (Backend.on_caller)."""
+    return Backend(name, fn, builtin=True, hookable=True, on_caller=True, **kw)
+
+
+STREAMED = _helper_backend(REFERENCE, run_float64_streamed, compute_dtype="float64")
 ANCHORS_CHEAP_S = 0.1
 """An oracle run this short (seconds) makes the precision anchors cheap: they always run.  Past it they run
 only where a verdict needs them (:func:`run`'s ``on_backend``)."""
@@ -179,17 +183,15 @@ def run(
         if counter.calls != 0:
             say("sequential")
             sequential = go(
-                Backend("sequential", run_eager, builtin=True, hookable=True, on_caller=True), "sequential sums", helper=True,
-                timeout_s=timeout_s, scope=SequentialSums,
+                _helper_backend("sequential", run_eager), "sequential sums", helper=True, timeout_s=timeout_s,
+                scope=SequentialSums,
             )  # fmt: skip
         failed = _why(sequential) if sequential is not None else ""
         anchors: dict[int, BackendRun] = {}
 
         def run_anchors() -> None:
             for bits in formats.ANCHOR_BITS:
-                anchor = Backend(
-                    f"anchor:{bits}", emulate(bits, results=True), builtin=True, hookable=True, on_caller=True
-                )
+                anchor = _helper_backend(f"anchor:{bits}", emulate(bits, results=True))
                 anchors[bits] = go(anchor, f"anchor {bits} bits", helper=True, timeout_s=timeout_s)
 
         # The anchors only widen an fp32 backend's budget (and read its effective bits); a reduced-precision
