@@ -74,10 +74,14 @@ def backend_divergence(
         limit; rlx_nb's own CPU backends (eager, autocast, faults, Inductor) run on
         the calling thread, as the oracle does, and stop at their next Python step.
     check_determinism : bool
-        Run the oracle twice; outputs that differ are the model's own
-        nondeterminism and get the verdict ``nondeterministic``, not SUSPECT.
-        ``False`` saves that model run; the model's nondeterminism is then
-        not measured, and any would count against the backends.
+        Check that the oracle's outputs repeat on a second run; outputs that
+        differ are the model's own nondeterminism and get the verdict
+        ``nondeterministic``, not SUSPECT.  The second run is ``cpu-nomkldnn``'s
+        (or ``cpu-nnpack``'s) when it is a candidate and repeats every output bit
+        for bit (the same eager float32 code, no kernel the switch changes), else
+        the oracle once more.  ``False`` saves that model run; the model's
+        nondeterminism is then not measured, and any would count against the
+        backends.
     memory_budget : float, optional
         Bytes the call may use beyond what the process holds when it starts.  By default, what the
         kernel says is available.  Before each phase that needs much memory (the fp64 reference, a

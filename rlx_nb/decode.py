@@ -120,7 +120,8 @@ class Decode(torch.nn.Module):
     ``oracle_first``: ``forward`` gets the prompt only; its first call (the oracle's run, the first a
     :func:`rlx_nb.run` makes) decodes greedily and keeps its tokens (``tokens.value``); every later call is
     teacher-forced on them (:meth:`fed`).  The oracle's greedy decode is then the oracle's run itself, and a
-    determinism rerun is the teacher-forced decode of the same tokens: bit for bit the same computation.
+    determinism rerun (or ``cpu-nomkldnn``'s run, where it is the second run: :func:`rlx_nb.run.run`) is the
+    teacher-forced decode of the same tokens: bit for bit the same computation.
     """
 
     def __init__(self, model: Any, *, prompt_len: int, steps: int, step: Step | None = None, free: bool = False,

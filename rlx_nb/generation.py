@@ -111,7 +111,8 @@ def generation_divergence(
 
     # The oracle's run is its greedy decode (the Decode keeps its tokens); the determinism rerun, the fp64
     # reference and every backend are teacher-forced on those tokens.  The rerun is the same computation on the
-    # same tokens as the greedy decode, so it is the determinism check without a decode of its own.
+    # same tokens as the greedy decode, so it is the determinism check without a decode of its own; cpu-nomkldnn's
+    # teacher-forced decode is that check where it gives the greedy decode's logits bit for bit (rlx_nb.run).
     decode = Decode(model, prompt_len=ids.shape[1], steps=max_new_tokens, step=step, masked=masked, oracle_first=True)
 
     def judged() -> DivergenceReport:

@@ -7,6 +7,7 @@ metadata, so it can be saved, loaded or gathered before any comparison runs.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -77,9 +78,10 @@ def run(
     The oracle must run: if the model fails on it, that is the user's error
     and raises :class:`~rlx_nb.InputError` with the model's message.  Candidates (and the fp64
     reference) that run longer than ``timeout_s`` become error rows.  With ``check_determinism``
-    the oracle runs twice; outputs that differ between the two runs are the model's own
+    the oracle's computation runs twice; outputs that differ between the two runs are the model's own
     nondeterminism and are recorded in ``environment["nondeterministic"]`` (the comparison then
-    says so instead of blaming a backend).
+    says so instead of blaming a backend).  The second run is a candidate's when one runs the oracle's own
+    code (:func:`reruns_oracle`) and gives every output bit for bit; it then runs right after the oracle.
 
     Memory: every run shares the weights of one private copy of the model (:class:`PrivateModel`), and
     before each phase that needs much more (the fp64 reference, a conversion) what it needs is estimated
@@ -172,9 +174,23 @@ def run(
             )
         if backward and oracle.grad_status != OK:
             raise InputError(f"backward=True but the oracle's backward did not run: {oracle.grad_message}")
+        # The determinism check is a second run of the oracle's computation.  A candidate that runs the same eager
+        # float32 code on the CPU (cpu-nomkldnn: a kernel switch turned) is such a run wherever the switch changes
+        # no kernel this model uses; it runs first, and where it gives every output bit for bit it is the check
+        # (a model that does not repeat itself would give that run other bits too), else the oracle runs again.
         unstable = {}
+        early: dict[str, BackendRun] = {}
+        witness = ""
         if check_determinism:
-            unstable = nondeterministic(oracle, go(get_backend(ORACLE), "determinism rerun"))
+            for second in (b for b in candidates if reruns_oracle(b)):
+                say(second.name)
+                early[second.name] = go(second, second.name, timeout_s=timeout_s)
+                if same_bits(oracle, early[second.name], backward):
+                    witness = second.name
+                    early[witness] = _shared_outputs(oracle, early[witness])
+                    break
+            if not witness:
+                unstable = nondeterministic(oracle, go(get_backend(ORACLE), "determinism rerun"))
         say(REFERENCE)
         reference = go(
             get_backend(REFERENCE), "fp64 reference", helper=True, timeout_s=timeout_s, scope=lambda: counter
@@ -205,7 +221,10 @@ def run(
         if counter.matmuls != 0 and anchors_now:
             run_anchors()
         extra = ["fp64 reference: every verdict's yardstick", *extra_notes]
-        if check_determinism:
+        if witness:
+            extra.append(f"oracle, again: not run; {witness} (the same eager float32 code, one switch turned) gave every "
+                         "output of the oracle bit for bit, so it was the determinism check (check_determinism=True)")  # fmt: skip
+        elif check_determinism:
             extra.append("oracle, again: the model's own nondeterminism (check_determinism=True)")
         if sequential is not None:
             extra.append(
@@ -261,7 +280,8 @@ def run(
                 for backend in candidates:
                     say(backend.name)
                     shown.set_postfix_str(backend.name)  # compiling backends (inductor, ONNX export) show here
-                    runs[backend.name] = go(backend, backend.name, timeout_s=timeout_s)
+                    ran = early.pop(backend.name, None)  # (run first as the determinism check)
+                    runs[backend.name] = ran if ran is not None else go(backend, backend.name, timeout_s=timeout_s)
                     preparations.fit(memory.keep_bytes)
                     trim()
                     if on_backend is not None:
@@ -286,6 +306,7 @@ def run(
                         )
                     )
         except (KeyboardInterrupt, SystemExit) as exc:
+            runs.update(early)  # (a run made first as the determinism check, and not reached again)
             left = [b.name for b in candidates if b.name not in runs]
             why = f"interrupted ({type(exc).__name__}) while {left[0]} ran" if left else "interrupted"
             why += f"; not run: {', '.join(left[1:])}" if len(left) > 1 else ""
@@ -344,6 +365,38 @@ def _discrete_events(
         weights[name] = 1.0 / max(rms, 2.0**-24 * float(np.abs(ref.value).max(initial=0.0)), 1e-300)
     candidates = {ORACLE: oracle, "sequential": sequential, **{n: runs[n] for n in flipping}}
     return dx.account(found, candidates, weights, scales)
+
+
+def reruns_oracle(backend: Backend) -> bool:
+    """Whether ``backend`` runs the oracle's own code: rlx_nb's eager CPU float32 runs of the model with a kernel
+    switch turned (``cpu-nomkldnn``, ``cpu-nnpack``), not a fault, a format, a compiler or a user's backend."""
+    return (
+        backend.builtin
+        and backend.hookable
+        and backend.device == "cpu"
+        and backend.compute_dtype == "float32"
+        and not backend.name.startswith("fault:")
+    )
+
+
+def same_bits(oracle: BackendRun, other: BackendRun, backward: bool) -> bool:
+    """Whether ``other`` ran and gave every array output of the oracle (and, with ``backward``, every gradient)
+    bit for bit."""
+    if other.status != OK or (backward and other.grad_status != OK):
+        return False
+    for name, leaf in oracle.outputs.items():
+        mine = other.outputs.get(name)
+        if leaf.is_array and (mine is None or not mine.is_array or mine.dtype != leaf.dtype):
+            return False
+    return not nondeterministic(oracle, other)
+
+
+def _shared_outputs(oracle: BackendRun, same: BackendRun) -> BackendRun:
+    # A run that gave the oracle's outputs bit for bit holds the oracle's arrays, not a second copy of them (it is
+    # kept through the fp64 reference, the peak of a large model's memory).
+    outputs = {name: oracle.outputs[name] if leaf.is_array and name in oracle.outputs else leaf
+               for name, leaf in same.outputs.items()}  # fmt: skip
+    return dataclasses.replace(same, outputs=outputs)
 
 
 def _why(run: BackendRun) -> str:

@@ -1,11 +1,12 @@
 from __future__ import annotations
 
+import dataclasses
 import numpy as np
 import pytest
 import torch
 
 import rlx_nb
-from rlx_nb.run import run
+from rlx_nb.run import reruns_oracle, run, same_bits
 from rlx_nb.tree import flatten
 
 
@@ -183,6 +184,74 @@ def test_the_report_says_which_extra_runs_were_made_and_why():
     plain = rlx_nb.backend_divergence(torch.nn.GELU(), torch.randn(4, 8), backends=["cpu-nomkldnn"], progress=False,
                                       check_determinism=False)  # fmt: skip
     assert plain.results.environment["extra_runs"] == ["fp64 reference: every verdict's yardstick"]
+
+
+# -- the determinism check: the oracle's rerun, or a run of the oracle's own code that repeats it bit for bit ---
+
+
+def test_cpu_nomkldnn_repeating_the_oracle_bit_for_bit_is_the_determinism_check():
+    # Linear and LayerNorm: kernels oneDNN's switch does not change, so cpu-nomkldnn computes what the oracle does.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.LayerNorm(16), torch.nn.Linear(16, 4))
+    for backward in (False, True):
+        results = run(model, torch.randn(4, 8), backends=["cpu-bf16", "cpu-nomkldnn"], backward=backward,
+                      progress=False)  # fmt: skip
+        phases = list(results.environment["timings"])
+        assert "determinism rerun" not in phases
+        assert phases.index("cpu-nomkldnn") < phases.index("fp64 reference")  # run where the rerun would be
+        assert list(results.candidates) == ["cpu-bf16", "cpu-nomkldnn"]  # and its row where it was asked for
+        assert results.environment["nondeterministic"] == {}
+        assert any(e.startswith("oracle, again: not run; cpu-nomkldnn") for e in results.environment["extra_runs"])
+        same = results.candidates["cpu-nomkldnn"]
+        assert same_bits(results.oracle, same, backward)
+        assert all(same.outputs[n] is leaf for n, leaf in results.oracle.outputs.items())  # no second copy kept
+        assert not backward or any(n.startswith("grad:") for n in results.candidates["cpu-nomkldnn"].outputs)
+
+
+class _Noisy(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(8, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.lin(x) + 1e-3 * torch.randn(4)
+
+
+def test_a_model_that_does_not_repeat_itself_still_gets_the_oracles_rerun():
+    # cpu-nomkldnn's run differs from the oracle's: that alone marks nothing; the oracle runs again, and the
+    # outputs its two runs disagree on are the model's own nondeterminism.
+    results = run(_Noisy(), torch.randn(2, 8), backends=["cpu-nomkldnn"], progress=False)
+    assert "determinism rerun" in results.environment["timings"]
+    assert set(results.environment["nondeterministic"]) == {"out"}
+    report = rlx_nb.backend_divergence(_Noisy(), torch.randn(2, 8), backends=["cpu-nomkldnn"], progress=False)
+    assert report.record("cpu-nomkldnn").verdict == "nondeterministic" and not report.any_suspect
+    # A deterministic model whose kernels oneDNN does change (a convolution): the oracle's rerun, nothing marked.
+    torch.manual_seed(0)
+    conv = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3), torch.nn.ReLU(), torch.nn.Conv2d(8, 4, 3))
+    x = torch.randn(2, 3, 16, 16)
+    results = run(conv, x, backends=["cpu-nomkldnn"], progress=False)
+    assert not same_bits(results.oracle, results.candidates["cpu-nomkldnn"], False)
+    assert "determinism rerun" in results.environment["timings"]
+    assert results.environment["nondeterministic"] == {}
+
+
+def test_only_rlx_nbs_eager_float32_cpu_runs_stand_in_for_the_rerun():
+    from rlx_nb.backends import Backend, get_backend
+
+    assert reruns_oracle(get_backend("cpu-nomkldnn")) and reruns_oracle(get_backend("cpu-nnpack"))
+    for name in ("cpu-inductor", "cpu-bf16", "cpu-fp16", "cpu-tf32-emulated", "cpu-f64", "onnxruntime",
+                 "fault:gelu-approx", "cuda"):  # fmt: skip
+        assert not reruns_oracle(get_backend(name)), name
+    assert not reruns_oracle(Backend("users-own", lambda m, x: m(*x)))  # (a registered backend: its own code)
+    # Every output, gradients too, and a run that ran.
+    results = run(torch.nn.Linear(4, 2), torch.randn(3, 4), backends=["cpu-nomkldnn"], backward=True, progress=False)
+    oracle, same = results.oracle, results.candidates["cpu-nomkldnn"]
+    assert same_bits(oracle, same, True)
+    assert not same_bits(oracle, dataclasses.replace(same, grad_status="error"), True)
+    assert same_bits(oracle, dataclasses.replace(same, grad_status="error"), False)
+    assert not same_bits(oracle, dataclasses.replace(same, status="error"), False)
+    fewer = {k: v for k, v in same.outputs.items() if not k.startswith("grad:")}
+    assert not same_bits(oracle, dataclasses.replace(same, outputs=fewer), True)
 
 
 # -- the user's own state: inference mode, default dtype, memory layout ------------------------------
