@@ -333,7 +333,9 @@ def test_the_oracles_greedy_decode_is_its_run_and_the_rerun_checks_determinism(l
     # the oracle does not decode again; nothing is marked.
     assert "determinism rerun" not in set(legit.logits.timings.phase)
     assert legit.logits.results.environment["nondeterministic"] == {}
-    assert any(e.startswith("oracle, again: not run; cpu-nomkldnn") for e in legit.logits.results.environment["extra_runs"])
+    assert any(
+        e.startswith("oracle, again: not run; cpu-nomkldnn") for e in legit.logits.results.environment["extra_runs"]
+    )
     # Without such a candidate the rerun is the teacher-forced decode of the oracle's tokens.
     alone = rlx_nb.generation_divergence(model, ids[:1], max_new_tokens=4, backends=["cpu-bf16"], progress=False)
     assert "determinism rerun" in set(alone.logits.timings.phase)
