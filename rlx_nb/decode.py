@@ -134,6 +134,14 @@ class Decode(torch.nn.Module):
         self.whole_helpers = step is None and not free
         self.tokens = Tokens() if oracle_first else None
 
+    @property
+    def streams_reference(self) -> bool:
+        """Whether the fp64 reference should cast each weight where its op uses it (:func:`rlx_nb.run.run`) rather
+        than the whole model at once: its helper runs are one forward over the whole sequence, which uses each
+        weight once (a tied one twice), so that is one cast per weight, none back, and never every weight in
+        float64 together."""
+        return self.whole_helpers and self.run_step is None
+
     def fed(self, ids: torch.Tensor) -> torch.Tensor:
         """The ids a teacher-forced run is fed: the prompt and the oracle's tokens before the last (``ids``
         itself where no oracle tokens are held)."""

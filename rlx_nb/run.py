@@ -52,6 +52,12 @@ def _helper_backend(name: str, fn: Callable[[Any, tuple], Any], **kw: Any) -> Ba
 
 
 STREAMED = _helper_backend(REFERENCE, run_float64_streamed, compute_dtype="float64")
+STREAMS = (
+    "fp64 reference streamed: each weight cast to float64 where its op used it (one forward over the whole "
+    "sequence uses each once)"
+)
+"""The fp64 reference's note where the model asks for it streamed (:attr:`rlx_nb.decode.Decode.streams_reference`):
+one cast per weight and none back, instead of lending the whole model in float64."""
 ANCHORS_CHEAP_S = 0.1
 """An oracle run this short (seconds) makes the precision anchors cheap: they always run.  Past it they run
 only where a verdict needs them (:func:`run`'s ``on_backend``)."""
@@ -112,9 +118,12 @@ def run(
 
         def go(backend: Backend, phase: str, *, helper: bool = False, **kw: Any) -> BackendRun:
             # ``helper``: one of rlx_nb's own helper runs (phases.helper_run), whose values matter, not their path
-            short = memory.shortfall(backend, phase)
-            streamed = ""
-            if short and backend.name == REFERENCE:
+            # (a model whose reference uses each weight once streams it: rlx_nb.decode.Decode.streams_reference)
+            streams = (backend.name == REFERENCE and not backward and not private.whole
+                       and getattr(private.model, "streams_reference", False))  # fmt: skip
+            short = memory.shortfall(backend, phase, streamed=streams)
+            streamed = STREAMS if streams and not short else ""
+            if short and backend.name == REFERENCE and not streams:
                 streamed, short = streamable(short)
             if short:
                 return BackendRun(backend.name, SKIPPED, {}, short, compute_dtype=backend.compute_dtype)

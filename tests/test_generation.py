@@ -15,6 +15,7 @@ from rlx_nb.backends.base import Backend
 from rlx_nb.backends.faults import fault_backend
 from rlx_nb.errors import InputError, ReportFormatError
 from rlx_nb.generation_report import DISAGREEMENT, NEAR_TIE
+from rlx_nb.run import STREAMS
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
@@ -291,6 +292,9 @@ def test_the_helper_runs_compute_every_step_at_once_and_agree_with_the_step_by_s
         scale = np.abs(want).max()
         assert np.abs(whole[step_name(k)].numpy() - want).max() <= 1e-12 * scale
         assert np.abs(reference[step_name(k)].value - want).max() <= 1e-12 * scale
+        # The reference casts each weight where its op uses it: what the whole model in float64 gives, bit for bit.
+        np.testing.assert_array_equal(reference[step_name(k)].value, whole[step_name(k)].numpy())
+    assert STREAMS in legit.logits.results.reference.notes
 
 
 class Altered(torch.nn.Module):
@@ -323,6 +327,7 @@ def test_a_model_whose_cached_path_differs_gets_its_helpers_step_by_step(llama):
     extra = report.logits.results.environment["extra_runs"]
     assert any("the helper runs step by step: the oracle's cached decode and one forward" in e for e in extra)
     assert report.verdicts()["cpu-nomkldnn"] == "round-off"  # judged against the step-by-step reference
+    assert STREAMS not in report.logits.results.reference.notes  # (step by step: the weights lent in float64)
     assert report.logits.record("cpu-nomkldnn").judgement.line < 1
 
 
