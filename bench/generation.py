@@ -18,7 +18,8 @@ severities.
   against the manual workflow, warm too (:func:`manual`), :data:`REPEATS` of each alternating, the ratio of
   their medians; with the default backends and with the eager and compiled
   ones (``cpu-nomkldnn``, ``cpu-bf16``, ``cpu-inductor``), the latter also with ``check_determinism=False``
-  (one oracle decode: the manual workflow checks no determinism either).
+  (one oracle decode: the manual workflow checks no determinism either), and without ``cpu-nomkldnn`` (no
+  candidate runs the oracle's own code, so the determinism check is a second oracle decode).
 
     python bench/generation.py [--models gpt2,llama,qwen2,mistral] [--seeds 0,1,2] [--batches 1,4]
     python bench/generation.py --timing-only gpt2-small   # GPT-2 at its real size (124M), time only
@@ -145,6 +146,7 @@ TIMED = {
     "default backends": ["cpu-nomkldnn", "cpu-inductor", "onnxruntime", "openvino"],
     "eager and compiled": ["cpu-nomkldnn", "cpu-bf16", "cpu-inductor"],
     "eager and compiled, check_determinism=False": ["cpu-nomkldnn", "cpu-bf16", "cpu-inductor"],
+    "compiled and bfloat16 only": ["cpu-bf16", "cpu-inductor"],
 }
 
 
