@@ -87,7 +87,7 @@ def run(
     the oracle's computation runs twice; outputs that differ between the two runs are the model's own
     nondeterminism and are recorded in ``environment["nondeterministic"]`` (the comparison then
     says so instead of blaming a backend).  The second run is a candidate's when one runs the oracle's own
-    code (:func:`reruns_oracle`) and gives every output bit for bit; it then runs right after the oracle.
+    code (:func:`reruns_oracle`) and gives every output bit for bit; it then runs first of the candidates.
 
     Memory: every run shares the weights of one private copy of the model (:class:`PrivateModel`), and
     before each phase that needs much more (the fp64 reference, a conversion) what it needs is estimated
@@ -183,23 +183,7 @@ def run(
             )
         if backward and oracle.grad_status != OK:
             raise InputError(f"backward=True but the oracle's backward did not run: {oracle.grad_message}")
-        # The determinism check is a second run of the oracle's computation.  A candidate that runs the same eager
-        # float32 code on the CPU (cpu-nomkldnn: a kernel switch turned) is such a run wherever the switch changes
-        # no kernel this model uses; it runs first, and where it gives every output bit for bit it is the check
-        # (a model that does not repeat itself would give that run other bits too), else the oracle runs again.
-        unstable = {}
-        early: dict[str, BackendRun] = {}
-        witness = ""
-        if check_determinism:
-            for second in (b for b in candidates if reruns_oracle(b)):
-                say(second.name)
-                early[second.name] = go(second, second.name, timeout_s=timeout_s)
-                if same_bits(oracle, early[second.name], backward):
-                    witness = second.name
-                    early[witness] = _shared_outputs(oracle, early[witness])
-                    break
-            if not witness:
-                unstable = nondeterministic(oracle, go(get_backend(ORACLE), "determinism rerun"))
+        unstable: dict[str, float] = {}  # (the determinism check's: filled before the candidates are judged)
         say(REFERENCE)
         reference = go(
             get_backend(REFERENCE), "fp64 reference", helper=True, timeout_s=timeout_s, scope=lambda: counter
@@ -230,11 +214,7 @@ def run(
         if counter.matmuls != 0 and anchors_now:
             run_anchors()
         extra = ["fp64 reference: every verdict's yardstick", *extra_notes]
-        if witness:
-            extra.append(f"oracle, again: not run; {witness} (the same eager float32 code, one switch turned) gave every "
-                         "output of the oracle bit for bit, so it was the determinism check (check_determinism=True)")  # fmt: skip
-        elif check_determinism:
-            extra.append("oracle, again: the model's own nondeterminism (check_determinism=True)")
+        determinism: list[str] = []  # (its line, once the check has run)
         if sequential is not None:
             extra.append(
                 f"sequential sums: a second legitimate error ({counter.calls} reductions whose order may change)"
@@ -268,7 +248,7 @@ def run(
                     **({"inputs_cast": cast} if cast else {}),
                     **({"incomplete": incomplete} if incomplete else {}),
                     "nondeterministic": unstable,
-                    "extra_runs": extra + describe_anchors(),
+                    "extra_runs": extra[:1] + determinism + extra[1:] + describe_anchors(),
                     "backends": {b.name: b.description for b in candidates},
                     "model_was_training": bool(getattr(model, "training", False)),
                     "timings": meter.as_dict(),
@@ -284,8 +264,12 @@ def run(
 
         runs: dict[str, BackendRun] = {}
         wanted: dict[str, set[str]] = {}  # what each backend's verdict may change with (on_backend)
+        early: dict[str, BackendRun] = {}  # (candidates run first, as the determinism check)
         try:
             with bar("rlx_nb backends", total=len(candidates), unit="backend", enabled=progress is not False) as shown:
+                if check_determinism:
+                    determinism.append(_check_determinism(oracle, candidates, backward, early, unstable, go, say,
+                                                          timeout_s=timeout_s, shown=shown))  # fmt: skip
                 for backend in candidates:
                     say(backend.name)
                     shown.set_postfix_str(backend.name)  # compiling backends (inductor, ONNX export) show here
@@ -315,7 +299,8 @@ def run(
                         )
                     )
         except (KeyboardInterrupt, SystemExit) as exc:
-            runs.update(early)  # (a run made first as the determinism check, and not reached again)
+            if determinism:  # (a run made first as the determinism check, once the check is complete)
+                runs.update(early)
             left = [b.name for b in candidates if b.name not in runs]
             why = f"interrupted ({type(exc).__name__}) while {left[0]} ran" if left else "interrupted"
             why += f"; not run: {', '.join(left[1:])}" if len(left) > 1 else ""
@@ -374,6 +359,26 @@ def _discrete_events(
         weights[name] = 1.0 / max(rms, 2.0**-24 * float(np.abs(ref.value).max(initial=0.0)), 1e-300)
     candidates = {ORACLE: oracle, "sequential": sequential, **{n: runs[n] for n in flipping}}
     return dx.account(found, candidates, weights, scales)
+
+
+def _check_determinism(oracle: BackendRun, candidates: list[Backend], backward: bool, early: dict[str, BackendRun],
+                       unstable: dict[str, float], go: Callable[..., BackendRun], say: Callable[[str], None], *,
+                       timeout_s: float | None, shown: Any) -> str:  # fmt: skip
+    # The determinism check is a second run of the oracle's computation.  A candidate that runs the same eager
+    # float32 code on the CPU (cpu-nomkldnn: a kernel switch turned) is such a run wherever the switch changes no
+    # kernel this model uses: it runs first of the candidates (into ``early``), and where it gives every output bit
+    # for bit it is the check (a model that does not repeat itself would give that run other bits too); else the
+    # oracle runs again.  Fills ``unstable`` (outputs whose two runs differ) and returns the extra-runs line.
+    for second in (b for b in candidates if reruns_oracle(b)):
+        say(second.name)
+        shown.set_postfix_str(second.name)
+        early[second.name] = go(second, second.name, timeout_s=timeout_s)
+        if same_bits(oracle, early[second.name], backward):
+            early[second.name] = _shared_outputs(oracle, early[second.name])
+            return (f"oracle, again: not run; {second.name} (the same eager float32 code, one switch turned) gave every "
+                    "output of the oracle bit for bit, so it was the determinism check (check_determinism=True)")  # fmt: skip
+    unstable.update(nondeterministic(oracle, go(get_backend(ORACLE), "determinism rerun")))
+    return "oracle, again: the model's own nondeterminism (check_determinism=True)"
 
 
 def reruns_oracle(backend: Backend) -> bool:

@@ -199,7 +199,7 @@ def test_cpu_nomkldnn_repeating_the_oracle_bit_for_bit_is_the_determinism_check(
                       progress=False)  # fmt: skip
         phases = list(results.environment["timings"])
         assert "determinism rerun" not in phases
-        assert phases.index("cpu-nomkldnn") < phases.index("fp64 reference")  # run where the rerun would be
+        assert phases.index("fp64 reference") < phases.index("cpu-nomkldnn") < phases.index("cpu-bf16")  # run first
         assert list(results.candidates) == ["cpu-bf16", "cpu-nomkldnn"]  # and its row where it was asked for
         assert results.environment["nondeterministic"] == {}
         assert any(e.startswith("oracle, again: not run; cpu-nomkldnn") for e in results.environment["extra_runs"])
