@@ -11,6 +11,7 @@ import torch
 
 from rlx_nb import interrupted
 from rlx_nb.compare import compare
+from rlx_nb.context import OutputContext, contexts
 from rlx_nb.errors import InputError, RlxError
 from rlx_nb.progress import Board
 from rlx_nb.report import DivergenceReport
@@ -171,13 +172,30 @@ class EarlyVerdicts:
         self.by_backend: dict[str, list] = {}
         self.without_anchors: set[str] = set()
         self.again: set[str] = set()
+        self._contexts: tuple[tuple, list[OutputContext]] | None = None
+
+    def contexts(self, results: RunResults) -> list[OutputContext] | None:
+        """The output contexts every backend is judged against (the oracle's, the sequential and the anchor
+        runs' statistics), built once while those runs stay the same objects; ``None`` (built by the
+        comparison) once a discrete account is part of them."""
+        if results.discrete:
+            return None
+        runs = (results.oracle, results.reference, results.sequential, *sorted(results.anchors.items()))
+        held = self._contexts
+        if (
+            held is None
+            or len(held[0]) != len(runs)
+            or any(not _same(a, b) for a, b in zip(held[0], runs, strict=True))
+        ):
+            self._contexts = held = (runs, list(contexts(results)))
+        return held[1]
 
     def judge(self, results: RunResults, name: str) -> set[str]:
         """Judge backend ``name``; what its verdict may change with: ``"anchors"`` (it is SUSPECT without the
         precision anchors, which widen budgets), ``"discrete"`` (a gradient is SUSPECT: ReLU flips may explain
         it, :mod:`rlx_nb.discrete`)."""
         alone = dataclasses.replace(results, candidates={name: results.candidates[name]})
-        records = compare(alone, tol_rel=self.tol_rel, rule=self.rule, progress=False)
+        records = compare(alone, tol_rel=self.tol_rel, rule=self.rule, progress=False, outputs=self.contexts(results))
         self.by_backend[name] = records
         self.board.add(f"rlx_nb: {DivergenceReport(alone, records, rule=self.rule, tol_rel=self.tol_rel).lines()[0]}")
         wants = set()
@@ -199,9 +217,17 @@ class EarlyVerdicts:
         missing = [n for n in results.candidates if n not in self.by_backend]
         if missing:  # (not judged early: compare them now)
             rest = dataclasses.replace(results, candidates={n: results.candidates[n] for n in missing})
-            for rec in compare(rest, tol_rel=self.tol_rel, rule=self.rule, progress=False):
+            shared = self.contexts(results)
+            for rec in compare(rest, tol_rel=self.tol_rel, rule=self.rule, progress=False, outputs=shared):
                 self.by_backend.setdefault(rec.backend, []).append(rec)
         return [rec for name in results.candidates for rec in self.by_backend[name]]
+
+
+def _same(a: Any, b: Any) -> bool:
+    # The same run object (or the same anchor, as a (bits, run) pair); None as None.
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return a[0] == b[0] and a[1] is b[1]
+    return a is b
 
 
 def _print_progress(name: str) -> None:

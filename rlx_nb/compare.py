@@ -24,13 +24,19 @@ from rlx_nb.verdict import NONDETERMINISTIC, SUSPECT, VERDICT_ERROR, VERDICT_SKI
 
 
 def compare(
-    results: RunResults, *, tol_rel: float | None = None, rule: str = "budget", progress: bool = True
+    results: RunResults,
+    *,
+    tol_rel: float | None = None,
+    rule: str = "budget",
+    progress: bool = True,
+    outputs: list[OutputContext] | None = None,
 ) -> list[OutputRecord]:
     """Compare every candidate's outputs with the oracle's; one record per (backend, output).
 
     A backend that failed gives one ``error`` record (``output`` is None); a backend without
     gradients (forward only, or its backward failed) gives one ``grad:*`` record for all of them.
-    ``progress=False`` keeps its progress bar off.
+    ``progress=False`` keeps its progress bar off.  ``outputs``: the output contexts of ``results`` built
+    earlier (:func:`~rlx_nb.context.contexts`), their statistics computed once for every backend judged on them.
 
     Examples
     --------
@@ -42,7 +48,7 @@ def compare(
     check_rule(rule)
     unstable = results.environment.get("nondeterministic") or {}
     ops = results.environment.get("matmul_ops")
-    outputs = list(contexts(results))
+    outputs = outputs if outputs is not None else list(contexts(results))
     records: list[OutputRecord] = []
     with bar("rlx_nb compare", total=len(results.candidates) * len(outputs), unit="output", enabled=progress) as shown:
         for run in results.candidates.values():

@@ -265,11 +265,29 @@ def run(
         runs: dict[str, BackendRun] = {}
         wanted: dict[str, set[str]] = {}  # what each backend's verdict may change with (on_backend)
         early: dict[str, BackendRun] = {}  # (candidates run first, as the determinism check)
+
+        def check_determinism_first(shown: Any) -> str:
+            # The determinism check is a second run of the oracle's computation.  A candidate that runs the same
+            # eager float32 code on the CPU (cpu-nomkldnn: a kernel switch turned) is such a run wherever the switch
+            # changes no kernel this model uses: it runs first of the candidates (into ``early``), and where it gives
+            # every output bit for bit it is the check (a model that does not repeat itself would give that run
+            # other bits too); else the oracle runs again.  Fills ``unstable``; returns the extra-runs line.
+            for second in (b for b in candidates if reruns_oracle(b)):
+                say(second.name)
+                shown.set_postfix_str(second.name)
+                early[second.name] = go(second, second.name, timeout_s=timeout_s)
+                if same_bits(oracle, early[second.name], backward):
+                    early[second.name] = _shared_outputs(oracle, early[second.name])
+                    return (f"oracle, again: not run; {second.name} (the same eager float32 code, one switch turned) "
+                            "gave every output of the oracle bit for bit, so it was the determinism check "
+                            "(check_determinism=True)")  # fmt: skip
+            unstable.update(nondeterministic(oracle, go(get_backend(ORACLE), "determinism rerun")))
+            return "oracle, again: the model's own nondeterminism (check_determinism=True)"
+
         try:
             with bar("rlx_nb backends", total=len(candidates), unit="backend", enabled=progress is not False) as shown:
                 if check_determinism:
-                    determinism.append(_check_determinism(oracle, candidates, backward, early, unstable, go, say,
-                                                          timeout_s=timeout_s, shown=shown))  # fmt: skip
+                    determinism.append(check_determinism_first(shown))
                 for backend in candidates:
                     say(backend.name)
                     shown.set_postfix_str(backend.name)  # compiling backends (inductor, ONNX export) show here
@@ -359,26 +377,6 @@ def _discrete_events(
         weights[name] = 1.0 / max(rms, 2.0**-24 * float(np.abs(ref.value).max(initial=0.0)), 1e-300)
     candidates = {ORACLE: oracle, "sequential": sequential, **{n: runs[n] for n in flipping}}
     return dx.account(found, candidates, weights, scales)
-
-
-def _check_determinism(oracle: BackendRun, candidates: list[Backend], backward: bool, early: dict[str, BackendRun],
-                       unstable: dict[str, float], go: Callable[..., BackendRun], say: Callable[[str], None], *,
-                       timeout_s: float | None, shown: Any) -> str:  # fmt: skip
-    # The determinism check is a second run of the oracle's computation.  A candidate that runs the same eager
-    # float32 code on the CPU (cpu-nomkldnn: a kernel switch turned) is such a run wherever the switch changes no
-    # kernel this model uses: it runs first of the candidates (into ``early``), and where it gives every output bit
-    # for bit it is the check (a model that does not repeat itself would give that run other bits too); else the
-    # oracle runs again.  Fills ``unstable`` (outputs whose two runs differ) and returns the extra-runs line.
-    for second in (b for b in candidates if reruns_oracle(b)):
-        say(second.name)
-        shown.set_postfix_str(second.name)
-        early[second.name] = go(second, second.name, timeout_s=timeout_s)
-        if same_bits(oracle, early[second.name], backward):
-            early[second.name] = _shared_outputs(oracle, early[second.name])
-            return (f"oracle, again: not run; {second.name} (the same eager float32 code, one switch turned) gave every "
-                    "output of the oracle bit for bit, so it was the determinism check (check_determinism=True)")  # fmt: skip
-    unstable.update(nondeterministic(oracle, go(get_backend(ORACLE), "determinism rerun")))
-    return "oracle, again: the model's own nondeterminism (check_determinism=True)"
 
 
 def reruns_oracle(backend: Backend) -> bool:

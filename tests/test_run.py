@@ -421,3 +421,29 @@ def test_each_backends_verdict_is_shown_as_it_lands(monkeypatch, capsys):
     assert [line.removeprefix("rlx_nb: ") for line in shown] == report.lines()  # the report's own lines
     quiet = rlx_nb.backend_divergence(model, torch.randn(8, 32), backends=["cpu-nomkldnn"], progress=False)
     assert "rlx_nb: [" not in capsys.readouterr().err and quiet.lines()
+
+
+def test_the_backends_judged_as_they_land_share_one_set_of_output_contexts(monkeypatch):
+    # The oracle's, the sequential and the anchor runs' statistics are what every backend is judged against:
+    # built once for the call, and the records are those a comparison of the whole results gives.
+    from rlx_nb import api
+    from rlx_nb.compare import compare
+
+    built: list[int] = []
+
+    def counted(results):
+        built.append(1)
+        return api_contexts(results)
+
+    api_contexts = api.contexts
+    monkeypatch.setattr(api, "contexts", counted)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 8))
+    backends = ["cpu-nomkldnn", "cpu-bf16", "fault:gelu-approx", "fault:linear-bias-channel"]
+    report = rlx_nb.backend_divergence(model, torch.randn(8, 32), backends=backends, progress=False)
+    assert len(built) == 1
+    again = compare(report.results, progress=False)
+    assert [(r.backend, r.output, r.verdict, r.judgement.line) for r in report.records] == [
+        (r.backend, r.output, r.verdict, r.judgement.line) for r in again
+    ]
+    assert report.suspects == ["fault:linear-bias-channel"]
