@@ -404,8 +404,8 @@ def same_bits(oracle: BackendRun, other: BackendRun, backward: bool) -> bool:
 
 
 def _shared_outputs(oracle: BackendRun, same: BackendRun) -> BackendRun:
-    # A run that gave the oracle's outputs bit for bit holds the oracle's arrays, not a second copy of them (it is
-    # kept through the fp64 reference, the peak of a large model's memory).
+    # A run that gave the oracle's outputs bit for bit holds the oracle's arrays, not a second copy of them (kept
+    # with the other candidates' until the report is built).
     outputs = {name: oracle.outputs[name] if leaf.is_array and name in oracle.outputs else leaf
                for name, leaf in same.outputs.items()}  # fmt: skip
     return dataclasses.replace(same, outputs=outputs)
