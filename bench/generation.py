@@ -19,7 +19,9 @@ severities.
   their medians; with the default backends and with the eager and compiled
   ones (``cpu-nomkldnn``, ``cpu-bf16``, ``cpu-inductor``), the latter also with ``check_determinism=False``
   (one oracle decode: the manual workflow checks no determinism either), and without ``cpu-nomkldnn`` (no
-  candidate runs the oracle's own code, so the determinism check is a second oracle decode).
+  candidate runs the oracle's own code, so the determinism check is a second oracle decode), that too with and
+  without the check.  A case whose manual workflow takes under :data:`SHORT_S` is timed :data:`SHORT_REPEATS`
+  times.
 
     python bench/generation.py [--models gpt2,llama,qwen2,mistral] [--seeds 0,1,2] [--batches 1,4]
     python bench/generation.py --timing-only gpt2-small   # GPT-2 at its real size (124M), time only
@@ -147,6 +149,7 @@ TIMED = {
     "eager and compiled": ["cpu-nomkldnn", "cpu-bf16", "cpu-inductor"],
     "eager and compiled, check_determinism=False": ["cpu-nomkldnn", "cpu-bf16", "cpu-inductor"],
     "compiled and bfloat16 only": ["cpu-bf16", "cpu-inductor"],
+    "compiled and bfloat16 only, check_determinism=False": ["cpu-bf16", "cpu-inductor"],
 }
 
 
@@ -161,6 +164,9 @@ def gpt2_small() -> tuple[torch.nn.Module, torch.Tensor]:
 REPEATS = 3
 """Warm calls and manual workflows timed per case, alternating; the ratio is of their medians (this machine's
 speed moves by 10-30% between minutes, so one pair swings the ratio by as much)."""
+SHORT_S, SHORT_REPEATS = 2.0, 9
+"""A case whose manual workflow takes less than ``SHORT_S`` seconds (a zoo decoder's eager backends: ~0.3 s) is
+timed ``SHORT_REPEATS`` times: at that length one pair's ratio moves by up to 3x from minute to minute."""
 
 
 def timing(name: str) -> list[dict]:
@@ -174,8 +180,9 @@ def timing(name: str) -> list[dict]:
 
         call()  # cold: compiles land in Inductor's caches
         manual(model, ids, backends)  # cold
+        repeats = SHORT_REPEATS if manual(model, ids, backends) < SHORT_S else REPEATS
         ours, by_hand = [], []
-        for _ in range(REPEATS):
+        for _ in range(repeats):
             start = time.perf_counter()
             call()
             ours.append(time.perf_counter() - start)
