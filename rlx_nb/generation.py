@@ -76,8 +76,14 @@ def generation_divergence(
         its text parts from the oracle's, with both continuations (``report.free``).
     tokenizer : optional
         Anything with ``decode(list_of_ids) -> str``: tokens are also shown as text.
-    label, progress, timeout_s, check_determinism, memory_budget
+    label, progress, timeout_s, memory_budget
         As for :func:`rlx_nb.backend_divergence`.
+    check_determinism : bool
+        As for :func:`rlx_nb.backend_divergence`: the oracle's decode runs a second time (teacher-forced on its
+        own tokens) and every step whose logits differ is ``nondeterministic``.  Where ``cpu-nomkldnn`` is a
+        candidate and repeats the oracle's logits bit for bit, its decode is that second run; otherwise (e.g.
+        ``backends=["cpu-inductor", "cpu-bf16"]``) the check costs one more decode of the oracle.  ``False``
+        saves it, and the model's own nondeterminism then counts against the backends.
 
     Returns
     -------
