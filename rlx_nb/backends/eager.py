@@ -12,6 +12,7 @@ from torch.utils._pytree import tree_map
 from rlx_nb import switches
 from rlx_nb._memory import private_copy
 from rlx_nb.backends.base import ORACLE, REFERENCE, Backend
+from rlx_nb.backends.float64_kernels import Float64Kernels
 from rlx_nb.tree import map_tensors
 
 
@@ -28,10 +29,12 @@ def to_float64(x: torch.Tensor) -> torch.Tensor:
 
 
 def run_float64(model: Any, inputs: tuple) -> Any:
-    """The reference: the same model with every floating param, buffer and input in float64."""
+    """The reference: the same model with every floating param, buffer and input in float64 (an op PyTorch has
+    no float64 kernel for computed from its definition: :mod:`rlx_nb.backends.float64_kernels`)."""
     if isinstance(model, torch.nn.Module):
         model.double()
-    return model(*map_tensors(to_float64, inputs))
+    with Float64Kernels():
+        return model(*map_tensors(to_float64, inputs))
 
 
 class Float64Weights(TorchFunctionMode):
@@ -68,7 +71,7 @@ def run_float64_streamed(model: Any, inputs: tuple) -> Any:
     """The reference with the weights in float64 one op at a time (:class:`Float64Weights`); forward only."""
     if not isinstance(model, torch.nn.Module):
         return run_float64(model, inputs)
-    with Float64Weights(model):
+    with Float64Weights(model), Float64Kernels():
         return model(*map_tensors(to_float64, inputs))
 
 

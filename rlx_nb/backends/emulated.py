@@ -102,6 +102,7 @@ TARGETS: tuple[Callable, ...] = (
     F.conv3d,
     torch.addmm,
     torch.baddbmm,
+    *((torch._grouped_mm,) if hasattr(torch, "_grouped_mm") else ()),  # (F.grouped_mm calls it: MoE experts)
 )
 
 

@@ -1,0 +1,97 @@
+"""Float64 kernels for the ops PyTorch has none for, so the fp64 reference computes every model it runs.
+
+The fp64 reference runs the model with its floating tensors in float64 (:func:`rlx_nb.backends.eager.run_float64`).
+A few ATen ops have CPU kernels for the float32 family only: ``aten::_grouped_mm`` (``torch.nn.functional.grouped_mm``,
+the experts' matmuls of Hugging Face's mixture-of-experts models: Mixtral, Qwen2-MoE, OLMoE, ...) raises
+"Expected mat_a to be Float32, BFloat16 or Float16 matrix, got Double", and the reference failed, leaving every
+verdict on the model to the fixed tolerance.  :class:`Float64Kernels` is a dispatch mode (it sees the ATen ops the
+model's own run executes and changes none of the others; PyTorch's fused fast paths stay on) that computes such an
+op from its definition, in float64: for ``_grouped_mm``, one ``mm`` per group.  Operands of any other dtype go
+to PyTorch's own kernel.
+
+Examples
+--------
+>>> a, b = torch.randn(5, 3, dtype=torch.float64), torch.randn(2, 3, 4, dtype=torch.float64)
+>>> offs = torch.tensor([2, 5], dtype=torch.int32)
+>>> with Float64Kernels():
+...     out = torch.nn.functional.grouped_mm(a, b, offs=offs)
+>>> bool(torch.equal(out[:2], a[:2] @ b[0])) and bool(torch.equal(out[2:], a[2:] @ b[1]))
+True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+aten = torch.ops.aten
+
+
+def _bounds(offs: torch.Tensor) -> list[tuple[int, int]]:
+    # Each group's (start, end) along the jagged dimension: offs[i] is the end of group i.
+    ends = [int(e) for e in offs.tolist()]
+    return list(zip([0, *ends[:-1]], ends, strict=True))
+
+
+def grouped_mm(
+    a: torch.Tensor,
+    b: torch.Tensor,
+    offs: torch.Tensor | None = None,
+    bias: torch.Tensor | None = None,
+    out_dtype: torch.dtype | None = None,
+) -> torch.Tensor:
+    """``aten::_grouped_mm`` from its definition, one ``mm`` per group (the dtype of the operands).
+
+    2D x 3D with ``offs`` (the rows of ``a`` split into groups, group ``g`` times ``b[g]``), 3D x 3D (a batched
+    matmul), 2D x 2D with ``offs`` (the shared dimension split: one ``M x N`` product per group) and 3D x 2D with
+    ``offs`` (the columns of ``b`` split, group ``g`` times ``a[g]``).  Rows and columns past ``offs[-1]`` are zero.
+    """
+    del out_dtype  # (a float64 result stays float64: the reference's precision)
+    if a.dim() == 3 and b.dim() == 3 and offs is None:
+        out = torch.bmm(a, b)
+        return out + bias.unsqueeze(1) if bias is not None else out
+    if offs is None:
+        raise NotImplementedError(f"_grouped_mm of {a.dim()}D x {b.dim()}D operands needs offs")
+    groups = _bounds(offs)
+    if a.dim() == 2 and b.dim() == 3:
+        out = a.new_zeros(a.shape[0], b.shape[2])
+        for g, (s, e) in enumerate(groups):
+            if e > s:
+                out[s:e] = a[s:e] @ b[g] + (bias[g] if bias is not None else 0)
+        return out
+    if bias is not None:
+        raise NotImplementedError(f"_grouped_mm with a bias on {a.dim()}D x {b.dim()}D operands")
+    if a.dim() == 2 and b.dim() == 2:
+        out = a.new_zeros(len(groups), a.shape[0], b.shape[1])
+        for g, (s, e) in enumerate(groups):
+            out[g] = a[:, s:e] @ b[s:e]
+        return out
+    if a.dim() == 3 and b.dim() == 2:
+        out = a.new_zeros(a.shape[1], b.shape[1])
+        for g, (s, e) in enumerate(groups):
+            if e > s:
+                out[:, s:e] = a[g] @ b[:, s:e]
+        return out
+    raise NotImplementedError(f"_grouped_mm of {a.dim()}D x {b.dim()}D operands")
+
+
+KERNELS: dict[Any, Callable[..., torch.Tensor]] = {aten._grouped_mm.default: grouped_mm}
+"""The ops computed here when their operands are float64, and how."""
+
+
+class Float64Kernels(TorchDispatchMode):
+    """Compute the ops in :data:`KERNELS` from their definitions where their tensor operands are float64."""
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        kernel = KERNELS.get(func)
+        if kernel is not None and all(
+            t.dtype == torch.float64
+            for t in (*args, *kwargs.values())
+            if isinstance(t, torch.Tensor) and t.is_floating_point()
+        ):
+            return kernel(*args, **kwargs)
+        return func(*args, **kwargs)

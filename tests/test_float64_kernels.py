@@ -1,0 +1,91 @@
+"""The fp64 reference computes ops PyTorch has no float64 kernel for (``_grouped_mm``: mixture-of-experts models)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import rlx_nb
+from rlx_nb.backends.emulated import RoundMatmulOperands, round_mantissa
+from rlx_nb.backends.float64_kernels import Float64Kernels, grouped_mm
+
+F = torch.nn.functional
+pytestmark = pytest.mark.skipif(not hasattr(F, "grouped_mm"), reason="this torch has no grouped_mm")
+
+OFFS = torch.tensor([8, 8, 20], dtype=torch.int32)  # (an empty group in the middle; rows past 20 unused)
+CASES = {
+    "2D x 3D": ((24, 8), (3, 8, 12), OFFS),
+    "3D x 3D": ((3, 4, 8), (3, 8, 12), None),
+    "2D x 2D": ((4, 24), (24, 12), OFFS),
+    "3D x 2D": ((3, 4, 8), (8, 24), OFFS),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_grouped_mm_in_float64_is_pytorchs_grouped_mm_from_its_definition(case):
+    a_shape, b_shape, offs = CASES[case]
+    torch.manual_seed(0)
+    a, b = torch.randn(a_shape), torch.randn(b_shape)
+    native = F.grouped_mm(a, b, offs=offs).double()  # PyTorch's own float32 kernel
+    with pytest.raises(RuntimeError, match="Double"):
+        F.grouped_mm(a.double(), b.double(), offs=offs)  # what the reference met before
+    with Float64Kernels():
+        wide = F.grouped_mm(a.double(), b.double(), offs=offs)
+    assert wide.dtype == torch.float64 and wide.shape == native.shape
+    # (rows, or columns, past offs[-1] are left unwritten by PyTorch's kernel: compared where both are defined)
+    used = {"2D x 3D": (slice(0, 20),), "3D x 2D": (slice(None), slice(0, 20))}.get(case, (...,))
+    assert torch.allclose(wide[used], native[used], rtol=0, atol=1e-5)
+    assert not torch.equal(wide[used], native[used])  # float64 products, not float32 ones cast
+    if case == "2D x 3D":  # each group's rows are its own matmul, exactly
+        assert torch.equal(wide[:8], a[:8].double() @ b[0].double())
+        assert torch.equal(wide[8:20], a[8:20].double() @ b[2].double())
+        assert torch.equal(wide[20:], torch.zeros(4, 12, dtype=torch.float64))
+
+
+def test_other_dtypes_go_to_pytorchs_kernel_bit_for_bit():
+    torch.manual_seed(1)
+    a, b = torch.randn(24, 8), torch.randn(3, 8, 12)
+    with Float64Kernels():
+        inside = F.grouped_mm(a, b, offs=OFFS)
+    assert torch.equal(inside[:20], F.grouped_mm(a, b, offs=OFFS)[:20])
+    with pytest.raises(NotImplementedError, match="needs offs"):
+        grouped_mm(a.double(), b.double())
+
+
+def test_the_precision_anchors_round_the_grouped_matmuls_operands():
+    torch.manual_seed(2)
+    a, b = torch.randn(24, 8), torch.randn(3, 8, 12)
+    with RoundMatmulOperands(8, results=True):
+        got = F.grouped_mm(a, b, offs=OFFS)
+    expected = round_mantissa(F.grouped_mm(round_mantissa(a, 8), round_mantissa(b, 8), offs=OFFS), 8)
+    assert torch.equal(got[:20], expected[:20])
+    assert not torch.equal(got[:20], F.grouped_mm(a, b, offs=OFFS)[:20])
+
+
+def _mixtral():
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    config = transformers.MixtralConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=256,
+    )  # fmt: skip
+    return transformers.MixtralForCausalLM(config).eval()
+
+
+def test_a_mixture_of_experts_model_gets_its_fp64_reference_and_budget_verdicts():
+    # Hugging Face's experts run F.grouped_mm on the CPU; in float64 it raised, and every verdict on the model
+    # fell back to the fixed tolerance (bfloat16 "SUSPECT" at max_rel 18).
+    model = _mixtral()
+    ids = torch.randint(0, 256, (2, 12), generator=torch.Generator().manual_seed(0))
+    report = rlx_nb.backend_divergence(model, ids, backends=["cpu-bf16", "fault:softmax-row"], progress=False)
+    assert report.results.reference.status == "ok", report.results.reference.message
+    rows = report.summary
+    assert (rows[rows.backend == "cpu-bf16"].verdict == "round-off").all()
+    assert report.suspects == ["fault:softmax-row"]
+    assert not any("tol_rel" in line for line in report.lines())  # the budget verdicts, not the fixed one
+
+    gen = rlx_nb.generation_divergence(model, ids[:1, :8], max_new_tokens=8, backends=["cpu-bf16"], progress=False)
+    assert gen.logits.results.reference.status == "ok"
+    assert gen.first_divergence.loc["cpu-bf16", "verdict"] == "round-off"
+    assert gen.steps.top2_gap_fp64.notna().all()
