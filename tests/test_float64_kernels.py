@@ -1,4 +1,5 @@
-"""The fp64 reference computes ops PyTorch has no float64 kernel for (``_grouped_mm``: mixture-of-experts models)."""
+"""The fp64 reference computes every model: ops PyTorch has no float64 kernel for (``_grouped_mm``: mixture-of-experts
+models), and tensors the model makes as it runs (float64 like the rest)."""
 
 from __future__ import annotations
 
@@ -89,3 +90,42 @@ def test_a_mixture_of_experts_model_gets_its_fp64_reference_and_budget_verdicts(
     assert gen.logits.results.reference.status == "ok"
     assert gen.first_divergence.loc["cpu-bf16", "verdict"] == "round-off"
     assert gen.steps.top2_gap_fp64.notna().all()
+
+
+class _MakesTensors(torch.nn.Module):
+    # Tensors made as it runs, without a dtype: a floor at the dtype's most negative value (XGLM's attention) and
+    # a constant.  Under a float32 default the first overflowed in the reference, the second held float32's 0.1.
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.randn(8, 8, generator=torch.Generator().manual_seed(3)))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.maximum(x @ self.w, torch.full((), torch.finfo(x.dtype).min))
+        return y + torch.full((), 0.1)
+
+
+def test_tensors_the_model_makes_as_it_runs_are_float64_in_the_reference():
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(4))
+    before = torch.get_default_dtype()
+    report = rlx_nb.backend_divergence(_MakesTensors(), x, backends=["cpu-nomkldnn"], progress=False)
+    assert torch.get_default_dtype() == before
+    ref = report.results.reference
+    assert ref.status == "ok", ref.message
+    leaf = next(iter(ref.outputs.values()))
+    model = _MakesTensors()
+    assert leaf.value.dtype.name == "float64"
+    expected = (x.double() @ model.w.detach().double()) + 0.1
+    assert (leaf.value == expected.numpy()).all()  # 0.1 itself, not float32's
+
+
+def test_xglm_gets_its_fp64_reference():
+    transformers = pytest.importorskip("transformers")
+    transformers.logging.set_verbosity_error()
+    config = transformers.XGLMConfig(vocab_size=256, d_model=64, ffn_dim=128, num_layers=2, attention_heads=4,
+                                     max_position_embeddings=256)  # fmt: skip
+    torch.manual_seed(0)
+    model = transformers.XGLMForCausalLM(config).eval()
+    ids = torch.randint(3, 256, (2, 8), generator=torch.Generator().manual_seed(0))
+    report = rlx_nb.backend_divergence(model, ids, backends=["cpu-bf16"], progress=False)
+    assert report.results.reference.status == "ok", report.results.reference.message
+    assert report.suspects == []

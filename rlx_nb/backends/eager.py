@@ -29,12 +29,27 @@ def to_float64(x: torch.Tensor) -> torch.Tensor:
 
 
 def run_float64(model: Any, inputs: tuple) -> Any:
-    """The reference: the same model with every floating param, buffer and input in float64 (an op PyTorch has
-    no float64 kernel for computed from its definition: :mod:`rlx_nb.backends.float64_kernels`)."""
+    """The reference: the same model with every floating param, buffer and input in float64, and the tensors it
+    makes as it runs too (:func:`float64_default`); an op PyTorch has no float64 kernel for is computed from its
+    definition (:mod:`rlx_nb.backends.float64_kernels`)."""
     if isinstance(model, torch.nn.Module):
         model.double()
-    with Float64Kernels():
+    with float64_default(), Float64Kernels():
         return model(*map_tensors(to_float64, inputs))
+
+
+@contextlib.contextmanager
+def float64_default() -> Any:
+    """float64 as the default dtype while the reference runs, restored after: a tensor the model makes without a
+    dtype (``torch.full((), torch.finfo(x.dtype).min)``: XGLM's attention mask floor; a position table) is float64
+    like the rest.  Under float32 it held float32's round-off, and XGLM's floor overflowed float32: the reference
+    raised.  (Bit for bit the same reference on every zoo model, which makes no such tensor.)"""
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 class Float64Weights(TorchFunctionMode):
@@ -71,7 +86,7 @@ def run_float64_streamed(model: Any, inputs: tuple) -> Any:
     """The reference with the weights in float64 one op at a time (:class:`Float64Weights`); forward only."""
     if not isinstance(model, torch.nn.Module):
         return run_float64(model, inputs)
-    with Float64Weights(model), Float64Kernels():
+    with Float64Weights(model), float64_default(), Float64Kernels():
         return model(*map_tensors(to_float64, inputs))
 
 
