@@ -25,7 +25,8 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
+
+from rlx_nb.reassoc import QuietDispatchMode
 
 aten = torch.ops.aten
 
@@ -82,8 +83,9 @@ KERNELS: dict[Any, Callable[..., torch.Tensor]] = {aten._grouped_mm.default: gro
 """The ops computed here when their operands are float64, and how."""
 
 
-class Float64Kernels(TorchDispatchMode):
-    """Compute the ops in :data:`KERNELS` from their definitions where their tensor operands are float64."""
+class Float64Kernels(QuietDispatchMode):
+    """Compute the ops in :data:`KERNELS` from their definitions where their tensor operands are float64.  (A
+    :class:`~rlx_nb.reassoc.QuietDispatchMode`: an eager run never imports ``torch._dynamo`` for it.)"""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
