@@ -51,13 +51,26 @@ _NOISE = re.compile(r"^(?:check '.*' failed at \S+:\d+:?|file \".*\", line \d+.*
 REASON_CHARS = 600
 
 
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+"""Terminal colour codes (ONNX's exporter colours its messages): no part of a row's text."""
+
+
+def plain(text: str) -> str:
+    """``text`` without terminal colour codes.
+
+    >>> plain("\x1b[96mThis is step 3/3\x1b[0m of exporting")
+    'This is step 3/3 of exporting'
+    """
+    return ANSI.sub("", text)
+
+
 def _message_lines(exc: BaseException) -> list[str]:
     # The meaningful lines of an exception's message and of the exceptions it was raised from.
     lines: list[str] = []
     seen: set[int] = set()
     while exc is not None and id(exc) not in seen:
         seen.add(id(exc))
-        for line in str(exc).splitlines():
+        for line in plain(str(exc)).splitlines():
             line = line.strip(" \t-:>")
             if line and not _NOISE.match(line) and line not in lines:
                 lines.append(line)

@@ -341,3 +341,16 @@ def test_openvino_takes_the_onnx_route_when_its_direct_conversion_fails_and_says
     assert "converted through the ONNX export" in note and "No conversion rule found for operations: aten::diff" in note
     direct = rlx_nb.backend_divergence(torch.nn.Linear(8, 8), torch.randn(4, 8), backends=["openvino"])
     assert "converted directly from PyTorch" in direct.backends_detail.note.iloc[0]
+
+
+def test_an_error_row_carries_no_terminal_colour_codes():
+    # ONNX's exporter colours its messages ("\x1b[96mThis is step 3/3\x1b[0m"); a row's text is read in reports
+    # and HTML, where the codes are noise.
+    def coloured(model, inputs):
+        raise RuntimeError("Failed to convert.\n\x1b[96mThis is step 3/3\x1b[0m of exporting the model to ONNX.")
+
+    report = _with_backend("coloured", coloured, torch.nn.Linear(4, 4), torch.ones(2, 4), progress=False)
+    message = report.results.candidates["coloured"].message
+    assert "Failed to convert." in message
+    assert "\x1b" not in message and "[96m" not in message
+    assert not any("\x1b" in line for line in report.lines())
