@@ -64,6 +64,16 @@ def plain(text: str) -> str:
     return ANSI.sub("", text)
 
 
+def first_line(exc: BaseException) -> str:
+    """The first line of an exception's message, without colour codes ("" for an empty message).
+
+    >>> first_line(RuntimeError("\x1b[96mFailed\x1b[0m to export\\nsecond line"))
+    'Failed to export'
+    """
+    lines = plain(str(exc)).strip().splitlines()
+    return lines[0] if lines else ""
+
+
 def _message_lines(exc: BaseException) -> list[str]:
     # The meaningful lines of an exception's message and of the exceptions it was raised from.
     lines: list[str] = []

@@ -38,18 +38,13 @@ def run_float64(model: Any, inputs: tuple) -> Any:
         return model(*map_tensors(to_float64, inputs))
 
 
-@contextlib.contextmanager
-def float64_default() -> Any:
-    """float64 as the default dtype while the reference runs, restored after: a tensor the model makes without a
-    dtype (``torch.full((), torch.finfo(x.dtype).min)``: XGLM's attention mask floor; a position table) is float64
-    like the rest.  Under float32 it held float32's round-off, and XGLM's floor overflowed float32: the reference
-    raised.  (Bit for bit the same reference on every zoo model, which makes no such tensor.)"""
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
-        yield
-    finally:
-        torch.set_default_dtype(before)
+def float64_default() -> contextlib.AbstractContextManager:
+    """float64 as the default dtype while the reference runs, restored after (:func:`rlx_nb.switches.flipped`): a
+    tensor the model makes without a dtype (``torch.full((), torch.finfo(x.dtype).min)``: XGLM's attention mask
+    floor; a position table) is float64 like the rest.  Under float32 it held float32's round-off, and XGLM's floor
+    overflowed float32: the reference raised.  (Bit for bit the same reference on every zoo model, which makes no
+    such tensor.)"""
+    return switches.flipped(default_dtype=torch.float64)
 
 
 class Float64Weights(TorchFunctionMode):

@@ -18,7 +18,7 @@ import torch
 from rlx_nb import phases
 from rlx_nb.backends.base import Backend
 from rlx_nb.backends.notes import add_note
-from rlx_nb.errors import plain
+from rlx_nb.errors import first_line
 from rlx_nb.prepare import shared_copy
 from rlx_nb.tree import Opaque, flatten
 
@@ -251,7 +251,7 @@ def _summary(exc: BaseException) -> str:
     # The exception's first line, and its root cause's when it has one (the dynamo exporter wraps the
     # model's own error in a generic "Failed to export the model" with terminal colours).
     def line(e: BaseException) -> str:
-        return f"{type(e).__name__}: {plain(str(e)).strip().splitlines()[0] if str(e).strip() else ''}"
+        return f"{type(e).__name__}: {first_line(e)}"
 
     root = exc
     while root.__cause__ is not None and root.__cause__ is not root:
