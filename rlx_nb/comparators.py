@@ -21,6 +21,7 @@ from rlx_nb import device_metrics, formats, verdict
 from rlx_nb.context import OutputContext
 from rlx_nb.elements import rel_error
 from rlx_nb.flips import Flips
+from rlx_nb.judgement import replaced
 from rlx_nb.metrics import PairStats, pair_stats
 from rlx_nb.records import OutputRecord, PairFields
 from rlx_nb.reference import error_stats, reference_stats
@@ -68,7 +69,7 @@ class Comparator:
             self.ctx.index,
             self.ctx.kind,
             self.cand.compute_dtype,
-            dataclasses.replace(judgement, tol_rel=self.tol_rel),
+            replaced(judgement, tol_rel=self.tol_rel),
             pair or PairFields(),
             shape=o.shape,
             dtype=o.dtype,

@@ -9,7 +9,6 @@ runs tell (a nondeterministic model), and the words (:mod:`rlx_nb.reasons`), onc
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
@@ -17,6 +16,7 @@ from rlx_nb import reasons, verdict
 from rlx_nb.comparators import Candidate, compare_output, on_device
 from rlx_nb.context import OutputContext, contexts
 from rlx_nb.flips import flips_of
+from rlx_nb.judgement import replaced
 from rlx_nb.progress import bar
 from rlx_nb.records import OutputRecord, PairFields
 from rlx_nb.results import GRAD_PREFIX, OK, SKIPPED, BackendRun, Leaf, RunResults
@@ -54,10 +54,10 @@ def compare(
         for run in results.candidates.values():
             for rec in _compare_run(results, run, outputs, tol_rel=tol_rel, rule=rule, shown=shown):
                 if rec.output in unstable and rec.verdict not in (VERDICT_ERROR, VERDICT_SKIPPED):
-                    j = dataclasses.replace(rec.judgement, verdict=NONDETERMINISTIC, cause=Cause.NONDETERMINISTIC,
+                    j = replaced(rec.judgement, verdict=NONDETERMINISTIC, cause=Cause.NONDETERMINISTIC,
                                             nondeterminism=unstable[rec.output])  # fmt: skip
-                    rec = dataclasses.replace(rec, judgement=j)
-                records.append(dataclasses.replace(rec, reason=reasons.reason(rec, ops)))
+                    rec = replaced(rec, judgement=j)
+                records.append(replaced(rec, reason=reasons.reason(rec, ops)))
     return records
 
 
@@ -89,10 +89,10 @@ def _compare_run(
             notes.append(ctx.anchors_left_out)
         if results.reference.status != OK and j.verdict_budget is None and rec.note:
             notes.append(f"the fp64 reference did not run ({results.reference.message}), so the fixed rule decides")
-        out.append(dataclasses.replace(rec, note="; ".join(n for n in notes if n)))
+        out.append(replaced(rec, note="; ".join(n for n in notes if n)))
     suspects = [r for r in out if r.verdict == SUSPECT]
     if suspects and all(verdict.looks_less_accurate(r.judgement, r.compute_dtype, r.kind, r.numel) for r in suspects):
-        out = [dataclasses.replace(r, judgement=verdict.read_less_accurate(r.judgement)) for r in out]
+        out = [replaced(r, judgement=verdict.read_less_accurate(r.judgement)) for r in out]
     extra = [n for n in run.outputs if n not in results.oracle.outputs]
     if extra:
         why = f"outputs the oracle does not have: {', '.join(extra[:5])}"
@@ -105,7 +105,7 @@ def judge_leaf(oracle: Leaf, got: Leaf | None, reference: Leaf | None, *, backen
     """One forward output judged on its own (no sequential run, no anchors): a module's, in :mod:`rlx_nb.localize`."""
     ctx = OutputContext(output, 0, oracle, reference, None, {})
     rec = compare_output(ctx, Candidate(backend, compute_dtype, got))
-    return dataclasses.replace(rec, reason=reasons.reason(rec))
+    return replaced(rec, reason=reasons.reason(rec))
 
 
 def failed(backend: str, why: str) -> OutputRecord:

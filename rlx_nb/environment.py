@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 import platform
 import re
+import sys
 from typing import Any
 
 import numpy as np
@@ -64,12 +65,22 @@ def cpu() -> dict[str, Any]:
 
 def backend_versions() -> dict[str, str]:
     # The runtimes other backends use, when installed (read from their metadata: nothing is imported).
+    return dict(_versions(tuple(d in sys.modules for d in _RUNTIMES)))
+
+
+_RUNTIMES = ("onnxruntime", "openvino", "onnx")
+
+
+@functools.lru_cache(maxsize=8)
+def _versions(loaded: tuple[bool, ...]) -> tuple[tuple[str, str], ...]:
+    # Read again only when one of them has been imported since (~4 ms of metadata parsing a call otherwise): one
+    # installed while the process runs is read once a backend has loaded it.
     from importlib import metadata
 
     found = {}
-    for dist in ("onnxruntime", "openvino", "onnx"):
+    for dist in _RUNTIMES:
         try:
             found[dist] = metadata.version(dist)
         except metadata.PackageNotFoundError:
             pass
-    return found
+    return tuple(found.items())

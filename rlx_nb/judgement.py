@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from typing import Any, TypeVar
 
 from rlx_nb.reference import ReferenceStats, SliceStats
 
@@ -18,6 +19,30 @@ NEAR_TIE = "near-tie"
 DISAGREEMENT = "real disagreement"
 """A generated token that differs from the oracle's further than the step's round-off allows (SUSPECT)."""
 NONDETERMINISTIC = "nondeterministic"
+
+_Frozen = TypeVar("_Frozen")
+
+
+def replaced(obj: _Frozen, **changes: Any) -> _Frozen:
+    """``dataclasses.replace(obj, **changes)`` for the verdict's frozen dataclasses (a :class:`Judgement`, an
+    output record), without its per-field walk: the record of every (backend, output) is replaced four times
+    on its way to the table, and ``dataclasses.replace`` took 12% of a small decoder's comparison.  The same new
+    object: every field ``obj``'s but ``changes``, none of which may be a name that is not a field.
+
+    Examples
+    --------
+    >>> j = Judgement("round-off", Cause.WITHIN, line=0.5)
+    >>> replaced(j, line=2.0) == dataclasses.replace(j, line=2.0)
+    True
+    """
+    fields = type(obj).__dataclass_fields__  # type: ignore[attr-defined]
+    unknown = [k for k in changes if k not in fields]
+    if unknown:
+        raise TypeError(f"{type(obj).__name__} has no field {unknown[0]!r}")
+    new = object.__new__(type(obj))
+    new.__dict__.update(obj.__dict__)  # (a frozen dataclass: its fields live in __dict__; __init__ sets no more)
+    new.__dict__.update(changes)
+    return new
 
 
 class Cause:

@@ -17,7 +17,6 @@ is ``docs/verdict.md``; the allowances for chance are :mod:`rlx_nb.chance`.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -37,6 +36,7 @@ from rlx_nb.judgement import (
     Evidence,
     Judgement,
     SliceEvidence,
+    replaced,
     without_statistics,
 )
 from rlx_nb.readings import (
@@ -219,9 +219,9 @@ def decide(j: Judgement, rule: str, fixed: Judgement) -> Judgement:
     if j is None:
         return fixed
     if rule == "fixed":
-        return dataclasses.replace(j, verdict=fixed.verdict, cause=Cause.FIXED, line=fixed.line,
+        return replaced(j, verdict=fixed.verdict, cause=Cause.FIXED, line=fixed.line,
                                    verdict_fixed=fixed.verdict, tol_rel=fixed.tol_rel)  # fmt: skip
-    return dataclasses.replace(j, verdict_fixed=fixed.verdict, tol_rel=fixed.tol_rel)
+    return replaced(j, verdict_fixed=fixed.verdict, tol_rel=fixed.tol_rel)
 
 
 def fixed_judgement(max_rel: float, tol_rel: float, nonfinite_mismatch: int) -> Judgement:
@@ -235,13 +235,13 @@ def read_suspect(j: Judgement, compute_dtype: str, kind: str, **readings: Any) -
     """A SUSPECT judgement with what was read of its error (``zero_mismatch``, ``anchor_likeness``, ``error_bias``
     ...), and the reading that explains it as its cause: positions the model zeroes (where the rest is round-off),
     then a precision likeness (:func:`looks_like_reduced_precision`); else the clause stays the cause."""
-    j = dataclasses.replace(j, **readings)
+    j = replaced(j, **readings)
     if j.verdict != SUSPECT or j.cause in (Cause.NONFINITE, Cause.FIXED):
         return j
     if j.zero_mismatch and j.excess_elsewhere <= 1.0:
-        return dataclasses.replace(j, cause=Cause.ZEROS)
+        return replaced(j, cause=Cause.ZEROS)
     if looks_like_reduced_precision(j, compute_dtype, kind):
-        return dataclasses.replace(j, cause=Cause.PRECISION)
+        return replaced(j, cause=Cause.PRECISION)
     return j
 
 
@@ -250,7 +250,7 @@ def read_less_accurate(j: Judgement) -> Judgement:
     if j.verdict != SUSPECT:
         return j
     keep = j.cause in (Cause.NONFINITE, Cause.FIXED, Cause.ZEROS, Cause.PRECISION)
-    return dataclasses.replace(j, less_accurate=True, cause=j.cause if keep else Cause.LESS_ACCURATE)
+    return replaced(j, less_accurate=True, cause=j.cause if keep else Cause.LESS_ACCURATE)
 
 
 def whole_excess(ratio_rmse: float, ratio_max: float) -> float:

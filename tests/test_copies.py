@@ -1,0 +1,170 @@
+"""rlx_nb.copies.module_copy makes the copy copy.deepcopy makes; judgement.replaced the object dataclasses.replace makes."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import types
+import weakref
+from collections import OrderedDict
+
+import pytest
+import torch
+
+from rlx_nb import demo, zoo
+from rlx_nb.copies import copies_plainly, module_copy
+from rlx_nb.decode import Decode
+from rlx_nb.judgement import Cause, Judgement, replaced
+from rlx_nb.prepare import shared_copy
+from rlx_nb.records import OutputRecord
+
+pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+
+_ATOMIC = (type(None), bool, int, float, complex, str, bytes, type)
+
+
+def _same_copy(a, b, original, *, seen_a=None, seen_b=None, path="model"):
+    """``a`` and ``b``, two copies of ``original``, have the same types, values and sharing at every node."""
+    seen_a = {} if seen_a is None else seen_a
+    seen_b = {} if seen_b is None else seen_b
+    assert type(a) is type(b), path
+    if isinstance(a, _ATOMIC):
+        assert a == b, path
+        return
+    if isinstance(a, types.MethodType):  # (deepcopy binds the function to the copy of its object)
+        assert a.__func__ is b.__func__, path
+        _same_copy(a.__self__, b.__self__, original.__self__, seen_a=seen_a, seen_b=seen_b, path=f"{path}.__self__")
+        return
+    if isinstance(a, weakref.ref):  # (a module's __setstate__ may make new ones, to its copied tensors)
+        _same_copy(a(), b(), original(), seen_a=seen_a, seen_b=seen_b, path=f"{path}()")
+        return
+    if callable(a) and not isinstance(a, torch.nn.Module):
+        assert a is b, path  # (functions, hooks, weak references: deepcopy keeps them as they are)
+        return
+    # The same sharing: a node met before in one copy was met at the same place in the other.
+    assert seen_a.get(id(a)) == seen_b.get(id(b)), path
+    if id(a) in seen_a:
+        return
+    seen_a[id(a)] = seen_b[id(b)] = path
+    assert (a is original) == (b is original), path  # (copied where deepcopy copies)
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape and a.requires_grad == b.requires_grad, path
+        assert torch.equal(a, b), path
+        return
+    if isinstance(a, dict):
+        assert list(a) == list(b), path
+        for k in a:
+            _same_copy(a[k], b[k], original.get(k), seen_a=seen_a, seen_b=seen_b, path=f"{path}[{k!r}]")
+        return
+    if isinstance(a, (list, tuple, set, frozenset)):
+        assert len(a) == len(b), path
+        if isinstance(a, (set, frozenset)):
+            assert a == b, path
+            return
+        for i, (x, y, o) in enumerate(zip(a, b, original, strict=True)):
+            _same_copy(x, y, o, seen_a=seen_a, seen_b=seen_b, path=f"{path}[{i}]")
+        return
+    if hasattr(a, "__dict__"):
+        _same_copy(vars(a), vars(b), vars(original), seen_a=seen_a, seen_b=seen_b, path=f"{path}.__dict__")
+
+
+class Shares(torch.nn.Module):
+    """Tied weights, a submodule held twice, an empty list two modules share, a hook and a plain attribute."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Linear(3, 3)
+        self.b = torch.nn.Linear(3, 3)
+        self.b.weight = self.a.weight
+        self.again = self.a
+        self.losses: list = []
+        self.a.losses = self.losses  # (an empty container two modules share: one copy of it, shared)
+        self.register_buffer("scale", torch.tensor(2.0))
+        self.note = {"kind": "test", "sizes": [3, 3]}
+        self.a.register_forward_hook(_hook)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(self.a(x)) * self.scale
+
+
+def _hook(module, args, out):
+    return out + 0
+
+
+class OwnCopy(torch.nn.Linear):
+    """A module with a __deepcopy__ of its own: module_copy leaves it to copy.deepcopy."""
+
+    copies = 0
+
+    def __deepcopy__(self, memo):
+        OwnCopy.copies += 1
+        new = torch.nn.Linear(self.in_features, self.out_features)
+        new.load_state_dict(self.state_dict())
+        return new
+
+
+def _models():
+    yield "shares", Shares()
+    yield "compiled-flag", torch.nn.Linear(2, 2)
+    yield "lstm", torch.nn.LSTM(4, 5, num_layers=2)
+    yield "encoder", torch.nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, batch_first=True)
+    yield "demo", demo.transformer()[0]
+    yield "conv", demo.conv()[0]
+    yield "hf-gpt2", demo.gpt2()[0]
+    for name in ("gpt2", "llama"):
+        model, ids = zoo.decoder(name, batch=1, seed=0)
+        yield name, Decode(model, prompt_len=ids.shape[1], steps=4, oracle_first=True)
+
+
+@pytest.mark.parametrize("name,model", list(_models()), ids=lambda v: v if isinstance(v, str) else "")
+def test_module_copy_is_the_copy_deepcopy_makes(name, model):
+    if name == "compiled-flag":
+        model.compile()  # (Module.compile(): nn.Module.__getstate__ leaves its compiled call out of a copy)
+    ours, theirs = module_copy(model, {}), copy.deepcopy(model)
+    _same_copy(ours, theirs, model)
+    assert "_compiled_call_impl" not in vars(ours)
+
+
+def test_a_module_copy_shares_what_the_original_shares_and_nothing_with_it():
+    model = Shares()
+    c = module_copy(model, {})
+    assert c.b.weight is c.a.weight and c.again is c.a and c.a.losses is c.losses
+    assert c.a.weight is not model.a.weight and c.losses is not model.losses and c.note is not model.note
+    c.note["kind"] = "changed"
+    c.losses.append(1)
+    assert model.note["kind"] == "test" and model.losses == []
+    x = torch.randn(2, 3)
+    torch.testing.assert_close(c(x), model(x), rtol=0, atol=0)  # (the hook copied with its module)
+
+
+def test_a_module_with_its_own_copy_is_left_to_deepcopy():
+    model = torch.nn.Sequential(OwnCopy(2, 2), torch.nn.ReLU())
+    assert not copies_plainly(OwnCopy) and copies_plainly(torch.nn.ReLU)
+    before = OwnCopy.copies
+    c = module_copy(model, {})
+    assert OwnCopy.copies == before + 1 and type(c[0]) is torch.nn.Linear
+
+
+def test_shared_copy_shares_storage_and_nothing_else():
+    model, ids = zoo.decoder("qwen2", batch=1, seed=0)
+    c = shared_copy(model)
+    for (n, p), (_, q) in zip(model.named_parameters(), c.named_parameters(), strict=True):
+        assert q is not p and q.data_ptr() == p.data_ptr(), n
+    with torch.no_grad():
+        torch.testing.assert_close(c(ids).logits, model(ids).logits, rtol=0, atol=0)
+    c.to(torch.float64)  # (a backend casting its copy: new tensors in the copy, the original untouched)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_replaced_is_dataclasses_replace():
+    j = Judgement("round-off", Cause.WITHIN, line=0.5, detail="x")
+    for changes in ({"line": 2.0}, {"verdict": "SUSPECT", "cause": Cause.WHOLE}, {}):
+        ours, theirs = replaced(j, **changes), dataclasses.replace(j, **changes)
+        assert ours == theirs and ours is not j and type(ours) is Judgement
+        assert vars(ours) == vars(theirs)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        replaced(j, line=3.0).line = 4.0  # (still frozen)
+    rec = OutputRecord("b", "out", 0, "forward", "float32", j)
+    assert replaced(rec, note="n") == dataclasses.replace(rec, note="n")
+    with pytest.raises(TypeError, match="no field 'nope'"):
+        replaced(j, nope=1)
