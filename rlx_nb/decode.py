@@ -43,6 +43,11 @@ from rlx_nb import phases
 
 Step = Callable[[Any, torch.Tensor, Any], tuple[torch.Tensor, Any]]
 
+STREAM_FROM_BYTES = 64 << 20
+"""Floating weights from which a decode's fp64 reference is streamed (:attr:`Decode.streams_reference`).  At GPT-2
+small's 500 MB the two take the same time (the cast back against ~500 ops' Python calls) and streaming never
+holds every weight in float64; on a zoo decoder's 1 MB lending saves a third of the reference's ~18 ms."""
+
 
 def hf_step(model: Any, input_ids: torch.Tensor, cache: Any, attention_mask: torch.Tensor | None = None) -> tuple:
     """One step of a Hugging Face causal LM with its own cache: ``(logits, cache)``."""
@@ -139,8 +144,14 @@ class Decode(torch.nn.Module):
         """Whether the fp64 reference should cast each weight where its op uses it (:func:`rlx_nb.run.run`) rather
         than the whole model at once: its helper runs are one forward over the whole sequence, which uses each
         weight once (a tied one twice), so that is one cast per weight, none back, and never every weight in
-        float64 together."""
-        return self.whole_helpers and self.run_step is None
+        float64 together.  Below :data:`STREAM_FROM_BYTES` of weights the whole model is lent instead: casting
+        it back costs less than the streaming mode's Python call on every op (the same float64 values)."""
+        if not (self.whole_helpers and self.run_step is None):
+            return False
+        if not isinstance(self.model, torch.nn.Module):
+            return True
+        held = {id(t): t for t in (*self.model.parameters(), *self.model.buffers()) if t.is_floating_point()}
+        return sum(t.numel() * t.element_size() for t in held.values()) >= STREAM_FROM_BYTES
 
     def fed(self, ids: torch.Tensor) -> torch.Tensor:
         """The ids a teacher-forced run is fed: the prompt and the oracle's tokens before the last (``ids``

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import rlx_nb
+from rlx_nb import decode as decode_module
 from rlx_nb import demo, zoo
 from rlx_nb.backends.base import Backend
 from rlx_nb.backends.faults import fault_backend
@@ -28,8 +29,10 @@ def llama():
 @pytest.fixture(scope="module")
 def legit(llama):
     model, ids = llama
-    return rlx_nb.generation_divergence(model, ids, max_new_tokens=48, backends=["cpu-nomkldnn", "cpu-bf16"],
-                                        progress=False)  # fmt: skip
+    with pytest.MonkeyPatch.context() as patch:  # (its fp64 reference streamed, as a real-size decoder's is)
+        patch.setattr(decode_module, "STREAM_FROM_BYTES", 0)
+        return rlx_nb.generation_divergence(model, ids, max_new_tokens=48, backends=["cpu-nomkldnn", "cpu-bf16"],
+                                            progress=False)  # fmt: skip
 
 
 def test_the_oracle_decodes_what_hugging_face_generate_does(llama, legit):
@@ -295,6 +298,26 @@ def test_the_helper_runs_compute_every_step_at_once_and_agree_with_the_step_by_s
         # The reference casts each weight where its op uses it: what the whole model in float64 gives, bit for bit.
         np.testing.assert_array_equal(reference[step_name(k)].value, whole[step_name(k)].numpy())
     assert STREAMS in legit.logits.results.reference.notes
+
+
+def test_a_small_decoders_reference_is_lent_and_the_same_as_streamed(llama, monkeypatch):
+    # Below STREAM_FROM_BYTES the whole model is lent in float64 (no per-op mode): the same values, bit for bit.
+    model, ids = llama
+    assert sum(p.numel() * 4 for p in model.parameters()) < decode_module.STREAM_FROM_BYTES
+
+    def reference() -> tuple[dict, list]:
+        r = rlx_nb.generation_divergence(model, ids[:1], max_new_tokens=8, backends=["cpu-nomkldnn"], progress=False)
+        ref = r.logits.results.reference
+        return {n: leaf.value for n, leaf in ref.outputs.items()}, ref.notes
+
+    lent, notes = reference()
+    assert STREAMS not in notes
+    monkeypatch.setattr(decode_module, "STREAM_FROM_BYTES", 0)
+    streamed, notes = reference()
+    assert STREAMS in notes
+    assert lent.keys() == streamed.keys()
+    for name in lent:
+        np.testing.assert_array_equal(lent[name], streamed[name])
 
 
 class Altered(torch.nn.Module):
