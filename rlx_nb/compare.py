@@ -55,7 +55,7 @@ def compare(
             for rec in _compare_run(results, run, outputs, tol_rel=tol_rel, rule=rule, shown=shown):
                 if rec.output in unstable and rec.verdict not in (VERDICT_ERROR, VERDICT_SKIPPED):
                     j = replaced(rec.judgement, verdict=NONDETERMINISTIC, cause=Cause.NONDETERMINISTIC,
-                                            nondeterminism=unstable[rec.output])  # fmt: skip
+                                 nondeterminism=unstable[rec.output])  # fmt: skip
                     rec = replaced(rec, judgement=j)
                 records.append(replaced(rec, reason=reasons.reason(rec, ops)))
     return records

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Any, TypeVar
 
@@ -35,14 +36,26 @@ def replaced(obj: _Frozen, **changes: Any) -> _Frozen:
     >>> replaced(j, line=2.0) == dataclasses.replace(j, line=2.0)
     True
     """
-    fields = type(obj).__dataclass_fields__  # type: ignore[attr-defined]
-    unknown = [k for k in changes if k not in fields]
+    names = _init_fields(type(obj))
+    if names is None:  # (a field __init__ does not set, or a __post_init__: only dataclasses.replace knows)
+        return dataclasses.replace(obj, **changes)  # type: ignore[type-var]
+    unknown = [k for k in changes if k not in names]
     if unknown:
         raise TypeError(f"{type(obj).__name__} has no field {unknown[0]!r}")
     new = object.__new__(type(obj))
-    new.__dict__.update(obj.__dict__)  # (a frozen dataclass: its fields live in __dict__; __init__ sets no more)
+    state = obj.__dict__
+    new.__dict__.update({k: state[k] for k in names})  # (what __init__ would set: the fields, nothing else)
     new.__dict__.update(changes)
     return new
+
+
+@functools.cache
+def _init_fields(cls: type) -> tuple[str, ...] | None:
+    # The fields __init__ sets from its arguments, when that is all it does; else None.
+    fields = dataclasses.fields(cls)
+    if hasattr(cls, "__post_init__") or hasattr(cls, "__slots__") or not all(f.init for f in fields):
+        return None
+    return tuple(f.name for f in fields)
 
 
 class Cause:

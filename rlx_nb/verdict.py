@@ -220,7 +220,7 @@ def decide(j: Judgement, rule: str, fixed: Judgement) -> Judgement:
         return fixed
     if rule == "fixed":
         return replaced(j, verdict=fixed.verdict, cause=Cause.FIXED, line=fixed.line,
-                                   verdict_fixed=fixed.verdict, tol_rel=fixed.tol_rel)  # fmt: skip
+                        verdict_fixed=fixed.verdict, tol_rel=fixed.tol_rel)  # fmt: skip
     return replaced(j, verdict_fixed=fixed.verdict, tol_rel=fixed.tol_rel)
 
 

@@ -6,7 +6,6 @@ import copy
 import dataclasses
 import types
 import weakref
-from collections import OrderedDict
 
 import pytest
 import torch
@@ -168,3 +167,17 @@ def test_replaced_is_dataclasses_replace():
     assert replaced(rec, note="n") == dataclasses.replace(rec, note="n")
     with pytest.raises(TypeError, match="no field 'nope'"):
         replaced(j, nope=1)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Derived:
+    a: int
+    b: int = dataclasses.field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "b", 2 * self.a)
+
+
+def test_replaced_leaves_a_dataclass_with_its_own_init_work_to_dataclasses_replace():
+    x = _Derived(1)
+    assert replaced(x, a=5) == dataclasses.replace(x, a=5) == _Derived(5)  # (b from __post_init__, not copied)
