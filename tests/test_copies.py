@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import types
 import weakref
 
@@ -37,8 +38,8 @@ def _same_copy(a, b, original, *, seen_a=None, seen_b=None, path="model"):
     if isinstance(a, weakref.ref):  # (a module's __setstate__ may make new ones, to its copied tensors)
         _same_copy(a(), b(), original(), seen_a=seen_a, seen_b=seen_b, path=f"{path}()")
         return
-    if callable(a) and not isinstance(a, torch.nn.Module):
-        assert a is b, path  # (functions, hooks, weak references: deepcopy keeps them as they are)
+    if isinstance(a, (types.FunctionType, types.BuiltinFunctionType, types.MethodWrapperType)):
+        assert a is b, path  # (functions: deepcopy keeps them as they are)
         return
     # The same sharing: a node met before in one copy was met at the same place in the other.
     assert seen_a.get(id(a)) == seen_b.get(id(b)), path
@@ -46,6 +47,11 @@ def _same_copy(a, b, original, *, seen_a=None, seen_b=None, path="model"):
         return
     seen_a[id(a)] = seen_b[id(b)] = path
     assert (a is original) == (b is original), path  # (copied where deepcopy copies)
+    if isinstance(a, functools.partial):  # (a new partial in both: the same function, its arguments copied)
+        assert a.func is b.func, path
+        _same_copy(a.args, b.args, original.args, seen_a=seen_a, seen_b=seen_b, path=f"{path}.args")
+        _same_copy(a.keywords, b.keywords, original.keywords, seen_a=seen_a, seen_b=seen_b, path=f"{path}.keywords")
+        return
     if isinstance(a, torch.Tensor):
         assert a.dtype == b.dtype and a.shape == b.shape and a.requires_grad == b.requires_grad, path
         assert torch.equal(a, b), path
@@ -112,7 +118,9 @@ def _models():
     yield "hf-gpt2", demo.gpt2()[0]
     for name in ("gpt2", "llama"):
         model, ids = zoo.decoder(name, batch=1, seed=0)
-        yield name, Decode(model, prompt_len=ids.shape[1], steps=4, oracle_first=True)
+        yield f"decode-{name}", Decode(model, prompt_len=ids.shape[1], steps=4, oracle_first=True)
+    for name in zoo.MODELS:  # (Mamba: a load hook bound to its module; others: partial activations, configs)
+        yield f"zoo-{name}", zoo.build(name, batch=1)[0]
 
 
 @pytest.mark.parametrize("name,model", list(_models()), ids=lambda v: v if isinstance(v, str) else "")
