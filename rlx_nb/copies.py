@@ -49,7 +49,7 @@ def module_copy(module: torch.nn.Module, memo: dict[int, Any]) -> torch.nn.Modul
     if found is not None:
         return found
     cls = type(module)
-    if not copies_plainly(cls):
+    if not copies_plainly(cls) or "__deepcopy__" in module.__dict__:  # (deepcopy finds an instance's own too)
         return copy.deepcopy(module, memo)
     new = cls.__new__(cls)
     memo[id(module)] = new

@@ -150,6 +150,9 @@ def test_a_module_with_its_own_copy_is_left_to_deepcopy():
     before = OwnCopy.copies
     c = module_copy(model, {})
     assert OwnCopy.copies == before + 1 and type(c[0]) is torch.nn.Linear
+    one = torch.nn.ReLU()
+    one.__deepcopy__ = lambda memo: "its own"  # (on the instance: deepcopy finds it there too)
+    assert module_copy(torch.nn.Sequential(one), {})[0] == copy.deepcopy(one) == "its own"
 
 
 def test_shared_copy_shares_storage_and_nothing_else():
