@@ -81,6 +81,13 @@ def _same_layout(d: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return buf.as_strided(d.shape, d.stride(), shift)
 
 
+def weights_bytes(model: torch.nn.Module) -> int:
+    """The bytes of ``model``'s parameters and buffers, each tensor once (a tied weight is one)."""
+    return sum(
+        t.numel() * t.element_size() for t in {id(t): t for t in (*model.parameters(), *model.buffers())}.values()
+    )
+
+
 def raw_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy and without numpy.
 

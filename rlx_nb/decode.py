@@ -40,11 +40,12 @@ import numpy as np
 import torch
 
 from rlx_nb import phases
+from rlx_nb._memory import weights_bytes
 
 Step = Callable[[Any, torch.Tensor, Any], tuple[torch.Tensor, Any]]
 
 STREAM_FROM_BYTES = 64 << 20
-"""Floating weights from which a decode's fp64 reference is streamed (:attr:`Decode.streams_reference`).  At GPT-2
+"""Weights (parameters and buffers) from which a decode's fp64 reference is streamed (:attr:`Decode.streams_reference`).  At GPT-2
 small's 500 MB the two take the same time (the cast back against ~500 ops' Python calls) and streaming never
 holds every weight in float64; on a zoo decoder's 1 MB lending saves a third of the reference's ~18 ms."""
 
@@ -150,8 +151,7 @@ class Decode(torch.nn.Module):
             return False
         if not isinstance(self.model, torch.nn.Module):
             return True
-        held = {id(t): t for t in (*self.model.parameters(), *self.model.buffers()) if t.is_floating_point()}
-        return sum(t.numel() * t.element_size() for t in held.values()) >= STREAM_FROM_BYTES
+        return weights_bytes(self.model) >= STREAM_FROM_BYTES
 
     def fed(self, ids: torch.Tensor) -> torch.Tensor:
         """The ids a teacher-forced run is fed: the prompt and the oracle's tokens before the last (``ids``

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from rlx_nb import phases, preparations, switches
+from rlx_nb._memory import weights_bytes
 from rlx_nb.backends import Backend
 from rlx_nb.backends.notes import add_note, collecting
 from rlx_nb.errors import InputError, NotApplicable, describe_error, error_detail
@@ -224,15 +225,9 @@ def _prepared_run(backend: Backend, private: PrivateModel | Given, fresh: tuple,
     kept = model if backend.differentiable else None  # a forward-only runner holds what it needs itself
     # What keeping it costs: what making it added, and the weights it pins (shared with the run's private
     # model, they would outlive it).
-    held = max(0, rss_bytes() - before) + (_weights_bytes(kept) if kept is not None else 0)
+    held = max(0, rss_bytes() - before) + (weights_bytes(kept) if kept is not None else 0)
     preparations.store(k, preparations.Preparation(backend.name, kept, runner, made, seconds, time.time(), held))
     return kept, out
-
-
-def _weights_bytes(model: torch.nn.Module) -> int:
-    return sum(
-        t.numel() * t.element_size() for t in {id(t): t for t in (*model.parameters(), *model.buffers())}.values()
-    )
 
 
 def _require_grads(model: torch.nn.Module) -> None:

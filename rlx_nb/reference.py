@@ -160,8 +160,8 @@ def reference_stats(x: np.ndarray, reference: np.ndarray) -> ReferenceStats:
         raise InputError(f"shapes differ: {x.shape} vs {reference.shape}")
     if rf.dtype == np.float64 and xf.dtype in (np.float32, np.float64):
         kern = _fused.reference_kernel()
-        if kern is not None:  # (a small output in one call: ~10 numpy calls' overhead saved on each)
-            return _fused_reference_stats(kern, xf, rf) if xf.size >= 8 * CHUNK else _totals([kern(xf, rf, 0, xf.size)])
+        if kern is not None:  # (any size: a small output is one range, one call, ~10 numpy calls' overhead saved)
+            return _fused_reference_stats(kern, xf, rf)
     sq = mx = rsq = rmx = 0.0
     count = 0
     buf = np.empty(min(CHUNK, xf.size), np.float64)
@@ -184,12 +184,8 @@ def reference_stats(x: np.ndarray, reference: np.ndarray) -> ReferenceStats:
 
 
 def _fused_reference_stats(kern, xf: np.ndarray, rf: np.ndarray) -> ReferenceStats:
-    # One compiled pass per core, like the fused pair_stats.
-    return _totals(on_cores(lambda start, stop: kern(xf, rf, start, stop), ranges(xf.size)))
-
-
-def _totals(parts: list[tuple]) -> ReferenceStats:
-    # The kernel's (squares, max, reference squares, reference max, count) of each range, as one ReferenceStats.
+    # One compiled pass per core, like the fused pair_stats (one range, on the calling thread, for a small output).
+    parts = on_cores(lambda start, stop: kern(xf, rf, start, stop), ranges(xf.size))
     sq, mx, rsq, rmx, count = (
         sum(p[0] for p in parts),
         max(p[1] for p in parts),
