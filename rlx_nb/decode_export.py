@@ -27,7 +27,7 @@ import torch
 
 from rlx_nb.backends.notes import add_note
 from rlx_nb.decode import hf_step, last_logits, step_name
-from rlx_nb.errors import NotApplicable, first_line
+from rlx_nb.errors import NotApplicable, with_root_cause
 
 
 def _layers(cache: Any) -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -116,8 +116,7 @@ def export_decode(decode: Any, prompt: torch.Tensor, directory: Path) -> tuple[P
     except NotApplicable:
         raise
     except Exception as exc:
-        said = first_line(exc)[:300] or type(exc).__name__
-        raise NotApplicable(f"the decode step did not export to ONNX ({type(exc).__name__}: {said})") from exc
+        raise NotApplicable(f"the decode step did not export to ONNX ({with_root_cause(exc)[:600]})") from exc
     return prefill, step, len(past) // 2
 
 

@@ -74,6 +74,30 @@ def first_line(exc: BaseException) -> str:
     return lines[0] if lines else ""
 
 
+def with_root_cause(exc: BaseException) -> str:
+    """The exception's type and first line, and its root cause's where it was raised from another: an exporter
+    wraps the model's own error (or the op it could not convert) in a generic "Failed to ..." message.
+
+    >>> try:
+    ...     try:
+    ...         raise KeyError("no ONNX function for op X")
+    ...     except KeyError as inner:
+    ...         raise RuntimeError("\x1b[96mFailed\x1b[0m to convert\\nNext steps: ...") from inner
+    ... except RuntimeError as outer:
+    ...     print(with_root_cause(outer))
+    RuntimeError: Failed to convert (caused by KeyError: 'no ONNX function for op X')
+    """
+
+    def line(e: BaseException) -> str:
+        return f"{type(e).__name__}: {first_line(e)}"
+
+    root, seen = exc, {id(exc)}
+    while root.__cause__ is not None and id(root.__cause__) not in seen:
+        root = root.__cause__
+        seen.add(id(root))
+    return line(exc) if root is exc else f"{line(exc)} (caused by {line(root)})"
+
+
 def _message_lines(exc: BaseException) -> list[str]:
     # The meaningful lines of an exception's message and of the exceptions it was raised from.
     lines: list[str] = []

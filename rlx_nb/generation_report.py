@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 
 UNJUDGED = "flip, not judged"
 """A flip at a step without fp64 logits or a budget (the reference or the step's record is missing)."""
+NO_LOGITS = "no judged logits from this backend at this step"
+"""A step row's reason where the backend ran but the step has no record (its verdict is ``error``)."""
 ENV_KEY = "generation"
 """Where a generation report keeps its tokens: ``environment["generation"]``."""
 
@@ -103,6 +105,9 @@ class GenerationReport:
         rows = []
         for name in self.backend_names:
             run = results.candidates[name]
+            # A backend that did not run (skipped, or an error) has one record without an output: its verdict
+            # and reason stand on each of its step rows, as its report line says.
+            status = next((r for r in self.logits.records if r.backend == name and r.output is None), None)
             for k in range(self.n_steps):
                 out = step_name(k)
                 rec = records.get((name, out))
@@ -129,8 +134,8 @@ class GenerationReport:
                         "top2_gap_fp64": float(top2[k][b]) if k in top2 else math.nan, "gap_fp64": gap,
                         "allowance": allowance,
                         "line": rec.judgement.line if rec is not None else math.nan,
-                        "verdict": rec.verdict if rec is not None else VERDICT_ERROR,
-                        "reason": rec.reason if rec is not None else "",
+                        "verdict": rec.verdict if rec is not None else status.verdict if status else VERDICT_ERROR,
+                        "reason": rec.reason if rec is not None else status.reason if status else NO_LOGITS,
                     })  # fmt: skip
         return pd.DataFrame(rows)
 

@@ -94,7 +94,7 @@ def test_real_caches_come_back_whole_from_the_exported_backends(name):
 
 
 def test_an_exporter_error_is_said_by_its_root_cause_without_terminal_colours():
-    from rlx_nb.backends.onnx import _summary
+    from rlx_nb.errors import with_root_cause
 
     try:
         try:
@@ -104,7 +104,7 @@ def test_an_exporter_error_is_said_by_its_root_cause_without_terminal_colours():
                 "\x1b[96mFailed to export the model\x1b[0m with torch.export. Next steps: ..."
             ) from inner
     except RuntimeError as outer:
-        text = _summary(outer)
+        text = with_root_cause(outer)
     assert text == (
         "RuntimeError: Failed to export the model with torch.export. Next steps: ... "
         "(caused by ValueError: the model's own message)"

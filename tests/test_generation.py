@@ -158,8 +158,28 @@ def test_exported_runtimes_decode_with_their_own_cache_and_say_why_when_they_can
                                            progress=False)  # fmt: skip
     assert skipped.first_divergence.loc["openvino", "kind"] == "skipped"
     assert "sliding-window" in skipped.lines()[0]
+    rows = skipped.steps[skipped.steps.backend == "openvino"]  # each of its step rows says so too
+    assert len(rows) == 3 and (rows.verdict == "skipped").all() and rows.reason.str.contains("sliding-window").all()
     # (the histogram passes over the skipped backend)
     assert rlx_nb.explore(skipped, backend="cpu-nomkldnn").output_picker.value.startswith("step ")
+
+
+def test_a_decode_step_that_does_not_export_names_what_stopped_it():
+    # A mixture-of-experts decoder: transformers routes its experts through an op of its own that the ONNX
+    # exporter has no function for.  The skip row names that op (the root cause), not only the exporter's
+    # generic "Failed to convert" first line.
+    t = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = t.MixtralConfig(vocab_size=64, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                             num_key_value_heads=1, intermediate_size=32, num_local_experts=2,
+                             num_experts_per_tok=1, max_position_embeddings=64)  # fmt: skip
+    model = t.MixtralForCausalLM(config).eval()
+    report = rlx_nb.generation_divergence(model, torch.randint(0, 64, (1, 5)), max_new_tokens=2,
+                                          backends=["onnxruntime"], progress=False)  # fmt: skip
+    line = report.lines()[0]
+    assert "SKIPPED" in line and "did not export to ONNX" in line
+    assert "caused by" in line and "No ONNX function found" in line, line
+    assert "\x1b" not in line
 
 
 def test_free_running_reports_where_the_text_parts_with_both_continuations(llama):

@@ -18,7 +18,7 @@ import torch
 from rlx_nb import phases
 from rlx_nb.backends.base import Backend
 from rlx_nb.backends.notes import add_note
-from rlx_nb.errors import first_line
+from rlx_nb.errors import with_root_cause
 from rlx_nb.prepare import shared_copy
 from rlx_nb.tree import Opaque, flatten
 
@@ -189,7 +189,8 @@ def exported(wrapper: _FlatOutputs, inputs: tuple, names: list[str]) -> Exported
         else:
             directory.cleanup()
             raise RuntimeError(
-                "ONNX export failed: " + "; ".join(f"{name} exporter: {_summary(e)}" for name, e in errors.items())
+                "ONNX export failed: "
+                + "; ".join(f"{name} exporter: {with_root_cause(e)}" for name, e in errors.items())
             ) from None
     _forget_exporter_graphs()
     done = Exported(directory, list(wrapper.dropped))
@@ -245,18 +246,6 @@ def attempt(wrapper: _FlatOutputs, convert: Callable[[_FlatOutputs], Any]) -> An
     trial.leaves, trial.dropped = wrapper.leaves, wrapper.dropped
     wrapper.dropped.clear()  # shared with the copy
     return convert(trial)
-
-
-def _summary(exc: BaseException) -> str:
-    # The exception's first line, and its root cause's when it has one (the dynamo exporter wraps the
-    # model's own error in a generic "Failed to export the model" with terminal colours).
-    def line(e: BaseException) -> str:
-        return f"{type(e).__name__}: {first_line(e)}"
-
-    root = exc
-    while root.__cause__ is not None and root.__cause__ is not root:
-        root = root.__cause__
-    return line(exc) if root is exc else f"{line(exc)} (caused by {line(root)})"
 
 
 def prepare_onnxruntime(model: Any, inputs: tuple) -> Any:
