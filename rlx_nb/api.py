@@ -12,7 +12,9 @@ import torch
 from rlx_nb import interrupted
 from rlx_nb.compare import compare
 from rlx_nb.context import OutputContext, contexts
+from rlx_nb.decode import Decode
 from rlx_nb.errors import InputError, RlxError
+from rlx_nb.generation_report import progress_line
 from rlx_nb.progress import Board
 from rlx_nb.report import DivergenceReport
 from rlx_nb.results import RunResults
@@ -113,7 +115,7 @@ def backend_divergence(
     if loss is not None and not callable(loss):
         raise InputError(f"loss must be a callable loss(outputs) -> scalar tensor, got {type(loss).__name__}")
     say = progress if callable(progress) else (_print_progress if progress is True else progress)
-    early = EarlyVerdicts(rule=rule, tol_rel=tol_rel, shown=progress is not False)
+    early = EarlyVerdicts(rule=rule, tol_rel=tol_rel, shown=progress is not False, line=_generation_line(model))
     try:
         results = run(
             model,
@@ -166,8 +168,11 @@ class EarlyVerdicts:
     """Each backend judged as soon as it has run: its line shown while the next runs (a long call says what it
     found so far, :class:`rlx_nb.progress.Board`), its records kept for the report (nothing compared twice)."""
 
-    def __init__(self, *, rule: str, tol_rel: float | None, shown: bool) -> None:
+    def __init__(
+        self, *, rule: str, tol_rel: float | None, shown: bool, line: Callable[[DivergenceReport], str] | None = None
+    ) -> None:
         self.rule, self.tol_rel = rule, tol_rel
+        self.line = line or (lambda early: early.lines()[0])  # (a generation's says where its tokens part)
         self.board = Board(enabled=shown)
         self.by_backend: dict[str, list] = {}
         self.without_anchors: set[str] = set()
@@ -197,7 +202,7 @@ class EarlyVerdicts:
         alone = dataclasses.replace(results, candidates={name: results.candidates[name]})
         records = compare(alone, tol_rel=self.tol_rel, rule=self.rule, progress=False, outputs=self.contexts(results))
         self.by_backend[name] = records
-        self.board.add(f"rlx_nb: {DivergenceReport(alone, records, rule=self.rule, tol_rel=self.tol_rel).lines()[0]}")
+        self.board.add(f"rlx_nb: {self.line(DivergenceReport(alone, records, rule=self.rule, tol_rel=self.tol_rel))}")
         wants = set()
         if not results.anchors:
             self.without_anchors.add(name)
@@ -228,6 +233,19 @@ def _same(a: Any, b: Any) -> bool:
     if isinstance(a, tuple) and isinstance(b, tuple):
         return a[0] == b[0] and a[1] is b[1]
     return a is b
+
+
+def _generation_line(model: Any) -> Callable[[DivergenceReport], str] | None:
+    # A generation's decode (rlx_nb.generation): its backends' early lines in a generation report's words, read
+    # against the oracle's tokens (held once the oracle has decoded, before any backend is judged).
+    tokens = getattr(model, "tokens", None) if isinstance(model, Decode) else None
+    if tokens is None:
+        return None
+
+    def line(early: DivergenceReport) -> str:
+        return early.lines()[0] if tokens.value is None else progress_line(early, tokens.value)
+
+    return line
 
 
 def _print_progress(name: str) -> None:

@@ -7,6 +7,7 @@ a saved report reads back whole (:func:`load_generation`, called by :func:`rlx_n
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -369,6 +370,15 @@ def _record(report: DivergenceReport, backend: str, output: str | None) -> Any:
         if r.backend == backend and r.output == output:
             return r
     return None
+
+
+def progress_line(early: DivergenceReport, tokens: Any) -> str:
+    """The line a long generation call shows for a backend as soon as it has been judged (``early`` holds that
+    backend alone), in the words the finished report uses: where the tokens part and whether that is a near-tie,
+    not a forward pass's largest difference.  ``tokens`` are the oracle's (``batch x steps``)."""
+    meta = {"mode": "teacher", "tokens": np.asarray(tokens).tolist()}
+    results = dataclasses.replace(early.results, environment={**early.results.environment, ENV_KEY: meta})
+    return GenerationReport(type(early)(results, early.records, rule=early.rule, tol_rel=early.tol_rel)).lines()[0]
 
 
 def _status(report: DivergenceReport, backend: str) -> str:

@@ -182,6 +182,21 @@ def test_a_decode_step_that_does_not_export_names_what_stopped_it():
     assert "\x1b" not in line
 
 
+def test_a_long_calls_early_lines_say_what_the_report_will(llama, monkeypatch, capsys):
+    # Each backend's line shown while the next runs is the generation's (where the tokens part, whether that is
+    # a near-tie), the same line the finished report prints, not a forward pass's largest difference.
+    from rlx_nb import progress
+
+    monkeypatch.setattr(progress, "DELAY_S", -1.0)  # (a call is quiet for its first 2 s)
+    monkeypatch.delenv("RLX_NB_PROGRESS", raising=False)
+    model, ids = llama
+    fault = fault_backend("fault:attention-scale", 0.5)
+    report = rlx_nb.generation_divergence(model, ids[:2], max_new_tokens=6, backends=["cpu-nomkldnn", fault])
+    shown = [line for line in capsys.readouterr().err.replace("\r", "\n").splitlines() if line.startswith("rlx_nb: [")]
+    assert sorted(shown) == sorted(f"rlx_nb: {line}" for line in report.lines())
+    assert any("generation parts at step" in line and "SUSPECT" in line for line in shown)
+
+
 def test_free_running_reports_where_the_text_parts_with_both_continuations(llama):
     model, ids = llama
 
