@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -17,6 +17,7 @@ from rlx_nb import fingerprints, formats, interrupted, phases, preparations, swi
 from rlx_nb.backends import ORACLE, REFERENCE, Backend, get_backend, resolve_backends
 from rlx_nb.backends.eager import run_eager, run_float64_streamed
 from rlx_nb.backends.emulated import emulate
+from rlx_nb.backends.float64_kernels import Float64Kernels
 from rlx_nb.backends.onnx import forget_exports
 from rlx_nb.environment import environment as probe_environment
 from rlx_nb.errors import InputError
@@ -61,6 +62,15 @@ one cast per weight and none back, instead of lending the whole model in float64
 ANCHORS_CHEAP_S = 0.1
 """An oracle run this short (seconds) makes the precision anchors cheap: they always run.  Past it they run
 only where a verdict needs them (:func:`run`'s ``on_backend``)."""
+
+
+@contextlib.contextmanager
+def _reference_scope(counter: CountCalls) -> Iterator[None]:
+    # The fp64 reference's forward and backward, counted, with the float64 forms of the ops PyTorch has no float64
+    # kernel for around its backward too: autograd runs that after run_float64's own mode has closed, and a
+    # mixture-of-experts model's grouped matmuls raised there, leaving every gradient to the fixed tolerance.
+    with counter, Float64Kernels():
+        yield
 
 
 def run(
@@ -186,8 +196,9 @@ def run(
         unstable: dict[str, float] = {}  # (the determinism check's: filled before the candidates are judged)
         say(REFERENCE)
         reference = go(
-            get_backend(REFERENCE), "fp64 reference", helper=True, timeout_s=timeout_s, scope=lambda: counter
-        )
+            get_backend(REFERENCE), "fp64 reference", helper=True, timeout_s=timeout_s,
+            scope=(lambda: _reference_scope(counter)) if backward else lambda: counter,
+        )  # fmt: skip
         sequential = None
         if counter.calls != 0:
             say("sequential")
