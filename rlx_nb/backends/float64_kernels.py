@@ -6,8 +6,9 @@ the experts' matmuls of Hugging Face's mixture-of-experts models: Mixtral, Qwen2
 "Expected mat_a to be Float32, BFloat16 or Float16 matrix, got Double", and the reference failed, leaving every
 verdict on the model to the fixed tolerance.  :class:`Float64Kernels` is a dispatch mode (it sees the ATen ops the
 model's own run executes and changes none of the others; PyTorch's fused fast paths stay on) that computes such an
-op from its definition, in float64: for ``_grouped_mm``, one ``mm`` per group.  Operands of any other dtype go
-to PyTorch's own kernel.
+op from its definition, in float64: for ``_grouped_mm``, one ``mm`` per group (and the 2D x 2D and 3D x 2D forms
+its gradients take: :func:`rlx_nb.run.run` keeps the mode on around the reference's backward too).  Operands of
+any other dtype go to PyTorch's own kernel.
 
 Examples
 --------
