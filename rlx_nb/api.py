@@ -202,7 +202,8 @@ class EarlyVerdicts:
         alone = dataclasses.replace(results, candidates={name: results.candidates[name]})
         records = compare(alone, tol_rel=self.tol_rel, rule=self.rule, progress=False, outputs=self.contexts(results))
         self.by_backend[name] = records
-        self.board.add(f"rlx_nb: {self.line(DivergenceReport(alone, records, rule=self.rule, tol_rel=self.tol_rel))}")
+        early = DivergenceReport(alone, records, rule=self.rule, tol_rel=self.tol_rel)
+        self.board.add(lambda: f"rlx_nb: {self.line(early)}")  # (made only if shown)
         wants = set()
         if not results.anchors:
             self.without_anchors.add(name)

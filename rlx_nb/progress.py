@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 DELAY_S = 2.0
@@ -87,14 +88,17 @@ class Board:
     def __init__(self, *, enabled: bool = True) -> None:
         self.enabled = enabled and os.environ.get("RLX_NB_PROGRESS", "1") != "0"
         self.start = time.monotonic()
-        self.lines: list[str] = []
+        self.lines: list[str | Callable[[], str]] = []
         self._handle: Any = None
 
-    def add(self, line: str) -> None:
+    def add(self, line: str | Callable[[], str]) -> None:
+        """Add a line, or a function that makes it: called only once the line is to be shown (a call that
+        ends within :data:`DELAY_S`, or with the board disabled, never makes its lines)."""
         self.lines.append(line)
         if not self.enabled or time.monotonic() - self.start <= DELAY_S:
             return
-        if _in_notebook():
+        if _in_notebook():  # (the whole board shows: every line made)
+            self.lines = [text if isinstance(text, str) else text() for text in self.lines]
             from IPython.display import display
 
             from rlx_nb.safe import html_text
@@ -110,6 +114,8 @@ class Board:
 
         from rlx_nb.safe import term_text
 
+        if not isinstance(line, str):
+            line = self.lines[-1] = line()
         try:
             from tqdm import tqdm
 

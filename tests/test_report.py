@@ -122,3 +122,23 @@ def test_a_progress_bar_keeps_its_clock_running_during_one_long_step(monkeypatch
     shown.close()
     frames = out.getvalue().split("\r")
     assert any("00:01" in f for f in frames), frames[-3:]
+
+
+def test_a_board_makes_a_line_only_when_it_shows_it(monkeypatch, capsys):
+    # A generation's early line builds its step table: a call too short to show its lines never makes them.
+    from rlx_nb import progress
+
+    made: list[str] = []
+
+    def maker(text: str):
+        return lambda: made.append(text) or text
+
+    monkeypatch.delenv("RLX_NB_PROGRESS", raising=False)
+    progress.Board(enabled=False).add(maker("disabled"))
+    monkeypatch.setattr(progress, "DELAY_S", 60.0)
+    board = progress.Board()
+    board.add(maker("too early"))
+    assert made == []
+    monkeypatch.setattr(progress, "DELAY_S", -1.0)
+    board.add(maker("shown"))
+    assert made == ["shown"] and "shown" in capsys.readouterr().err
