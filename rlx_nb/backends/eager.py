@@ -12,7 +12,7 @@ from torch.utils._pytree import tree_map
 from rlx_nb import switches
 from rlx_nb._memory import private_copy
 from rlx_nb.backends.base import ORACLE, REFERENCE, Backend
-from rlx_nb.backends.float64_kernels import Float64Kernels
+from rlx_nb.backends.float64_kernels import float64_kernels
 from rlx_nb.tree import map_tensors
 
 
@@ -34,7 +34,7 @@ def run_float64(model: Any, inputs: tuple) -> Any:
     definition (:mod:`rlx_nb.backends.float64_kernels`)."""
     if isinstance(model, torch.nn.Module):
         model.double()
-    with float64_default(), Float64Kernels():
+    with float64_default(), float64_kernels():
         return model(*map_tensors(to_float64, inputs))
 
 
@@ -81,7 +81,7 @@ def run_float64_streamed(model: Any, inputs: tuple) -> Any:
     """The reference with the weights in float64 one op at a time (:class:`Float64Weights`); forward only."""
     if not isinstance(model, torch.nn.Module):
         return run_float64(model, inputs)
-    with Float64Weights(model), float64_default(), Float64Kernels():
+    with Float64Weights(model), float64_default(), float64_kernels():
         return model(*map_tensors(to_float64, inputs))
 
 

@@ -22,10 +22,12 @@ True
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 from rlx_nb.reassoc import QuietDispatchMode
 
@@ -98,3 +100,17 @@ class Float64Kernels(QuietDispatchMode):
         ):
             return kernel(*args, **kwargs)
         return func(*args, **kwargs)
+
+
+def float64_kernels() -> contextlib.AbstractContextManager:
+    """A :class:`Float64Kernels` mode, or none where one is already on: the fp64 reference's scope holds one around
+    its forward and backward (:func:`rlx_nb.run.run`), and a second inside it would only add a Python call per op.
+
+    >>> with Float64Kernels():
+    ...     inner = float64_kernels()
+    >>> type(inner).__name__, type(float64_kernels()).__name__
+    ('nullcontext', 'Float64Kernels')
+    """
+    if any(isinstance(mode, Float64Kernels) for mode in _get_current_dispatch_mode_stack()):
+        return contextlib.nullcontext()
+    return Float64Kernels()
