@@ -108,7 +108,7 @@ class GenerationReport:
             run = results.candidates[name]
             # A backend that did not run (skipped, or an error) has one record without an output: its verdict
             # and reason stand on each of its step rows, as its report line says.
-            status = next((r for r in self.logits.records if r.backend == name and r.output is None), None)
+            status = records.get((name, None))
             for k in range(self.n_steps):
                 out = step_name(k)
                 rec = records.get((name, out))
