@@ -7,7 +7,6 @@
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import dataclasses
 import functools
 import threading
@@ -113,8 +112,8 @@ def execute(
     thread.start()
     try:
         thread.join(timeout_s)
-    except BaseException:  # Ctrl-C (or any exception) while waiting: leave the backend behind, switches restored
-        switches.abandon(thread, saved if saved is not None else {})
+    except BaseException:  # Ctrl-C (or any exception) while waiting: the backend stopped, switches restored
+        switches.abandon(thread, saved if saved is not None else {}, wait_s=STOP_WAIT_S)
         raise
     if raised:
         raise raised[0]
@@ -133,14 +132,14 @@ def execute(
     return box[0]
 
 
+STOP_WAIT_S = 10.0
+"""How long an interrupt waits for the backend it stops to unwind (it stops at its next Python step; an export
+restores the output it redirected and deletes its files) before it propagates."""
+
+
 class _TimedOut(BaseException):
     """Raised into the calling thread when a run on it passes its timeout (a BaseException: a model's own
     ``except Exception`` does not swallow it)."""
-
-
-def _raise_in(thread_id: int, exc: type[BaseException] | None) -> None:
-    # Raise ``exc`` in that thread at its next Python step (None: clear one still pending).
-    ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(exc) if exc else None)
 
 
 def _on_caller(go: Callable[[], BackendRun], backend: Backend, timeout_s: float) -> BackendRun:
@@ -154,7 +153,7 @@ def _on_caller(go: Callable[[], BackendRun], backend: Backend, timeout_s: float)
         with lock:
             if not state["done"]:
                 state["fired"] = True
-                _raise_in(caller, _TimedOut)
+                switches.raise_in(caller, _TimedOut)
 
     watchdog = threading.Timer(timeout_s, fire)
     watchdog.daemon = True
@@ -168,7 +167,7 @@ def _on_caller(go: Callable[[], BackendRun], backend: Backend, timeout_s: float)
                 state["done"] = True
                 watchdog.cancel()
                 if state["fired"]:  # (fired after the run's last Python step: never let it land elsewhere)
-                    _raise_in(caller, None)
+                    switches.raise_in(caller, None)
     except _TimedOut:
         return BackendRun(
             backend.name,

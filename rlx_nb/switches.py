@@ -24,9 +24,12 @@ switch changed gets a note saying so.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import ctypes
 import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -153,6 +156,7 @@ def restore_thread_modes(saved: dict[str, Any]) -> None:
 
 _OWNER_ATTR = "_rlx_nb_owner"
 _ABANDONED_ATTR = "_rlx_nb_abandoned"
+_DONE_ATTR = "_rlx_nb_done"
 
 
 def _run_owner() -> threading.Thread:
@@ -163,9 +167,28 @@ def _run_owner() -> threading.Thread:
 
 def worker(target: Callable[[], None], name: str) -> threading.Thread:
     """A daemon thread for one backend, belonging to the calling thread's run (started by the caller)."""
-    thread = threading.Thread(target=target, daemon=True, name=name)
+    done = threading.Event()  # (set when it ends: Thread.join is not to be trusted once an interrupt cut one short)
+
+    def run() -> None:
+        try:
+            target()
+        finally:
+            done.set()
+
+    thread = threading.Thread(target=run, daemon=True, name=name)
     setattr(thread, _OWNER_ATTR, _run_owner())
+    setattr(thread, _DONE_ATTR, done)
     return thread
+
+
+def _finished(thread: threading.Thread, wait_s: float) -> bool:
+    # Whether ``thread`` ended within ``wait_s`` seconds.  A worker's own event, not Thread.join: on Python 3.11 a
+    # join that Ctrl-C interrupts marks the thread stopped while it runs on (CPython's gh-90882 fix of bpo-45274).
+    done = getattr(thread, _DONE_ATTR, None)
+    if done is None:
+        thread.join(wait_s)
+        return not thread.is_alive()
+    return done.wait(wait_s)
 
 
 class _RunLock:
@@ -254,11 +277,55 @@ class Abandoned(RuntimeError):
     """Raised in a backend's thread that its run has given up on, where it would flip a switch."""
 
 
-def abandon(thread: threading.Thread, saved: dict[str, Any]) -> None:
-    """Give up on ``thread`` (still running a backend) and put every switch back to ``saved`` at once."""
+class Stopped(BaseException):
+    """Raised into a backend's thread its run gave up on, so that it stops at its next Python step and unwinds
+    its own ``finally`` blocks (an exporter's redirected output, its temporary files) instead of running on under
+    the next backend, or under the interpreter's shutdown, which aborts a process whose daemon thread is inside
+    C++ code.  A BaseException: a model's or an exporter's ``except Exception`` does not swallow it."""
+
+
+_LEFT_RUNNING: set[threading.Thread] = set()  # abandoned threads not yet seen to stop (waited for at exit)
+EXIT_WAIT_S = 60.0
+"""How long the interpreter's exit waits, in all, for abandoned backend threads to stop."""
+
+
+def abandon(thread: threading.Thread, saved: dict[str, Any], *, wait_s: float = 0.0) -> bool:
+    """Give up on ``thread`` (still running a backend): put every switch back to ``saved`` at once, raise
+    :class:`Stopped` in it (it lands at its next Python step) and wait up to ``wait_s`` seconds for it to unwind.
+    Returns whether it has stopped."""
     with _FLIP_LOCK:
         setattr(thread, _ABANDONED_ATTR, True)
         restore(saved)
+    if _finished(thread, 0.0):
+        return True
+    raise_in(thread.ident, Stopped)
+    if _finished(thread, wait_s):
+        return True
+    with _FLIP_LOCK:
+        if not _LEFT_RUNNING:
+            atexit.register(_wait_at_exit)
+        _LEFT_RUNNING.add(thread)
+    return False
+
+
+def raise_in(thread_id: int | None, exc: type[BaseException] | None) -> None:
+    """Raise ``exc`` in the thread ``thread_id`` at its next Python step (``None``: clear one still pending)."""
+    if thread_id is not None:
+        ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread_id), ctypes.py_object(exc) if exc else None)
+
+
+def _wait_at_exit() -> None:
+    # A daemon thread still inside torch's C++ code when the interpreter finalizes aborts the process (SIGABRT,
+    # the finished work and the exit code lost): give abandoned backends, stopped at their next Python step,
+    # the time to get there.
+    deadline = time.monotonic() + EXIT_WAIT_S
+    for thread in list(_LEFT_RUNNING):
+        if not _finished(thread, 0.0):
+            print(f"rlx_nb: waiting for the abandoned backend thread {thread.name!r} to stop before exiting",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            raise_in(thread.ident, Stopped)
+            _finished(thread, max(0.0, deadline - time.monotonic()))
+    _LEFT_RUNNING.clear()
 
 
 def abandoned() -> bool:
@@ -300,11 +367,13 @@ def describe_changes(changed: dict[str, tuple[Any, Any]]) -> str:
 __all__ = [
     "SWITCHES",
     "Abandoned",
+    "Stopped",
     "abandon",
     "abandoned",
     "exclusive",
     "flipped",
     "hold",
+    "raise_in",
     "restore",
     "snapshot",
     "worker",

@@ -132,11 +132,19 @@ def test_concurrent_calls_are_one_at_a_time_and_leave_onednn_on(x):
     assert any("waiting for another rlx_nb run" in m for m in waited)  # and says so
 
 
-def test_a_backend_abandoned_after_its_timeout_cannot_flip_a_switch(x):
+@pytest.mark.parametrize("swallows", [False, True])
+def test_a_backend_abandoned_after_its_timeout_stops_and_cannot_flip_a_switch(x, swallows):
+    # Abandoned, it is stopped at its next Python step (switches.Stopped); one that swallows even that
+    # (``except BaseException``) still cannot flip a switch through rlx_nb.
     events: list[str] = []
 
     def late(model, inputs):
-        time.sleep(1.0)  # past its timeout: abandoned before it reaches its switch
+        try:
+            time.sleep(1.0)  # past its timeout: abandoned before it reaches its switch
+        except BaseException as exc:
+            events.append(type(exc).__name__)
+            if not swallows:
+                raise
         try:
             with switches.flipped(mkldnn_enabled=False):
                 events.append("flipped")
@@ -151,7 +159,40 @@ def test_a_backend_abandoned_after_its_timeout_cannot_flip_a_switch(x):
         rlx_nb.unregister_backend(name)
     assert "timed out after 0.2 s" in report.record(name).reason
     time.sleep(1.5)
-    assert events == ["refused"] and torch.backends.mkldnn.enabled
+    assert events == (["Stopped", "refused"] if swallows else ["Stopped"]) and torch.backends.mkldnn.enabled
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_an_onnx_export_keeps_what_finished_and_the_process_exits_cleanly(tmp_path):
+    # Ctrl-C while torch.onnx.export ran in its worker thread: the process aborted at exit (SIGABRT: the daemon
+    # thread still inside C++ as the interpreter finalized), and the export's redirected output swallowed
+    # everything printed after the interrupt.  The export now stops at its next Python step and unwinds.
+    script = tmp_path / "interrupt.py"
+    script.write_text(
+        "import os, signal, torch, rlx_nb\n"
+        "real = torch.onnx.export\n"
+        "def export(*args, **kwargs):\n"
+        "    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, once the export has begun\n"
+        "    return real(*args, **kwargs)\n"
+        "torch.onnx.export = export\n"
+        "model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))\n"
+        "try:\n"
+        "    rlx_nb.backend_divergence(model, torch.randn(3, 16), backends=['cpu-nomkldnn', 'onnxruntime'],\n"
+        "                              progress=False)\n"
+        "except KeyboardInterrupt:\n"
+        "    kept = rlx_nb.interrupted_report()\n"
+        "    print('KEPT', list(kept.results.candidates), kept.incomplete, flush=True)\n"
+        "import threading\n"
+        "print('LEFT', [t.name for t in threading.enumerate() if t.name.startswith('rlx_nb:onnx')], flush=True)\n"
+    )
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, RLX_NB_PROGRESS="0"))  # fmt: skip
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    assert "KEPT ['cpu-nomkldnn'] interrupted (KeyboardInterrupt) while onnxruntime ran" in done.stdout
+    assert "LEFT []" in done.stdout  # the export's thread unwound before the interrupt propagated
 
 
 def test_switches_a_backend_leaves_changed_are_restored_and_named(x):
