@@ -14,7 +14,7 @@ from rlx_nb.compare import compare
 from rlx_nb.context import OutputContext, contexts
 from rlx_nb.decode import Decode
 from rlx_nb.errors import InputError, RlxError
-from rlx_nb.generation_report import progress_line
+from rlx_nb.generation_report import ENV_KEY, GenerationReport, progress_line
 from rlx_nb.progress import Board
 from rlx_nb.report import DivergenceReport
 from rlx_nb.results import RunResults
@@ -145,8 +145,11 @@ def backend_divergence(
     return report
 
 
-def interrupted_report(*, rule: str = "budget") -> DivergenceReport | None:
+def interrupted_report(*, rule: str = "budget") -> DivergenceReport | GenerationReport | None:
     """The report of the backends that had finished when the last call was interrupted (Ctrl-C), or ``None``.
+
+    A :class:`~rlx_nb.GenerationReport` where the call was :func:`rlx_nb.generation_divergence` and the oracle had
+    decoded; ``None`` also where the interrupt came before any backend had finished.
 
     An interrupt is never swallowed: it propagates (every switch restored), with a note saying this
     function has what finished.  The report is marked incomplete: ``report.incomplete`` and its last text
@@ -161,7 +164,10 @@ def interrupted_report(*, rule: str = "budget") -> DivergenceReport | None:
     """
     check_rule(rule)
     results = interrupted.latest()
-    return None if results is None else DivergenceReport.from_results(results, rule=rule, progress=False)
+    if results is None:
+        return None
+    report = DivergenceReport.from_results(results, rule=rule, progress=False)
+    return GenerationReport(report) if ENV_KEY in results.environment else report
 
 
 class EarlyVerdicts:

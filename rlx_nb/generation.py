@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlx_nb import switches
+from rlx_nb import errors, interrupted, switches
 from rlx_nb.backends import Backend, resolve_backends
 from rlx_nb.decode import Decode, Step, step_name, step_of
 from rlx_nb.decode_export import forget as forget_export
@@ -121,6 +121,14 @@ def generation_divergence(
     # teacher-forced decode is that check where it gives the greedy decode's logits bit for bit (rlx_nb.run).
     decode = Decode(model, prompt_len=ids.shape[1], steps=max_new_tokens, step=step, masked=masked, oracle_first=True)
 
+    meta: dict[str, Any] = {
+        "mode": mode,
+        "prompt": ids.tolist(),
+        "max_new_tokens": max_new_tokens,
+        "step_function": getattr(step, "__name__", repr(step)) if step is not None else "",
+    }
+    before = interrupted.latest()
+
     def judged() -> DivergenceReport:
         try:
             return backend_divergence(decode, (ids,), backends=candidates, label=label, progress=progress,
@@ -128,6 +136,11 @@ def generation_divergence(
                                       memory_budget=memory_budget)  # fmt: skip
         except InputError as exc:  # (the oracle's greedy decode failed: the user's model or step)
             raise InputError(str(exc).replace("backend_divergence(", "generation_divergence(", 1)) from None
+        except (KeyboardInterrupt, SystemExit):  # what finished is kept as a generation (rlx_nb.interrupted_report)
+            kept = interrupted.latest()
+            if kept is not None and kept is not before and decode.tokens.value is not None:
+                kept.environment[ENV_KEY] = {**meta, "mode": "teacher", "tokens": decode.tokens.value.tolist()}
+            raise
         finally:
             forget_export()
 
@@ -145,24 +158,25 @@ def generation_divergence(
     tokens = decode.tokens.value
     if tokens is None:  # (cannot happen: the oracle ran, or the call raised)
         raise RuntimeError("generation_divergence: the oracle's decode kept no tokens")
-    meta: dict[str, Any] = {
-        "mode": mode,
-        "prompt": ids.tolist(),
-        "tokens": tokens.tolist(),
-        "max_new_tokens": max_new_tokens,
-        "step_function": getattr(step, "__name__", repr(step)) if step is not None else "",
-    }
-    if tokenizer is not None:
-        meta["texts"] = {"oracle": [tokenizer.decode(row) for row in tokens.tolist()]}
+    meta["tokens"] = tokens.tolist()
+    forward.results.environment[ENV_KEY] = meta
     if mode == "free":
         try:
             meta["free"] = free_runs(model, ids, max_new_tokens, candidates, step=step, masked=masked)
+        except (KeyboardInterrupt, SystemExit) as exc:  # every teacher-forced backend had finished: keep them
+            forward.results.environment["incomplete"] = "interrupted while the free-running decodes ran"
+            interrupted.keep(forward.results, exc)
+            raise
         finally:
             forget_export()
-        if tokenizer is not None:
-            meta["texts"].update(
-                {name: [tokenizer.decode(row) for row in rows] for name, rows in meta["free"].items() if rows}
-            )
+    if tokenizer is not None:
+        texts = {"oracle": tokens.tolist(), **{name: rows for name, rows in (meta.get("free") or {}).items() if rows}}
+        decoded, failed = _decoded(tokenizer, texts)
+        if decoded is not None:
+            meta["texts"] = decoded
+        else:
+            meta["tokenizer_note"] = failed
+            tokenizer = None
     unstable = forward.results.environment.get("nondeterministic") or {}
     if unstable:
         first = min(unstable, key=lambda name: step_of(name) if name.startswith("step ") else -1)
@@ -170,7 +184,6 @@ def generation_divergence(
             f"the oracle's decode is not reproducible: its teacher-forced rerun differs from its greedy decode at "
             f"{len(unstable)} step(s), from {first} on (the model's own nondeterminism, or state kept between calls)"
         )
-    forward.results.environment[ENV_KEY] = meta
     report = GenerationReport(forward, tokenizer=tokenizer)
     report.source = (model, ids, step, masked)
     report.backend_objects = {b.name: b for b in given}
@@ -179,6 +192,21 @@ def generation_divergence(
         shown |= {t for rows in (meta.get("free") or {}).values() for r in rows for t in r}
         meta["token_texts"] = {str(i): report._text(i) for i in sorted(shown) if i >= 0}
     return report
+
+
+def _decoded(tokenizer: Any, rows: dict[str, list[list[int]]]) -> tuple[dict[str, list[str]] | None, str]:
+    # Every row's text through the user's tokenizer, or (None, why) where its decode() raised or returned something
+    # that is not text: the report is then shown with token ids, never lost to a tokenizer's error.
+    try:
+        texts = {name: [tokenizer.decode(row) for row in value] for name, value in rows.items()}
+    except Exception as exc:
+        return (
+            None,
+            f"tokens shown as ids: the tokenizer's decode() raised {type(exc).__name__}: {errors.first_line(exc)}",
+        )
+    if not all(isinstance(t, str) for value in texts.values() for t in value):
+        return None, "tokens shown as ids: the tokenizer's decode() returned something other than text"
+    return texts, ""
 
 
 def _prompt(inputs: Any) -> tuple[torch.Tensor, bool]:

@@ -277,8 +277,9 @@ class GenerationReport:
             else:
                 tail = f"round-off (explainable), {on_line(float(worst.line))} (worst: step {int(worst.step)})"
             out.append(f"{head} — {tail}")
-        if self.meta.get("oracle_note"):
-            out.append(f"[{label}] NOTE: {self.meta['oracle_note']}")
+        for note in ("oracle_note", "tokenizer_note"):
+            if self.meta.get(note):
+                out.append(f"[{label}] NOTE: {self.meta[note]}")
         if self.logits.incomplete:
             out.append(f"[{label}] INCOMPLETE: {self.logits.incomplete}")
         return out

@@ -110,10 +110,17 @@ def run(
     ``"discrete"`` (its gradients are SUSPECT: :mod:`rlx_nb.discrete` then accounts for ReLU inputs within
     round-off of their thresholds that flipped, in ``results.discrete``).
     """
-    say = progress if callable(progress) else (lambda _: None)
+    told = progress if callable(progress) else (lambda _: None)
+    running = [ORACLE]  # (what runs now: an interrupt before any backend finished says it)
+
+    def say(name: str) -> None:
+        running[0] = name
+        told(name)
+
     candidates = resolve_backends(backends)
     meter = phases.Meter()
     with switches.exclusive(say) as saved, phases.measuring(meter), _exports_deleted(), contextlib.ExitStack() as stack:
+        stack.push(lambda kind, exc, _tb: interrupted.nothing_finished(exc, running[0]))
         cast = float32_default(inputs, saved)
         args, keys = normalize_inputs(inputs)
         with meter.phase("private copy"):

@@ -246,6 +246,46 @@ def test_token_text_is_escaped_in_the_page(llama, tmp_path):
     assert "<script>alert" not in report._repr_html_()
 
 
+def test_a_tokenizer_whose_decode_raises_loses_nothing(llama):
+    # Its decode() raised after every backend had run: the whole call was lost to it.
+    model, ids = llama
+
+    class Broken:
+        def decode(self, ids):
+            raise ValueError("no vocabulary loaded")
+
+    report = rlx_nb.generation_divergence(model, ids, max_new_tokens=3, tokenizer=Broken(),
+                                          backends=["cpu-nomkldnn"], progress=False)  # fmt: skip
+    assert report.verdicts() == {"cpu-nomkldnn": "round-off"}
+    assert not report.has_text
+    assert report.lines()[-1].endswith(
+        "NOTE: tokens shown as ids: the tokenizer's decode() raised ValueError: no vocabulary loaded"
+    )
+
+
+def test_an_interrupted_generation_is_kept_as_a_generation(llama):
+    # interrupted_report() gave a forward report of the decode's steps, which no generation view could read.
+    model, ids = llama
+
+    def interrupting(decode, inputs):
+        raise KeyboardInterrupt
+
+    rlx_nb.register_backend("test-interrupting", interrupting, default=False, replace=True)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            rlx_nb.generation_divergence(model, ids, max_new_tokens=4, backends=["cpu-nomkldnn", "test-interrupting"],
+                                         progress=False)  # fmt: skip
+    finally:
+        rlx_nb.unregister_backend("test-interrupting")
+    kept = rlx_nb.interrupted_report()
+    assert isinstance(kept, rlx_nb.GenerationReport)
+    assert kept.verdicts() == {"cpu-nomkldnn": "round-off"}
+    assert kept.lines()[-1].endswith("INCOMPLETE: interrupted (KeyboardInterrupt) while test-interrupting ran")
+    assert kept.first_divergence.loc["cpu-nomkldnn", "kind"] in ("same tokens", NEAR_TIE)
+    kept.plot()
+    rlx_nb.interrupted.clear()
+
+
 def test_explorer_and_localize_on_a_step(llama):
     model, ids = llama
     report = rlx_nb.generation_divergence(model, ids, max_new_tokens=6, backends=["fault:softmax-row"],

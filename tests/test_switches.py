@@ -231,3 +231,36 @@ def test_the_callers_grad_and_autocast_modes_are_theirs_after_a_call(x):
 def test_flipped_refuses_unknown_switches():
     with pytest.raises(KeyError, match="unknown switch"), switches.flipped(no_such_switch=True):
         pass
+
+
+class InterruptedInFloat64(torch.nn.Module):
+    """A linear layer whose float64 run (the fp64 reference) is interrupted, as Ctrl-C there would."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def forward(self, x):
+        if self.lin.weight.dtype == torch.float64:
+            raise KeyboardInterrupt
+        return self.lin(x)
+
+
+def test_an_interrupt_before_any_backend_finished_keeps_nothing_of_an_earlier_call(x):
+    # interrupted_report() handed out the report an earlier interrupted call had kept, as if it were this one's.
+    def interrupting(model, inputs):
+        raise KeyboardInterrupt
+
+    name = _register("test-interrupting", interrupting)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            rlx_nb.backend_divergence(SlowWithoutOneDNN(), x, backends=["cpu-nomkldnn", name], progress=False)
+    finally:
+        rlx_nb.unregister_backend(name)
+    assert list(rlx_nb.interrupted_report().results.candidates) == ["cpu-nomkldnn"]
+    with pytest.raises(KeyboardInterrupt) as caught:
+        rlx_nb.backend_divergence(InterruptedInFloat64(), torch.randn(2, 4), backends=["cpu-nomkldnn"])
+    assert rlx_nb.interrupted_report() is None
+    assert "rlx_nb: interrupted while cpu-f64 ran, before any backend had finished: nothing was kept" in (
+        caught.value.__notes__
+    )
