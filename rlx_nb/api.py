@@ -86,8 +86,8 @@ def backend_divergence(
         nondeterminism is then not measured, and any would count against the
         backends.
     memory_budget : float, optional
-        Bytes the call may use beyond what the process holds when it starts.  By default, what the
-        kernel says is available.  Before each phase that needs much memory (the fp64 reference, a
+        Bytes the call may use beyond what the process holds when it starts (``float("inf")``: no limit, no phase
+        skipped).  By default, what the kernel says is available.  Before each phase that needs much memory (the fp64 reference, a
         conversion) its need is estimated against this; one that would not fit becomes a ``skipped``
         row saying so (kept preparations of earlier calls are dropped first), never a killed kernel.
 

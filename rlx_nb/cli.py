@@ -2,7 +2,8 @@
 
 Exit codes: 0 every backend is round-off; 1 some backend is SUSPECT (with
 ``--baseline``: some backend got worse than in the baseline); 2 usage error or
-the target cannot be loaded; 3 no SUSPECT but some requested backend failed to run.
+the target cannot be loaded; 3 no SUSPECT but some requested backend did not run,
+or nothing was judged (the call interrupted, every backend skipped or failed).
 """
 
 from __future__ import annotations
@@ -10,12 +11,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import importlib.util
+import os
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from rlx_nb.errors import RlxError, TargetError
+from rlx_nb.errors import InputError, RlxError, TargetError
 from rlx_nb.safe import term_text
 
 EXIT_OK, EXIT_SUSPECT, EXIT_USAGE, EXIT_BACKEND_FAILED = 0, 1, 2, 3
@@ -141,8 +143,16 @@ def _backends() -> int:
 
 
 def _check(args: argparse.Namespace) -> int:
+    import socket
+
     from rlx_nb.api import backend_divergence
 
+    node = args.node or socket.gethostname()
+    if args.save:  # (said before the model runs, not after)
+        _check_node(node)
+        _check_writable(args.save, "--save", directory=True)
+    if args.html:
+        _check_writable(args.html, "--html", directory=False)
     model, inputs = load_target(args.target)
     report = backend_divergence(
         model,
@@ -156,9 +166,6 @@ def _check(args: argparse.Namespace) -> int:
     for line in report.lines():
         print(term_text(line))
     if args.save:
-        import socket
-
-        node = args.node or socket.gethostname()
         path = report.save(Path(args.save) / f"{node}.rlxnb")
         print(f"saved {path}")
     if args.html:
@@ -169,8 +176,29 @@ def _check(args: argparse.Namespace) -> int:
         moved = compare_reports(args.baseline, report, allow_different_model=args.allow_different_model)
         for line in moved.lines():
             print(term_text(line))
-        return EXIT_SUSPECT if moved.any_worse else EXIT_BACKEND_FAILED if report.errors else EXIT_OK
+        return EXIT_SUSPECT if moved.any_worse else _unjudged_code([report])
     return _exit_code([report])
+
+
+def _check_node(node: str) -> None:
+    # --node names one file in --save: never a path that leads out of it.
+    if not node or node in (".", "..") or Path(node).name != node or "\\" in node or "/" in node:
+        raise InputError(f"--node must be a plain name for a file in --save (no '/', '\\' or '..'), got {node!r}")
+
+
+def _check_writable(where: str, option: str, *, directory: bool) -> None:
+    # The first part of the path that exists must be a directory this process may write into (and, for a
+    # directory option, the path itself one when it exists).
+    path = Path(where)
+    if directory and path.exists() and not path.is_dir():
+        raise InputError(f"{option} {where!r} is a file; it must be a directory (made if missing)")
+    if not directory and path.is_dir():
+        raise InputError(f"{option} {where!r} is a directory; it must name a file")
+    start = path if directory else path.parent
+    existing = next((p for p in (start, *start.parents) if p.exists()), None)
+    if existing is not None and (not existing.is_dir() or not os.access(existing, os.W_OK | os.X_OK)):
+        what = "not a directory" if not existing.is_dir() else "not writable"
+        raise InputError(f"{option} {where!r} cannot be written: {str(existing)!r} is {what}")
 
 
 def _show(args: argparse.Namespace) -> int:
@@ -196,9 +224,15 @@ def _merge(args: argparse.Namespace) -> int:
 
 
 def _exit_code(reports: list) -> int:
-    if any(r.any_suspect for r in reports):
-        return EXIT_SUSPECT
-    if any(r.errors for r in reports):
+    # SUSPECT first; then a backend that did not run, or a report that judged nothing: a gate never passes on that.
+    return EXIT_SUSPECT if any(r.any_suspect for r in reports) else _unjudged_code(reports)
+
+
+def _unjudged_code(reports: list) -> int:
+    nothing = [why for r in reports for why in [r.judged_nothing()] if why]
+    for why in nothing:
+        print(term_text(f"rlx-nb: judged nothing, so this cannot pass: {why}"), file=sys.stderr)
+    if nothing or any(r.not_run for r in reports):
         return EXIT_BACKEND_FAILED
     return EXIT_OK
 

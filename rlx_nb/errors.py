@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import re
 import traceback
+from collections.abc import Iterator
+from pathlib import Path
 
 
 class RlxError(Exception):
@@ -35,6 +38,39 @@ class TargetError(RlxError):
 
 class ReportFormatError(RlxError):
     """A saved report cannot be read: not this format, another version, truncated or corrupted."""
+
+
+class FileWriteError(RlxError, OSError):
+    """A file rlx_nb was asked to write (a report, a page, a repro, node data) cannot be written there.
+
+    Also an :class:`OSError`, so code that caught those before keeps working.
+    """
+
+
+@contextlib.contextmanager
+def writing(path: str | Path, what: str) -> Iterator[None]:
+    """Around writing ``what`` to ``path``: an ``OSError`` becomes a :class:`FileWriteError` naming the path and why
+    (a directory on the way that is a file, a missing permission), not a traceback from inside a zip writer.
+
+    >>> with writing("/dev/null/report.rlxnb", "the report"):
+    ...     Path("/dev/null/report.rlxnb").parent.mkdir(parents=True, exist_ok=True)
+    Traceback (most recent call last):
+    rlx_nb.errors.FileWriteError: cannot write the report to '/dev/null/report.rlxnb': '/dev/null' is not a directory
+    """
+    try:
+        yield
+    except FileWriteError:
+        raise
+    except OSError as exc:
+        where = Path(path)
+        blocker = next((p for p in (where, *where.parents) if p.exists() and not p.is_dir()), None)
+        if blocker is not None and blocker != where:
+            why = f"{str(blocker)!r} is not a directory"
+        elif where.is_dir():
+            why = "it is a directory"
+        else:
+            why = exc.strerror or str(exc)
+        raise FileWriteError(f"cannot write {what} to {str(path)!r}: {why}") from None
 
 
 # Lines of an error message that state a cause rather than where a check sits: converters and

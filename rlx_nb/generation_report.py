@@ -197,6 +197,15 @@ class GenerationReport:
         return bool(self.suspects)
 
     @property
+    def not_run(self) -> list[str]:
+        """The backends that did not run (``error`` or ``skipped``)."""
+        return self.logits.not_run
+
+    def judged_nothing(self) -> str:
+        """Why this report cannot pass a gate although it names no SUSPECT, or "" (as a forward report's)."""
+        return self.logits.judged_nothing()
+
+    @property
     def free(self) -> pd.DataFrame | None:
         """``mode="free"``: per backend, where its own greedy text parts from the oracle's (``parts_at``, None
         when it never does) and both continuations from there; None for a teacher-forced report."""
@@ -409,10 +418,35 @@ def load_generation(report: DivergenceReport, where: Any = "report") -> Generati
     if texts is not None and not (isinstance(texts, dict) and all(
             isinstance(v, list) and all(isinstance(x, str) for x in v) for v in texts.values())):  # fmt: skip
         raise ReportFormatError(f"{where}: environment.generation.texts must map names to lists of strings")
-    steps = len(meta["tokens"][0])
-    names = {o for run in report.results.candidates.values() for o in (run.outputs or {})}
-    if any(n.startswith("step ") and not (n[5:].isdigit() and int(n[5:]) < steps) for n in names):
-        raise ReportFormatError(f"{where}: its step outputs do not match its {steps} generated tokens")
+    kept = meta.get("token_texts")
+    if kept is not None and not (isinstance(kept, dict) and all(
+            isinstance(k, str) and k.isdigit() and isinstance(v, str) for k, v in kept.items())):  # fmt: skip
+        raise ReportFormatError(f"{where}: environment.generation.token_texts must map token ids to strings")
+    for key in ("mode", "step_function", "oracle_note", "tokenizer_note"):
+        if meta.get(key) is not None and not isinstance(meta[key], str):
+            raise ReportFormatError(f"{where}: environment.generation.{key} must be a string, got {meta[key]!r:.80}")
+    if meta.get("prompt") is not None and not _token_rows(meta["prompt"]):
+        raise ReportFormatError(f"{where}: environment.generation.prompt must be a rectangle of integers")
+    rows, steps = len(meta["tokens"]), len(meta["tokens"][0])
+    if free is not None and any(r and (len(r) != rows or len(r[0]) != steps) for r in free.values()):
+        raise ReportFormatError(f"{where}: environment.generation.free holds rows unlike the {rows} x {steps} tokens")
+    runs = [report.results.oracle, report.results.reference, *report.results.candidates.values()]
+    vocab = None
+    for run in runs:
+        for name, leaf in (run.outputs or {}).items():
+            if not name.startswith("step "):
+                continue
+            if not (name[5:].isdigit() and int(name[5:]) < steps):
+                raise ReportFormatError(f"{where}: its step outputs do not match its {steps} generated tokens")
+            shape = leaf.shape if leaf.is_array else None
+            if shape is None or len(shape) != 2 or shape[0] != rows or shape[1] < 1:
+                raise ReportFormatError(
+                    f"{where}: {run.backend}'s {name} is not one row of logits per sequence ({rows} x vocabulary), "
+                    f"got shape {shape}"
+                )
+            vocab = shape[1] if vocab is None else vocab
+    if vocab is not None and max(max(r) for r in meta["tokens"]) >= vocab:
+        raise ReportFormatError(f"{where}: environment.generation.tokens name ids past the logits' {vocab} entries")
     return GenerationReport(report)
 
 

@@ -16,6 +16,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+from rlx_nb.errors import writing
+
 MAX_SECTIONS = 12
 """At most this many SUSPECT (backend, output) pairs get figures; the rest are listed."""
 
@@ -176,8 +178,10 @@ def write_html(
     path = Path(path)
     if path.suffix.lower() not in (".html", ".htm"):
         path = path.with_name(path.name + ".html")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(report_html(report, localization=localization, title=title, prelude=prelude), encoding="utf-8")
+    page = report_html(report, localization=localization, title=title, prelude=prelude)
+    with writing(path, "the HTML report"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(page, encoding="utf-8")
     return path
 
 

@@ -9,6 +9,7 @@ it needed and what was free.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -42,13 +43,17 @@ class Memory:
         self.weights = sum(t.numel() * t.element_size() for t in own)
         self.largest = max((t.numel() * t.element_size() for t in own), default=0)
         self.budget = budget
+        self.unlimited = budget is not None and math.isinf(budget)  # (memory_budget=inf: no phase is skipped)
         self.start_rss = rss_bytes()
         self.activations = 0
         self.conversion = 0  # the most a conversion earlier in this run added at its peak
-        free = self.free()
+        free = available_bytes() if self.unlimited else self.free()
         self.keep_bytes = int(self.KEEP_SHARE * free) if free is not None else None
 
     def free(self) -> int | None:
+        """Bytes free for the next phase; None where nothing limits it (``memory_budget=inf``, or no reading)."""
+        if self.unlimited:
+            return None
         if self.budget is not None:
             return int(self.budget) - max(0, rss_bytes() - self.start_rss)
         return available_bytes()

@@ -36,7 +36,7 @@ from typing import Any
 import numpy as np
 
 from rlx_nb import schema
-from rlx_nb.errors import ReportFormatError
+from rlx_nb.errors import ReportFormatError, writing
 from rlx_nb.frames import record_fields, record_from_row, record_row
 from rlx_nb.results import GRAD_PREFIX, BackendRun, Leaf, RunResults
 
@@ -88,13 +88,18 @@ def save_results(
     With the records saved, loading the report reads no array until one is asked for.
     """
     if hasattr(path, "write"):  # a binary file object: write there (gather_report sends the bytes)
-        target = path
-    else:
-        path = Path(path)
-        if not path.suffix:
-            path = path.with_suffix(SUFFIX)
+        _write_zip(path, results, rule=rule, tol_rel=tol_rel, records=records)
+        return path
+    path = Path(path)
+    if not path.suffix:
+        path = path.with_suffix(SUFFIX)
+    with writing(path, "the report"):
         path.parent.mkdir(parents=True, exist_ok=True)
-        target = path
+        _write_zip(path, results, rule=rule, tol_rel=tol_rel, records=records)
+    return path
+
+
+def _write_zip(target: Any, results: RunResults, *, rule: str, tol_rel: float | None, records: list | None) -> None:
     counter = iter(range(1 << 62))
     with zipfile.ZipFile(target, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
 
@@ -145,7 +150,6 @@ def save_results(
             },
         }
         zf.writestr("meta.json", json.dumps(meta))
-    return path
 
 
 def _fail(path: Any, why: str) -> ReportFormatError:

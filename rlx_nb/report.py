@@ -24,7 +24,7 @@ from rlx_nb.reasons import seed_line
 from rlx_nb.records import worst_record
 from rlx_nb.results import RunResults
 from rlx_nb.source import WeakSource
-from rlx_nb.verdict import SUSPECT, VERDICT_ERROR
+from rlx_nb.verdict import ROUNDOFF, SUSPECT, VERDICT_ERROR, VERDICT_SKIPPED
 
 
 class DivergenceReport:
@@ -169,6 +169,33 @@ class DivergenceReport:
             for b in self.results.candidates
             if any(r.backend == b and r.verdict == VERDICT_ERROR and r.output is None for r in self.records)
         ]
+
+    @property
+    def not_run(self) -> list[str]:
+        """Names of the backends that did not run: failed (``error``) or skipped (``skipped``: memory, an export
+        that does not apply)."""
+        return [b for b in self.results.candidates
+                if any(r.backend == b and r.verdict in (VERDICT_ERROR, VERDICT_SKIPPED) and r.output is None
+                       for r in self.records)]  # fmt: skip
+
+    def judged_nothing(self) -> str:
+        """Why this report cannot pass a gate although it names no SUSPECT, or "": the call was interrupted, no
+        backend but the oracle ran, or no backend's output was judged (each skipped, failed or not compared).
+
+        Examples
+        --------
+        >>> import torch, rlx_nb
+        >>> rlx_nb.backend_divergence(torch.nn.Linear(2, 2), torch.ones(1, 2), backends=["cpu"]).judged_nothing()
+        'no backend but the CPU oracle ran: nothing was compared'
+        """
+        if self.incomplete:
+            return f"the call was interrupted, so not every backend was judged ({self.incomplete})"
+        if not self.results.candidates:
+            return "no backend but the CPU oracle ran: nothing was compared"
+        if not any(r.verdict in (ROUNDOFF, SUSPECT) for r in self.records):
+            why = "; ".join(f"{b}: {self.record(b).verdict}" for b in self.results.candidates)
+            return f"no backend's output was judged ({why})"
+        return ""
 
     def error_detail(self, backend: str) -> str:
         """The whole error of a backend that failed to run (or whose backward failed).

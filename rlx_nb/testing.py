@@ -82,9 +82,10 @@ def assert_backends_agree(
     model, inputs, backends, backward
         As for :func:`rlx_nb.backend_divergence`; other keyword arguments go there too.
     allow_errors : bool
-        Pass even when a backend could not run (an ``error`` row).  By default a backend named in
-        ``backends`` that fails is a failure; with ``backends=None`` (every live default backend)
-        error rows never fail the check, as a backend that is absent is not a divergence.
+        Pass even when a backend could not run (an ``error`` or ``skipped`` row).  By default a backend named in
+        ``backends`` that did not run is a failure; with ``backends=None`` (every live default backend)
+        such rows never fail the check, as a backend that is absent is not a divergence.  A check that judged
+        nothing (every backend skipped or failed, or the call interrupted) fails whatever this says.
     report_dir : str or Path, optional
         Save the report of a failing check there (default: :data:`REPORT_DIR`, which the pytest
         plugin's ``--rlx-nb-report-dir`` sets).
@@ -101,16 +102,20 @@ def assert_backends_agree(
     kwargs.setdefault("progress", False)
     report = backend_divergence(model, inputs, backends=backends, backward=backward, **kwargs)
     suspects = report.suspects
-    errors = [] if (allow_errors or backends is None) else report.errors
-    if not suspects and not errors:
+    errors = [] if (allow_errors or backends is None) else report.not_run
+    nothing = report.judged_nothing()
+    if not suspects and not errors and not nothing:
         return report
     lines = [msg] if msg else []
     what = []
     if suspects:
         what.append(f"SUSPECT: {', '.join(suspects)}")
     if errors:
-        what.append(f"failed to run: {', '.join(errors)}")
-    lines.append(f"backends disagree with the CPU oracle beyond round-off ({'; '.join(what)})")
+        what.append(f"did not run: {', '.join(errors)}")
+    if suspects or errors:
+        lines.append(f"backends disagree with the CPU oracle beyond round-off ({'; '.join(what)})")
+    if nothing:
+        lines.append(f"the check judged nothing, so it cannot pass: {nothing}")
     lines += report.lines()
     target = report_dir if report_dir is not None else REPORT_DIR or _plugin_state("report_dir")
     if target is not None:

@@ -94,3 +94,58 @@ def test_demo_catches_every_fault_and_nothing_else():
     assert p.returncode == 0, p.stdout + p.stderr
     assert "missed: none; legitimate backends called SUSPECT: none" in p.stdout
     assert "[transformer] fault:softmax-row vs cpu" in p.stdout
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--html", "{file}/page.html"], "--html '{file}/page.html' cannot be written: '{file}' is not a directory"),
+        (["--save", "{file}"], "--save '{file}' is a file; it must be a directory"),
+        (["--save", "{dir}", "--node", "../../escaped"], "--node must be a plain name for a file in --save"),
+        (["--html", "{dir}"], "--html '{dir}' is a directory; it must name a file"),
+    ],
+)
+def test_file_problems_exit_2_with_one_line_before_the_model_runs(target, tmp_path, capsys, extra, message):
+    # They printed a traceback and exited 1 (the SUSPECT code) after the whole check had run; --node '../../x'
+    # wrote outside --save.
+    from rlx_nb import cli
+
+    a_file = tmp_path / "a_file"
+    a_file.write_text("")
+    fill = {"file": str(a_file), "dir": str(tmp_path)}
+    args = ["check", f"{target.rsplit(':', 1)[0]}:missing_factory", *[x.format(**fill) for x in extra]]
+    assert cli.main(args) == 2  # (said before the target is even loaded)
+    err = capsys.readouterr().err
+    assert err.startswith(f"rlx-nb: error: {message.format(**fill)}") and len(err.strip().splitlines()) == 1
+    assert not (tmp_path.parent / "escaped.rlxnb").exists()
+
+
+def test_a_file_that_cannot_be_written_after_the_check_is_one_line_and_exit_2(target, capsys, monkeypatch):
+    from rlx_nb import cli
+
+    monkeypatch.setenv("RLX_NB_PROGRESS", "0")
+
+    assert cli.main(["check", target, "--backends", "cpu-nomkldnn", "--html", "/proc/rlx_nb-page.html"]) == 2
+    out, err = capsys.readouterr()
+    assert "round-off (explainable)" in out  # the verdict was printed before
+    assert err.startswith("rlx-nb: error: cannot write the HTML report to '/proc/rlx_nb-page.html': ")
+    assert len(err.strip().splitlines()) == 1
+
+
+def test_a_gate_that_judged_nothing_exits_3(tmp_path, capsys):
+    # An interrupted report, or one whose every backend was skipped for memory, exited 0.
+    import torch
+
+    import rlx_nb
+    from rlx_nb import cli
+
+    model, x = torch.nn.Linear(8, 8), torch.randn(2, 8)
+    skipped = rlx_nb.backend_divergence(model, x, backends=["cpu-nomkldnn"], memory_budget=1, progress=False)
+    ran = rlx_nb.backend_divergence(model, x, backends=["cpu-nomkldnn"], progress=False)
+    ran.results.environment["incomplete"] = "interrupted (KeyboardInterrupt) while cpu-inductor ran"
+    for name, report, why in (
+        ("skipped", skipped, "no backend's output was judged (cpu-nomkldnn: skipped)"),
+        ("interrupted", ran, "the call was interrupted, so not every backend was judged"),
+    ):
+        assert cli.main(["show", str(report.save(tmp_path / name))]) == 3
+        assert f"rlx-nb: judged nothing, so this cannot pass: {why}" in capsys.readouterr().err

@@ -14,7 +14,7 @@ from rlx_nb import decode as decode_module
 from rlx_nb import demo, zoo
 from rlx_nb.backends.base import Backend
 from rlx_nb.backends.faults import fault_backend
-from rlx_nb.errors import InputError, ReportFormatError
+from rlx_nb.errors import FileWriteError, InputError, ReportFormatError
 from rlx_nb.generation_report import DISAGREEMENT, NEAR_TIE
 from rlx_nb.run import STREAMS
 
@@ -223,6 +223,11 @@ def test_save_load_html_and_tampered_files(legit, tmp_path):
     assert back.steps.equals(legit.steps)
     page = legit.to_html(tmp_path / "gen.html").read_text()
     assert "<h2>Generation</h2>" in page and "data:image/png;base64" in page
+    (tmp_path / "a_file").write_text("")  # a path that cannot be written is named (it was a raw OSError)
+    with pytest.raises(FileWriteError, match=r"cannot write the report to '.*a_file/g.rlxnb': '.*a_file' is not a d"):
+        legit.save(tmp_path / "a_file" / "g")
+    with pytest.raises(FileWriteError, match=r"cannot write the HTML report to '.*a_file/g.html'"):
+        legit.to_html(tmp_path / "a_file" / "g.html")
     # A received file whose tokens are not integers is refused, never half-read.
     env = dict(back.logits.results.environment)
     env["generation"] = {**env["generation"], "tokens": [["<script>"]]}
@@ -230,6 +235,35 @@ def test_save_load_html_and_tampered_files(legit, tmp_path):
     bad = back.logits.save(tmp_path / "bad.rlxnb")
     with pytest.raises(ReportFormatError, match="tokens"):
         rlx_nb.load_report(bad)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"tokens": [[10**9] * 48] * 4},  # past the vocabulary
+        {"tokens": [[1] * 48] * 3},  # fewer rows than the logits have sequences
+        {"tokens": [[1] * 47] * 4},  # fewer steps than there are step outputs
+        {"token_texts": ["a", "b"]},
+        {"token_texts": {"1": 5}},
+        {"texts": {"oracle": "not a list"}},
+        {"free": {"cpu-nomkldnn": [[1, 2]]}},
+        {"prompt": [["x"]]},
+        {"mode": 3},
+        {"oracle_note": {"a": 1}},
+    ],
+)
+def test_received_generation_fields_are_checked_whole(legit, tmp_path, change):
+    # Tokens out of the vocabulary, wrong shapes, token texts of the wrong type: IndexError/TypeError on reading
+    # (and a traceback from rlx-nb show).  Every field is checked when the file loads.
+    from rlx_nb import cli
+
+    back = rlx_nb.load_report(legit.save(tmp_path / "gen.rlxnb"))
+    env = back.logits.results.environment
+    env["generation"] = {**env["generation"], **change}
+    bad = back.logits.save(tmp_path / "bad.rlxnb")
+    with pytest.raises(ReportFormatError, match="environment.generation|step outputs do not match|rows? of logits"):
+        rlx_nb.load_report(bad)
+    assert cli.main(["show", str(bad)]) == 2
 
 
 def test_token_text_is_escaped_in_the_page(llama, tmp_path):

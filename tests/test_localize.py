@@ -18,6 +18,7 @@ import torch
 
 import rlx_nb
 from rlx_nb import demo
+from rlx_nb.errors import FileWriteError
 from rlx_nb.localize import capture_calls
 from rlx_nb.prepare import normalize_inputs, prepare_model
 from tests.conftest import require_live
@@ -107,6 +108,12 @@ def test_repro_script_runs_and_shows_suspect(tmp_path):
     p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
     assert p.returncode == 1, p.stderr
     assert "fault:softmax-row vs cpu" in p.stdout and "SUSPECT" in p.stdout
+    # A path that cannot be written is named, with why (they raised a raw OSError from inside the writer).
+    (tmp_path / "a_file").write_text("")
+    with pytest.raises(FileWriteError, match=r"cannot write the repro to '.*a_file/r': '.*a_file' is not a directory"):
+        loc.repro(tmp_path / "a_file" / "r")
+    with pytest.raises(FileWriteError, match=r"cannot write the Model Explorer node data to '.*a_file/n.json'"):
+        loc.to_model_explorer(tmp_path / "a_file" / "n")
 
 
 def test_no_culprit_no_repro_and_bad_backend():

@@ -43,11 +43,24 @@ def test_a_named_backend_that_fails_to_run_fails_unless_allowed():
 
     rlx_nb.register_backend("test:broken", broken, default=False)
     model, x = _model()
-    with pytest.raises(AssertionError, match=r"failed to run: test:broken[\s\S]*report not saved"):
-        assert_backends_agree(model, x, backends=["test:broken"])
-    assert assert_backends_agree(model, x, backends=["test:broken"], allow_errors=True).errors == ["test:broken"]
+    with pytest.raises(AssertionError, match=r"did not run: test:broken[\s\S]*report not saved"):
+        assert_backends_agree(model, x, backends=["cpu-nomkldnn", "test:broken"])
+    allowed = assert_backends_agree(model, x, backends=["cpu-nomkldnn", "test:broken"], allow_errors=True)
+    assert allowed.errors == ["test:broken"]
+    # ... but a check where it was the only backend judged nothing: it never passes (it passed)
+    with pytest.raises(AssertionError, match=r"judged nothing, so it cannot pass: no backend's output was judged"):
+        assert_backends_agree(model, x, backends=["test:broken"], allow_errors=True)
     with pytest.raises(rlx_nb.InputError, match="allow_errors must be True or False"):
         assert_backends_agree(model, x, backends=["cpu-nomkldnn"], allow_errors="yes")
+
+
+def test_a_check_that_judged_nothing_fails():
+    # Every backend skipped for memory (the default set, whose error rows are allowed): it passed, having
+    # compared nothing.
+    model, x = _model()
+    with pytest.raises(AssertionError, match=r"^the check judged nothing, so it cannot pass: no backend's output was "
+                                             r"judged \(cpu-nomkldnn: skipped; cpu-inductor: skipped"):  # fmt: skip
+        assert_backends_agree(model, x, memory_budget=1)
 
 
 def test_the_pytest_plugin_keeps_each_failing_report(pytester):

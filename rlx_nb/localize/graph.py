@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from rlx_nb.errors import writing
 from rlx_nb.figures import SUSPECT_COLOUR
 
 GRAPH_ID = "graph"
@@ -83,8 +84,9 @@ def write(data: dict[str, Any], path: str | Path) -> Path:
     path = Path(path)
     if not path.suffix:
         path = path.with_suffix(".json")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=1))
+    with writing(path, "the Model Explorer node data"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(data, indent=1))
     return path
 
 

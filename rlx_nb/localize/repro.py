@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from rlx_nb.errors import InputError
+from rlx_nb.errors import InputError, writing
 from rlx_nb.localize.capture import Slot
 
 
@@ -52,6 +52,14 @@ def write_repro(
     path: Path, *, func: Callable, label: str, template: Any, tensors: list[torch.Tensor], backend: str, backward: bool
 ) -> Path:
     """Write ``inputs.npz``, ``case.json`` and ``repro.py`` under ``path``; return the script."""
+    with writing(path, "the repro"):
+        return _write_repro(path, func=func, label=label, template=template, tensors=tensors, backend=backend,
+                            backward=backward)  # fmt: skip
+
+
+def _write_repro(
+    path: Path, *, func: Callable, label: str, template: Any, tensors: list[torch.Tensor], backend: str, backward: bool
+) -> Path:
     path.mkdir(parents=True, exist_ok=True)
     arrays = {f"t{i}": t.detach().cpu().numpy() for i, t in enumerate(tensors)}
     np.savez(path / "inputs.npz", **arrays)
