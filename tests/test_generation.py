@@ -261,7 +261,7 @@ def test_received_generation_fields_are_checked_whole(legit, tmp_path, change):
     env = back.logits.results.environment
     env["generation"] = {**env["generation"], **change}
     bad = back.logits.save(tmp_path / "bad.rlxnb")
-    with pytest.raises(ReportFormatError, match="environment.generation|step outputs do not match|rows? of logits"):
+    with pytest.raises(ReportFormatError, match=r"environment.generation|step outputs do not match|rows? of logits"):
         rlx_nb.load_report(bad)
     assert cli.main(["show", str(bad)]) == 2
 
