@@ -19,6 +19,7 @@ import pandas as pd
 
 from rlx_nb.errors import InputError
 from rlx_nb.frames import baseline_frame
+from rlx_nb.generation_report import ENV_KEY
 from rlx_nb.verdict import SUSPECT
 
 WORSE_FACTOR = 2.0
@@ -100,12 +101,16 @@ class BaselineComparison:
 
 
 def _load(report: Any) -> Any:
+    # A forward report as it is; a generation's, its steps' logits report (compared step by step).
+    from rlx_nb.generation_report import GenerationReport
     from rlx_nb.report import DivergenceReport, load_report
 
+    if isinstance(report, (str, Path)):
+        report = load_report(report)
+    if isinstance(report, GenerationReport):
+        return report.logits
     if isinstance(report, DivergenceReport):
         return report
-    if isinstance(report, (str, Path)):
-        return load_report(report)
     raise InputError(f"a report or the path of a saved one (.rlxnb) is needed; got {type(report).__name__}")
 
 
@@ -128,6 +133,8 @@ def _status(old: Any, new: Any) -> str:
 def compare_reports(old: Any, new: Any, *, allow_different_model: bool = False) -> BaselineComparison:
     """Compare ``new`` against the baseline ``old`` (reports, or paths of saved ones), output by output.
 
+    Both forward reports, or both generation reports (their steps' logits compared step by step).
+
     A baseline only means something for the same model on the same inputs: their saved fingerprints
     (the structure -- names, dtypes, shapes -- and the values of the inputs and of the weights) are
     checked first, and a difference is an :class:`~rlx_nb.InputError` naming it, unless
@@ -147,6 +154,9 @@ def compare_reports(old: Any, new: Any, *, allow_different_model: bool = False) 
     if not isinstance(allow_different_model, bool):
         raise InputError(f"allow_different_model must be True or False, got {allow_different_model!r}")
     a, b = _load(old), _load(new)
+    kinds = [("a generation" if ENV_KEY in r.results.environment else "a forward pass") for r in (a, b)]
+    if kinds[0] != kinds[1]:
+        raise InputError(f"the baseline is {kinds[0]}'s report and the new one {kinds[1]}'s: compare like with like")
     differ, unchecked = fingerprint_differences(a.results.fingerprints, b.results.fingerprints)
     if differ and not allow_different_model:
         raise InputError(

@@ -231,6 +231,8 @@ def _prompt(inputs: Any) -> tuple[torch.Tensor, bool]:
         got = f"a {inputs.dtype} tensor of shape {tuple(inputs.shape)}" if isinstance(inputs, torch.Tensor) else (
             type(inputs).__name__)  # fmt: skip
         raise InputError(f"input_ids must be an integer tensor of shape batch x length, got {got}")
+    if inputs.is_meta:
+        raise InputError("input_ids is on the meta device: it has a shape but no token ids to decode")
     if inputs.shape[1] < 1 or inputs.shape[0] < 1:
         raise InputError(f"input_ids must hold at least one token per row, got shape {tuple(inputs.shape)}")
     return inputs.detach().to("cpu", torch.int64), masked

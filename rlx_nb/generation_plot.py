@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import html
 from pathlib import Path
 from typing import Any
 
 from rlx_nb.figures import PALETTE, SUSPECT_COLOUR, new_axes
 from rlx_nb.judgement import DISAGREEMENT, NEAR_TIE, SUSPECT
+from rlx_nb.safe import html_text, plot_text
 
 
 def plot_steps(report: Any, ax: Any = None) -> Any:
@@ -29,7 +29,7 @@ def plot_steps(report: Any, ax: Any = None) -> Any:
         else:
             c, colour = PALETTE[colour % len(PALETTE)], colour + 1
         y = per_step.clip(lower=1e-3)
-        ax.plot(per_step.index, y, color=c, marker=".", lw=1.4, label=f"{name} ({verdicts[name]})")
+        ax.plot(per_step.index, y, color=c, marker=".", lw=1.4, label=plot_text(f"{name} ({verdicts[name]})"))
         for kind, marker, face in ((NEAR_TIE, "o", "none"), (DISAGREEMENT, "X", SUSPECT_COLOUR)):
             flips = mine[mine.flip_kind == kind].step.unique()
             if len(flips):
@@ -42,7 +42,8 @@ def plot_steps(report: Any, ax: Any = None) -> Any:
     ax.set_yscale("log")
     ax.set_xlabel("decode step (0: the prompt's logits)")
     ax.set_ylabel("logits error (x of the SUSPECT line)")
-    ax.set_title(f"{report.label}: where generation parts ({report.n_steps} steps, teacher-forced)", fontsize=10)
+    ax.set_title(plot_text(f"{report.label}: where generation parts ({report.n_steps} steps, teacher-forced)"),
+                 fontsize=10)  # fmt: skip
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     ax.grid(True, which="major", alpha=0.3)
     return ax
@@ -56,7 +57,7 @@ def write_html(report: Any, path: str | Path, *, title: str | None = None) -> Pa
     plot_steps(report, ax=fig.add_subplot())
     first = report.first_divergence.reset_index()
     prelude = (
-        "<h2>Generation</h2><pre>" + html.escape("\n".join(report.lines())) + "</pre>"
+        "<h2>Generation</h2><pre>" + html_text("\n".join(report.lines())) + "</pre>"
         f"<img alt='logits error per step' src='{html_report._png(fig)}'>"
         "<h3>First divergence per backend</h3>" + html_report._table(first)
     )

@@ -300,9 +300,10 @@ class GenerationReport:
         return f"<GenerationReport {self.label}: {self.n_steps} steps, {len(self.backend_names)} backend(s), suspects {self.suspects}>"
 
     def _repr_html_(self) -> str:
-        import html
+        from rlx_nb.frames import Table
+        from rlx_nb.safe import html_text
 
-        return "<pre>" + html.escape("\n".join(self.lines())) + "</pre>" + self.first_divergence.to_html()
+        return "<pre>" + html_text("\n".join(self.lines())) + "</pre>" + Table(self.first_divergence)._repr_html_()
 
     # -- pictures, files, tools ---------------------------------------------------------------------
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from rlx_nb.errors import writing
+from rlx_nb.safe import html_text
 
 MAX_SECTIONS = 12
 """At most this many SUSPECT (backend, output) pairs get figures; the rest are listed."""
@@ -142,8 +143,8 @@ def report_html(report: Any, *, localization: Any = None, title: str | None = No
     rest = suspects[MAX_SECTIONS:]
     parts = [
         "<!DOCTYPE html><html><head><meta charset='utf-8'>",
-        f"<title>{html.escape(title)}</title><style>{_STYLE}</style></head><body>",
-        f"<h1>{html.escape(title)}</h1>",
+        f"<title>{html_text(title)}</title><style>{_STYLE}</style></head><body>",
+        f"<h1>{html_text(title)}</h1>",
         f"<p>{len(report.results.candidates)} backend(s) against the CPU oracle, judged by the "
         f"<i>{html.escape(report.rule)}</i> rule; suspects: <span class='suspect'>"
         f"{html.escape(', '.join(report.suspects) or 'none')}</span>. Written by rlx_nb {__version__} on "
@@ -181,7 +182,7 @@ def write_html(
     page = report_html(report, localization=localization, title=title, prelude=prelude)
     with writing(path, "the HTML report"):
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(page, encoding="utf-8")
+        path.write_text(page, encoding="utf-8", errors="replace")  # (a lone surrogate anywhere: "?", never a crash)
     return path
 
 

@@ -15,7 +15,7 @@ import sys
 import threading
 import warnings
 import zlib
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -94,6 +94,7 @@ def prepare_model(model: Any, params: Mapping[str, torch.Tensor] | None, keys: l
             UserWarning,
             stacklevel=3,
         )
+    _no_meta(base, set(params or ()))
     base = base.to("cpu")
     for t in list(base.parameters()) + list(base.buffers()):
         if t.is_floating_point() and t.dtype != torch.float32:
@@ -104,6 +105,25 @@ def prepare_model(model: Any, params: Mapping[str, torch.Tensor] | None, keys: l
     if keys is not None:
         base = KeywordModule(base, keys)
     return base
+
+
+def _no_meta(model: torch.nn.Module, given: set[str]) -> None:
+    # A tensor on the meta device has a shape and no values: nothing can run on it (torch's own error is a
+    # NotImplementedError about copying out of it, from deep inside the copy).
+    for kind, named in (("parameter", model.named_parameters()), ("buffer", model.named_buffers())):
+        for name, t in named:
+            if t.is_meta and name not in given:
+                raise InputError(
+                    f"the model's {kind} {name!r} is on the meta device: it has a shape but no values to run "
+                    "(materialize the model first, e.g. model.to_empty(device='cpu') and load its weights)"
+                )
+
+
+def no_meta_inputs(args: tuple, names: Sequence[str]) -> None:
+    """An :class:`~rlx_nb.InputError` naming an input on the meta device (a shape, no values)."""
+    for at, leaf in flatten(dict(zip(names, args, strict=False))):
+        if isinstance(leaf, torch.Tensor) and leaf.is_meta:
+            raise InputError(f"input {at!r} is on the meta device: it has a shape but no values to run on")
 
 
 _COMPILED_SEGMENT = re.compile(r"(?<![^.])_orig_mod\.")  # a compiled module's name segment

@@ -30,6 +30,7 @@ from rlx_nb.prepare import (
     current,
     dtype_hint,
     float32_default,
+    no_meta_inputs,
     normalize_inputs,
     prepare_model,
     trim,
@@ -127,6 +128,7 @@ def run(
             private = stack.enter_context(current(PrivateModel(lambda: prepare_model(model, params, keys))))
         memory = Memory(private.model, memory_budget)
         input_names = keys or [f"input[{i}]" for i in range(len(args))]
+        no_meta_inputs(args, input_names)
         grad_inputs = [i for i, x in enumerate(args) if isinstance(x, torch.Tensor) and x.requires_grad]
         if grad_inputs and not backward:
             args = map_tensors(lambda t: t.detach(), args)

@@ -223,6 +223,8 @@ def test_save_load_html_and_tampered_files(legit, tmp_path):
     assert back.steps.equals(legit.steps)
     page = legit.to_html(tmp_path / "gen.html").read_text()
     assert "<h2>Generation</h2>" in page and "data:image/png;base64" in page
+    moved = rlx_nb.compare_reports(path, legit)  # a generation against its baseline (it was rejected)
+    assert set(moved.frame.status) == {"same"} and len(moved.frame) == 2 * 48
     (tmp_path / "a_file").write_text("")  # a path that cannot be written is named (it was a raw OSError)
     with pytest.raises(FileWriteError, match=r"cannot write the report to '.*a_file/g.rlxnb': '.*a_file' is not a d"):
         legit.save(tmp_path / "a_file" / "g")
@@ -320,6 +322,18 @@ def test_an_interrupted_generation_is_kept_as_a_generation(llama):
     rlx_nb.interrupted.clear()
 
 
+def test_outside_text_in_a_generations_plot_and_page_shows_as_text(llama, tmp_path):
+    # A label with math text crashed gen.to_html inside matplotlib's math parser; a lone surrogate crashed savefig.
+    model, ids = llama
+    label = "cost $\\x$ \ud800 <b>"
+    report = rlx_nb.generation_divergence(model, ids, max_new_tokens=2, backends=["cpu-nomkldnn"], label=label,
+                                          progress=False)  # fmt: skip
+    page = report.to_html(tmp_path / "g.html").read_text()
+    assert "cost $\\x$ ? &lt;b&gt;" in page  # (?: the surrogate no encoder can write)
+    assert report.plot().get_title().startswith("cost \\$\\x\\$ ? <b>")
+    assert "&lt;b&gt;" in report._repr_html_()
+
+
 def test_explorer_and_localize_on_a_step(llama):
     model, ids = llama
     report = rlx_nb.generation_divergence(model, ids, max_new_tokens=6, backends=["fault:softmax-row"],
@@ -360,6 +374,8 @@ def test_bad_prompts_and_models_are_named(llama):
         )
     with pytest.raises(InputError, match="integer tensor of shape batch x length"):
         rlx_nb.generation_divergence(model, ids.float())
+    with pytest.raises(InputError, match="input_ids is on the meta device"):  # (a NotImplementedError)
+        rlx_nb.generation_divergence(model, ids.to("meta"))
     body = zoo.build("mistral", batch=1)[0]  # a model without an LM head
     with pytest.raises(InputError, match="returns no logits"):
         rlx_nb.generation_divergence(body, ids, max_new_tokens=2, backends=["cpu-nomkldnn"], progress=False)

@@ -64,6 +64,11 @@ def test_inputs_the_model_rejects_are_a_clear_error():
         rlx_nb.backend_divergence(torch.nn.Linear(3, 2), "text")
     with pytest.raises(rlx_nb.InputError, match="model must be"):
         rlx_nb.backend_divergence(42, torch.ones(1))
+    # On the meta device: a shape and no values (NotImplementedError from deep inside the copy)
+    with pytest.raises(rlx_nb.InputError, match=r"input 'input\[0\]' is on the meta device"):
+        rlx_nb.backend_divergence(torch.nn.Linear(3, 2), torch.ones(2, 3, device="meta"))
+    with pytest.raises(rlx_nb.InputError, match=r"the model's parameter 'weight' is on the meta device.*to_empty"):
+        rlx_nb.backend_divergence(torch.nn.Linear(3, 2, device="meta"), torch.ones(2, 3))
 
 
 def test_failing_backend_is_an_error_row_and_others_survive():
@@ -380,7 +385,10 @@ def test_a_phase_that_would_not_fit_in_memory_is_a_row_that_says_so():
     assert "memory_budget= to override" in rows.loc["onnxruntime", "reason"]
     assert rows.loc["cpu-nomkldnn", "verdict"] == "round-off"  # what fits still runs
     assert "onnxruntime vs cpu: SKIPPED — not run for memory" in "\n".join(report.lines())
-    assert report.errors == []  # not a failure of the backend: exit code 0, not 3
+    assert report.errors == []  # not a failure of the backend ...
+    assert report.not_run == ["onnxruntime"]  # ... but not run: a gate exits 3 (rlx_nb.cli)
+    unlimited = rlx_nb.backend_divergence(model, x, backends=["cpu-nomkldnn"], memory_budget=float("inf"))
+    assert unlimited.record("cpu-nomkldnn").verdict == "round-off"  # no limit (it raised OverflowError)
     with pytest.raises(rlx_nb.InputError, match="memory_budget must be a positive number of bytes"):
         rlx_nb.backend_divergence(model, x, backends=["cpu-nomkldnn"], memory_budget=-1)
 
