@@ -189,7 +189,12 @@ class Decode(torch.nn.Module):
         current, cache = ids[:, :p], None
         out: dict[str, torch.Tensor] = {}
         for k in range(self.steps):
-            logits, cache = self.call(current, cache, mask)
+            try:
+                logits, cache = self.call(current, cache, mask)
+            except Exception as exc:  # (which step, and what it was fed: a runtime written for whole sequences)
+                fed = f"the prompt's {current.shape[1]} tokens" if k == 0 else "one new token and the cache"
+                exc.add_note(f"rlx_nb: raised in decode step {k} ({fed})")
+                raise
             last = last_logits(logits)
             out[step_name(k)] = last
             if k + 1 == self.steps:

@@ -159,7 +159,10 @@ def describe_error(exc: BaseException) -> str:
     where = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
     loc = f" (at {where.name})" if where else ""
     text = f"{type(exc).__name__}: {text}"
-    return (text if len(text) <= REASON_CHARS else text[: REASON_CHARS - 3] + "...") + loc
+    ours = "; ".join(n.removeprefix("rlx_nb: ") for n in getattr(exc, "__notes__", ()) if n.startswith("rlx_nb: "))
+    return (
+        (text if len(text) <= REASON_CHARS else text[: REASON_CHARS - 3] + "...") + loc + (f", {ours}" if ours else "")
+    )
 
 
 def error_detail(exc: BaseException) -> str:

@@ -22,7 +22,8 @@ def plot_steps(report: Any, ax: Any = None) -> Any:
         mine = table[table.backend == name]
         per_step = mine.groupby("step").line.max()
         per_step = per_step[per_step == per_step]
-        if per_step.empty:
+        if per_step.empty:  # (a backend that did not run: in the legend, never dropped without a word)
+            ax.plot([], [], color="0.6", ls=":", label=plot_text(f"{name} ({verdicts[name]}: no steps to plot)"))
             continue
         if verdicts[name] == SUSPECT:
             c = SUSPECT_COLOUR

@@ -322,6 +322,34 @@ def test_an_interrupted_generation_is_kept_as_a_generation(llama):
     rlx_nb.interrupted.clear()
 
 
+def test_a_runtime_written_for_whole_sequences_says_which_step_failed_and_stays_on_the_plot(llama):
+    # A backend registered for forward passes failed at the first one-token step: an ERROR row whose IndexError
+    # did not say it came from a decode step, and gen.plot() dropped it without a word.
+    model, ids = llama
+
+    def whole_sequences_only(decode, inputs):
+        real = decode.call
+
+        def call(current, cache, mask):
+            current[:, 3]  # (this runtime reads position 3: a one-token step has none)
+            return real(current, cache, mask)
+
+        decode.call = call
+        return decode(*inputs)
+
+    rlx_nb.register_backend("test-whole-only", whole_sequences_only, default=False, replace=True)
+    try:
+        report = rlx_nb.generation_divergence(model, ids, max_new_tokens=3, backends=["cpu-nomkldnn", "test-whole-only"],
+                                              progress=False)  # fmt: skip
+    finally:
+        rlx_nb.unregister_backend("test-whole-only")
+    line = report.lines()[1]
+    assert line.startswith("[LlamaForCausalLM] test-whole-only vs cpu: ERROR — IndexError: ")
+    assert line.endswith(", raised in decode step 1 (one new token and the cache)")
+    labels = [t.get_text() for t in report.plot().get_legend().get_texts()]
+    assert "test-whole-only (error: no steps to plot)" in labels
+
+
 def test_outside_text_in_a_generations_plot_and_page_shows_as_text(llama, tmp_path):
     # A label with math text crashed gen.to_html inside matplotlib's math parser; a lone surrogate crashed savefig.
     model, ids = llama
