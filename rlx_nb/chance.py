@@ -126,6 +126,43 @@ def _gamma_p(a: float, x: float) -> float:
     return max(0.0, 1.0 - math.exp(log_front) * h)
 
 
+def slice_share(b: SliceStats, legit: Sequence[SliceStats]) -> tuple[float, float, str]:
+    """Where an error's square sits: ``(share, over, at)`` of the slice whose share of the whole output's squared
+    error stands furthest above what round-off leaves on it (the legitimate runs' largest share there, or the
+    slice's share of the elements, whichever is larger).  ``at`` names it as ``[:, :, 3]``.
+
+    Round-off (a precision mode too) follows the values, so each slice holds about its legitimate share; a bug on
+    one row, position or channel holds nearly all of it on one slice.
+
+    Examples
+    --------
+    >>> from rlx_nb.reference import slice_stats
+    >>> o = np.ones((4, 8)); ref = o.astype(np.float64)
+    >>> legit = slice_stats((o * (1 + 1e-7 * np.arange(32).reshape(4, 8) % 3)).astype(np.float32), ref)
+    >>> bug = slice_stats(np.where(np.arange(4)[:, None] == 2, 1.001, 1.0).astype(np.float32) * o, ref)
+    >>> share, over, at = slice_share(bug, [legit])
+    >>> round(share, 2), at
+    (1.0, '[2]')
+    """
+    best = (0.0, 0.0, "")
+    for i, axis in enumerate(b.axes):
+        total = float(np.sum(b.squares[i]))
+        if total <= 0:
+            continue
+        share = b.squares[i] / total
+        fair = b.counts[i] / max(float(np.sum(b.counts[i])), 1.0)
+        expected = fair
+        for st in legit:
+            q = float(np.sum(st.squares[i]))
+            if q > 0:
+                expected = np.maximum(expected, st.squares[i] / q)
+        over = share / np.where(expected > 0, expected, 1.0)
+        j = int(np.argmax(over))
+        if over[j] > best[1]:
+            best = (float(share[j]), float(over[j]), "[" + ", ".join([":"] * axis + [str(j)]) + "]")
+    return best
+
+
 def peak_mean(st: SliceStats, i: int) -> float:
     # The largest |mean error| over the slices of axis ``i``.
     return float(np.max(np.abs(st.sums[i]) / np.maximum(st.counts[i], 1), initial=0.0))

@@ -191,6 +191,15 @@ class Judgement:
     """For a SUSPECT output: the mean of its error against fp64 over the error's RMS (noise: ~0)."""
     error_value_corr: float = math.nan
     """... and the error's correlation with the fp64 values (noise: ~0; a scale bug: ~1)."""
+    slice_share: float = math.nan
+    """For a judged output: the share of the error's square on the slice that holds most over its round-off share
+    (:func:`rlx_nb.chance.slice_share`) ..."""
+    slice_share_over: float = math.nan
+    """... how many times its round-off share that is ..."""
+    slice_share_at: str = ""
+    """... and which slice (``[:, :, 3]``).  Past :data:`rlx_nb.readings.LOCALIZED_OVER` with at least
+    :data:`rlx_nb.readings.LOCALIZED_SHARE` of the error, the error is localized: a bug on one row, position or
+    channel, never read as a precision mode or a less accurate arithmetic."""
     less_accurate: bool = False
     """Every SUSPECT output of this backend reads as a uniformly less accurate arithmetic (:func:`looks_less_accurate`)."""
     discrete_events: int = 0

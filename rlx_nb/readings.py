@@ -47,14 +47,30 @@ def effective_bits(backend_rmse: float, oracle_rmse: float, anchors: dict[int, f
     return bits, closest
 
 
+LOCALIZED_SHARE = 0.5
+"""An error is *localized* when one slice (a row, a position, a channel) holds at least this share of its square ...
+(a softmax fault on one row: 57-90% at the output of six transformers; NNPACK's convolutions at batch 32, whose
+error leans on the samples with the largest activations: 8-19%)"""
+LOCALIZED_OVER = 4.0
+"""... and at least this many times the share round-off leaves there (the legitimate runs', or the slice's share of
+the elements): a precision mode follows the values, as round-off does (1-2x; NNPACK 2.4-5.4x on one sample); a bug
+on one position of a 16-token sequence holds 12-16x (the README's), on one row of many far more."""
+
+
+def localized(j: Judgement) -> bool:
+    """Whether the error sits on one slice: a bug on one row, position or channel (:data:`LOCALIZED_SHARE`)."""
+    return j.slice_share >= LOCALIZED_SHARE and j.slice_share_over >= LOCALIZED_OVER
+
+
 def looks_like_reduced_precision(j: Judgement, compute_dtype: str, kind: str) -> bool:
     """Whether a SUSPECT judgement's error looks like a reduced-precision mode rather than a bug.
 
     A precision mode shows in the forward outputs, spread over every element (not concentrated like a
-    one-row bug, and leaning on no slice more than on the whole output: its error is round-off at a
-    coarser unit, which averages out over a row), at about a standard narrower format's bits.
+    one-row bug, leaning on no slice more than on the whole output -- its error is round-off at a
+    coarser unit, which averages out over a row -- and not :func:`localized` on one), at about a standard
+    narrower format's bits.
     """
-    spread = j.ratio_max <= 8 * max(j.ratio_rmse, 1e-300) and not j.slice_ratio >= j.ratio_rmse
+    spread = j.ratio_max <= 8 * max(j.ratio_rmse, 1e-300) and not j.slice_ratio >= j.ratio_rmse and not localized(j)
     narrower = (formats.label_bits(label) for label in formats.LABELS[1:])
     near = min(abs(j.effective_bits - b) for b in narrower) <= 1.0
     return compute_dtype == "float32" and kind == "forward" and spread and near
@@ -88,7 +104,7 @@ def looks_less_accurate(j: Judgement, compute_dtype: str, kind: str, numel: int)
     that shows its shape on one output is a bug on all.  NNPACK's fast convolutions, which eager CPU kernels
     use from batch 16 with oneDNN off, read this way (ResNet's logits at batch 32: 4.4x the budget, 21.4 bits).
     """
-    spread = not j.concentrated and not j.slice_ratio >= j.ratio_rmse
+    spread = not j.concentrated and not j.slice_ratio >= j.ratio_rmse and not localized(j)
     return (
         j.verdict == SUSPECT
         and compute_dtype == "float32"

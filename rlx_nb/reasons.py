@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 
 from rlx_nb import formats
+from rlx_nb.readings import localized
 from rlx_nb.records import OutputRecord, worst_record
 from rlx_nb.verdict import (
     MAX_LIMIT,
@@ -29,11 +30,11 @@ from rlx_nb.verdict import (
 def _less_accurate_reason(j: Judgement, worst: float, ops: dict[str, int] | None) -> str:
     where = op_hint(ops)
     return (
-        f"uniformly less accurate: ~{j.effective_bits:.1f} effective bits of fp32's 24 ({worst:.3g}x the fp32 "
-        "round-off budget), its error spread over the whole output and noise-like (no bias, not following the "
-        f"values){f'; {where}' if where else ''} — the mark of a less accurate algorithm rather than a kernel bug, "
-        "though a small systematic error can look alike on one output: localize the backend to see which op; "
-        "SUSPECT as the fp32 it claims to be"
+        f"SUSPECT as the fp32 it claims to be, and uniformly less accurate: ~{j.effective_bits:.1f} effective bits of "
+        f"fp32's 24 ({worst:.3g}x the fp32 round-off budget), its error spread over the whole output and noise-like "
+        "(no bias, not following the values) — what a less accurate algorithm leaves"
+        f"{f' ({where})' if where else ''}, and what a small systematic error can leave too: localize the backend to "
+        "see which op"
     )
 
 
@@ -153,10 +154,13 @@ def reason(r: OutputRecord, ops: dict[str, int] | None = None) -> str:
             if j.cause == Cause.WORST
             else ("its RMS error", j.ratio_rmse, RMSE_LIMIT)
         )
-        return (
-            f"{at}: {what[0]} is {what[1]:.3g}x the {fmt} round-off budget (the line is at {what[2]:g}x) — likely a "
-            "kernel bug"
+        where = (
+            f"; {j.slice_share:.0%} of it sits on {r.output}{j.slice_share_at} ({j.slice_share_over:.2g}x the share "
+            "round-off leaves there) — likely a kernel bug on that one row, position or channel"
+            if localized(j)
+            else " — likely a kernel bug"
         )
+        return f"{at}: {what[0]} is {what[1]:.3g}x the {fmt} round-off budget (the line is at {what[2]:g}x){where}"
     if j.cause == Cause.ORACLE_OFF:
         return f"round-off, {at}: {_oracle_off_reason(r)}"
     if j.cause == Cause.DISCRETE:
@@ -202,17 +206,25 @@ def short_reason(r: OutputRecord) -> str:
     head = f"{j.line:.3g}x the line"
     if j.cause == Cause.PRECISION:
         like = j.anchor_likeness
-        verdict = "precision mode" if like >= PRECISION_ALIKE else "kernel error" if like <= PRECISION_UNLIKE else "?"
-        return f"{head}: ~{j.effective_bits:.0f} bits, like {j.closest_format} ({verdict})"
+        what = (
+            "likely a precision mode"
+            if like >= PRECISION_ALIKE
+            else "a kernel error, not a precision mode"
+            if like <= PRECISION_UNLIKE
+            else "a precision mode or a kernel error"
+        )
+        return f"{head}: ~{j.effective_bits:.0f} bits, like {j.closest_format}: {what}."
+    if localized(j) and j.cause in (Cause.WORST, Cause.WHOLE, Cause.CONCENTRATED):
+        return f"{head}: {j.slice_share:.0%} of its error sits on {j.slice_share_at}."
     tail = {
-        Cause.ZEROS: f"{j.zero_mismatch} zeroed positions computed",
-        Cause.LESS_ACCURATE: f"less accurate, ~{j.effective_bits:.1f} bits",
-        Cause.SLICE: f"slice {j.slice_at}",
-        Cause.CONCENTRATED: "concentrated on few elements",
-        Cause.WORST: "its largest error",
-        Cause.WHOLE: "the whole output",
+        Cause.ZEROS: f"{j.zero_mismatch} positions the model zeroes are computed.",
+        Cause.LESS_ACCURATE: f"uniformly less accurate, ~{j.effective_bits:.1f} bits of 24.",
+        Cause.SLICE: f"the slice {j.slice_at} is off by more than round-off.",
+        Cause.CONCENTRATED: "a few elements are far off.",
+        Cause.WORST: f"its largest error is {j.ratio_max:.3g}x round-off.",
+        Cause.WHOLE: f"its RMS error is {j.ratio_rmse:.3g}x round-off.",
     }.get(j.cause)
-    return f"{head}: {tail}" if tail else head
+    return f"{head}: {tail}" if tail else f"{head}."
 
 
 def nondeterministic_reason(difference: float) -> str:

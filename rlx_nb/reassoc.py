@@ -12,7 +12,8 @@ the sum's length cannot know that; so the budget measures it.
 :class:`SequentialSums` runs the model (forward and backward) in float32 with every reduction it covers
 summed in another legitimate order than ATen's: ``sum``/``mean``; the parameter gradients (and the
 input-gradient row sums) of LayerNorm, BatchNorm and GroupNorm; softmax and log-softmax backward; a
-convolution's bias gradient -- each with one accumulator per output, adding the terms strictly in index
+convolution's bias gradient -- each with one accumulator per output (per :data:`SEQUENTIAL_BLOCK` terms of a
+longer sum, the blocks then added pairwise, as a real kernel's cascade does), adding the terms strictly in index
 order (memory order for contiguous tensors).  Matrix products (``mm``, ``addmm``, ``bmm``, ``baddbmm``:
 linear layers, attention's products, their backward) and convolutions (forward, input gradient and
 weight gradient) sum their inner dimension in two halves, each half by the library's own kernel, the two
@@ -41,8 +42,17 @@ from rlx_nb._fused import sequential_kernel
 aten = torch.ops.aten
 
 
+SEQUENTIAL_BLOCK = 8192
+"""The most terms one accumulator of the sequential run adds (then the blocks' sums are added pairwise): the longest
+single-accumulator sum a real backend was seen to make (Inductor's BatchNorm-bias gradient: 8,192 terms; its
+cascade chunks are 4,096).  No real kernel adds 2**28 terms in one float32 accumulator -- past 2**24 such a sum
+stops growing -- and a run that did would widen every budget past what any legitimate order gives (pytorch#154703,
+Inductor's mean of 2**28 floats without a cascade, read round-off against it)."""
+
+
 def sequential_sum(x: torch.Tensor, dims: Sequence[int], keepdim: bool = False) -> torch.Tensor:
-    """``x.sum(dims)`` in float32, each output summed by one accumulator in index order."""
+    """``x.sum(dims)`` in float32, each output summed in index order by one accumulator per block of at most
+    :data:`SEQUENTIAL_BLOCK` terms, the blocks' sums then added pairwise (a cascade)."""
     nd = x.dim()
     if nd == 0:
         return x.detach().to(torch.float32, copy=True)
@@ -51,18 +61,35 @@ def sequential_sum(x: torch.Tensor, dims: Sequence[int], keepdim: bool = False) 
     shape = [x.shape[d] for d in kept]
     # Terms of another dtype (a half tensor summed with dtype=float32) are added as float32.
     rows = x.detach().to(torch.float32).permute(*kept, *dims).reshape(math.prod(shape), -1).contiguous().numpy()
+    n = rows.shape[1]
+    if n <= SEQUENTIAL_BLOCK:
+        out = accumulate(rows)
+    else:
+        full = n // SEQUENTIAL_BLOCK * SEQUENTIAL_BLOCK
+        blocks = accumulate(rows[:, :full].reshape(-1, SEQUENTIAL_BLOCK)).reshape(rows.shape[0], -1)
+        if full < n:
+            blocks = np.concatenate([blocks, accumulate(np.ascontiguousarray(rows[:, full:]))[:, None]], axis=1)
+        while blocks.shape[1] > 1:  # pairwise, in float32
+            pairs = blocks[:, 0 : blocks.shape[1] - 1 : 2] + blocks[:, 1::2]
+            blocks = np.concatenate([pairs, blocks[:, -1:]], axis=1) if blocks.shape[1] % 2 else pairs
+        out = np.ascontiguousarray(blocks[:, 0])
+    result = torch.from_numpy(out).reshape(shape)
+    if keepdim:
+        result = result.reshape([1 if d in dims else s for d, s in enumerate(x.shape)])
+    return result
+
+
+def accumulate(rows: np.ndarray) -> np.ndarray:
+    """Each row's sum (a 2-D float32 array's) by one float32 accumulator, left to right."""
     out = np.empty(rows.shape[0], np.float32)
     run = sequential_kernel()
     if run is not None:
         run(rows, out)
     elif rows.shape[1]:
-        out[:] = np.add.accumulate(rows.T, axis=0, dtype=np.float32)[-1]  # left to right per column
+        out[:] = np.add.accumulate(rows.T, axis=0, dtype=np.float32)[-1]
     else:
         out[:] = 0
-    result = torch.from_numpy(out).reshape(shape)
-    if keepdim:
-        result = result.reshape([1 if d in dims else s for d, s in enumerate(x.shape)])
-    return result
+    return out
 
 
 def _dims(x: torch.Tensor, dims: Any) -> list[int]:

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 
 from rlx_nb import formats
-from rlx_nb.chance import isolation, peak_mean, sample_allowance, slice_allowance, slice_lean
+from rlx_nb.chance import isolation, peak_mean, sample_allowance, slice_allowance, slice_lean, slice_share
 from rlx_nb.errors import InputError
 from rlx_nb.judgement import (
     NONDETERMINISTIC,
@@ -49,6 +49,7 @@ from rlx_nb.readings import (
     looks_like_reduced_precision,
     noise_like,
 )
+from rlx_nb.reassoc import SEQUENTIAL_BLOCK
 from rlx_nb.reference import ReferenceStats, SliceStats
 
 RULES = ("budget", "fixed")
@@ -61,6 +62,7 @@ GRAD_FLOOR_UNITS = 4.0
 BETTER_THAN_ORACLE = 0.5
 CONCENTRATION_LIMIT = 3.0
 CONCENTRATED_OVER_ORACLE = 10.0
+SEQUENTIAL_FAR = 8.0  # a sequential-sums run this many times the oracle's error (or the floor) is said in the notes
 FP32_U = formats.unit_roundoff("float32")
 
 
@@ -113,6 +115,12 @@ def judge(e: Evidence) -> Judgement:
         units = FLOOR_UNITS
     floor = units * FP32_U
     legit_rmse, legit_max = max(s.rmse for s in legit), max(s.max_err for s in legit)
+    if ss is not None and ss.rmse > SEQUENTIAL_FAR * max(so.rmse, floor * so.ref_rms):
+        notes.append(
+            f"the budget rests on the sequential-sums run, {ss.rmse / max(so.rmse, 1e-300):.3g}x further from fp64 than "
+            f"the oracle here: another legitimate summation order (one accumulator per {SEQUENTIAL_BLOCK:,} terms, the "
+            "blocks added pairwise) is that far off, so a backend that sums differently may be too"
+        )
     samples = len({(s.rmse, s.max_err) for s in legit})  # (a sequential run equal to the oracle adds none)
     short = sample_allowance(e.numel, samples)
     if short > 1.05:
@@ -142,6 +150,9 @@ def judge(e: Evidence) -> Judgement:
             profiles=e.slices.profiles,
         )
         excess = max(excess, ratio_slice / RMSE_LIMIT)
+        share, over, share_at = slice_share(e.slices.backend, e.slices.legit)
+    else:
+        share, over, share_at = math.nan, math.nan, ""
     if so.rmse > floor * so.ref_rms and sb.rmse < BETTER_THAN_ORACLE * so.rmse:
         notes.append(
             f"the fp32 oracle is further from fp64 than {e.backend} (RMSE {so.rmse:.2e} vs {sb.rmse:.2e}): "
@@ -187,6 +198,9 @@ def judge(e: Evidence) -> Judgement:
         excess=excess,
         slice_ratio=ratio_slice,
         slice_at=slice_at,
+        slice_share=share,
+        slice_share_over=over,
+        slice_share_at=share_at,
         concentration=concentration,
         concentrated=concentrated,
         oracle_rmse=so.rmse,

@@ -108,7 +108,7 @@ def test_a_uniformly_less_accurate_backend_is_named_so_not_a_kernel_bug():
     assert less.verdict == SUSPECT  # the documented policy: it claims fp32 and is beyond its budget
     assert "uniformly less accurate" in less.reason and "likely a kernel bug" not in less.reason
     assert "convolution call(s)" in less.reason and 19 < less.judgement.effective_bits < 23
-    assert "x the line: less accurate, ~" in report.backends.set_index("backend").loc["test-19-bits", "why"]
+    assert "x the line: uniformly less accurate, ~" in report.backends.set_index("backend").loc["test-19-bits", "why"]
     bug = report.record("fault:gelu-approx")
     assert bug.verdict == SUSPECT and "likely a kernel bug" in bug.reason  # systematic: follows the values
 

@@ -9,6 +9,7 @@ import torch
 import rlx_nb
 from rlx_nb import demo, reassoc
 from rlx_nb.backends import get_backend
+from rlx_nb.backends.faults import fault_backend
 from rlx_nb.reassoc import CountReductions, SequentialSums, sequential_sum
 from rlx_nb.verdict import ROUNDOFF
 from tests.conftest import require_live
@@ -54,6 +55,42 @@ def test_sequential_sum_differs_from_a_pairwise_sum_where_the_order_matters():
     assert abs(float(x.sum()) - exact) < abs(float(sequential_sum(x, [0])) - exact)
     assert float(sequential_sum(torch.tensor(2.5), [])) == 2.5  # a 0-d "sum" is the value
     assert sequential_sum(torch.tensor(2.5, dtype=torch.float16), []).dtype == torch.float32
+
+
+def test_a_sum_longer_than_a_block_is_summed_block_by_block_then_pairwise(monkeypatch):
+    # One accumulator over 2**26 terms (pytorch#154703's kernel) stops growing past 2**24: that run had widened the
+    # budget of a mean of 2**28 floats until Inductor's bug read round-off.  Blocks of SEQUENTIAL_BLOCK, then pairs.
+    monkeypatch.setattr(reassoc, "SEQUENTIAL_BLOCK", 4)
+    x = torch.arange(1.0, 11.0).reshape(1, 10) * torch.tensor([[1.0], [1e-3]])  # two rows of 10 terms
+    blocks = [_left_to_right(x[:, i : i + 4].numpy(), [1]) for i in (0, 4, 8)]
+    want = (blocks[0] + blocks[1]) + blocks[2]
+    np.testing.assert_array_equal(sequential_sum(x, [1]).numpy(), want)
+    monkeypatch.undo()
+    big = torch.rand(2**25, generator=torch.Generator().manual_seed(0))
+    exact = big.double().sum().item()
+    assert abs(float(sequential_sum(big, [0])) - exact) / exact < 8 * 2.0**-24  # (one accumulator: ~0.5 off)
+
+
+@pytest.mark.slow
+def test_a_sum_without_a_cascade_is_suspect_and_a_sequential_run_far_off_is_said():
+    class Mean(torch.nn.Module):
+        def forward(self, x):
+            return x.mean()
+
+    x = torch.randn(2**22, generator=torch.Generator().manual_seed(0)).abs()
+    bug = fault_backend("fault:sum-no-cascade")
+    report = rlx_nb.backend_divergence(Mean(), x, backends=["cpu-nomkldnn", bug], progress=False)
+    assert report.suspects == ["fault:sum-no-cascade"]  # (pytorch#154703's kernel: 16 lanes, no cascade)
+
+    class OuterSum(torch.nn.Module):  # a pooled gradient's sum: equal terms in runs of 64 (coherent rounding)
+        def forward(self, g):
+            return g.sum(0)
+
+    g = torch.rand(128, 64, generator=torch.Generator().manual_seed(1)).repeat_interleave(64, dim=0)
+    report = rlx_nb.backend_divergence(OuterSum(), g, backends=["cpu-nomkldnn"], progress=False)
+    rec = report.record("cpu-nomkldnn")
+    assert rec.judgement.sequential_rmse > 8 * rec.judgement.oracle_rmse
+    assert "the budget rests on the sequential-sums run" in rec.note
 
 
 def test_sequential_sums_only_changes_float32_cpu_reductions():

@@ -292,3 +292,46 @@ def test_judge_on_statistics_alone():
     assert judge(ev(ReferenceStats(1e-6, 4e-6, 1.0, 4.0), nonfinite_mismatch=3)).verdict == SUSPECT
     assert effective_bits(1e-7, 1e-7, {11: 2e-4, 8: 1.6e-3}) == (24.0, "fp32")
     assert effective_bits(1.6e-3, 1e-7, {11: 2e-4, 8: 1.6e-3}) == (8.0, "bf16")
+
+
+class _OffAtPosition3(torch.overrides.TorchFunctionMode):
+    # The README's runtime: layer norm off by 0.1% at sequence position 3.
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.nn.functional.layer_norm and out.dim() >= 2 and out.shape[-2] > 3:
+            out = out.clone()
+            out[..., 3, :] *= 1.001
+        return out
+
+
+def test_a_localized_fault_is_never_worded_as_a_precision_mode_or_a_less_accurate_algorithm():
+    # The README's position bug read "~12 bits, like tf32/fp16"; a mild attention fault on a model without
+    # convolutions read "the mark of a less accurate algorithm rather than a kernel bug" while SUSPECT.
+    from rlx_nb import zoo
+    from rlx_nb.backends.faults import fault_backend
+    from rlx_nb.readings import localized
+
+    def off_at_position_3(model, inputs):
+        with _OffAtPosition3():
+            return model(*inputs)
+
+    model, inputs = zoo.build("gpt2", batch=2)
+    rlx_nb.register_backend("test-position-3", off_at_position_3, default=False, replace=True)
+    try:
+        report = rlx_nb.backend_divergence(model, inputs, backends=["test-position-3"], progress=False)
+    finally:
+        rlx_nb.unregister_backend("test-position-3")
+    for rec in report.records:
+        if rec.numel == 1:  # (the loss: one number has no slices)
+            continue
+        assert rec.verdict == SUSPECT and localized(rec.judgement), rec.output
+        assert "like tf32" not in rec.reason and "precision" not in rec.reason and "less accurate" not in rec.reason
+        assert rec.judgement.slice_share_at.endswith(", 3]")  # (the position axis: logits [:, 3], caches [:, :, 3])
+        assert "likely a kernel bug on that one row, position or channel" in rec.reason
+    why = report.backends.set_index("backend").loc["test-position-3", "why"]
+    assert why.endswith(("of its error sits on [:, :, 3].", "of its error sits on [:, 3]."))
+    llama, inputs = zoo.build("llama", batch=2)
+    mild = fault_backend("fault:attention-scale", 1e-5)
+    rec = rlx_nb.backend_divergence(llama, inputs, backends=[mild], progress=False).record(mild.name)
+    assert rec.verdict == SUSPECT and rec.judgement.cause != "less accurate", rec.reason
+    assert "less accurate algorithm" not in rec.reason and rec.reason.endswith("likely a kernel bug")
