@@ -43,6 +43,9 @@ class HeatmapView:
     worst: Sequence[int] | None = None
     profiles: bool = True
     """Each row's and column's largest error beside the map (a bad row or column is a spike there)."""
+    band: tuple[int, int, str] | None = None
+    """``(axis, index, label)``: a slice of the output to outline whole, its axis on one side of the map (the rows,
+    or the columns for the last axis) so it is one band, pooled with no neighbour along that side."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,8 +136,12 @@ def draw_heatmap(
     from matplotlib.colors import LogNorm
 
     ax = new_axes(ax, margins=HEATMAP_MARGINS)
+    fold = view.fold
+    if view.band is not None and fold is None and not view.select and oracle.ndim >= 2:
+        axis, others = view.band[0], tuple(a for a in range(oracle.ndim) if a != view.band[0])
+        fold = (others, (axis,)) if axis == oracle.ndim - 1 else ((axis,), others)
     try:
-        folded = make_fold(oracle.shape, view.fold, view.select)
+        folded = make_fold(oracle.shape, fold, view.select)
         data, factors, folded = error_map(
             oracle,
             backend,
@@ -180,6 +187,9 @@ def draw_heatmap(
     standout = _standouts(data, 1.0 if metric == "line" else None)
     if top is not None:
         _profiles(top, side, data, norm, standout, line=1.0 if metric == "line" else None)
+    if view.band is not None and oracle.ndim >= 2 and _band(ax, data.shape, folded, factors, view.band):
+        side, at = ("cols", 1) if folded.cols == (view.band[0],) else ("rows", 0)
+        standout = {**standout, side: [k for k in standout[side] if k != view.band[1] // factors[at]]}
     _outline(ax, data.shape, standout)
     worst, index = view.worst, None
     cell = folded.cell(worst) if worst is not None else None
@@ -337,6 +347,35 @@ def _outline(ax: Axes, shape: tuple[int, int], standout: dict) -> None:
                                linewidth=1.2, linestyle="--", clip_on=False))  # fmt: skip
     ax.set_xlim(*limits[0])  # the frames reach past the map's edge; the view stays on the map
     ax.set_ylim(*limits[1])
+
+
+def _band(ax: Axes, shape: tuple[int, int], folded: Any, factors: tuple[int, int], band: tuple[int, int, str]) -> bool:
+    # One slice of the output outlined whole: a solid frame around its row (or column) of the map, and its words at
+    # the map's left (or bottom) edge, clear of the worst element's label.  False where the fold has no such side.
+    from matplotlib.patches import Rectangle
+
+    axis, index, label = band
+    on_cols = folded.cols == (axis,)
+    if folded.wrap or (folded.rows != (axis,) and not on_cols):
+        return False
+    limits = ax.get_xlim(), ax.get_ylim()
+    kw = {"fill": False, "edgecolor": "cyan", "linewidth": 2.0, "clip_on": False}
+    pad = 0.6  # of a cell: the frame sits outside the slice, which keeps its colour
+    if on_cols:
+        j = index // factors[1]
+        ax.add_patch(Rectangle((j - 0.5 - pad, -0.5), 1 + 2 * pad, shape[0], **kw))
+        at, offset, ha, va = (j, shape[0] - 0.5), (0, 10), "center", "top"
+    else:
+        i = index // factors[0]
+        ax.add_patch(Rectangle((-0.5, i - 0.5 - pad), shape[1], 1 + 2 * pad, **kw))
+        below = i < shape[0] * 0.7
+        at, offset, ha, va = (-0.5, i + 0.5 if below else i - 0.5), (4, -3 if below else 3), "left", "top"
+        va = "top" if below else "bottom"
+    ax.annotate(plot_text(label), at, xytext=offset, textcoords="offset points", color="cyan", fontsize=8,
+                fontweight="bold", ha=ha, va=va, bbox={"boxstyle": "round", "fc": "black", "alpha": 0.65, "lw": 0})  # fmt: skip
+    ax.set_xlim(*limits[0])
+    ax.set_ylim(*limits[1])
+    return True
 
 
 def _fit(text: str, ax: Axes, *, profiles: bool = False) -> str:

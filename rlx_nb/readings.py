@@ -62,6 +62,21 @@ def localized(j: Judgement) -> bool:
     return j.slice_share >= LOCALIZED_SHARE and j.slice_share_over >= LOCALIZED_OVER
 
 
+def localized_slice(j: Judgement) -> tuple[int, int] | None:
+    """``(axis, index)`` of the slice a :func:`localized` error sits on (``[:, :, 3]`` -> ``(2, 3)``), else None.
+
+    >>> from rlx_nb.judgement import Judgement
+    >>> localized_slice(Judgement("SUSPECT", "whole output", slice_share=0.9, slice_share_over=12, slice_share_at="[:, :, 3]"))
+    (2, 3)
+    """
+    if not localized(j):
+        return None
+    parts = [p.strip() for p in j.slice_share_at.strip("[]").split(",")]
+    if not parts or not parts[-1].isdigit() or any(p != ":" for p in parts[:-1]):
+        return None
+    return len(parts) - 1, int(parts[-1])
+
+
 def looks_like_reduced_precision(j: Judgement, compute_dtype: str, kind: str) -> bool:
     """Whether a SUSPECT judgement's error looks like a reduced-precision mode rather than a bug.
 

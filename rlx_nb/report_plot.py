@@ -21,6 +21,7 @@ from rlx_nb.plotting import (
     plot_scatter,
     plot_tolerance_curve,
 )
+from rlx_nb.readings import localized_slice
 from rlx_nb.records import OutputRecord
 from rlx_nb.results import RunResults
 from rlx_nb.verdict import MAX_LIMIT, VERDICT_SKIPPED
@@ -86,6 +87,10 @@ class ReportPlotter:
         kwargs.setdefault("title", f"{backend} · {output}{what} · {METRIC_LABELS.get(metric, metric)}")
         if rec.pair.worst_index is not None and not complex_:  # the record's worst element, on every metric
             kwargs.setdefault("worst", rec.pair.worst_index)
+        where = localized_slice(j)
+        if where is not None and not complex_ and "fold" not in kwargs and "select" not in kwargs:
+            # A localized error's slice (one position of every batch x head, one channel) outlined as what it is.
+            kwargs.setdefault("band", (*where, f"{j.slice_share_at}: {j.slice_share:.0%} of the error"))
         budget = MAX_LIMIT * j.budget_max if metric == "line" else j.budget_rmse
         return heatmap(o, b, ref, metric=metric, budget=budget, **kwargs)
 

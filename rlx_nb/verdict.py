@@ -151,6 +151,8 @@ def judge(e: Evidence) -> Judgement:
         )
         excess = max(excess, ratio_slice / RMSE_LIMIT)
         share, over, share_at = slice_share(e.slices.backend, e.slices.legit)
+        if sb.rmse > 0 and sb.max_err**2 >= 0.5 * sb.rmse**2 * e.numel:  # (one element holds it: not a slice's)
+            share, over, share_at = math.nan, math.nan, ""
     else:
         share, over, share_at = math.nan, math.nan, ""
     if so.rmse > floor * so.ref_rms and sb.rmse < BETTER_THAN_ORACLE * so.rmse:

@@ -328,6 +328,16 @@ def test_a_localized_fault_is_never_worded_as_a_precision_mode_or_a_less_accurat
         assert "like tf32" not in rec.reason and "precision" not in rec.reason and "less accurate" not in rec.reason
         assert rec.judgement.slice_share_at.endswith(", 3]")  # (the position axis: logits [:, 3], caches [:, :, 3])
         assert "likely a kernel bug on that one row, position or channel" in rec.reason
+    # The heatmap draws the position axis as its rows and outlines position 3 whole, every batch x head in it (it
+    # pooled position 3 with its neighbour and ringed one element).
+    from matplotlib.patches import Rectangle
+
+    keys = next(r for r in report.records if r.output.endswith("layers[0].keys"))
+    drawn = report.plot.heatmap_picture("test-position-3", keys.output)
+    assert drawn.fold.rows == (2,) and drawn.factors[0] == 1
+    frames = [p for p in drawn.ax.patches if isinstance(p, Rectangle) and p.get_width() == drawn.pooled.shape[1]]
+    assert [(p.get_y() + p.get_height() / 2) for p in frames] == [3.0]  # (a frame around row 3, outside it)
+    assert any("[:, :, 3]: 100% of the error" in t.get_text() for t in drawn.ax.texts)
     why = report.backends.set_index("backend").loc["test-position-3", "why"]
     assert why.endswith(("of its error sits on [:, :, 3].", "of its error sits on [:, 3]."))
     llama, inputs = zoo.build("llama", batch=2)
