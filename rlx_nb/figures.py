@@ -49,13 +49,25 @@ def pyplot():
 
 
 def new_axes(ax: Axes | None, figsize: tuple[float, float] = (6.0, 4.5), margins: dict | None = None) -> Axes:
-    # A new figure: constrained layout, or fixed ``margins`` (subplots_adjust's) and no layout engine.
+    # A new figure: constrained layout, or fixed ``margins`` (subplots_adjust's) and no layout engine.  Either way
+    # the axes a plot returns show nothing of their own in a notebook (quiet).
     if ax is not None:
-        return ax
+        return quiet(ax)
     fig = pyplot().figure(figsize=figsize, layout=None if margins else "constrained")
     if margins:
         fig.subplots_adjust(**margins)
-    return fig.add_subplot()
+    return quiet(fig.add_subplot())
+
+
+def _shown_by_its_figure() -> None:
+    """Nothing: a notebook shows the figure itself (the inline backend at the cell's end, ipympl's canvas)."""
+
+
+def quiet(ax: Axes) -> Axes:
+    """``ax`` as a plot function returns it: a notebook cell ending in ``report.plot.heatmap()`` shows the figure, not a
+    raw ``<Axes: title={...}>`` line above it (``_ipython_display_``, which IPython asks before any repr)."""
+    ax._ipython_display_ = _shown_by_its_figure
+    return ax
 
 
 def pixel_budget(ax: Axes, max_pixels: int | None) -> int:

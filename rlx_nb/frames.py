@@ -162,21 +162,36 @@ class Table(pd.DataFrame):
         return Table
 
     def _repr_html_(self) -> str:
+        # Styles inline on each cell, never in a <style> block: JupyterLab strips those from an untrusted notebook
+        # (every notebook a user did not run), and the verdicts' colours went with them.
         frame = _escaped(pd.DataFrame(self))
         if len(frame) > 200 or frame.columns.duplicated().any():
             return frame.to_html(escape=False, max_rows=60)  # (escaped above, once)
         formats = {c: f for c, f in FORMATS.items() if c in frame.columns and frame[c].dtype.kind == "f"}
-        prose = [c for c in PROSE if c in frame.columns]
-        styled = frame.style.format(formats, na_rep="—").set_table_styles(
-            [{"selector": "td, th", "props": "white-space: nowrap; text-align: right"}]
+        plain, prose = "white-space:nowrap;text-align:right", "white-space:normal;min-width:24em;text-align:left"
+        head = "".join(f'<th style="{plain}">{c}</th>' for c in frame.columns)
+        body = []
+        for index, row in frame.iterrows():
+            cells = [f'<th style="{plain}">{index}</th>']
+            for column, value in row.items():
+                style = prose if column in PROSE else plain
+                if column == VERDICT:
+                    style += ";" + verdict_css(str(value)).replace(": ", ":").replace("; ", ";")
+                cells.append(f'<td style="{style}">{_cell_text(value, formats.get(column))}</td>')
+            body.append("<tr>" + "".join(cells) + "</tr>")
+        return (
+            f'<table class="dataframe" border="1"><thead><tr><th></th>{head}</tr></thead>'
+            f"<tbody>{''.join(body)}</tbody></table>"
         )
-        if prose:
-            styled = styled.set_properties(
-                subset=prose, **{"white-space": "normal", "min-width": "24em", "text-align": "left"}
-            )
-        if VERDICT in frame.columns:
-            styled = styled.map(verdict_css, subset=[VERDICT])
-        return styled.to_html()
+
+
+def _cell_text(value: Any, fmt: str | None) -> str:
+    # One cell as a notebook shows it: a float in its column's format, a missing value as "—".
+    if value is None or (isinstance(value, (float, np.floating)) and value != value):
+        return "—"
+    if fmt is not None and isinstance(value, (int, float, np.number)) and not isinstance(value, (bool, np.bool_)):
+        return fmt.format(value)
+    return str(value)
 
 
 def _escaped(frame: pd.DataFrame) -> pd.DataFrame:

@@ -61,6 +61,12 @@ class Heatmap:
     fold: Any
     worst: tuple[int, ...] | None
 
+    def __repr__(self) -> str:  # (not the pooled array's thousands of numbers at the end of a notebook cell)
+        return f"<Heatmap {self.pooled.shape[0]}x{self.pooled.shape[1]} pooled x{self.factors}, worst {self.worst}>"
+
+    def _ipython_display_(self) -> None:
+        """Nothing: its figure shows itself (:func:`rlx_nb.figures.quiet`)."""
+
 
 def plot_heatmap(
     oracle: np.ndarray,

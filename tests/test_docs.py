@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from pathlib import Path
@@ -36,22 +37,61 @@ def test_the_readme_shows_the_two_commands_and_an_install_line():
         assert name in text and name in rlx_nb.__all__
 
 
-@pytest.mark.slow
-def test_the_readme_quickstart_runs_as_written(tmp_path):
-    # Its two blocks, as a reader pastes them: report on a Hugging Face model, then a faulty runtime of
-    # their own down to the heatmap, the explorer and the module.
-    import subprocess
-    import sys
+def _quickstart_cells() -> list[str]:
+    # The README's quickstart code blocks, each one notebook cell as a reader types it.
+    text = (ROOT / "README.md").read_text()
+    section = text[text.index("## Quickstart") : text.index("## What you get")]
+    return re.findall(r"```python\n(.*?)```", section, re.S)
 
-    blocks = re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
-    script = blocks[0] + blocks[1] + "\nprint('SUSPECTS', report.suspects)\nprint('CULPRIT', loc.culprit)\n"
-    env = dict(os.environ, MPLBACKEND="Agg", RLX_NB_PROGRESS="0")
-    done = subprocess.run(
-        [sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=900, env=env
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "SUSPECTS ['my-runtime']" in done.stdout
-    assert "CULPRIT transformer.h.0.ln_1 :: F.layer_norm" in done.stdout  # what the README says it prints
+
+@pytest.mark.slow
+def test_the_readme_quickstart_runs_cell_by_cell_and_each_cell_shows_what_the_prose_says(tmp_path):
+    # As a reader pastes it into a notebook, one block a cell.  It was one block whose mid-cell expressions
+    # (``loc.culprit``) never showed; each cell's last line now is what it shows, and the comment there says what.
+    nbformat = pytest.importorskip("nbformat")
+    nbclient = pytest.importorskip("nbclient")
+    cells = _quickstart_cells()
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    nbclient.NotebookClient(nb, timeout=900, kernel_name="python3", store_widget_state=True,
+                            resources={"metadata": {"path": str(tmp_path)}}).execute()  # fmt: skip
+
+    def shown(cell) -> dict[str, str]:
+        # What the cell shows: its printed text, its displays by type, and its result (the last line's value).
+        out: dict[str, str] = {}
+        for o in cell.outputs:
+            if o.output_type == "stream":
+                out["stream"] = out.get("stream", "") + o.text
+            for mime, value in o.get("data", {}).items():
+                text = value if isinstance(value, str) else json.dumps(value)
+                key = "result" if o.output_type == "execute_result" and mime == "text/plain" else mime
+                out[key] = out.get(key, "") + text
+        return out
+
+    expected = {  # the cell's last line -> what it shows
+        "report": lambda o: "<table" in o["text/html"] and "round-off" in o["text/html"],
+        "print(report)": lambda o: o["stream"].startswith("[GPT2LMHeadModel]"),
+        "report.summary": lambda o: "<table" in o["text/html"] and "cache.layers[0].keys" in o["text/html"],
+        "report.plot.heatmap()": lambda o: "image/png" in o,
+        "rlx_nb.explore(report)": lambda o: "application/vnd.jupyter.widget-view+json" in o,
+        "loc.culprit": lambda o: o["result"] == "'transformer.h.0.ln_1 :: F.layer_norm'",
+        "loc.plot()": lambda o: "image/png" in o,
+    }
+    seen = []
+    for code, cell in zip(cells, nb.cells, strict=True):
+        last = code.strip().splitlines()[-1]
+        statement, _, comment = last.partition("#")
+        statement = statement.strip()
+        out = shown(cell)
+        assert "error" not in {o.output_type for o in cell.outputs}, code
+        assert not out.get("result", "").startswith("<Axes"), (statement, out)  # (a raw line above the figure)
+        assert statement in expected, f"a README cell ends in {statement!r}: say in this test what it shows"
+        assert expected[statement](out), (statement, {k: v[:300] for k, v in out.items()})
+        if comment.strip().startswith("'"):  # the comment quotes what the cell shows: it is that
+            assert out["result"] == comment.strip()
+        seen.append(statement)
+    assert seen.count("report") == 2  # (the default backends, then the faulty runtime's)
+    html = [shown(c)["text/html"] for c, code in zip(nb.cells, cells, strict=True) if code.strip().endswith("position")]
+    assert "SUSPECT" in html[0] and "of its error sits on" in html[0]
 
 
 def test_the_readme_generation_block_runs_as_written(tmp_path):

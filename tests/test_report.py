@@ -142,3 +142,19 @@ def test_a_board_makes_a_line_only_when_it_shows_it(monkeypatch, capsys):
     monkeypatch.setattr(progress, "DELAY_S", -1.0)
     board.add(maker("shown"))
     assert made == ["shown"] and "shown" in capsys.readouterr().err
+
+
+def test_a_tables_colours_are_inline_so_an_untrusted_notebook_keeps_them():
+    # JupyterLab strips <style> blocks from notebooks the user did not run themselves; the verdicts' colours were
+    # in one (pandas' Styler).
+    import torch
+
+    import rlx_nb
+
+    report = rlx_nb.backend_divergence(torch.nn.Linear(4, 4), torch.randn(3, 4), progress=False,
+                                       backends=["cpu-nomkldnn", "fault:linear-bias-channel"])  # fmt: skip
+    for html in (report._repr_html_(), report.summary._repr_html_(), report.backends._repr_html_()):
+        assert "<style" not in html and "<table" in html
+    assert 'style="white-space:nowrap;text-align:right;color:#b00020;font-weight:bold">SUSPECT</td>' in (
+        report.backends._repr_html_()
+    )
