@@ -105,6 +105,14 @@ def explore(report: DivergenceReport | GenerationReport, *, top: int = 20, inter
     return explorer
 
 
+SNAPSHOT_HIDES = (
+    "<style>.jp-OutputArea-child:has(.rlx-snapshot):has(+ .jp-OutputArea-child .rlx-explorer){display:none}</style>"
+)
+"""The snapshot's rule: its output is hidden when the next output holds a drawn explorer (a live kernel's, or one
+drawn from saved widget state).  JupyterLab drops ``<style>`` from an untrusted notebook (one the reader did not
+run), and a notebook without the widget's state draws no explorer: in both the snapshot stays."""
+
+
 class Explorer(W.VBox if W is not None else object):
     """The explorer layout; its child widgets are attributes so tests and users can drive them."""
 
@@ -165,10 +173,12 @@ class Explorer(W.VBox if W is not None else object):
     def _ipython_display_(self) -> None:
         # Two outputs: a static snapshot of the current view, then the live widget.  A notebook opened without
         # a kernel (JupyterLab, GitHub, nbviewer) has no widget state to draw the explorer from; it shows the
-        # snapshot instead of a raw ``Explorer(children=...)``.
+        # snapshot instead of a raw ``Explorer(children=...)``.  Where the live widget is drawn right after it,
+        # the snapshot hides (SNAPSHOT_HIDES): a reader with a kernel sees the explorer once.
         from IPython.display import display
 
-        display(self.snapshot(), raw=True)
+        shot = self.snapshot()
+        display({**shot, "text/html": SNAPSHOT_HIDES + shot["text/html"]}, raw=True)
         bundle = dict(self._repr_mimebundle_())
         # What a reader without the widget's state sees in its place (Lab shows text/plain): a line, not the repr.
         bundle["text/plain"] = "rlx_nb explorer: the live widget needs a running kernel (a static copy is above)"

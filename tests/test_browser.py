@@ -466,6 +466,9 @@ def test_a_report_without_suspects_shows_no_red_and_opens_on_its_worst(lab):
         explorer = page.locator(".rlx-explorer").last
         explorer.scroll_into_view_if_needed()
         _keep(explorer.screenshot(), "calm-explorer.png")
+        # A live explorer is shown once: its static snapshot (for readers without a kernel) hides beside it.
+        snapshot = page.locator(".rlx-snapshot")
+        assert snapshot.count() == 1 and not snapshot.first.is_visible() and explorer.is_visible()
         picker = explorer.locator(".widget-dropdown select")
         if backend not in picker.first.input_value():
             wrong.append(f"the explorer opens on {picker.first.input_value()!r}, not the worst backend {backend!r}")
