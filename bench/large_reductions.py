@@ -31,11 +31,11 @@ import torch
 
 import rlx_nb
 from rlx_nb import reassoc
-from rlx_nb.backends.faults import fault_backend
+from rlx_nb.backends.known_bugs import known_bug
 from rlx_nb.verdict import SUSPECT
 
 RESULTS = Path(__file__).parent / "results"
-BACKENDS = ["cpu-nomkldnn", "cpu-inductor", fault_backend("fault:sum-no-cascade")]
+BACKENDS = ["cpu-nomkldnn", "cpu-inductor", known_bug("fault:sum-no-cascade")]
 NAMES = [b if isinstance(b, str) else b.name for b in BACKENDS]
 
 

@@ -182,10 +182,11 @@ def draw_heatmap(
         COLORBAR_LABELS[metric] + (f"  (grey: exact, {100 * exact:.3g}%)" if exact else ""), fontsize=9, labelpad=2
     )
     colorbar.ax.tick_params(labelsize=8)
-    from matplotlib.ticker import FuncFormatter, MaxNLocator
+    from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator
 
-    for axis, factor in ((ax.yaxis, factors[0]), (ax.xaxis, factors[1])):
-        axis.set_major_locator(MaxNLocator(integer=True))  # rows and columns are whole
+    for axis, factor, n in ((ax.yaxis, factors[0], data.shape[0]), (ax.xaxis, factors[1], data.shape[1])):
+        # Rows and columns are whole; one row (a batch of one's logits) is row 0, not -0.5 .. 0.5.
+        axis.set_major_locator(FixedLocator([0]) if n == 1 else MaxNLocator(integer=True))
         if factor > 1:  # a pooled cell's tick reads the first element it holds: the index a user looks up
             axis.set_major_formatter(FuncFormatter(lambda v, _, f=factor: f"{round(v) * f:d}"))
     ax.set_xlabel(f"cols: {folded.side_label('cols')}" + (f", pooled x{factors[1]}" if factors[1] > 1 else ""))

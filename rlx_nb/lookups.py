@@ -139,3 +139,37 @@ def _rows(o: np.ndarray, r: np.ndarray | None, idx: np.ndarray, err: np.ndarray,
         "backend_err_fp64": bf.astype(np.float64) - rf,
     }
     return elements_frame(rows)
+
+
+ELEMENT_DIGITS = {"oracle": 9, "backend": 9, "reference": 12}
+"""Significant digits of the element table's values: float32's 9 tell the oracle and the backend apart where
+they differ in the last bit; the fp64 reference shows the digits that the float32 values round away."""
+
+
+def element_html(frame: Any) -> str:
+    """The worst elements as an HTML table whose numbers show the digits that differ (never wrapped)."""
+    shown = frame.copy()
+    for column in shown.columns:
+        digits = ELEMENT_DIGITS.get(column)
+        if digits is not None:
+            shown[column] = [f"{float(v):.{digits}g}" for v in shown[column]]
+        elif shown[column].dtype.kind == "f":
+            shown[column] = [f"{float(v):.3e}" for v in shown[column]]
+    shown["index"] = [str(tuple(v)) for v in shown["index"]]
+    body = shown.to_html(index=False, escape=True, classes="rlx-elements")
+    return f"<div style='white-space:nowrap;overflow-x:auto'>{body}</div>"
+
+
+def neighbourhood_html(window: Any) -> str:
+    """A picked element's 5 x 5 neighbourhood (:func:`neighbourhood`) as an HTML table, the element in the middle."""
+    cells = "".join(
+        "<tr>"
+        + "".join(
+            f"<td style='padding:2px 6px;{'font-weight:bold;background:#fde0dc' if (i, j) == (2, 2) else ''}'>"
+            f"{'' if v != v else f'{v:.1e}'}</td>"
+            for j, v in enumerate(row)
+        )
+        + "</tr>"
+        for i, row in enumerate(window)
+    )
+    return f"<p><b>neighbourhood</b> (abs error, folded grid)</p><table>{cells}</table>"

@@ -188,36 +188,54 @@ def plot_tolerance_curve(
     return ax
 
 
-def plot_localization(frame, *, ax: Axes | None = None, title: str | None = None) -> Axes:
-    """Local (bars) and propagated (line) error per module in execution order, on the verdict's one scale.
+ROW_INCHES = 0.24
+"""Height of one module's row in :func:`plot_localization` (its name, 7-point, fits with room)."""
 
-    ``frame`` is :attr:`rlx_nb.localize.Localization.frame`.  The y axis is
-    x of the SUSPECT line (1 is the line between round-off and SUSPECT):
-    a module whose own bar crosses 1 introduces the error; one whose line
-    crosses 1 but whose bar does not only carries it along.
+
+def localization_figsize(rows: int) -> tuple[float, float]:
+    """The figure :func:`plot_localization` needs for ``rows`` modules and ops: one readable row each."""
+    return 8.5, max(3.0, ROW_INCHES * rows + 1.3)
+
+
+def plot_localization(frame, *, ax: Axes | None = None, title: str | None = None, culprit: str | None = None) -> Axes:
+    """Local (bars) and propagated (dots) error per module in execution order, on the verdict's one scale.
+
+    ``frame`` is :attr:`rlx_nb.localize.Localization.frame`; one row per module and op, top to bottom in execution
+    order, the names beside their bars.  The x axis is x of the SUSPECT line (1 is the line between round-off and
+    SUSPECT): a module whose own bar crosses 1 introduces the error; one whose dot crosses 1 but whose bar does not
+    only carries it along.  ``culprit`` (:attr:`~rlx_nb.localize.Localization.culprit`) is marked.
     """
-    ax = new_axes(ax, figsize=(max(6.0, 0.35 * len(frame) + 2), 4.5))
-    x = np.arange(len(frame))
+    from matplotlib.lines import Line2D
+    from matplotlib.patches import Patch
+
+    ax = new_axes(ax, figsize=localization_figsize(len(frame)))
+    y = np.arange(len(frame))
     local = frame["local_line"].to_numpy(dtype=float)
-    colors = [SUSPECT_COLOUR if v == "SUSPECT" else PALETTE[0] for v in frame["verdict"]]
+    suspect = (frame["verdict"] == "SUSPECT").to_numpy()
+    colours = [SUSPECT_COLOUR if s else PALETTE[0] for s in suspect]
     floor = 1e-3
-    bars = ax.bar(x, np.where(np.isfinite(local) & (local > floor), local, floor), color=colors, label="local")
-    bars.set_label("local (module alone, oracle's inputs)")
+    ax.barh(y, np.where(np.isfinite(local) & (local > floor), local, floor), color=colours, height=0.7)
     prop = frame["propagated_line"].to_numpy(dtype=float)
+    handles = [Patch(color=PALETTE[0], label="module alone: round-off"), Patch(color=SUSPECT_COLOUR,
+               label="module alone: SUSPECT")]  # fmt: skip
     if np.isfinite(prop).any():
-        ax.plot(
-            x,
-            np.where(np.isfinite(prop), np.maximum(prop, floor), np.nan),
-            "o-",
-            color="black",
-            label="propagated (full run)",
-        )
-    ax.axhline(1.0, linestyle="--", color="grey", label="SUSPECT line")
-    ax.set_yscale("log")
-    ax.set_xticks(x, [plot_text(n) for n in frame["name"]], rotation=60, ha="right", fontsize=7)
-    ax.set_ylabel("x of the SUSPECT line")
+        ax.plot(np.where(np.isfinite(prop), np.maximum(prop, floor), np.nan), y, "o", color="black", markersize=4)
+        handles.append(Line2D([], [], marker="o", color="black", ls="", label="in the full run (propagated)"))
+    ax.axvline(1.0, linestyle="--", color="grey")
+    handles.append(Line2D([], [], ls="--", color="grey", label="SUSPECT line"))
+    ax.set_xscale("log")
+    ax.set_yticks(y, [plot_text(n) for n in frame["name"]], fontsize=7)
+    ax.set_ylim(len(frame) - 0.5, -0.5)  # execution order, top to bottom
+    names = frame["name"].tolist()
+    if culprit is not None and culprit in names:
+        k = names.index(culprit)
+        ax.axhspan(k - 0.5, k + 0.5, color="cyan", alpha=0.25, zorder=0)
+        ax.get_yticklabels()[k].set_fontweight("bold")
+        handles.append(Patch(color="cyan", alpha=0.25, label=plot_text(f"culprit: {culprit}")))
+    ax.set_xlabel("x of the SUSPECT line")
     # Beside the axes, never over a bar.
-    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0, frameon=False)
+    ax.legend(handles=handles, fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0), borderaxespad=0.0,
+              frameon=False)  # fmt: skip
     ax.set_title(plot_text(title or "where the error is born"), fontsize=9)
     return ax
 
@@ -278,6 +296,7 @@ __all__ = [
 
 __all__ = [
     "COLORBAR_LABELS", "EXACT_COLOUR", "HEATMAP_MARGINS", "HISTOGRAM_MARGINS", "LINESTYLES", "METRIC_LABELS",
-    "PALETTE", "SUSPECT_COLOUR", "Heatmap", "HeatmapView", "draw_heatmap", "heatmap", "plot_effective_bits",
+    "PALETTE", "SUSPECT_COLOUR", "Heatmap", "HeatmapView", "draw_heatmap", "heatmap", "localization_figsize",
+    "plot_effective_bits",
     "plot_heatmap", "plot_histogram", "plot_localization", "plot_scatter", "plot_tolerance_curve",
 ]  # fmt: skip

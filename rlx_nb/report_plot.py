@@ -41,6 +41,29 @@ class Plottable(Protocol):
     def arrays(self, backend: str, output: str | None = None) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]: ...
 
 
+def record_heatmap(
+    rec: OutputRecord, o: np.ndarray, b: np.ndarray, ref: np.ndarray | None, *, metric: str | None = None, **kwargs: Any
+) -> Heatmap:
+    """The heatmap of one judged (backend, output): on the SUSPECT line's scale where the fp64 reference ran
+    (``metric=None``: ``"line"``, else ``"abs"``), titled with what it is, the record's worst element marked and
+    a localized error's slice outlined; :meth:`ReportPlotter.heatmap` and a localization's module heatmaps."""
+    j = rec.judgement
+    if metric is None:
+        metric = "line" if ref is not None and j.budget_max == j.budget_max and j.budget_max > 0 else "abs"
+    complex_ = _is_complex(o, b)
+    o, b, ref = _real(o), _real(b), _real(ref)
+    what = " (real, imag)" if complex_ else ""
+    kwargs.setdefault("title", f"{rec.backend} · {rec.output}{what} · {METRIC_LABELS.get(metric, metric)}")
+    if rec.pair.worst_index is not None and not complex_:  # the record's worst element, on every metric
+        kwargs.setdefault("worst", rec.pair.worst_index)
+    where = localized_slice(j)
+    if where is not None and not complex_ and "fold" not in kwargs and "select" not in kwargs:
+        # A localized error's slice (one position of every batch x head, one channel) outlined as what it is.
+        kwargs.setdefault("band", (*where, f"{j.slice_share_at}: {j.slice_share:.0%} of the error"))
+    budget = MAX_LIMIT * j.budget_max if metric == "line" else j.budget_rmse
+    return heatmap(o, b, ref, metric=metric, budget=budget, **kwargs)
+
+
 class ReportPlotter:
     """``report.plot``: the plot functions fed from a report (backend and output by name).
 
@@ -77,22 +100,7 @@ class ReportPlotter:
         and marked element: what the explorer reads back)."""
         backend, output = self._pick(backend, output)
         o, b, ref = self._report.arrays(backend, output)
-        rec = self._report.record(backend, output)
-        j = rec.judgement
-        if metric is None:
-            metric = "line" if ref is not None and j.budget_max == j.budget_max and j.budget_max > 0 else "abs"
-        complex_ = _is_complex(o, b)
-        o, b, ref = _real(o), _real(b), _real(ref)
-        what = " (real, imag)" if complex_ else ""
-        kwargs.setdefault("title", f"{backend} · {output}{what} · {METRIC_LABELS.get(metric, metric)}")
-        if rec.pair.worst_index is not None and not complex_:  # the record's worst element, on every metric
-            kwargs.setdefault("worst", rec.pair.worst_index)
-        where = localized_slice(j)
-        if where is not None and not complex_ and "fold" not in kwargs and "select" not in kwargs:
-            # A localized error's slice (one position of every batch x head, one channel) outlined as what it is.
-            kwargs.setdefault("band", (*where, f"{j.slice_share_at}: {j.slice_share:.0%} of the error"))
-        budget = MAX_LIMIT * j.budget_max if metric == "line" else j.budget_rmse
-        return heatmap(o, b, ref, metric=metric, budget=budget, **kwargs)
+        return record_heatmap(self._report.record(backend, output), o, b, ref, metric=metric, **kwargs)
 
     def _pairs(self, output: str | None, backends: Sequence[str] | None) -> tuple[str, dict]:
         r = self._report

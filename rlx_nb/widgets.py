@@ -16,9 +16,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from rlx_nb import lookups
+from rlx_nb.decode import step_of
 from rlx_nb.errors import InputError
 from rlx_nb.generation_report import GenerationReport
-from rlx_nb.plotting import HEATMAP_MARGINS, HISTOGRAM_MARGINS
+from rlx_nb.plotting import HEATMAP_MARGINS, HISTOGRAM_MARGINS, localization_figsize
 from rlx_nb.records import worst_first
 from rlx_nb.verdict import SUSPECT, VERDICT_ERROR, VERDICT_SKIPPED
 
@@ -97,6 +98,7 @@ def explore(report: DivergenceReport | GenerationReport, *, top: int = 20, inter
         report if view is None else view[0],
         top=top,
         interactive=_ipympl_active() if interactive is None else interactive,
+        steps=view is not None,
     )
     if view is not None:
         explorer.backend_picker.value, explorer.output_picker.value = view[1], view[2]
@@ -116,9 +118,12 @@ run), and a notebook without the widget's state draws no explorer: in both the s
 class Explorer(W.VBox if W is not None else object):
     """The explorer layout; its child widgets are attributes so tests and users can drive them."""
 
-    def __init__(self, report: DivergenceReport, *, top: int = 20, interactive: bool = False) -> None:
+    def __init__(
+        self, report: DivergenceReport, *, top: int = 20, interactive: bool = False, steps: bool = False
+    ) -> None:
         _require_widgets()
         self.report = report
+        self.steps = steps  # a generation's steps: listed in step order, the step kept when the backend changes
         self.top = top
         self.interactive = interactive
         self.selected_index: tuple[int, ...] | None = None
@@ -232,13 +237,16 @@ class Explorer(W.VBox if W is not None else object):
             and r.verdict not in (VERDICT_SKIPPED, VERDICT_ERROR)
             and r.numel > 0
         ]
-        return [(f"⚠ {r.output}" if r.verdict == SUSPECT else r.output, r.output) for r in worst_first(recs)]
+        ordered = sorted(recs, key=lambda r: step_of(r.output)) if self.steps else worst_first(recs)
+        return [(f"⚠ {r.output}" if r.verdict == SUSPECT else r.output, r.output) for r in ordered]
 
     def _on_backend(self, _change: Any) -> None:
         options = self._outputs_worst_first(self.backend_picker.value)
+        kept = self.output_picker.value if self.steps else None  # (comparing backends at one step)
         self._busy = True
         self.output_picker.options = options
-        self.output_picker.value = options[0][1] if options else None
+        values = [v for _, v in options]
+        self.output_picker.value = kept if kept in values else values[0] if values else None
         self._busy = False
         self._on_output(None)
 
@@ -266,7 +274,7 @@ class Explorer(W.VBox if W is not None else object):
         if len(frame) and (frame.abs_err > 0).any():  # elements that differ; exact ones only when none does
             frame = frame[frame.abs_err > 0]
         self._elements = frame
-        self.table.value = element_html(frame)
+        self.table.value = lookups.element_html(frame)
         self._busy = True
         self.element_picker.options = [
             (f"#{r.rank} {tuple(r.index)} abs={r.abs_err:.2e}", tuple(r.index)) for r in frame.itertuples()
@@ -405,7 +413,7 @@ class Explorer(W.VBox if W is not None else object):
 
         self.localization = loc
         self.localization_bars = W.Output()
-        ax = Figure(figsize=(9, 4), layout="constrained").add_subplot()
+        ax = Figure(figsize=localization_figsize(len(loc.frame)), layout="constrained").add_subplot()
         loc.plot(ax=ax)
         _show_png(self.localization_bars, _png(ax.figure))
         names = loc.checked
@@ -435,7 +443,9 @@ class Explorer(W.VBox if W is not None else object):
         name = self.module_picker.value
         if name is None:
             return
-        ax = Figure(figsize=(6, 4), layout="constrained").add_subplot()
+        fig = Figure(figsize=(5.0, 4.0))  # (the explorer's own heatmap's size and margins; a PNG, never a canvas)
+        fig.subplots_adjust(**HEATMAP_MARGINS)
+        ax = fig.add_subplot()
         try:
             drawn = self.localization.heatmap_picture(name, ax=ax, max_pixels=300)
         except InputError as exc:
@@ -470,39 +480,9 @@ class Explorer(W.VBox if W is not None else object):
         rec = self.report.record(backend, output)
         if drawn is not None and rec.dtype.startswith(("float", "bfloat")):
             try:
-                window = lookups.neighbourhood(self.report.results, rec, index, drawn.fold)
-                cells = "".join(
-                    "<tr>"
-                    + "".join(
-                        f"<td style='padding:2px 6px;{'font-weight:bold;background:#fde0dc' if (i, j) == (2, 2) else ''}'>"
-                        f"{'' if v != v else f'{v:.1e}'}</td>"
-                        for j, v in enumerate(row)
-                    )
-                    + "</tr>"
-                    for i, row in enumerate(window)
-                )
-                hood = f"<p><b>neighbourhood</b> (abs error, folded grid)</p><table>{cells}</table>"
+                hood = lookups.neighbourhood_html(lookups.neighbourhood(self.report.results, rec, index, drawn.fold))
             except ValueError:
                 hood = ""
         self.inspector.value = f"<table>{body}</table>{hood}"
         if redraw:
             self._mark(index)
-
-
-ELEMENT_DIGITS = {"oracle": 9, "backend": 9, "reference": 12}
-"""Significant digits of the element table's values: float32's 9 tell the oracle and the backend apart where
-they differ in the last bit; the fp64 reference shows the digits that the float32 values round away."""
-
-
-def element_html(frame: Any) -> str:
-    """The worst elements as an HTML table whose numbers show the digits that differ (never wrapped)."""
-    shown = frame.copy()
-    for column in shown.columns:
-        digits = ELEMENT_DIGITS.get(column)
-        if digits is not None:
-            shown[column] = [f"{float(v):.{digits}g}" for v in shown[column]]
-        elif shown[column].dtype.kind == "f":
-            shown[column] = [f"{float(v):.3e}" for v in shown[column]]
-    shown["index"] = [str(tuple(v)) for v in shown["index"]]
-    body = shown.to_html(index=False, escape=True, classes="rlx-elements")
-    return f"<div style='white-space:nowrap;overflow-x:auto'>{body}</div>"

@@ -368,6 +368,15 @@ def test_explorer_and_localize_on_a_step(llama):
                                           progress=False)  # fmt: skip
     explorer = rlx_nb.explore(report, step=4)
     assert (explorer.backend_picker.value, explorer.output_picker.value) == ("fault:softmax-row", "step 4")
+    # Steps in step order (they were worst first), the step kept when the backend changes, and a batch of one's
+    # logits drawn as row 0 (not ticks at -0.5 .. 0.5).
+    assert [v for _, v in explorer.output_picker.options] == [f"step {k}" for k in range(6)]
+    one = rlx_nb.generation_divergence(model, ids[:1], max_new_tokens=3, backends=["cpu-nomkldnn", "fault:softmax-row"],
+                                       progress=False)  # fmt: skip
+    ex = rlx_nb.explore(one, step=2, backend="fault:softmax-row")
+    ex.backend_picker.value = "cpu-nomkldnn"
+    assert ex.output_picker.value == "step 2"
+    assert list(ex._heatmap.ax.get_yticks()) == [0]
     loc = report.localize(step=4)
     assert loc.culprit is not None and "self_attn" in loc.culprit
 

@@ -94,8 +94,16 @@ def test_from_a_report_and_the_plot():
     loc = report.localize()  # the first suspect; its worst output is a gradient, so the backward
     assert loc.backward and loc.culprit == "blocks.1.ln1 :: F.rms_norm"
     ax = loc.plot()
-    assert len(ax.patches) == len(loc.frame)
-    assert any(line.get_ydata()[0] == 1.0 for line in ax.lines)  # the budget line
+    # One readable row per module and op (it was ~40 bars in 100 px under labels taller than the plot), the culprit
+    # marked, and a legend entry per colour (it had one, in whichever colour the first bar had).
+    bars = [p for p in ax.patches if p.get_height() == 0.7]
+    assert len(bars) == len(loc.frame)
+    assert ax.figure.get_figheight() >= 0.24 * len(loc.frame)
+    assert any(line.get_xdata()[0] == 1.0 for line in ax.lines)  # the SUSPECT line
+    names = [t.get_text() for t in ax.get_yticklabels()]
+    assert ax.get_yticklabels()[names.index(loc.culprit)].get_fontweight() == "bold"
+    legend = [t.get_text() for t in ax.get_legend().get_texts()]
+    assert {"module alone: round-off", "module alone: SUSPECT", f"culprit: {loc.culprit}"} <= set(legend)
     plt.close("all")
 
 

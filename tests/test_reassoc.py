@@ -9,7 +9,7 @@ import torch
 import rlx_nb
 from rlx_nb import demo, reassoc
 from rlx_nb.backends import get_backend
-from rlx_nb.backends.faults import fault_backend
+from rlx_nb.backends.known_bugs import known_bug
 from rlx_nb.reassoc import CountReductions, SequentialSums, sequential_sum
 from rlx_nb.verdict import ROUNDOFF
 from tests.conftest import require_live
@@ -78,7 +78,7 @@ def test_a_sum_without_a_cascade_is_suspect_and_a_sequential_run_far_off_is_said
             return x.mean()
 
     x = torch.randn(2**22, generator=torch.Generator().manual_seed(0)).abs()
-    bug = fault_backend("fault:sum-no-cascade")
+    bug = known_bug("fault:sum-no-cascade")
     report = rlx_nb.backend_divergence(Mean(), x, backends=["cpu-nomkldnn", bug], progress=False)
     assert report.suspects == ["fault:sum-no-cascade"]  # (pytorch#154703's kernel: 16 lanes, no cascade)
 

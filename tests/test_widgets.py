@@ -120,3 +120,9 @@ def test_localization_view_picks_modules_and_draws_their_heatmaps():
     culprit_map = ex.module_heatmap_data.copy()
     ex.module_picker.value = "blocks.0"
     assert ex.module_heatmap_data.max() < culprit_map.max()
+    # The module heatmap speaks the explorer's language: the SUSPECT line's scale and colours, a colour bar
+    # label and a title (it was another colour map, unlabelled).
+    drawn = loc.heatmap_picture("blocks.1.attn :: F.softmax")
+    assert drawn.ax.images[0].get_cmap().name.startswith("coolwarm")
+    assert "SUSPECT line" in drawn.ax.images[0].colorbar.ax.get_ylabel()
+    assert drawn.ax.figure.axes[1].get_title().endswith("F.softmax (alone)")  # (over the profile above the map)

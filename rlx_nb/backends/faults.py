@@ -22,7 +22,6 @@ from torch.overrides import TorchFunctionMode
 
 from rlx_nb.backends.base import Backend
 from rlx_nb.errors import InputError
-from rlx_nb.reassoc import accumulate
 
 FAULT_FREE = "_rlx_fault_free"
 """Attribute that exempts a module (and everything it calls) from an injected fault.
@@ -171,39 +170,6 @@ def _mean_off_by_one(s: float):
         return (x * weights.view(shape)).sum(dims, keepdim=keepdim) / n
 
     return {torch.mean: mean, torch.Tensor.mean: mean}
-
-
-LANES = 16
-"""Vector lanes of :func:`_sum_no_cascade`'s kernel (AVX-512's float32 lanes)."""
-
-
-def _sum_no_cascade(s: float):
-    # pytorch#154703: Inductor's C++ sum kept one accumulator per vector lane over the whole range, with no cascade;
-    # on a mean of 2**28 floats a lane's running sum grows until the terms no longer register.  The value is the
-    # kernel's, the gradient the exact sum's (a forward kernel's bug).
-    def reduce(x, dim=None, keepdim=False, *, dtype=None, mean=False):
-        if x.dtype != torch.float32 or x.device.type != "cpu" or dtype not in (None, torch.float32) or x.dim() == 0:
-            return NotImplemented
-        dims = sorted({d % x.dim() for d in ((dim,) if isinstance(dim, int) else dim or range(x.dim()))})
-        kept = [d for d in range(x.dim()) if d not in dims]
-        n = 1
-        for d in dims:
-            n *= x.shape[d]
-        exact = x.sum(dims, keepdim=keepdim)
-        rows = x.detach().permute(*kept, *dims).reshape(-1, n)
-        rows = F.pad(rows, (0, -n % LANES)).reshape(rows.shape[0], -1, LANES).transpose(1, 2).contiguous()
-        lanes = torch.from_numpy(accumulate(rows.reshape(-1, rows.shape[2]).numpy())).reshape(-1, LANES)
-        buggy = lanes.sum(1).reshape(exact.shape)  # (the lanes added at the end)
-        out = exact + (buggy - exact.detach())
-        return out / n if mean else out
-
-    def summ(x, dim=None, keepdim=False, *, dtype=None):
-        return reduce(x, dim, keepdim, dtype=dtype)
-
-    def average(x, dim=None, keepdim=False, *, dtype=None):
-        return reduce(x, dim, keepdim, dtype=dtype, mean=True)
-
-    return {torch.sum: summ, torch.Tensor.sum: summ, torch.mean: average, torch.Tensor.mean: average}
 
 
 def _gelu_approx(s: float):
@@ -446,23 +412,6 @@ CATALOGUE: dict[str, Fault] = {
 }
 
 
-REPRODUCTIONS: dict[str, Fault] = {
-    f.name: f
-    for f in [
-        Fault(
-            "fault:sum-no-cascade",
-            "sum and mean with one float32 accumulator per vector lane over the whole range (pytorch#154703)",
-            _sum_no_cascade,
-            1.0,
-            (1.0,),
-        ),
-    ]
-}
-"""Real bugs reproduced, outside the catalogue: wrong only at some sizes (a sum without a cascade is round-off
-over a few thousand terms, and 6.1e-6 off a mean of 2**28), so not SUSPECT on every demo model.  Used by
-``bench/large_reductions.py``; ``fault_backend`` makes them."""
-
-
 def _bump(mode: SubstituteFunctions, by: int) -> None:
     mode.suspended += by
 
@@ -510,20 +459,18 @@ def fault_fn(fault: Fault, severity: float | None = None) -> Callable[[Any, tupl
     return fn
 
 
-def fault_backend(kind: str, severity: float | None = None) -> Backend:
-    """A fault backend at ``severity`` (registered under ``fault:<kind>@<severity>`` by the caller).
+def fault_backend(kind: str | Fault, severity: float | None = None) -> Backend:
+    """A fault backend at ``severity`` (registered under ``fault:<kind>@<severity>`` by the caller); ``kind`` a
+    catalogue name or a :class:`Fault` (:mod:`rlx_nb.backends.known_bugs`).
 
     Examples
     --------
     >>> fault_backend("fault:softmax-row", 1e-5).name
     'fault:softmax-row@1e-05'
     """
-    known = {**CATALOGUE, **REPRODUCTIONS}
-    fault = known.get(kind) or known.get(f"fault:{kind}")
+    fault = kind if isinstance(kind, Fault) else CATALOGUE.get(kind) or CATALOGUE.get(f"fault:{kind}")
     if fault is None:
-        raise InputError(
-            f"unknown fault {kind!r}; the catalogue has: {', '.join(CATALOGUE)} (and {', '.join(REPRODUCTIONS)})"
-        )
+        raise InputError(f"unknown fault {kind!r}; the catalogue has: {', '.join(CATALOGUE)}")
     name = fault.name if severity is None else f"{fault.name}@{severity:g}"
     return Backend(
         name,

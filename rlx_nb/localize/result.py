@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from rlx_nb.compare import compare
+from rlx_nb.compare import OutputRecord, compare
 from rlx_nb.errors import InputError
 from rlx_nb.frames import localization_frame
 from rlx_nb.localize.repro import write_repro
@@ -60,6 +60,7 @@ class Localization:
         self.preparations = found.preparations
         self._repro_case = found.repro_case
         self._checks = dict(found.checks)
+        self._records: dict[str, OutputRecord] = {}
         self.full_run = found.full_run
         self.everywhere = found.everywhere
         self._source = found.source
@@ -91,19 +92,20 @@ class Localization:
         return self.heatmap_picture(name, **kwargs).ax
 
     def heatmap_picture(self, name: str, **kwargs: Any):
-        """:meth:`plot_heatmap`, returning the :class:`~rlx_nb.plotting.Heatmap` it drew."""
-        from rlx_nb.plotting import heatmap
+        """:meth:`plot_heatmap`, returning the :class:`~rlx_nb.plotting.Heatmap` it drew: on the report heatmap's
+        scale and colours (x of the SUSPECT line, where the fp64 reference ran), its worst element marked."""
+        from rlx_nb.report_plot import record_heatmap
 
         o, b, r = self.arrays(name)
         kwargs.setdefault("title", f"{self.backend} · {name} (alone)")
-        if kwargs.get("metric") == "budget":
-            kwargs.setdefault("budget", self._budget(name))
-        return heatmap(o, b, r, **kwargs)
+        return record_heatmap(self._record(name), o, b, r, **kwargs)
 
-    def _budget(self, name: str) -> float:
-        results, output = self._checks[name]
-        recs = [r for r in compare(results) if r.output == output]
-        return recs[0].judgement.budget_rmse if recs else float("nan")
+    def _record(self, name: str) -> OutputRecord:
+        # The judged record of a check's worst output, compared once.
+        if name not in self._records:
+            results, output = self._checks[name]
+            self._records[name] = next(r for r in compare(results, progress=False) if r.output == output)
+        return self._records[name]
 
     @property
     def errors(self):
@@ -159,7 +161,8 @@ class Localization:
         """Local vs propagated error along the model's depth (see :func:`rlx_nb.plotting.plot_localization`)."""
         from rlx_nb.plotting import plot_localization
 
-        return plot_localization(self.frame, ax=ax, title=f"{self.backend}: where the error is born")
+        return plot_localization(self.frame, ax=ax, title=f"{self.backend}: where the error is born",
+                                 culprit=self.culprit)  # fmt: skip
 
     def to_model_explorer(self, path: str | Path, *, model: Any = None, inputs: Any = None, params: Any = None) -> Path:
         """Write this localization as node data for Google's Model Explorer (``ai-edge-model-explorer``): each op
