@@ -270,21 +270,27 @@ def _step_forward(self: torch.nn.Module, token: torch.Tensor) -> torch.Tensor:
     return last_logits(type(self).forward(self, **kwargs).logits)
 
 
-def _cast_cache(obj: Any, dtype: torch.dtype, device: Any, depth: int = 0) -> Any:
-    # Every floating tensor inside a cache object (lists, tuples, dicts, attributes) to ``dtype``.
+def map_cache(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor], depth: int = 0) -> Any:
+    """``fn`` applied to every tensor inside a cache object (lists, tuples, dicts, attributes; objects changed in
+    place), returning the cache."""
     if isinstance(obj, torch.Tensor):
-        return obj.to(device=device, dtype=dtype) if obj.is_floating_point() else obj.to(device)
+        return fn(obj)
     if depth > 6:
         return obj
     if isinstance(obj, (list, tuple)):
-        cast = [_cast_cache(x, dtype, device, depth + 1) for x in obj]
+        cast = [map_cache(x, fn, depth + 1) for x in obj]
         return type(obj)(cast) if not hasattr(obj, "_fields") else type(obj)(*cast)
     if isinstance(obj, dict):
-        return {k: _cast_cache(v, dtype, device, depth + 1) for k, v in obj.items()}
+        return {k: map_cache(v, fn, depth + 1) for k, v in obj.items()}
     if hasattr(obj, "__dict__") and not isinstance(obj, (type, torch.nn.Module)):
         for k, v in list(vars(obj).items()):
-            setattr(obj, k, _cast_cache(v, dtype, device, depth + 1))
+            setattr(obj, k, map_cache(v, fn, depth + 1))
     return obj
+
+
+def _cast_cache(obj: Any, dtype: torch.dtype, device: Any) -> Any:
+    # Every floating tensor inside a cache object to ``dtype``, every tensor to ``device``.
+    return map_cache(obj, lambda t: t.to(device=device, dtype=dtype) if t.is_floating_point() else t.to(device))
 
 
 @torch.no_grad()

@@ -18,10 +18,12 @@ inputs and outputs (:mod:`rlx_nb.decode_export`); a model whose cache or code do
 from __future__ import annotations
 
 import dataclasses
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 
+from rlx_nb import phases
 from rlx_nb.backends.base import Backend
 from rlx_nb.backends.compiled import (
     _ACCUMULATED_LIMIT,
@@ -32,6 +34,7 @@ from rlx_nb.backends.compiled import (
 )
 from rlx_nb.backends.eager import on_device
 from rlx_nb.backends.notes import add_note
+from rlx_nb.decode import map_cache
 from rlx_nb.decode_export import exported_decode
 from rlx_nb.errors import NotApplicable
 
@@ -112,7 +115,15 @@ def _decode_compiled(decode: Any, inputs: tuple, device: str, *, isolated: bool)
 
     def run_step(ids: torch.Tensor, cache: Any, mask: Any) -> tuple:
         before = counter.calls
-        with torch._dynamo.config.patch(**limits):
+        # Every step gets its cache in one layout: the prefill leaves a transposed view where a later step's
+        # concatenation leaves a contiguous tensor, and dynamo compiled the step a second time for that stride
+        # alone (a third graph: about a third of a cold generation's Inductor time).  The values are the same.
+        cache = map_cache(cache, lambda t: t.contiguous())
+        first = ("compiling the prefill", "compiling the decode step")[len(calls)] if len(calls) < 2 else ""
+        with (
+            torch._dynamo.config.patch(**limits),
+            phases.step(f"{device}-inductor: {first}") if first else nullcontext(),
+        ):
             out = decode.call_model(compiled, ids, cache, mask)
         if counter.calls == before:
             raise NotCompiledError(

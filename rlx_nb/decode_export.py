@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rlx_nb import phases
 from rlx_nb.backends.notes import add_note
 from rlx_nb.decode import hf_step, last_logits, step_name
 from rlx_nb.errors import NotApplicable, with_root_cause
@@ -108,11 +109,13 @@ def export_decode(decode: Any, prompt: torch.Tensor, directory: Path) -> tuple[P
     past = first[1:]
     try:
         prefill, step = directory / "prefill.onnx", directory / "step.onnx"
-        _export(_Prefill(model), (prompt,), prefill, None, ["input_ids"])
+        with phases.step("ONNX export of the prefill"):
+            _export(_Prefill(model), (prompt,), prefill, None, ["input_ids"])
         length = torch.export.Dim("past", min=1, max=1 << 16)
         dynamic = ({}, tuple({2: length} for _ in past))
         names = ["input_ids", *[f"past.{i // 2}.{'kv'[i % 2]}" for i in range(len(past))]]
-        _export(_Step(model), (prompt[:, -1:], *past), step, dynamic, names)
+        with phases.step("ONNX export of the decode step"):
+            _export(_Step(model), (prompt[:, -1:], *past), step, dynamic, names)
     except NotApplicable:
         raise
     except Exception as exc:

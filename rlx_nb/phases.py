@@ -18,7 +18,7 @@ import resource
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 SAMPLE_S = 0.005
@@ -66,6 +66,8 @@ class Meter:
         self._lock = threading.Lock()
         self._sampler: threading.Thread | None = None
         self._tokens = itertools.count()
+        self.on_start: Callable[[str], None] | None = None
+        """Told each phase's name as it starts (the progress bar shows which phase runs: a compile, an export)."""
 
     def _sample(self) -> None:
         while True:
@@ -82,6 +84,8 @@ class Meter:
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
         """Time ``name`` and sample its peak memory (a repeated name adds up its seconds)."""
+        if self.on_start is not None:
+            self.on_start(name)
         with self._lock:
             token = next(self._tokens)
             self._open[token] = rss_bytes()

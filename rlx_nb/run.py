@@ -305,7 +305,8 @@ def run(
             return "oracle, again: the model's own nondeterminism (check_determinism=True)"
 
         try:
-            with bar("rlx_nb backends", total=len(candidates), unit="backend", enabled=progress is not False) as shown:
+            with bar("rlx_nb backends", total=len(candidates), unit="backend", enabled=progress is not False) as shown, \
+                    _showing_phases(meter, shown):  # fmt: skip
                 if check_determinism:
                     determinism.append(check_determinism_first(shown))
                 for backend in candidates:
@@ -345,6 +346,17 @@ def run(
             interrupted.keep(results(dict(runs), why), exc)
             raise
         return results(runs)
+
+
+@contextlib.contextmanager
+def _showing_phases(meter: phases.Meter, shown: Any) -> Iterator[None]:
+    # The bar names the phase a backend is in (its compile, its export, its first run), not only the backend: a
+    # long call says what takes long.
+    meter.on_start = shown.set_postfix_str
+    try:
+        yield
+    finally:
+        meter.on_start = None
 
 
 @contextlib.contextmanager

@@ -128,7 +128,10 @@ def test_cpu_inductor_compiles_the_step_once_for_every_step(llama):
     run = report.logits.results.candidates["cpu-inductor"]
     note = next(n for n in run.notes if n.startswith("torch.compile"))
     graphs = int(re.search(r"(\d+) graph\(s\) compiled.* with dynamic shapes for 10 steps", note).group(1))
-    assert 1 <= graphs <= 4  # (the prefill, the first step, then every step on one dynamic graph)
+    # The prefill and the decode step, every step on one dynamic graph (a third graph compiled for the prefill
+    # cache's transposed layout alone, a third of a cold generation's Inductor time, before each step's cache
+    # was handed over contiguous).
+    assert 1 <= graphs <= 2, note
     assert "10 compiled call(s) ran" in note
     assert report.verdicts()["cpu-inductor"] == "round-off"
     # A second call reuses the compiled step (as a user's repeated torch.compile does), still compiled code.

@@ -431,6 +431,20 @@ def test_each_backends_verdict_is_shown_as_it_lands(monkeypatch, capsys):
     assert "rlx_nb: [" not in capsys.readouterr().err and quiet.lines()
 
 
+@pytest.mark.slow
+def test_the_bar_names_the_phase_a_backend_is_in(monkeypatch, capsys):
+    # A long first call said only which backend ran (62 s on the README's GPT-2, most of it Inductor compiling):
+    # the bar now names the phase, an export or a compile.
+    from rlx_nb import progress
+
+    monkeypatch.setattr(progress, "DELAY_S", -1.0)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU())
+    rlx_nb.backend_divergence(model, torch.randn(8, 32), backends=["onnxruntime"])
+    err = capsys.readouterr().err
+    assert "onnxruntime: prepare" in err and "ONNX export" in err
+
+
 def test_the_backends_judged_as_they_land_share_one_set_of_output_contexts(monkeypatch):
     # The oracle's, the sequential and the anchor runs' statistics are what every backend is judged against:
     # built once for the call, and the records are those a comparison of the whole results gives.
