@@ -175,8 +175,9 @@ class Table(pd.DataFrame):
             cells = [f'<th style="{plain}">{index}</th>']
             for column, value in row.items():
                 style = prose if column in PROSE else plain
-                if column == VERDICT:
-                    style += ";" + verdict_css(str(value)).replace(": ", ":").replace("; ", ";")
+                colour = verdict_css(str(value)) if str(column).endswith(VERDICT) else ""  # (old_verdict, ...)
+                if colour:
+                    style += ";" + colour.replace(": ", ":").replace("; ", ";")
                 cells.append(f'<td style="{style}">{_cell_text(value, formats.get(column))}</td>')
             body.append("<tr>" + "".join(cells) + "</tr>")
         return (
@@ -218,7 +219,7 @@ def verdict_css(v: str) -> str:
         return "color: #b00020; font-weight: bold"
     if v in (VERDICT_ERROR, "skipped"):
         return "color: #8a6d00"
-    return "color: #1b5e20"
+    return "color: #1b5e20" if v in ("round-off", "nondeterministic") else ""
 
 
 def summary_frame(records: Sequence[OutputRecord], *, short: bool = False) -> pd.DataFrame:

@@ -19,6 +19,7 @@ from rlx_nb.backends import Backend
 from rlx_nb.backends.registry import lent
 from rlx_nb.decode import at_step, step_name
 from rlx_nb.errors import InputError
+from rlx_nb.frames import Table
 from rlx_nb.judgement import DISAGREEMENT, NEAR_TIE, SUSPECT, VERDICT_ERROR, VERDICT_SKIPPED
 from rlx_nb.reasons import on_line
 
@@ -138,7 +139,7 @@ class GenerationReport:
                         "verdict": rec.verdict if rec is not None else status.verdict if status else VERDICT_ERROR,
                         "reason": rec.reason if rec is not None else status.reason if status else NO_LOGITS,
                     })  # fmt: skip
-        return pd.DataFrame(rows)
+        return Table(rows)
 
     @property
     def first_divergence(self) -> pd.DataFrame:
@@ -169,7 +170,7 @@ class GenerationReport:
                         row.update(oracle_text=self._text(f.oracle_token), backend_text=self._text(f.backend_token))
             row["verdict"] = verdicts[name]
             rows.append(row)
-        frame = pd.DataFrame(rows).set_index("backend")
+        frame = Table(rows).set_index("backend")
         for column in ("step", "sequence", "oracle_token", "backend_token"):
             frame[column] = frame[column].astype("Int64")
         return frame
@@ -236,7 +237,7 @@ class GenerationReport:
                 row["oracle_text"] = "".join(self._text(t) for t in self.tokens[b, k:].tolist())
                 row["backend_text"] = "".join(self._text(t) for t in mine[b, k:].tolist())
             rows.append(row)
-        frame = pd.DataFrame(rows).set_index("backend")
+        frame = Table(rows).set_index("backend")
         for column in ("parts_at", "sequence"):
             frame[column] = frame[column].astype("Int64")
         return frame
@@ -300,10 +301,9 @@ class GenerationReport:
         return f"<GenerationReport {self.label}: {self.n_steps} steps, {len(self.backend_names)} backend(s), suspects {self.suspects}>"
 
     def _repr_html_(self) -> str:
-        from rlx_nb.frames import Table
         from rlx_nb.safe import html_text
 
-        return "<pre>" + html_text("\n".join(self.lines())) + "</pre>" + Table(self.first_divergence)._repr_html_()
+        return "<pre>" + html_text("\n".join(self.lines())) + "</pre>" + self.first_divergence._repr_html_()
 
     # -- pictures, files, tools ---------------------------------------------------------------------
 

@@ -26,3 +26,22 @@ def test_notebook_executes(path, executed_notebook):
         # The explorer drew into its Output widgets: the PNGs live in the widget state.
         state = json.dumps(nb.metadata["widgets"])
         assert state.count("image/png") >= 2
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_committed_notebooks_keep_their_colours_untrusted(path):
+    # JupyterLab drops <style> blocks from a notebook the reader did not run: a colour there is lost (the verdicts'
+    # were).  Colours are inline; a <style> left is layout only, or the snapshot's rule that hides it beside a live
+    # explorer (dropped with it, leaving the snapshot: what a reader without a kernel should see).
+    import re
+
+    from rlx_nb.widgets import SNAPSHOT_HIDES
+
+    nb = nbformat.read(path, as_version=4)
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            html = out.get("data", {}).get("text/html", "")
+            for block in re.findall(r"<style[^>]*>(.*?)</style>", html, re.S):
+                assert f"<style>{block}</style>" == SNAPSHOT_HIDES or "color" not in block, (path.name, block[:200])
+            if "SUSPECT</td>" in html:
+                assert "color:#b00020" in html, path.name
