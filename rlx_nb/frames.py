@@ -175,7 +175,7 @@ class Table(pd.DataFrame):
             cells = [f'<th style="{plain}">{index}</th>']
             for column, value in row.items():
                 style = prose if column in PROSE else plain
-                colour = verdict_css(str(value)) if str(column).endswith(VERDICT) else ""  # (old_verdict, ...)
+                colour = verdict_css(str(value)) if VERDICT in str(column) else ""  # (verdict_fixed, old_verdict ...)
                 if colour:
                     style += ";" + colour.replace(": ", ":").replace("; ", ";")
                 cells.append(f'<td style="{style}">{_cell_text(value, formats.get(column))}</td>')
