@@ -126,10 +126,21 @@ def _gamma_p(a: float, x: float) -> float:
     return max(0.0, 1.0 - math.exp(log_front) * h)
 
 
+JOINT_SHARE = 0.5
+"""Besides the slice that stands furthest above round-off, another axis's slice is part of where the error sits when
+it holds at least this share of the error's square ...
+"""
+JOINT_OVER = 2.0
+"""... and at least this many times its round-off share: a bug at one position of one sequence is ``[0, 3]``, not
+the position across a batch it leaves alone (round-off spread over a batch of 4 holds ~1x on each)."""
+
+
 def slice_share(b: SliceStats, legit: Sequence[SliceStats]) -> tuple[float, float, str]:
     """Where an error's square sits: ``(share, over, at)`` of the slice whose share of the whole output's squared
     error stands furthest above what round-off leaves on it (the legitimate runs' largest share there, or the
-    slice's share of the elements, whichever is larger).  ``at`` names it as ``[:, :, 3]``.
+    slice's share of the elements, whichever is larger), narrowed by the other axes whose own slice holds most of
+    it too (:data:`JOINT_SHARE`).  ``at`` names it (``[:, :, 3]``, ``[0, 3]``); ``share`` is then at least the
+    share of their intersection.
 
     Round-off (a precision mode too) follows the values, so each slice holds about its legitimate share; a bug on
     one row, position or channel holds nearly all of it on one slice.
@@ -144,23 +155,27 @@ def slice_share(b: SliceStats, legit: Sequence[SliceStats]) -> tuple[float, floa
     >>> round(share, 2), at
     (1.0, '[2]')
     """
-    best = (0.0, 0.0, "")
+    tops: dict[int, tuple[float, float, int]] = {}  # axis -> (share, over, index) of its slice furthest above
     for i, axis in enumerate(b.axes):
         total = float(np.sum(b.squares[i]))
         if total <= 0:
             continue
         share = b.squares[i] / total
-        fair = b.counts[i] / max(float(np.sum(b.counts[i])), 1.0)
-        expected = fair
+        expected = b.counts[i] / max(float(np.sum(b.counts[i])), 1.0)
         for st in legit:
             q = float(np.sum(st.squares[i]))
             if q > 0:
                 expected = np.maximum(expected, st.squares[i] / q)
         over = share / np.where(expected > 0, expected, 1.0)
         j = int(np.argmax(over))
-        if over[j] > best[1]:
-            best = (float(share[j]), float(over[j]), "[" + ", ".join([":"] * axis + [str(j)]) + "]")
-    return best
+        tops[axis] = (float(share[j]), float(over[j]), j)
+    if not tops:
+        return 0.0, 0.0, ""
+    best = max(tops, key=lambda a: tops[a][1])
+    joint = {a: t for a, t in tops.items() if a == best or (t[0] >= JOINT_SHARE and t[1] >= JOINT_OVER)}
+    at = [str(joint[a][2]) if a in joint else ":" for a in range(max(joint) + 1)]
+    share = max(0.0, sum(t[0] for t in joint.values()) - (len(joint) - 1))
+    return share, tops[best][1], "[" + ", ".join(at) + "]"
 
 
 def peak_mean(st: SliceStats, i: int) -> float:

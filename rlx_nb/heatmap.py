@@ -43,9 +43,10 @@ class HeatmapView:
     worst: Sequence[int] | None = None
     profiles: bool = True
     """Each row's and column's largest error beside the map (a bad row or column is a spike there)."""
-    band: tuple[int, int, str] | None = None
-    """``(axis, index, label)``: a slice of the output to outline whole, its axis on one side of the map (the rows,
-    or the columns for the last axis) so it is one band, pooled with no neighbour along that side."""
+    band: tuple[tuple[int, ...], tuple[int, ...], str] | None = None
+    """``(axes, indices, label)``: a slice of the output to outline whole (``((2,), (3,))``: position 3 of axis 2),
+    its axes on one side of the map (the rows, or the columns for the last axis alone) so it is one band, pooled
+    with no neighbour along that side."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -144,8 +145,8 @@ def draw_heatmap(
     ax = new_axes(ax, margins=HEATMAP_MARGINS)
     fold = view.fold
     if view.band is not None and fold is None and not view.select and oracle.ndim >= 2:
-        axis, others = view.band[0], tuple(a for a in range(oracle.ndim) if a != view.band[0])
-        fold = (others, (axis,)) if axis == oracle.ndim - 1 else ((axis,), others)
+        axes, others = view.band[0], tuple(a for a in range(oracle.ndim) if a not in view.band[0])
+        fold = (others, axes) if axes == (oracle.ndim - 1,) else (axes, others)
     try:
         folded = make_fold(oracle.shape, fold, view.select)
         data, factors, folded = error_map(
@@ -194,9 +195,9 @@ def draw_heatmap(
     standout = _standouts(data, 1.0 if metric == "line" else None)
     if top is not None:
         _profiles(top, side, data, norm, standout, line=1.0 if metric == "line" else None)
-    if view.band is not None and oracle.ndim >= 2 and _band(ax, data.shape, folded, factors, view.band):
-        side, at = ("cols", 1) if folded.cols == (view.band[0],) else ("rows", 0)
-        standout = {**standout, side: [k for k in standout[side] if k != view.band[1] // factors[at]]}
+    band = _band_cell(folded, factors, view.band) if view.band is not None and oracle.ndim >= 2 else None
+    if band is not None:  # (its own frame, not the standouts' dashed one too)
+        standout = {**standout, band[0]: [k for k in standout[band[0]] if k != band[1]]}
     _outline(ax, data.shape, standout)
     worst, index = view.worst, None
     cell = folded.cell(worst) if worst is not None else None
@@ -218,21 +219,26 @@ def draw_heatmap(
             label="worst",
             clip_on=False,  # a worst element on the edge is marked whole, not cut in half
         )
-        # Keep the label inside the axes: below/left of the marker when it sits near the top/right edge.
-        dy = 14 if by < data.shape[0] * 0.15 else -14
-        dx, ha = (-8, "right") if bx > data.shape[1] * 0.6 else (8, "left")
-        ax.annotate(
-            f"worst {index}",
-            (bx, by),
-            xytext=(dx, -dy),
-            textcoords="offset points",
-            color="cyan",
-            fontsize=9,
-            fontweight="bold",
-            ha=ha,
-            va="center",
-            bbox={"boxstyle": "round", "fc": "black", "alpha": 0.6, "lw": 0},
-        )
+        # Keep the label inside the axes: below/left of the marker when it sits near the top/right edge.  Where a
+        # band is outlined, the band's one label names the worst element too (two labels at one row collide).
+        if band is None:
+            dy = 14 if by < data.shape[0] * 0.15 else -14
+            dx, ha = (-8, "right") if bx > data.shape[1] * 0.6 else (8, "left")
+            ax.annotate(
+                f"worst {index}",
+                (bx, by),
+                xytext=(dx, -dy),
+                textcoords="offset points",
+                color="cyan",
+                fontsize=9,
+                fontweight="bold",
+                ha=ha,
+                va="center",
+                bbox={"boxstyle": "round", "fc": "black", "alpha": 0.6, "lw": 0},
+            )
+    if band is not None:
+        words = view.band[2] + (f"; worst {index}" if index is not None else "")
+        _band(ax, data.shape, band, words, label_right=index is not None and bx <= data.shape[1] / 2)
     where = top if top is not None else ax
     where.set_title(
         _fit(
@@ -356,33 +362,44 @@ def _outline(ax: Axes, shape: tuple[int, int], standout: dict) -> None:
     ax.set_ylim(*limits[1])
 
 
-def _band(ax: Axes, shape: tuple[int, int], folded: Any, factors: tuple[int, int], band: tuple[int, int, str]) -> bool:
-    # One slice of the output outlined whole: a solid frame around its row (or column) of the map, and its words at
-    # the map's left (or bottom) edge, clear of the worst element's label.  False where the fold has no such side.
+def _band_cell(folded: Any, factors: tuple[int, int], band: tuple) -> tuple[str, int] | None:
+    # ("rows" or "cols", pooled index) of the band's slice on the map, or None where the fold has no such side.
+    axes, indices, _ = band
+    if folded.wrap:
+        return None
+    shape = folded.view_shape
+    if folded.rows == axes:
+        return "rows", int(np.ravel_multi_index(indices, [shape[a] for a in axes])) // factors[0]
+    if folded.cols == axes:
+        return "cols", int(np.ravel_multi_index(indices, [shape[a] for a in axes])) // factors[1]
+    return None
+
+
+def _band(ax: Axes, shape: tuple[int, int], cell: tuple[str, int], label: str, *, label_right: bool) -> None:
+    # One slice of the output outlined whole: a solid frame just outside its row (or column) of the map, and its
+    # words at one end of it, the other side from the worst element's label.
     from matplotlib.patches import Rectangle
 
-    axis, index, label = band
-    on_cols = folded.cols == (axis,)
-    if folded.wrap or (folded.rows != (axis,) and not on_cols):
-        return False
+    side, k = cell
     limits = ax.get_xlim(), ax.get_ylim()
     kw = {"fill": False, "edgecolor": "cyan", "linewidth": 2.0, "clip_on": False}
     pad = 0.6  # of a cell: the frame sits outside the slice, which keeps its colour
-    if on_cols:
-        j = index // factors[1]
-        ax.add_patch(Rectangle((j - 0.5 - pad, -0.5), 1 + 2 * pad, shape[0], **kw))
-        at, offset, ha, va = (j, shape[0] - 0.5), (0, 10), "center", "top"
+    if side == "cols":
+        ax.add_patch(Rectangle((k - 0.5 - pad, -0.5), 1 + 2 * pad, shape[0], **kw))
+        at, offset, ha, va = (k, shape[0] - 0.5), (0, 10), "center", "top"
     else:
-        i = index // factors[0]
-        ax.add_patch(Rectangle((-0.5, i - 0.5 - pad), shape[1], 1 + 2 * pad, **kw))
-        below = i < shape[0] * 0.7
-        at, offset, ha, va = (-0.5, i + 0.5 if below else i - 0.5), (4, -3 if below else 3), "left", "top"
-        va = "top" if below else "bottom"
+        ax.add_patch(Rectangle((-0.5, k - 0.5 - pad), shape[1], 1 + 2 * pad, **kw))
+        below = k < shape[0] * 0.7
+        x, ha = (shape[1] - 0.5, "right") if label_right else (-0.5, "left")
+        at, offset, va = (
+            (x, k + 0.5 + pad if below else k - 0.5 - pad),
+            (-4 if label_right else 4, -2 if below else 2),
+            "top" if below else "bottom",
+        )
     ax.annotate(plot_text(label), at, xytext=offset, textcoords="offset points", color="cyan", fontsize=8,
                 fontweight="bold", ha=ha, va=va, bbox={"boxstyle": "round", "fc": "black", "alpha": 0.65, "lw": 0})  # fmt: skip
     ax.set_xlim(*limits[0])
     ax.set_ylim(*limits[1])
-    return True
 
 
 def _fit(text: str, ax: Axes, *, profiles: bool = False) -> str:

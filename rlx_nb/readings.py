@@ -62,19 +62,21 @@ def localized(j: Judgement) -> bool:
     return j.slice_share >= LOCALIZED_SHARE and j.slice_share_over >= LOCALIZED_OVER
 
 
-def localized_slice(j: Judgement) -> tuple[int, int] | None:
-    """``(axis, index)`` of the slice a :func:`localized` error sits on (``[:, :, 3]`` -> ``(2, 3)``), else None.
+def localized_slice(j: Judgement) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    """``(axes, indices)`` of the slice a :func:`localized` error sits on (``[:, :, 3]`` -> ``((2,), (3,))``,
+    ``[0, 3]`` -> ``((0, 1), (0, 3))``), else None.
 
     >>> from rlx_nb.judgement import Judgement
-    >>> localized_slice(Judgement("SUSPECT", "whole output", slice_share=0.9, slice_share_over=12, slice_share_at="[:, :, 3]"))
-    (2, 3)
+    >>> localized_slice(Judgement("SUSPECT", "whole output", slice_share=0.9, slice_share_over=12, slice_share_at="[0, :, 3]"))
+    ((0, 2), (0, 3))
     """
     if not localized(j):
         return None
     parts = [p.strip() for p in j.slice_share_at.strip("[]").split(",")]
-    if not parts or not parts[-1].isdigit() or any(p != ":" for p in parts[:-1]):
+    if not all(p == ":" or p.isdigit() for p in parts) or not any(p.isdigit() for p in parts):
         return None
-    return len(parts) - 1, int(parts[-1])
+    axes = tuple(a for a, p in enumerate(parts) if p != ":")
+    return axes, tuple(int(parts[a]) for a in axes)
 
 
 def looks_like_reduced_precision(j: Judgement, compute_dtype: str, kind: str) -> bool:

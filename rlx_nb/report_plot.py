@@ -59,7 +59,7 @@ def record_heatmap(
     where = localized_slice(j)
     if where is not None and not complex_ and "fold" not in kwargs and "select" not in kwargs:
         # A localized error's slice (one position of every batch x head, one channel) outlined as what it is.
-        kwargs.setdefault("band", (*where, f"{j.slice_share_at}: {j.slice_share:.0%} of the error"))
+        kwargs.setdefault("band", (*where, f"{j.slice_share_at}: {j.slice_share:.0%} of the error"))  # (axes, indices)
     budget = MAX_LIMIT * j.budget_max if metric == "line" else j.budget_rmse
     return heatmap(o, b, ref, metric=metric, budget=budget, **kwargs)
 

@@ -385,7 +385,10 @@ def test_explorer_and_localize_on_a_step(llama):
 
 
 def test_plot_marks_flips_and_the_suspect_line(legit):
+    from IPython.core.formatters import DisplayFormatter
+
     ax = legit.plot()
+    assert DisplayFormatter().format(ax) == ({}, {})  # a notebook shows the figure, no raw "<Axes: ...>" line
     assert ax.get_yscale() == "log"
     labels = [t.get_text() for t in ax.get_legend().get_texts()]
     assert "SUSPECT line" in labels and any(t.startswith("cpu-bf16") for t in labels)

@@ -158,3 +158,15 @@ def test_a_tables_colours_are_inline_so_an_untrusted_notebook_keeps_them():
     assert 'style="white-space:nowrap;text-align:right;color:#b00020;font-weight:bold">SUSPECT</td>' in (
         report.backends._repr_html_()
     )
+
+
+def test_every_short_why_is_a_whole_sentence():
+    # A SUSPECT row's few words were cut mid-phrase ("15.3x the line: its largest error").
+    import rlx_nb
+    from rlx_nb import demo
+
+    model, inputs = demo.transformer()
+    faults = ["fault:softmax-row", "fault:layernorm-eps", "fault:gelu-approx", "fault:linear-bias-channel"]
+    report = rlx_nb.backend_divergence(model, inputs, backends=["cpu-nomkldnn", *faults], progress=False)
+    for why in (*report.backends.why, *report.summary.why):
+        assert why.endswith((".", "identical")) or why.startswith(("round-off", "error:", "skipped:")), why
