@@ -1,6 +1,6 @@
 """A baseline comparison of two saved reports of the demo at 1e6-element outputs: target under 1 s.
 
-Two reports of the demo transformer (``rlx_nb.demo.transformer``) on a batch of 32 — its output
+Two reports of the demo transformer (``rlx_nb.models.demo.transformer``) on a batch of 32 — its output
 32 x 128 x 256, about 1e6 elements — on two candidates are saved; ``rlx_nb.compare_reports(old_path, new_path)`` is timed from the files (it reads
 the saved records, never the arrays), best of 5, against the time to load one report in the same run.
 
@@ -20,7 +20,7 @@ import torch
 from _child import write_result
 
 import rlx_nb
-from rlx_nb import demo
+from rlx_nb.models import demo
 
 
 def main() -> None:

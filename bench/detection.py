@@ -43,11 +43,10 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 import rlx_nb
-from rlx_nb import demo
-from rlx_nb.backends import available_backends, register_backend
 from rlx_nb.backends.faults import CATALOGUE, HITS, fault_backend
-from rlx_nb.backends.registry import _REGISTRY
-from rlx_nb.verdict import MAX_LIMIT, RMSE_LIMIT, SUSPECT
+from rlx_nb.backends.registry import _REGISTRY, available_backends, register_backend
+from rlx_nb.models import demo
+from rlx_nb.verdict.rule import MAX_LIMIT, RMSE_LIMIT, SUSPECT
 
 RESULTS = Path(__file__).parent / "results"
 FAMILIES = {
@@ -97,7 +96,7 @@ def _reordered(model, inputs):
 def _fp64_round(model, inputs):
     model.double()
     out = model(*[x.double() if x.is_floating_point() else x for x in inputs])
-    return rlx_nb.tree.map_tensors(lambda t: t.float() if t.dtype == torch.float64 else t, out)
+    return rlx_nb._support.tree.map_tensors(lambda t: t.float() if t.dtype == torch.float64 else t, out)
 
 
 LESS_ACCURATE = ("cpu-nnpack",)
@@ -126,7 +125,7 @@ def _rebatch(inputs, batch: int, seed: int):
             return torch.rand(shape, generator=gen) < x.float().mean()
         return torch.randint(int(x.min()), int(x.max()) + 1, shape, generator=gen, dtype=x.dtype)
 
-    return rlx_nb.tree.map_tensors(redraw, inputs)
+    return rlx_nb._support.tree.map_tensors(redraw, inputs)
 
 
 def _register() -> tuple[list[str], list[tuple[str, str, float]]]:

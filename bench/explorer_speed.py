@@ -25,7 +25,7 @@ import torch
 from IPython.core.pylabtools import print_figure
 
 import rlx_nb
-from rlx_nb import demo
+from rlx_nb.models import demo
 
 TARGET_S = 1.0
 

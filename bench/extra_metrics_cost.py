@@ -37,7 +37,8 @@ ROOT = Path(__file__).resolve().parents[1]
 def _child(repeats: int, toggle: bool) -> None:
     import numpy as np
 
-    from rlx_nb import _fused, metrics
+    from rlx_nb.numerics import fused as _fused
+    from rlx_nb.numerics import pairs as metrics
 
     rng = np.random.default_rng(0)
     o = rng.standard_normal(N, dtype=np.float32)

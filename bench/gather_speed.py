@@ -24,7 +24,7 @@ MB = 100
 
 
 def _results(rank: int):
-    from rlx_nb.results import BackendRun, Leaf, RunResults
+    from rlx_nb.execution.results import BackendRun, Leaf, RunResults
 
     n = MB * (1 << 20) // 4
     arr = np.random.default_rng(rank).standard_normal(n, dtype=np.float32)
@@ -34,7 +34,7 @@ def _results(rank: int):
 
 def _worker() -> None:
     from rlx_nb.distributed import _payload, _receive, _to_bytes
-    from rlx_nb.persist import load_results
+    from rlx_nb.report.files import load_results
 
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()

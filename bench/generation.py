@@ -1,7 +1,7 @@
 """Generation: legitimate backends never SUSPECT, catalogue faults caught at the step they pass 10x, the flip
 rate, and the time against the manual workflow.
 
-The zoo's decoders (``rlx_nb.zoo.decoder``: GPT-2, Llama, Qwen2, Mistral with a 16-token sliding window),
+The zoo's decoders (``rlx_nb.models.zoo.decoder``: GPT-2, Llama, Qwen2, Mistral with a 16-token sliding window),
 random weights, an 8-token prompt, 64 new tokens, seeds 0-2, batch 1 and 4.  Each case is one
 ``rlx_nb.generation_divergence`` call with the legitimate backends (``cpu-nomkldnn``, ``cpu-inductor``,
 ``onnxruntime``, ``openvino``, ``cpu-bf16``, ``cpu-fp16``) and the catalogue's forward faults at their default
@@ -46,10 +46,10 @@ warnings.filterwarnings("ignore")
 import torch  # noqa: E402
 
 import rlx_nb  # noqa: E402
-from rlx_nb import zoo  # noqa: E402
 from rlx_nb.backends.faults import HITS  # noqa: E402
 from rlx_nb.errors import NotApplicable  # noqa: E402
-from rlx_nb.judgement import SUSPECT  # noqa: E402
+from rlx_nb.models import zoo  # noqa: E402
+from rlx_nb.verdict.types import SUSPECT  # noqa: E402
 
 LEGIT = ["cpu-nomkldnn", "cpu-inductor", "onnxruntime", "openvino", "cpu-bf16", "cpu-fp16"]
 FAULTS = [
@@ -107,13 +107,13 @@ def manual(model: torch.nn.Module, ids: torch.Tensor, backends: list[str]) -> fl
     """The manual workflow: greedy generation on the oracle and on each backend, then the tokens compared.
 
     Hugging Face ``generate`` for the eager and compiled backends; for ONNX Runtime and OpenVINO, the prefill
-    and the decode step exported once (``rlx_nb.decode_export``, the same export a person writes by hand) and a
+    and the decode step exported once (``rlx_nb.generation.export``, the same export a person writes by hand) and a
     greedy loop on each runtime.
     """
     import copy
 
-    from rlx_nb import decode_export
-    from rlx_nb.decode import Decode
+    from rlx_nb.generation import export as decode_export
+    from rlx_nb.generation.decode import Decode
 
     start = time.perf_counter()
     kw = {"max_new_tokens": STEPS, "min_new_tokens": STEPS, "do_sample": False}

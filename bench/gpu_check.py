@@ -50,8 +50,9 @@ def main() -> None:
         print("gpu_check: no CUDA device here; nothing to check")
         return
     import rlx_nb
-    from rlx_nb import device_metrics, metrics
     from rlx_nb.backends.eager import run_eager
+    from rlx_nb.numerics import device as device_metrics
+    from rlx_nb.numerics import pairs as metrics
 
     device, backend = args.device, "cuda"
     if dry:

@@ -31,7 +31,7 @@ def _rss_gb() -> float:
 
 def _depth(n_layers: int) -> dict:
     import rlx_nb
-    from rlx_nb import demo
+    from rlx_nb.models import demo
 
     model, inputs = demo.layered(n_layers=n_layers, fault_layer=n_layers - 1)
     small, small_in = demo.layered(n_layers=1, fault_layer=0)

@@ -21,8 +21,8 @@ import numpy as np
 from IPython.core.pylabtools import print_figure
 from matplotlib_inline.config import InlineBackend
 
-from rlx_nb.metrics import pair_stats
-from rlx_nb.plotting import heatmap, plot_heatmap
+from rlx_nb.numerics.pairs import pair_stats
+from rlx_nb.plot.charts import heatmap, plot_heatmap
 
 
 def _timed(fn) -> float:

@@ -19,7 +19,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rlx_nb.metrics import pair_stats
+from rlx_nb.numerics.pairs import pair_stats
 
 
 def _median_time(fn, repeat: int) -> float:

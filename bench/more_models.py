@@ -1,6 +1,6 @@
 """Architectures beyond the zoo: the real-architecture benchmark on models the verdict was not tuned on.
 
-The zoo's models (``rlx_nb.zoo``) are the ones the project measures itself on.  This benchmark adds 12
+The zoo's models (``rlx_nb.models.zoo``) are the ones the project measures itself on.  This benchmark adds 12
 more Hugging Face architectures and 5 ``torch.nn`` ones, each chosen for something the zoo lacks, and
 runs them through ``bench/real_models.py``'s grid and judgement (legitimate backends must be round-off;
 faults more than 10x the oracle's error must be caught):
@@ -25,8 +25,8 @@ from typing import Any
 
 import torch
 
-from rlx_nb import zoo
-from rlx_nb.zoo import IMAGE, TEXT_LEN, VOCAB, _pixels, _text
+from rlx_nb.models import zoo
+from rlx_nb.models.zoo import IMAGE, TEXT_LEN, VOCAB, _pixels, _text
 
 SMALL = dict(vocab_size=VOCAB, hidden_size=64, num_attention_heads=4, intermediate_size=128, max_position_embeddings=64)
 

@@ -44,7 +44,7 @@ def _demo_child() -> None:
 
     t0 = time.perf_counter()
     import rlx_nb
-    from rlx_nb import demo
+    from rlx_nb.models import demo
 
     t_import = time.perf_counter() - t0
     model, inputs = demo.transformer()

@@ -1,6 +1,6 @@
 """Real-architecture benchmark: rlx_nb's verdict on Hugging Face models nobody on the project wrote.
 
-Each case is one model of :mod:`rlx_nb.zoo` (BERT, DistilBERT, GPT-2, Llama, Qwen2, Mistral, Mamba, T5, Whisper, ViT,
+Each case is one model of :mod:`rlx_nb.models.zoo` (BERT, DistilBERT, GPT-2, Llama, Qwen2, Mistral, Mamba, T5, Whisper, ViT,
 ConvNeXt, ResNet, MobileNetV2, EfficientNet, Swin — random weights from small configs, passed as
 they are with their own keyword inputs and outputs) at one batch size and seed, in one direction:
 
@@ -37,10 +37,10 @@ import pandas as pd
 import torch
 
 import rlx_nb
-from rlx_nb import zoo
-from rlx_nb.backends import available_backends, get_backend, register_backend
 from rlx_nb.backends.faults import CATALOGUE, HITS, fault_backend
-from rlx_nb.verdict import SUSPECT, VERDICT_ERROR, VERDICT_SKIPPED
+from rlx_nb.backends.registry import available_backends, get_backend, register_backend
+from rlx_nb.models import zoo
+from rlx_nb.verdict.rule import SUSPECT, VERDICT_ERROR, VERDICT_SKIPPED
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"

@@ -27,7 +27,7 @@ This notebook runs the demo transformer block on **every backend live on this ma
     (
         "code",
         """import rlx_nb
-from rlx_nb import demo
+from rlx_nb.models import demo
 
 model, inputs = demo.transformer()          # one pre-norm encoder block, seeded, random weights
 live = [b for b in rlx_nb.available_backends() if b != "cpu"]
@@ -66,10 +66,10 @@ print(f"worst element {p.worst_index}: oracle {p.oracle_value:.7g}, backend {p.b
     ),
     (
         "code",
-        """from rlx_nb.plotting import plot_heatmap
+        """from rlx_nb.plot.charts import plot_heatmap
 
 oracle, backend, fp64 = report.arrays(suspect, rec.output)
-from rlx_nb.verdict import MAX_LIMIT
+from rlx_nb.verdict.rule import MAX_LIMIT
 
 line = MAX_LIMIT * rec.judgement.budget_max   # one element this far off makes the output SUSPECT on its own
 ax = plot_heatmap(oracle[0, :16], backend[0, :16], fp64[0, :16], metric="line", budget=line,
@@ -131,7 +131,7 @@ The model is a 3-block transformer classifier (`demo.layered`). The faulty backe
         "code",
         """import matplotlib.pyplot as plt
 import rlx_nb
-from rlx_nb import demo
+from rlx_nb.models import demo
 
 model, inputs = demo.layered(fault_layer=1)
 live = [b for b in rlx_nb.available_backends() if b != "cpu"]
@@ -242,7 +242,7 @@ import matplotlib.pyplot as plt
 import numpy as np
 import pandas as pd
 import rlx_nb
-from rlx_nb import demo
+from rlx_nb.models import demo
 
 df = pd.read_csv(pathlib.Path("..") / "bench" / "results" / "detection.csv")
 rules = ["rlx_nb", "seed_max_rel", "assert_close", "dynamo_same", "polygraphy"]
@@ -293,12 +293,12 @@ bf16.summary_detail[["backend", "compute_dtype", "max_rel", "verdict_fixed", "ra
         "md",
         """## Two legitimate errors, not one
 
-The oracle's error against fp64 is one sample of round-off, for ATen's summation order. Another legitimate order can drift much further, by an amount that depends on the *terms* of each sum: ATen adds 8,192 equal terms almost exactly, one sequential accumulator drifts by thousands of ulps. On the benchmark's conv net, Inductor's BatchNorm-bias gradient is 36x the oracle's error — bit for bit what a sequential loop gives, because the terms (a pooled gradient) repeat. So rlx_nb runs the model once more with every reduction summed by one sequential accumulator (`rlx_nb.reassoc`) and sizes the budget by the larger of the two errors:""",
+The oracle's error against fp64 is one sample of round-off, for ATen's summation order. Another legitimate order can drift much further, by an amount that depends on the *terms* of each sum: ATen adds 8,192 equal terms almost exactly, one sequential accumulator drifts by thousands of ulps. On the benchmark's conv net, Inductor's BatchNorm-bias gradient is 36x the oracle's error — bit for bit what a sequential loop gives, because the terms (a pooled gradient) repeat. So rlx_nb runs the model once more with every reduction summed by one sequential accumulator (`rlx_nb.backends.sequential`) and sizes the budget by the larger of the two errors:""",
     ),
     (
         "code",
         """import torch
-from rlx_nb.reassoc import sequential_sum
+from rlx_nb.backends.sequential import sequential_sum
 
 terms = torch.full((8192,), 0.1)  # the same term thousands of times, like a pooled gradient
 exact = 8192 * float(np.float32(0.1))
@@ -379,8 +379,8 @@ work = pathlib.Path(tempfile.mkdtemp())
 (work / "job.py").write_text(textwrap.dedent("""
     import os
     import rlx_nb
-    from rlx_nb import demo
-    from rlx_nb.backends import get_backend
+    from rlx_nb.models import demo
+    from rlx_nb.backends.registry import get_backend
     from rlx_nb.distributed import gather_report
 
     rank = int(os.environ["RANK"])
@@ -432,7 +432,7 @@ Each node runs `rlx-nb check TARGET --save DIR` and any machine merges the files
     ),
     (
         "code",
-        """from rlx_nb import demo
+        """from rlx_nb.models import demo
 
 model, inputs = demo.transformer()
 for node, backends in {"mac-mini": ["cpu-nomkldnn"], "gpu-box": ["cpu-nomkldnn", "fault:layernorm-eps"]}.items():
@@ -456,7 +456,7 @@ For every (backend, output) rlx_nb reads the **effective mantissa bits**: the ba
         "code",
         """import matplotlib.pyplot as plt
 import rlx_nb
-from rlx_nb import demo
+from rlx_nb.models import demo
 
 model, inputs = demo.mlp()
 backends = [b for b in ["cpu-nomkldnn", "onnxruntime", "openvino", "openvino-default", "cpu-tf32-emulated",
@@ -497,7 +497,7 @@ sweep""",
     ),
     (
         "code",
-        """from rlx_nb.plotting import plot_effective_bits
+        """from rlx_nb.plot.charts import plot_effective_bits
 
 ax = plot_effective_bits(dict(zip(sweep.setting, sweep.effective_bits)), verdicts=dict(zip(sweep.setting, sweep.verdict)),
                         title="precision sweep: effective bits per setting")""",
@@ -508,7 +508,7 @@ ax = plot_effective_bits(dict(zip(sweep.setting, sweep.effective_bits)), verdict
     ),
     (
         "code",
-        """from rlx_nb.backends import get_backend
+        """from rlx_nb.backends.registry import get_backend
 
 rlx_nb.register_backend("vendor-gpu", get_backend("cpu-tf32-emulated").fn, replace=True)  # claims fp32
 print(rlx_nb.backend_divergence(model, inputs, backends=["vendor-gpu"]))""",
@@ -622,7 +622,8 @@ The model here is a small Llama-architecture decoder with random weights, passed
     (
         "code",
         """import rlx_nb
-from rlx_nb import demo, zoo
+from rlx_nb.models import demo
+from rlx_nb.models import zoo
 
 model, prompt = zoo.decoder("llama", batch=1, seed=1)     # LlamaForCausalLM, an 8-token prompt
 tiled = demo.long_context_fault(after=24, severity=3e-2)   # the subtle bug, as a user's own backend

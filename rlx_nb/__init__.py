@@ -6,30 +6,31 @@ this machine, and judge each backend's gap against a float64 reference.
 
 from __future__ import annotations
 
-from rlx_nb import _warmup
+from rlx_nb._support import warmup as _warmup
 from rlx_nb._version import __version__
 from rlx_nb.api import backend_divergence, interrupted_report, report_backend_divergence
-from rlx_nb.backends import available_backends, register_backend, unregister_backend
-from rlx_nb.baseline import compare_reports
-from rlx_nb.compare import OutputRecord, compare
+from rlx_nb.backends.registry import available_backends, register_backend, unregister_backend
+from rlx_nb.comparison.compare import OutputRecord, compare
 from rlx_nb.errors import BackendError, InputError, ReportFormatError, RlxError
-from rlx_nb.generation import generation_divergence
-from rlx_nb.generation_report import GenerationReport
-from rlx_nb.localize import Localization, localize
-from rlx_nb.merge import merge_reports
+from rlx_nb.execution.cache import clear_preparations, kept_preparations
+from rlx_nb.execution.results import RunResults
+from rlx_nb.execution.run import run
+from rlx_nb.generation.divergence import generation_divergence
+from rlx_nb.generation.report import GenerationReport
+from rlx_nb.localization.locate import localize
+from rlx_nb.localization.result import Localization
 from rlx_nb.precision import precision_sweep
-from rlx_nb.preparations import clear_preparations, kept_preparations
-from rlx_nb.report import DivergenceReport, load_report
-from rlx_nb.results import RunResults
-from rlx_nb.run import run
+from rlx_nb.report.baseline import compare_reports
+from rlx_nb.report.merge import merge_reports
+from rlx_nb.report.report import DivergenceReport, load_report
 
 _warmup.start()  # the numba kernels load in the background (rlx_nb/_warmup.py)
 
 
 def explore(report, **kwargs):
     """The widget explorer for ``report`` (a forward or a generation report; needs ipywidgets); see
-    :func:`rlx_nb.widgets.explore`."""
-    from rlx_nb.widgets import explore as _explore
+    :func:`rlx_nb.explorer.explore`."""
+    from rlx_nb.explorer import explore as _explore
 
     return _explore(report, **kwargs)
 

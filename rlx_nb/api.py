@@ -9,18 +9,18 @@ from typing import Any
 
 import torch
 
-from rlx_nb import interrupted
-from rlx_nb.compare import compare
-from rlx_nb.context import OutputContext, contexts
-from rlx_nb.decode import Decode
+from rlx_nb._support.progress import Board
+from rlx_nb.comparison.compare import compare
+from rlx_nb.comparison.context import OutputContext, contexts
 from rlx_nb.errors import InputError, RlxError
-from rlx_nb.generation_report import ENV_KEY, GenerationReport, progress_line
-from rlx_nb.progress import Board
-from rlx_nb.report import DivergenceReport
-from rlx_nb.results import RunResults
-from rlx_nb.run import default_label, run
-from rlx_nb.source import WeakSource
-from rlx_nb.verdict import check_rule
+from rlx_nb.execution import interrupted
+from rlx_nb.execution.results import RunResults
+from rlx_nb.execution.run import default_label, run
+from rlx_nb.execution.source import WeakSource
+from rlx_nb.generation.decode import Decode
+from rlx_nb.generation.report import ENV_KEY, GenerationReport, progress_line
+from rlx_nb.report.report import DivergenceReport
+from rlx_nb.verdict.rule import check_rule
 
 
 def backend_divergence(
@@ -154,12 +154,12 @@ def interrupted_report(*, rule: str = "budget") -> DivergenceReport | Generation
     An interrupt is never swallowed: it propagates (every switch restored), with a note saying this
     function has what finished.  The report is marked incomplete: ``report.incomplete`` and its last text
     line say which backends did not run.  It is kept until the next interrupt
-    (``rlx_nb.interrupted.clear()`` drops it).
+    (``rlx_nb.execution.interrupted.clear()`` drops it).
 
     Examples
     --------
     >>> import rlx_nb
-    >>> rlx_nb.interrupted.clear(); rlx_nb.interrupted_report() is None
+    >>> rlx_nb.execution.interrupted.clear(); rlx_nb.interrupted_report() is None
     True
     """
     check_rule(rule)
@@ -172,7 +172,7 @@ def interrupted_report(*, rule: str = "budget") -> DivergenceReport | Generation
 
 class EarlyVerdicts:
     """Each backend judged as soon as it has run: its line shown while the next runs (a long call says what it
-    found so far, :class:`rlx_nb.progress.Board`), its records kept for the report (nothing compared twice)."""
+    found so far, :class:`rlx_nb._support.progress.Board`), its records kept for the report (nothing compared twice)."""
 
     def __init__(
         self, *, rule: str, tol_rel: float | None, shown: bool, line: Callable[[DivergenceReport], str] | None = None
@@ -204,7 +204,7 @@ class EarlyVerdicts:
     def judge(self, results: RunResults, name: str) -> set[str]:
         """Judge backend ``name``; what its verdict may change with: ``"anchors"`` (it is SUSPECT without the
         precision anchors, which widen budgets), ``"discrete"`` (a gradient is SUSPECT: ReLU flips may explain
-        it, :mod:`rlx_nb.discrete`)."""
+        it, :mod:`rlx_nb.execution.discrete`)."""
         alone = dataclasses.replace(results, candidates={name: results.candidates[name]})
         records = compare(alone, tol_rel=self.tol_rel, rule=self.rule, progress=False, outputs=self.contexts(results))
         self.by_backend[name] = records
@@ -243,7 +243,7 @@ def _same(a: Any, b: Any) -> bool:
 
 
 def _generation_line(model: Any) -> Callable[[DivergenceReport], str] | None:
-    # A generation's decode (rlx_nb.generation): its backends' early lines in a generation report's words, read
+    # A generation's decode (rlx_nb.generation.divergence): its backends' early lines in a generation report's words, read
     # against the oracle's tokens (held once the oracle has decoded, before any backend is judged).
     tokens = getattr(model, "tokens", None) if isinstance(model, Decode) else None
     if tokens is None:

@@ -17,8 +17,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from rlx_nb._support.safe import term_text
 from rlx_nb.errors import InputError, RlxError, TargetError
-from rlx_nb.safe import term_text
 
 EXIT_OK, EXIT_SUSPECT, EXIT_USAGE, EXIT_BACKEND_FAILED = 0, 1, 2, 3
 
@@ -132,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _backends() -> int:
-    from rlx_nb.backends import backend_table
+    from rlx_nb.backends.registry import backend_table
 
     for row in backend_table():
         live = "live" if row["live"] else "absent"
@@ -171,7 +171,7 @@ def _check(args: argparse.Namespace) -> int:
     if args.html:
         print(f"wrote {report.to_html(args.html)}")
     if args.baseline:
-        from rlx_nb.baseline import compare_reports
+        from rlx_nb.report.baseline import compare_reports
 
         moved = compare_reports(args.baseline, report, allow_different_model=args.allow_different_model)
         for line in moved.lines():
@@ -202,7 +202,7 @@ def _check_writable(where: str, option: str, *, directory: bool) -> None:
 
 
 def _show(args: argparse.Namespace) -> int:
-    from rlx_nb.report import load_report
+    from rlx_nb.report.report import load_report
 
     report = load_report(args.file)
     for line in report.lines():
@@ -213,7 +213,7 @@ def _show(args: argparse.Namespace) -> int:
 
 
 def _merge(args: argparse.Namespace) -> int:
-    from rlx_nb.merge import merge_reports
+    from rlx_nb.report.merge import merge_reports
 
     report = merge_reports(args.files, oracle=args.oracle)
     if args.label:
@@ -238,9 +238,9 @@ def _unjudged_code(reports: list) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from rlx_nb import demo
     from rlx_nb.api import backend_divergence
-    from rlx_nb.backends import available_backends
+    from rlx_nb.backends.registry import available_backends
+    from rlx_nb.models import demo
 
     backends = args.backends or ",".join([b for b in available_backends() if b != "cpu"] + demo.FAULTS)
     reports = []

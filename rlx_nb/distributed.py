@@ -1,8 +1,8 @@
 """Gather every node's results on rank 0 with torch.distributed, and compare them against one oracle.
 
 Each rank runs the model on its own live backends and serialises its results in the safe report
-format (:mod:`rlx_nb.persist`); the bytes travel as a uint8 tensor, point to point, to rank 0 —
-never as pickled objects.  Rank 0 merges them (:func:`rlx_nb.merge.merge_results`): every backend is
+format (:mod:`rlx_nb.report.files`); the bytes travel as a uint8 tensor, point to point, to rank 0 —
+never as pickled objects.  Rank 0 merges them (:func:`rlx_nb.report.merge.merge_results`): every backend is
 named ``<node>/<backend>`` and judged against rank 0's CPU oracle and fp64 reference.  A rank whose
 run fails sends its error; a rank that dies or times out becomes a ``<node>/*`` error row; the
 other ranks' results are kept.
@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 
 from rlx_nb.errors import InputError
-from rlx_nb.merge import merge_results
-from rlx_nb.persist import load_results, save_results
-from rlx_nb.run import run
+from rlx_nb.execution.run import run
+from rlx_nb.report.files import load_results, save_results
+from rlx_nb.report.merge import merge_results
 
 
 def free_local_port() -> int:
@@ -108,7 +108,7 @@ def gather_report(
     The process group is initialised from torchrun's environment (gloo unless one exists already).
     ``timeout_s`` bounds how long rank 0 waits for each other rank.
     """
-    from rlx_nb.report import DivergenceReport
+    from rlx_nb.report.report import DivergenceReport
 
     own_group = not dist.is_initialized()
     if own_group:

@@ -14,13 +14,13 @@ import dataclasses
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
-from rlx_nb import switches
-from rlx_nb.backends import Backend, get_backend
+from rlx_nb._support import switches
+from rlx_nb.backends.base import Backend
 from rlx_nb.backends.emulated import emulate
-from rlx_nb.backends.registry import device_probe
+from rlx_nb.backends.registry import device_probe, get_backend
+from rlx_nb.comparison.tables import precision_frame
 from rlx_nb.errors import InputError
-from rlx_nb.frames import precision_frame
-from rlx_nb.verdict import ROUNDOFF, SUSPECT, VERDICT_ERROR
+from rlx_nb.verdict.rule import ROUNDOFF, SUSPECT, VERDICT_ERROR
 
 if TYPE_CHECKING:
     import pandas

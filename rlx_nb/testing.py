@@ -27,10 +27,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from rlx_nb._support.safe import term_text
 from rlx_nb.api import backend_divergence
 from rlx_nb.errors import InputError, RlxError
-from rlx_nb.report import DivergenceReport
-from rlx_nb.safe import term_text
+from rlx_nb.report.report import DivergenceReport
 
 REPORT_DIR: Path | None = None
 """Where failing checks save their reports when ``report_dir`` is not given; else the pytest plugin's

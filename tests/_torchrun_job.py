@@ -11,9 +11,9 @@ import time
 import torch.distributed as dist
 
 import rlx_nb
-from rlx_nb import demo
-from rlx_nb.backends import get_backend
+from rlx_nb.backends.registry import get_backend
 from rlx_nb.distributed import gather_report
+from rlx_nb.models import demo
 
 rank = int(os.environ["RANK"])
 backends = ["cpu-nomkldnn"]

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import rlx_nb
-from rlx_nb import demo
+from rlx_nb.models import demo
 
 
 @pytest.fixture
@@ -37,8 +37,8 @@ def require_live(name: str) -> None:
 
 @contextlib.contextmanager
 def numpy_metrics():
-    """Run :func:`rlx_nb.metrics.pair_stats` on its numpy path (as without numba) inside the block."""
-    from rlx_nb import _fused
+    """Run :func:`rlx_nb.numerics.pairs.pair_stats` on its numpy path (as without numba) inside the block."""
+    from rlx_nb.numerics import fused as _fused
 
     saved = _fused.kernel
     _fused.kernel = lambda: None
@@ -52,7 +52,7 @@ def numpy_metrics():
 def metrics_path(request):
     """Each metric test twice: the numba kernel and the numpy fallback must agree with the reference."""
     if request.param == "fused":
-        from rlx_nb import _fused
+        from rlx_nb.numerics import fused as _fused
 
         if _fused.kernel() is None:
             pytest.skip("numba is not installed")

@@ -117,10 +117,10 @@ def test_modules_stay_small():
 # Functions whose signature is someone else's, or the public API a user calls with keywords.
 WIDE_SIGNATURES = {
     "rlx_nb.api.backend_divergence": "the public entry point: its keywords are the user's options",
-    "rlx_nb.run.run": "public (rlx_nb.run): backend_divergence's run without the comparison",
-    "rlx_nb.generation.generation_divergence": "the public entry point for a decode: backend_divergence's options and its own",
+    "rlx_nb.execution.run.run": "public (rlx_nb.run): backend_divergence's run without the comparison",
+    "rlx_nb.generation.divergence.generation_divergence": "the public entry point for a decode: backend_divergence's options and its own",
     "rlx_nb.backends.registry.register_backend": "public: a backend's description, every field a keyword",
-    "rlx_nb.heatmap.plot_heatmap": "public (rlx_nb.plotting.plot_heatmap): a plot's keywords, as matplotlib's are",
+    "rlx_nb.plot.heatmap.plot_heatmap": "public (rlx_nb.plot.charts.plot_heatmap): a plot's keywords, as matplotlib's are",
     "rlx_nb.backends.faults.attention": "torch.nn.functional.scaled_dot_product_attention's own signature",
 }
 
@@ -157,6 +157,6 @@ def test_no_function_takes_more_than_five_positional_or_ten_parameters():
         if (pos > 5 or total > 10)
         and not autograd
         and name not in WIDE_SIGNATURES
-        and not name.startswith("rlx_nb._fused")
+        and not name.startswith("rlx_nb.numerics.fused")
     ]
     assert not wide, "\n".join(wide)

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 import rlx_nb
-from rlx_nb.backends import get_backend, resolve_backends
+from rlx_nb.backends.registry import get_backend, resolve_backends
 from tests.conftest import require_live
 
 
@@ -78,7 +78,7 @@ def test_unknown_and_empty_backend_lists():
 
 
 def test_backend_table_lists_everything():
-    from rlx_nb.backends import backend_table
+    from rlx_nb.backends.registry import backend_table
 
     rows = {r["backend"]: r for r in backend_table()}
     assert {"cpu", "cpu-f64", "cpu-inductor", "onnxruntime", "cpu-bf16", "cuda"} <= set(rows)

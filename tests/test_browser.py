@@ -57,7 +57,7 @@ def _interactive_notebook(path: Path) -> None:
     nb.cells = [
         nbformat.v4.new_code_cell("%matplotlib widget"),
         nbformat.v4.new_code_cell(
-            "import rlx_nb\nfrom rlx_nb import demo\nmodel, inputs = demo.mlp()\n"
+            "import rlx_nb\nfrom rlx_nb.models import demo\nmodel, inputs = demo.mlp()\n"
             'report = rlx_nb.backend_divergence(model, inputs, backends=["cpu-nomkldnn", "fault:gelu-approx"])\n'
             "rlx_nb.explore(report)"
         ),
@@ -73,7 +73,7 @@ def _calm_notebook(path: Path) -> None:
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     code = [
-        "import pathlib, tempfile\nimport rlx_nb\nfrom rlx_nb import demo\nfrom rlx_nb.plotting import plot_effective_bits\n"
+        "import pathlib, tempfile\nimport rlx_nb\nfrom rlx_nb.models import demo\nfrom rlx_nb.plot.charts import plot_effective_bits\n"
         "model, inputs = demo.mlp()\n"
         'backends = [b for b in ["cpu-nomkldnn", "onnxruntime", "openvino", "cpu-tf32-emulated", "cpu-bf16"]\n'
         "            if b in rlx_nb.available_backends(include_optin=True)]\n"

@@ -7,15 +7,15 @@ import math
 import numpy as np
 import pytest
 
-from rlx_nb.chance import isolation, sample_allowance, slice_allowance, slice_lean
-from rlx_nb.reference import ReferenceStats, slice_stats
+from rlx_nb.numerics.reference import ReferenceStats, slice_stats
+from rlx_nb.verdict.chance import isolation, sample_allowance, slice_allowance, slice_lean
 
 
 @pytest.mark.parametrize(
     ("dof", "p", "quantile"), [(1, 0.1, 0.01579), (2, 0.1, 0.2107), (8, 0.1, 3.4895), (100, 0.5, 99.334)]
 )
 def test_the_chi_square_quantiles_behind_the_sample_allowance(dof, p, quantile):
-    from rlx_nb.chance import _chi2_quantile
+    from rlx_nb.verdict.chance import _chi2_quantile
 
     assert _chi2_quantile(dof, p) == pytest.approx(quantile, rel=1e-3)
 

@@ -1,4 +1,4 @@
-"""rlx_nb.copies.module_copy makes the copy copy.deepcopy makes; judgement.replaced the object dataclasses.replace makes."""
+"""rlx_nb._support.copies.module_copy makes the copy copy.deepcopy makes; judgement.replaced the object dataclasses.replace makes."""
 
 from __future__ import annotations
 
@@ -11,12 +11,12 @@ import weakref
 import pytest
 import torch
 
-from rlx_nb import demo, zoo
-from rlx_nb.copies import copies_plainly, module_copy
-from rlx_nb.decode import Decode
-from rlx_nb.judgement import Cause, Judgement, replaced
-from rlx_nb.prepare import shared_copy
-from rlx_nb.records import OutputRecord
+from rlx_nb._support.copies import copies_plainly, module_copy
+from rlx_nb.comparison.records import OutputRecord
+from rlx_nb.execution.prepare import shared_copy
+from rlx_nb.generation.decode import Decode
+from rlx_nb.models import demo, zoo
+from rlx_nb.verdict.types import Cause, Judgement, replaced
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 

@@ -1,4 +1,4 @@
-"""Device-side comparison (``rlx_nb.device_metrics``) and the pipeline that keeps outputs on a device.
+"""Device-side comparison (``rlx_nb.numerics.device``) and the pipeline that keeps outputs on a device.
 
 Run on CPU tensors here (the code is the same torch code a GPU runs; tests/test_gpu.py checks CUDA
 where there is one): the torch statistics must equal the numpy ones, and a backend that compares
@@ -17,8 +17,11 @@ import pytest
 import torch
 
 import rlx_nb
-from rlx_nb import demo, device_metrics, elements, metrics, reference
 from rlx_nb.backends.eager import run_eager
+from rlx_nb.models import demo
+from rlx_nb.numerics import device as device_metrics
+from rlx_nb.numerics import elements, reference
+from rlx_nb.numerics import pairs as metrics
 
 
 def _pair(rng, n, dtype=np.float32):

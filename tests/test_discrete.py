@@ -1,4 +1,4 @@
-"""Discrete events (rlx_nb.discrete) and uniformly less accurate backends: named for what they are."""
+"""Discrete events (rlx_nb.execution.discrete) and uniformly less accurate backends: named for what they are."""
 
 from __future__ import annotations
 
@@ -7,9 +7,9 @@ import pytest
 import torch
 
 import rlx_nb
-from rlx_nb import discrete
 from rlx_nb.backends.emulated import emulate
-from rlx_nb.verdict import ROUNDOFF, SUSPECT
+from rlx_nb.execution import discrete
+from rlx_nb.verdict.rule import ROUNDOFF, SUSPECT
 
 
 class PlainCNN(torch.nn.Module):
@@ -115,7 +115,7 @@ def test_a_uniformly_less_accurate_backend_is_named_so_not_a_kernel_bug():
 
 @pytest.mark.parametrize("catalogue", ["fault:layernorm-eps", "fault:linear-bias-channel", "fault:attention-scale"])
 def test_systematic_faults_keep_their_name(catalogue):
-    from rlx_nb import demo
+    from rlx_nb.models import demo
 
     model, inputs = demo.transformer()
     rec = rlx_nb.backend_divergence(model, inputs, backends=[catalogue], progress=False).record(catalogue)
@@ -183,9 +183,9 @@ def test_flips_in_consecutive_layers_are_accounted_for_together_exactly():
     assert max(float(np.abs(joint.get(n, 0.0) - truth[n]).max()) for n in names) < 1e-9 * scale
     assert max(float(np.abs(summed[n] - truth[n]).max()) for n in names) > 1e-3 * scale  # the premise
     # and the account credits the four flips on a run that made them
-    run = rlx_nb.results.BackendRun(
-        "flipped", rlx_nb.results.OK,
-        {n: rlx_nb.results.Leaf(flipped[n].astype(np.float32), "float32", flipped[n].shape) for n in names},
+    run = rlx_nb.execution.results.BackendRun(
+        "flipped", rlx_nb.execution.results.OK,
+        {n: rlx_nb.execution.results.Leaf(flipped[n].astype(np.float32), "float32", flipped[n].shape) for n in names},
     )  # fmt: skip
     weights = {n: 1.0 / (2.0**-24 * float(np.abs(base[n]).max())) for n in names}
     credited = discrete.account(found, {"flipped": run}, weights, {"flipped": 1.0})["flipped"]

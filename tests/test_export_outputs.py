@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import rlx_nb
-from rlx_nb import zoo
-from rlx_nb.verdict import ROUNDOFF, VERDICT_SKIPPED
+from rlx_nb.models import zoo
+from rlx_nb.verdict.rule import ROUNDOFF, VERDICT_SKIPPED
 from tests.conftest import require_live
 
 EXPORTED = ["onnxruntime", "openvino"]

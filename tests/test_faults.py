@@ -7,10 +7,9 @@ from pathlib import Path
 import pytest
 
 import rlx_nb
-from rlx_nb import demo
-from rlx_nb.backends import get_backend
 from rlx_nb.backends.faults import CATALOGUE, HITS, fault_backend
-from rlx_nb.backends.registry import _REGISTRY
+from rlx_nb.backends.registry import _REGISTRY, get_backend
+from rlx_nb.models import demo
 
 WHERE = {
     "fault:softmax-row": ("transformer", False),

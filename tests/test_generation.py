@@ -10,13 +10,13 @@ import pytest
 import torch
 
 import rlx_nb
-from rlx_nb import decode as decode_module
-from rlx_nb import demo, zoo
 from rlx_nb.backends.base import Backend
 from rlx_nb.backends.faults import fault_backend
 from rlx_nb.errors import FileWriteError, InputError, ReportFormatError
-from rlx_nb.generation_report import DISAGREEMENT, NEAR_TIE
-from rlx_nb.run import STREAMS
+from rlx_nb.execution.run import STREAMS
+from rlx_nb.generation import decode as decode_module
+from rlx_nb.generation.report import DISAGREEMENT, NEAR_TIE
+from rlx_nb.models import demo, zoo
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 
@@ -188,7 +188,7 @@ def test_a_decode_step_that_does_not_export_names_what_stopped_it():
 def test_a_long_calls_early_lines_say_what_the_report_will(llama, monkeypatch, capsys):
     # Each backend's line shown while the next runs is the generation's (where the tokens part, whether that is
     # a near-tie), the same line the finished report prints, not a forward pass's largest difference.
-    from rlx_nb import progress
+    from rlx_nb._support import progress
 
     monkeypatch.setattr(progress, "DELAY_S", -1.0)  # (a call is quiet for its first 2 s)
     monkeypatch.delenv("RLX_NB_PROGRESS", raising=False)
@@ -322,7 +322,7 @@ def test_an_interrupted_generation_is_kept_as_a_generation(llama):
     assert kept.lines()[-1].endswith("INCOMPLETE: interrupted (KeyboardInterrupt) while test-interrupting ran")
     assert kept.first_divergence.loc["cpu-nomkldnn", "kind"] in ("same tokens", NEAR_TIE)
     kept.plot()
-    rlx_nb.interrupted.clear()
+    rlx_nb.execution.interrupted.clear()
 
 
 def test_a_runtime_written_for_whole_sequences_says_which_step_failed_and_stays_on_the_plot(llama):
@@ -447,8 +447,8 @@ def test_a_users_runtime_with_its_own_step_and_cache(llama):
 def test_the_helper_runs_compute_every_step_at_once_and_agree_with_the_step_by_step_reference(llama, legit):
     # The fp64 reference (and sequential sums, anchors) teacher-forced: one forward over the prompt and the fed
     # tokens gives every step's logits; step by step in float64 gives the same to ~1e-15 of their size.
-    from rlx_nb.decode import Decode, step_name
-    from rlx_nb.prepare import prepare_model
+    from rlx_nb.execution.prepare import prepare_model
+    from rlx_nb.generation.decode import Decode, step_name
 
     model, ids = llama
     assert any("every teacher-forced step at once" in e for e in legit.logits.results.environment["extra_runs"])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import rlx_nb
-from rlx_nb import demo
+from rlx_nb.models import demo
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -38,9 +38,9 @@ def test_cuda_outputs_are_compared_on_the_gpu():
     assert all(leaf.on_device and leaf.tensor.is_cuda for leaf in leaves.values() if leaf.is_array)
     top = report.elements("cuda", top=5)
     assert all(leaf.on_device for leaf in leaves.values() if leaf.is_array)  # top-k moved only 5 values
-    from rlx_nb.comparators import Candidate, compare_output
-    from rlx_nb.context import contexts
-    from rlx_nb.results import Leaf
+    from rlx_nb.comparison.comparators import Candidate, compare_output
+    from rlx_nb.comparison.context import contexts
+    from rlx_nb.execution.results import Leaf
 
     outputs = {ctx.name: ctx for ctx in contexts(report.results)}
     for rec in report.records:

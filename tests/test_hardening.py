@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import rlx_nb
-from rlx_nb.verdict import NONDETERMINISTIC, ROUNDOFF, SUSPECT
+from rlx_nb.verdict.rule import NONDETERMINISTIC, ROUNDOFF, SUSPECT
 from tests.conftest import require_live
 
 
@@ -157,7 +157,7 @@ def test_rlx_nbs_own_eager_runs_stay_on_the_calling_thread_and_registered_ones_g
     # all on the caller's thread; the registered backend (float32 too) in a worker
     assert where["torch.float64"] == {True} and where["nomkldnn"] == {True}
     assert where["torch.float32"] == {True, False}
-    from rlx_nb.backends import get_backend
+    from rlx_nb.backends.registry import get_backend
 
     assert get_backend("cpu-inductor").on_caller and get_backend("fault:softmax-row").on_caller
     assert not get_backend("onnxruntime").on_caller and not get_backend("cuda").on_caller
@@ -202,7 +202,7 @@ def test_a_compiled_model_runs_eagerly_for_the_oracle_and_says_so():
     # A torch.compile'd model used to run compiled on the oracle and eagerly under the determinism
     # rerun's counting modes: its outputs differed by ~2e-7, were called the model's own
     # nondeterminism, and a real fault (GELU's tanh approximation) was reported as nondeterministic.
-    from rlx_nb import demo
+    from rlx_nb.models import demo
 
     model, x = demo.mlp(0)
     eager = rlx_nb.run(model, x, backends=["fault:gelu-approx"], backward=True, progress=False)

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import rlx_nb
-from rlx_nb import demo
 from rlx_nb.cli import main
+from rlx_nb.models import demo
 
 
 @pytest.fixture(scope="module")

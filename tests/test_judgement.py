@@ -11,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import rlx_nb
-from rlx_nb.reference import ReferenceStats
-from rlx_nb.verdict import ROUNDOFF, SUSPECT, Cause, Evidence, judge
+from rlx_nb.numerics.reference import ReferenceStats
+from rlx_nb.verdict.rule import ROUNDOFF, SUSPECT, Cause, Evidence, judge
 
 
 def _in_float64(model, inputs):

@@ -17,10 +17,10 @@ import pytest
 import torch
 
 import rlx_nb
-from rlx_nb import demo
 from rlx_nb.errors import FileWriteError
-from rlx_nb.localize import capture_calls
-from rlx_nb.prepare import normalize_inputs, prepare_model
+from rlx_nb.execution.prepare import normalize_inputs, prepare_model
+from rlx_nb.localization.capture import capture_calls
+from rlx_nb.models import demo
 from tests.conftest import require_live
 
 
@@ -137,7 +137,7 @@ def test_no_culprit_no_repro_and_bad_backend():
 
 def test_progress_bars_for_localize_backends_and_compare(monkeypatch, capsys):
     # Bars appear after progress.DELAY_S; at 0 every bar shows, so each step's bar can be seen on stderr.
-    from rlx_nb import progress
+    from rlx_nb._support import progress
 
     monkeypatch.setattr(progress, "DELAY_S", 0.0)
     model, inputs = demo.layered(n_layers=2, fault_layer=1)
@@ -158,7 +158,7 @@ def test_progress_bars_for_localize_backends_and_compare(monkeypatch, capsys):
 
 
 def test_keep_arrays_auto_drops_large_round_off_modules(monkeypatch):
-    from rlx_nb.localize import search
+    from rlx_nb.localization import search
 
     model, inputs = demo.layered(n_layers=2, fault_layer=1)
     monkeypatch.setattr(search, "KEEP_ARRAYS_BYTES", 0)  # every module counts as large

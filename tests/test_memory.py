@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import rlx_nb
-from rlx_nb._memory import HUGE_COPY_BYTES, private_copy
+from rlx_nb._support.hugepages import HUGE_COPY_BYTES, private_copy
 from rlx_nb.backends.eager import to_float64
 from tests.conftest import require_live
 
@@ -130,7 +130,7 @@ def test_a_backend_that_writes_its_weights_is_detected_and_gets_its_own_copy_fro
     finally:
         rlx_nb.unregister_backend("test-writes")
         rlx_nb.unregister_backend("test-share-after")
-        rlx_nb.prepare.PrivateModel.WRITERS.discard("test-writes")
+        rlx_nb.execution.prepare.PrivateModel.WRITERS.discard("test-writes")
     assert torch.equal(model.a.weight, before)  # the user's weights, untouched
 
 
@@ -160,7 +160,7 @@ def test_the_fp64_reference_lent_the_weights_is_bit_for_bit_the_whole_copy_refer
     import copy
 
     from rlx_nb.backends.eager import run_float64
-    from rlx_nb.prepare import normalize_inputs, prepare_model
+    from rlx_nb.execution.prepare import normalize_inputs, prepare_model
 
     model, x = Tall(), torch.randn(4, 16)
     report = rlx_nb.backend_divergence(model, x, backends=["cpu-nomkldnn"], backward=True, progress=False)
@@ -172,7 +172,7 @@ def test_the_fp64_reference_lent_the_weights_is_bit_for_bit_the_whole_copy_refer
 
 
 def test_the_private_weights_are_released_while_a_backend_works_from_a_file_and_rebuilt_after(monkeypatch):
-    from rlx_nb.prepare import PrivateModel, prepare_model, shared_copy
+    from rlx_nb.execution.prepare import PrivateModel, prepare_model, shared_copy
 
     model = Tall()
     private = PrivateModel(lambda: prepare_model(model, None, None))
@@ -231,8 +231,8 @@ def test_a_model_whose_float64_weights_do_not_fit_gets_a_streamed_reference_bit_
 
 
 def test_a_backward_reference_that_does_not_fit_is_skipped_and_says_why_it_was_not_streamed(monkeypatch):
-    from rlx_nb.backends import REFERENCE
-    from rlx_nb.memory import Memory
+    from rlx_nb.backends.registry import REFERENCE
+    from rlx_nb.execution.memory import Memory
 
     estimate = Memory.need  # the float64 weights "need" a petabyte; every other estimate is as it is
     monkeypatch.setattr(Memory, "need", lambda self, b, *a: 10**15 if b.name == REFERENCE else estimate(self, b, *a))
@@ -310,7 +310,7 @@ def test_the_streamed_reference_is_float64_round_off_from_a_fused_fast_path_it_t
 
 def test_the_write_check_sees_a_write_in_either_half_of_a_large_models_bytes():
     # Past CRC_SPLIT_BYTES the crc is two halves, one in a second thread: a write anywhere still changes it.
-    from rlx_nb.prepare import CRC_SPLIT_BYTES, tensors_crc
+    from rlx_nb.execution.prepare import CRC_SPLIT_BYTES, tensors_crc
 
     model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(12)])  # 50 MB
     assert sum(p.numel() * 4 for p in model.parameters()) > CRC_SPLIT_BYTES

@@ -5,10 +5,10 @@ import math
 import numpy as np
 import pytest
 
-from rlx_nb import metrics
-from rlx_nb.elements import top_k, ulp_distance
-from rlx_nb.metrics import pair_stats
-from rlx_nb.reference import error_stats, reference_stats, slice_axes, slice_stats
+from rlx_nb.numerics import pairs as metrics
+from rlx_nb.numerics.elements import top_k, ulp_distance
+from rlx_nb.numerics.pairs import pair_stats
+from rlx_nb.numerics.reference import error_stats, reference_stats, slice_axes, slice_stats
 
 pytestmark = pytest.mark.usefixtures("metrics_path")
 

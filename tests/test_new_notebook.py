@@ -1,6 +1,6 @@
 """A new user's notebook, written from scratch: their own model and two faulty backends of their own.
 
-Nothing comes from ``rlx_nb.demo``.  The notebook is executed in a real kernel (nbclient) and goes
+Nothing comes from ``rlx_nb.models.demo``.  The notebook is executed in a real kernel (nbclient) and goes
 report -> explorer -> localize, as a person would; the test reads what each cell showed.  One backend
 reaches into the model by attribute (``model.head.bias[3] = 0``), so it cannot run a module alone and
 ``localize`` has to watch full runs; the other changes every LayerNorm's eps (1e-5 -> 1e-4), a kernel

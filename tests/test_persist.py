@@ -16,9 +16,9 @@ import pytest
 import torch
 
 import rlx_nb
-from rlx_nb import demo
 from rlx_nb.distributed import local_torchrun
 from rlx_nb.errors import ReportFormatError
+from rlx_nb.models import demo
 
 
 @pytest.fixture(scope="module")

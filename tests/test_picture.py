@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import rlx_nb
-from rlx_nb.plotting import heatmap
+from rlx_nb.plot.charts import heatmap
 from tests.pixels import near, rgba, top_colour
 
 matplotlib.use("Agg")
@@ -144,7 +144,7 @@ def _reddish(colour) -> bool:
 
 @pytest.fixture(scope="module")
 def mixed_report():
-    from rlx_nb import demo
+    from rlx_nb.models import demo
 
     model, inputs = demo.transformer()
     return rlx_nb.backend_divergence(
@@ -153,7 +153,7 @@ def mixed_report():
 
 
 def test_no_legitimate_backend_is_drawn_red_and_the_suspect_is(mixed_report):
-    from rlx_nb.figures import SUSPECT_COLOUR
+    from rlx_nb.plot.style import SUSPECT_COLOUR
 
     report = mixed_report
     legit = [b for b in report.results.candidates if b not in report.suspects]
@@ -186,7 +186,7 @@ def test_the_baseline_plot_labels_its_points_and_reds_only_the_suspect_ones(mixe
 
 
 def test_a_declared_reduced_precision_is_not_red_in_the_precision_sweep():
-    from rlx_nb.plotting import plot_effective_bits
+    from rlx_nb.plot.charts import plot_effective_bits
 
     sweep = rlx_nb.precision_sweep(torch.nn.Linear(64, 64), torch.randn(8, 64))
     rows = sweep.set_index("setting")
@@ -201,7 +201,7 @@ def test_a_declared_reduced_precision_is_not_red_in_the_precision_sweep():
 
 
 def test_without_suspects_the_explorer_opens_on_the_worst_backend_and_its_worst_element():
-    from rlx_nb import demo
+    from rlx_nb.models import demo
 
     model, inputs = demo.transformer()
     report = rlx_nb.backend_divergence(model, inputs, backends=["cpu-nomkldnn", "onnxruntime"], progress=False)
@@ -259,7 +259,7 @@ def test_a_localization_exports_node_data_model_explorer_reads():
 
     from model_explorer.pytorch_exported_program_adapter_impl import PytorchExportedProgramAdapterImpl
 
-    from rlx_nb import demo
+    from rlx_nb.models import demo
 
     model, inputs = demo.transformer()
     loc = rlx_nb.localize(model, inputs, backend="fault:softmax-row")
@@ -287,7 +287,7 @@ def test_the_small_items_a_short_backend_repr_an_honest_closing_line_and_a_legen
         rlx_nb.unregister_backend("test-short-repr")
     page = mixed_report.to_html(tmp_path / "r.html").read_text()
     assert "report.save(" in page and not (tmp_path / "r.rlxnb").exists()  # says how to write one, names none
-    from rlx_nb import demo
+    from rlx_nb.models import demo
 
     model, inputs = demo.transformer()
     ax = rlx_nb.localize(model, inputs, backend="fault:softmax-row").plot()

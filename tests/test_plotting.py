@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import rlx_nb
-from rlx_nb.maps import error_map, make_fold
-from rlx_nb.plotting import heatmap, plot_heatmap, plot_histogram, plot_scatter, plot_tolerance_curve
+from rlx_nb.plot.charts import heatmap, plot_heatmap, plot_histogram, plot_scatter, plot_tolerance_curve
+from rlx_nb.plot.fold import error_map, make_fold
 
 
 @pytest.fixture(autouse=True)

@@ -6,10 +6,10 @@ import pytest
 import torch
 
 import rlx_nb
-from rlx_nb import demo
-from rlx_nb.backends import get_backend
 from rlx_nb.backends.emulated import round_mantissa
-from rlx_nb.verdict import ROUNDOFF, SUSPECT
+from rlx_nb.backends.registry import get_backend
+from rlx_nb.models import demo
+from rlx_nb.verdict.rule import ROUNDOFF, SUSPECT
 from tests.conftest import demo_report
 
 FORMATS = {"cpu-bf16": ("bf16", 8), "cpu-fp16": ("tf32/fp16", 11), "cpu-tf32-emulated": ("tf32/fp16", 11)}
@@ -176,12 +176,12 @@ def test_a_reduced_precision_backend_is_judged_against_the_anchor_at_its_precisi
 
 def test_the_sweep_registers_nothing_and_leaves_a_users_backend_alone():
     rlx_nb.register_backend("sweep:0", lambda m, xs: m(*xs), replace=True, default=False, description="mine")
-    before = rlx_nb.backends.backend_table()
+    before = rlx_nb.backends.registry.backend_table()
     try:
         frame = rlx_nb.precision_sweep(torch.nn.Linear(16, 16), torch.randn(4, 16))
         assert len(frame) >= 2
-        assert rlx_nb.backends.backend_table() == before  # nothing added, removed or replaced
-        assert rlx_nb.backends.get_backend("sweep:0").description == "mine"
+        assert rlx_nb.backends.registry.backend_table() == before  # nothing added, removed or replaced
+        assert rlx_nb.backends.registry.get_backend("sweep:0").description == "mine"
     finally:
         rlx_nb.unregister_backend("sweep:0")
 

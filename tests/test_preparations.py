@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import rlx_nb
-from rlx_nb import preparations
+from rlx_nb.execution import cache as preparations
 from tests.conftest import require_live
 
 

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
 import rlx_nb
-from rlx_nb.metrics import default_tolerance, pair_stats
+from rlx_nb.numerics.pairs import default_tolerance, pair_stats
 from tests.conftest import numpy_metrics
 
 SPECIALS = [0.0, -0.0, np.inf, -np.inf, np.nan, 1e-45, -1e-45, 1e-40, 3.4e38, -3.4e38, 1.0, -1.0]

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import rlx_nb
-from rlx_nb import zoo
 from rlx_nb.backends.faults import HITS
-from rlx_nb.verdict import ROUNDOFF, SUSPECT
+from rlx_nb.models import zoo
+from rlx_nb.verdict.rule import ROUNDOFF, SUSPECT
 from tests.conftest import require_live
 
 pytest.importorskip("transformers")

@@ -7,11 +7,12 @@ import pytest
 import torch
 
 import rlx_nb
-from rlx_nb import demo, reassoc
-from rlx_nb.backends import get_backend
+from rlx_nb.backends import sequential as reassoc
 from rlx_nb.backends.known_bugs import known_bug
-from rlx_nb.reassoc import CountReductions, SequentialSums, sequential_sum
-from rlx_nb.verdict import ROUNDOFF
+from rlx_nb.backends.registry import get_backend
+from rlx_nb.backends.sequential import CountReductions, SequentialSums, sequential_sum
+from rlx_nb.models import demo
+from rlx_nb.verdict.rule import ROUNDOFF
 from tests.conftest import require_live
 
 
@@ -126,7 +127,7 @@ def test_count_reductions_sees_forward_and_backward_reductions():
 def test_the_float64_reference_run_counts_what_the_float32_run_would():
     # backend_divergence counts during the fp64 reference run: its float64 reductions and matmuls are the ones
     # the float32 model computes there, forward and backward; a float32-only count there sees none.
-    from rlx_nb.reassoc import CountCalls
+    from rlx_nb.backends.sequential import CountCalls
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(

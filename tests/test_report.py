@@ -6,7 +6,13 @@ import numpy as np
 import torch
 
 import rlx_nb
-from rlx_nb.frames import BACKEND_COLUMNS, COMPACT_COLUMNS, ELEMENT_COLUMNS, SUMMARY_COLUMNS, SUMMARY_SHORT_COLUMNS
+from rlx_nb.comparison.tables import (
+    BACKEND_COLUMNS,
+    COMPACT_COLUMNS,
+    ELEMENT_COLUMNS,
+    SUMMARY_COLUMNS,
+    SUMMARY_SHORT_COLUMNS,
+)
 
 LINE = re.compile(
     r"^\[(?P<label>[^\]]+)\] +(?P<backend>\S+) vs cpu: max_abs=\d\.\d{3}e[+-]\d\d max_rel=\d\.\d{3}e[+-]\d\d "
@@ -111,7 +117,7 @@ def test_a_progress_bar_keeps_its_clock_running_during_one_long_step(monkeypatch
     import io
     import time
 
-    from rlx_nb import progress
+    from rlx_nb._support import progress
 
     monkeypatch.setattr(progress, "DELAY_S", 0.0)
     monkeypatch.setattr(progress, "TICK_S", 0.2)
@@ -126,7 +132,7 @@ def test_a_progress_bar_keeps_its_clock_running_during_one_long_step(monkeypatch
 
 def test_a_board_makes_a_line_only_when_it_shows_it(monkeypatch, capsys):
     # A generation's early line builds its step table: a call too short to show its lines never makes them.
-    from rlx_nb import progress
+    from rlx_nb._support import progress
 
     made: list[str] = []
 
@@ -163,7 +169,7 @@ def test_a_tables_colours_are_inline_so_an_untrusted_notebook_keeps_them():
 def test_every_short_why_is_a_whole_sentence():
     # A SUSPECT row's few words were cut mid-phrase ("15.3x the line: its largest error").
     import rlx_nb
-    from rlx_nb import demo
+    from rlx_nb.models import demo
 
     model, inputs = demo.transformer()
     faults = ["fault:softmax-row", "fault:layernorm-eps", "fault:gelu-approx", "fault:linear-bias-channel"]

@@ -7,8 +7,8 @@ import pytest
 import torch
 
 import rlx_nb
-from rlx_nb.run import reruns_oracle, run, same_bits
-from rlx_nb.tree import flatten
+from rlx_nb._support.tree import flatten
+from rlx_nb.execution.run import reruns_oracle, run, same_bits
 
 
 class Nested(torch.nn.Module):
@@ -115,7 +115,7 @@ def test_user_model_and_inputs_untouched():
 
 
 def test_fingerprints_are_computed_only_when_read(monkeypatch, tmp_path):
-    from rlx_nb import fingerprints
+    from rlx_nb.execution import fingerprints
 
     hashed = []
     real = fingerprints.fingerprint
@@ -242,7 +242,8 @@ def test_a_model_that_does_not_repeat_itself_still_gets_the_oracles_rerun():
 
 
 def test_only_rlx_nbs_eager_float32_cpu_runs_stand_in_for_the_rerun():
-    from rlx_nb.backends import Backend, get_backend
+    from rlx_nb.backends.base import Backend
+    from rlx_nb.backends.registry import get_backend
 
     assert reruns_oracle(get_backend("cpu-nomkldnn")) and reruns_oracle(get_backend("cpu-nnpack"))
     for name in ("cpu-inductor", "cpu-bf16", "cpu-fp16", "cpu-tf32-emulated", "cpu-f64", "onnxruntime",
@@ -396,7 +397,7 @@ def test_a_phase_that_would_not_fit_in_memory_is_a_row_that_says_so():
 def test_on_a_large_model_the_anchors_run_only_where_a_verdict_needs_them(monkeypatch):
     import sys
 
-    monkeypatch.setattr(sys.modules["rlx_nb.run"], "ANCHORS_CHEAP_S", -1.0)  # every model counts as large
+    monkeypatch.setattr(sys.modules["rlx_nb.execution.run"], "ANCHORS_CHEAP_S", -1.0)  # every model counts as large
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
     x = torch.randn(16, 32)
@@ -406,18 +407,18 @@ def test_on_a_large_model_the_anchors_run_only_where_a_verdict_needs_them(monkey
     faulty = rlx_nb.backend_divergence(model, x, backends=["cpu-nomkldnn", "fault:gelu-approx"], progress=False)
     assert sorted(faulty.results.anchors) == [8, 11]  # run after the candidates: a backend was SUSPECT
     assert any("run because a backend was SUSPECT" in e for e in faulty.results.environment["extra_runs"])
-    monkeypatch.setattr(sys.modules["rlx_nb.run"], "ANCHORS_CHEAP_S", 1e9)
+    monkeypatch.setattr(sys.modules["rlx_nb.execution.run"], "ANCHORS_CHEAP_S", 1e9)
     eager = rlx_nb.backend_divergence(model, x, backends=["cpu-nomkldnn", "fault:gelu-approx"], progress=False)
     assert faulty.summary_detail.drop(columns="note").equals(
         eager.summary_detail.drop(columns="note")
     )  # the same judgement
-    monkeypatch.setattr(sys.modules["rlx_nb.run"], "ANCHORS_CHEAP_S", -1.0)
+    monkeypatch.setattr(sys.modules["rlx_nb.execution.run"], "ANCHORS_CHEAP_S", -1.0)
     bf16 = rlx_nb.backend_divergence(model, x, backends=["cpu-bf16"], progress=False)
     assert sorted(bf16.results.anchors) == [8, 11]  # a reduced-precision budget is its anchor: always run
 
 
 def test_each_backends_verdict_is_shown_as_it_lands(monkeypatch, capsys):
-    from rlx_nb import progress
+    from rlx_nb._support import progress
 
     monkeypatch.setattr(progress, "DELAY_S", -1.0)  # (a call is quiet for its first 2 s)
     torch.manual_seed(0)
@@ -435,7 +436,7 @@ def test_each_backends_verdict_is_shown_as_it_lands(monkeypatch, capsys):
 def test_the_bar_names_the_phase_a_backend_is_in(monkeypatch, capsys):
     # A long first call said only which backend ran (62 s on the README's GPT-2, most of it Inductor compiling):
     # the bar now names the phase, an export or a compile.
-    from rlx_nb import progress
+    from rlx_nb._support import progress
 
     monkeypatch.setattr(progress, "DELAY_S", -1.0)
     torch.manual_seed(0)
@@ -449,7 +450,7 @@ def test_the_backends_judged_as_they_land_share_one_set_of_output_contexts(monke
     # The oracle's, the sequential and the anchor runs' statistics are what every backend is judged against:
     # built once for the call, and the records are those a comparison of the whole results gives.
     from rlx_nb import api
-    from rlx_nb.compare import compare
+    from rlx_nb.comparison.compare import compare
 
     built: list[int] = []
 

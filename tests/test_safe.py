@@ -23,7 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import rlx_nb
-from rlx_nb.safe import html_text, plot_text
+from rlx_nb._support.safe import html_text, plot_text
 
 HOSTILE = [
     "<img src=x onerror=alert(1)>",

@@ -1,4 +1,4 @@
-"""Interrupts, threads and process-wide switches: nothing swallowed, nothing left changed (rlx_nb.switches)."""
+"""Interrupts, threads and process-wide switches: nothing swallowed, nothing left changed (rlx_nb._support.switches)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import rlx_nb
-from rlx_nb import switches
+from rlx_nb._support import switches
 
 
 class SlowWithoutOneDNN(torch.nn.Module):

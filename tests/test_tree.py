@@ -8,8 +8,8 @@ import dataclasses
 import torch
 
 import rlx_nb
-from rlx_nb.tree import Opaque, flatten, map_tensors
-from rlx_nb.verdict import SUSPECT, VERDICT_SKIPPED
+from rlx_nb._support.tree import Opaque, flatten, map_tensors
+from rlx_nb.verdict.rule import SUSPECT, VERDICT_SKIPPED
 
 
 class Layer:

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import rlx_nb
-from rlx_nb import demo
-from rlx_nb.verdict import ROUNDOFF, SUSPECT
+from rlx_nb.models import demo
+from rlx_nb.verdict.rule import ROUNDOFF, SUSPECT
 from tests.conftest import candidate_backends, demo_report, require_live
 
 LEGIT = ("cpu-nomkldnn", "cpu-inductor", "onnxruntime")
@@ -88,7 +88,7 @@ def test_every_catalogue_fault_is_suspect(fault, family, output):
 
 
 def test_catalogue_is_registered_and_documented():
-    from rlx_nb.backends import get_backend
+    from rlx_nb.backends.registry import get_backend
 
     assert len(demo.FAULTS) >= 4
     for name in demo.FAULTS:
@@ -146,8 +146,8 @@ def test_shape_mismatch_and_integer_outputs():
 
 
 def test_reduced_precision_scale_uses_the_format():
-    from rlx_nb.compare import judge_leaf
-    from rlx_nb.results import Leaf
+    from rlx_nb.comparison.compare import judge_leaf
+    from rlx_nb.execution.results import Leaf
 
     rng = np.random.default_rng(0)
     ref = rng.standard_normal(10_000)
@@ -193,7 +193,7 @@ def test_a_class_whose_bias_is_slightly_off_is_caught_by_its_slice_mean():
     # row is off the same way, and that column's mean error is far beyond the legitimate RMS there.
     from rlx_nb.backends.faults import fault_backend
     from rlx_nb.backends.registry import _REGISTRY
-    from rlx_nb.verdict import RMSE_LIMIT
+    from rlx_nb.verdict.rule import RMSE_LIMIT
 
     backend = fault_backend("linear-bias-channel", 1e-5)
     _REGISTRY[backend.name] = backend
@@ -212,8 +212,8 @@ def test_a_class_whose_bias_is_slightly_off_is_caught_by_its_slice_mean():
 def test_a_legitimate_run_never_exceeds_its_own_slice_budget(rng):
     # A slice's mean error is at most its RMS error: judged against itself, the ratio is <= 1 on
     # every slice, however the errors lean (the allowance for the slice's size only adds room).
-    from rlx_nb.reference import slice_stats
-    from rlx_nb.verdict import slice_ratio
+    from rlx_nb.numerics.reference import slice_stats
+    from rlx_nb.verdict.rule import slice_ratio
 
     r = rng.standard_normal((16, 32))
     for lean in (0.0, 1.0):  # errors of both signs, then all of one sign on every slice
@@ -227,8 +227,8 @@ def _slice_ratios(shape, draws, rng, *, rho=2.0, shift=None):
     # Round-off as the verdict sees it: an fp64 reference, the oracle's and the sequential run's errors,
     # and a backend whose independent errors are ``rho`` times as large (legitimate backends measure 1-2x),
     # plus ``shift`` (scale, slice) on one slice; the slice ratio of each draw.
-    from rlx_nb.reference import error_stats
-    from rlx_nb.verdict import slice_ratio
+    from rlx_nb.numerics.reference import error_stats
+    from rlx_nb.verdict.rule import slice_ratio
 
     out = []
     for _ in range(draws):
@@ -252,7 +252,7 @@ def test_the_slice_clause_is_quiet_on_roundoff_at_any_slice_size_and_count(shape
     # noise, and with a limit fixed at 4 the largest of 64 chance ratios crossed it (the real-model false
     # positives).  Slices are judged against the larger of their own and the output's legitimate error,
     # with room for chance that shrinks with the slice's size and grows with the number of slices.
-    from rlx_nb.verdict import RMSE_LIMIT
+    from rlx_nb.verdict.rule import RMSE_LIMIT
 
     ratios = _slice_ratios(shape, 300, rng)
     assert (ratios <= RMSE_LIMIT).all(), (shape, ratios.max())
@@ -263,7 +263,7 @@ def test_the_slice_clause_still_sees_a_whole_slice_shifted(rng):
     # One column of an 8 x 10 output (the conv net's logits, one class's bias slightly off) shifted by
     # 15 sigma is caught in every draw; a shift of 3 sigma (within what round-off of 8 elements can do)
     # in none.
-    from rlx_nb.verdict import RMSE_LIMIT
+    from rlx_nb.verdict.rule import RMSE_LIMIT
 
     assert (_slice_ratios((8, 10), 200, rng, rho=1.0, shift=(15.0, (slice(None), 0))) > RMSE_LIMIT).all()
     assert (_slice_ratios((8, 10), 200, rng, rho=1.0, shift=(3.0, (slice(None), 0))) <= RMSE_LIMIT).all()
@@ -275,8 +275,8 @@ def test_the_slice_clause_still_sees_a_whole_slice_shifted(rng):
 
 def test_judge_on_statistics_alone():
     # The rule as a pure function: each clause from synthetic statistics, no model, no arrays.
-    from rlx_nb.reference import ReferenceStats
-    from rlx_nb.verdict import Evidence, effective_bits, judge
+    from rlx_nb.numerics.reference import ReferenceStats
+    from rlx_nb.verdict.rule import Evidence, effective_bits, judge
 
     oracle = ReferenceStats(rmse=1e-6, max_err=4e-6, ref_rms=1.0, ref_max=4.0)  # above the 2-ulp floor
     ev = lambda errors, **kw: Evidence("b", "forward", kw.pop("dtype", "float32"), 10_000, errors, oracle, **kw)  # noqa: E731
@@ -307,9 +307,9 @@ class _OffAtPosition3(torch.overrides.TorchFunctionMode):
 def test_a_localized_fault_is_never_worded_as_a_precision_mode_or_a_less_accurate_algorithm():
     # The README's position bug read "~12 bits, like tf32/fp16"; a mild attention fault on a model without
     # convolutions read "the mark of a less accurate algorithm rather than a kernel bug" while SUSPECT.
-    from rlx_nb import zoo
     from rlx_nb.backends.faults import fault_backend
-    from rlx_nb.readings import localized
+    from rlx_nb.models import zoo
+    from rlx_nb.verdict.readings import localized
 
     def off_at_position_3(model, inputs):
         with _OffAtPosition3():

@@ -48,11 +48,11 @@ class Backend:
         propagated error only for hookable backends.
     compare_on_device : bool, optional
         Keep the outputs where the backend left them and compute the metrics there
-        (:mod:`rlx_nb.device_metrics`), moving only summaries and requested slices to the host.
+        (:mod:`rlx_nb.numerics.device`), moving only summaries and requested slices to the host.
         ``None`` (default): yes for ``cuda`` and ``xpu`` backends (devices with float64).
     prepare : callable, optional
         ``prepare(model, inputs) -> runner``, ``runner(inputs) -> outputs``: the backend's costly step
-        (a compile, an export) apart from running, so :mod:`rlx_nb.preparations` can keep it across
+        (a compile, an export) apart from running, so :mod:`rlx_nb.execution.cache` can keep it across
         calls.  ``fn`` must do the same as ``prepare(model, inputs)(inputs)``.
     on_caller : bool
         Run on the calling thread, as the oracle (and a user's own run) does, instead of a worker thread a

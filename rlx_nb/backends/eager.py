@@ -9,11 +9,11 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_map
 
-from rlx_nb import switches
-from rlx_nb._memory import private_copy
+from rlx_nb._support import switches
+from rlx_nb._support.hugepages import private_copy
+from rlx_nb._support.tree import map_tensors
 from rlx_nb.backends.base import ORACLE, REFERENCE, Backend
 from rlx_nb.backends.float64_kernels import float64_kernels
-from rlx_nb.tree import map_tensors
 
 
 def run_eager(model: Any, inputs: tuple) -> Any:
@@ -39,7 +39,7 @@ def run_float64(model: Any, inputs: tuple) -> Any:
 
 
 def float64_default() -> contextlib.AbstractContextManager:
-    """float64 as the default dtype while the reference runs, restored after (:func:`rlx_nb.switches.flipped`): a
+    """float64 as the default dtype while the reference runs, restored after (:func:`rlx_nb._support.switches.flipped`): a
     tensor the model makes without a dtype (``torch.full((), torch.finfo(x.dtype).min)``: XGLM's attention mask
     floor; a position table) is float64 like the rest.  Under float32 it held float32's round-off, and XGLM's floor
     overflowed float32: the reference raised.  (Bit for bit the same reference on every zoo model, which makes no
@@ -91,7 +91,7 @@ def run_nomkldnn(model: Any, inputs: tuple) -> Any:
     NNPACK is off too: with oneDNN off PyTorch runs convolutions through NNPACK's fast algorithms from batch
     16 (Winograd, FFT: several times the oracle's round-off), so "oneDNN off" alone was a different backend at
     batch 16 than at batch 8.  ``cpu-nnpack`` is that one.  The switches are process-wide;
-    :mod:`rlx_nb.switches` keeps them from outliving the run.
+    :mod:`rlx_nb._support.switches` keeps them from outliving the run.
     """
     with switches.flipped(mkldnn_enabled=False, nnpack_enabled=False):
         return model(*inputs)
@@ -123,7 +123,7 @@ def device_reason(device: str) -> str | None:
 
 
 def cuda_tf32(enabled: bool) -> contextlib.AbstractContextManager:
-    """Set TF32 for CUDA matmuls and cuDNN convolutions, restoring the previous state (:mod:`rlx_nb.switches`)."""
+    """Set TF32 for CUDA matmuls and cuDNN convolutions, restoring the previous state (:mod:`rlx_nb._support.switches`)."""
     return switches.flipped(cuda_matmul_allow_tf32=enabled, cudnn_allow_tf32=enabled)
 
 

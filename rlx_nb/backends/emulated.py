@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from rlx_nb._fused import round_kernel
 from rlx_nb.backends.base import Backend
+from rlx_nb.numerics.fused import round_kernel
 
 _FAST_FROM = 4096  # elements: below this the kernel's call costs more than the tensor passes
 

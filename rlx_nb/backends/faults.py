@@ -26,7 +26,7 @@ from rlx_nb.errors import InputError
 FAULT_FREE = "_rlx_fault_free"
 """Attribute that exempts a module (and everything it calls) from an injected fault.
 
-Set it on every module but the one you want faulty: ``rlx_nb.demo.layered``
+Set it on every module but the one you want faulty: ``rlx_nb.models.demo.layered``
 does, so a fault lives in one chosen layer, and :func:`rlx_nb.localize`
 can be checked against a known answer.  It survives deep copies, so a
 submodule run on its own keeps its exemption.

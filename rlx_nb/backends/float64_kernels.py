@@ -7,7 +7,7 @@ the experts' matmuls of Hugging Face's mixture-of-experts models: Mixtral, Qwen2
 verdict on the model to the fixed tolerance.  :class:`Float64Kernels` is a dispatch mode (it sees the ATen ops the
 model's own run executes and changes none of the others; PyTorch's fused fast paths stay on) that computes such an
 op from its definition, in float64: for ``_grouped_mm``, one ``mm`` per group (and the 2D x 2D and 3D x 2D forms
-its gradients take: :func:`rlx_nb.run.run` keeps the mode on around the reference's backward too).  Operands of
+its gradients take: :func:`rlx_nb.execution.run.run` keeps the mode on around the reference's backward too).  Operands of
 any other dtype go to PyTorch's own kernel.
 
 Examples
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
-from rlx_nb.reassoc import QuietDispatchMode
+from rlx_nb.backends.sequential import QuietDispatchMode
 
 aten = torch.ops.aten
 
@@ -88,7 +88,7 @@ KERNELS: dict[Any, Callable[..., torch.Tensor]] = {aten._grouped_mm.default: gro
 
 class Float64Kernels(QuietDispatchMode):
     """Compute the ops in :data:`KERNELS` from their definitions where their tensor operands are float64.  (A
-    :class:`~rlx_nb.reassoc.QuietDispatchMode`: an eager run never imports ``torch._dynamo`` for it.)"""
+    :class:`~rlx_nb.backends.sequential.QuietDispatchMode`: an eager run never imports ``torch._dynamo`` for it.)"""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
@@ -104,7 +104,7 @@ class Float64Kernels(QuietDispatchMode):
 
 def float64_kernels() -> contextlib.AbstractContextManager:
     """A :class:`Float64Kernels` mode, or none where one is already on: the fp64 reference's scope holds one around
-    its forward and backward (:func:`rlx_nb.run.run`), and a second inside it would only add a Python call per op.
+    its forward and backward (:func:`rlx_nb.execution.run.run`), and a second inside it would only add a Python call per op.
 
     >>> with Float64Kernels():
     ...     inner = float64_kernels()

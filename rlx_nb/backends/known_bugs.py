@@ -15,8 +15,8 @@ import torch.nn.functional as F
 
 from rlx_nb.backends.base import Backend
 from rlx_nb.backends.faults import Fault, fault_backend
+from rlx_nb.backends.sequential import accumulate
 from rlx_nb.errors import InputError
-from rlx_nb.reassoc import accumulate
 
 LANES = 16
 """Vector lanes of :func:`_sum_no_cascade`'s kernel (AVX-512's float32 lanes)."""

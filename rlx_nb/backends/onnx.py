@@ -15,12 +15,12 @@ from typing import Any
 
 import torch
 
-from rlx_nb import phases
+from rlx_nb._support import meter as phases
+from rlx_nb._support.tree import Opaque, flatten
 from rlx_nb.backends.base import Backend
 from rlx_nb.backends.notes import add_note
 from rlx_nb.errors import with_root_cause
-from rlx_nb.prepare import shared_copy
-from rlx_nb.tree import Opaque, flatten
+from rlx_nb.execution.prepare import shared_copy
 
 
 def onnxruntime_reason() -> str | None:
@@ -61,7 +61,7 @@ class _FlatOutputs(torch.nn.Module):
 
     def rebuild(self, count: int, what: str) -> Callable[[list[torch.Tensor]], dict[str, Any]]:
         """``unflatten(tensors)`` for a converted graph with ``count`` outputs: the model's named leaves, with
-        an :class:`~rlx_nb.tree.Opaque` marker (not compared) for each output the conversion left out."""
+        an :class:`~rlx_nb._support.tree.Opaque` marker (not compared) for each output the conversion left out."""
         leaves = list(self.leaves or [])
         kept = [n for n, v in leaves if isinstance(v, torch.Tensor) and n not in self.dropped]
         if count != len(kept):
@@ -142,7 +142,7 @@ _EXPORTS: dict[tuple, Exported] = {}
 
 
 def _weights_key(model: torch.nn.Module, inputs: tuple) -> tuple:
-    # Copies of one private model share its weights' storage (rlx_nb.prepare.shared_copy): the same storage,
+    # Copies of one private model share its weights' storage (rlx_nb.execution.prepare.shared_copy): the same storage,
     # the same structure and the same input shapes are the same export.
     tensors = [*model.parameters(), *model.buffers()]
     return (

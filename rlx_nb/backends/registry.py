@@ -8,9 +8,9 @@ import threading
 from collections.abc import Callable, Iterable
 from typing import Any
 
-from rlx_nb import formats
 from rlx_nb.backends.base import ORACLE, REFERENCE, Backend, BackendFn
 from rlx_nb.errors import BackendError, InputError
+from rlx_nb.numerics import formats
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:+/@-]*$")
 

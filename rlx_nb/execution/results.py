@@ -1,0 +1,220 @@
+"""The data a run produces: named outputs of every run, saveable before any comparison.
+
+:class:`RunResults` holds the oracle's, the fp64 reference's and each candidate's outputs as
+:class:`Leaf` objects -- numpy arrays (read lazily from a saved report), plain values, or, for a
+backend that compares on its device, the device tensor with a host copy made on first use -- and
+the environment.  Nothing here runs a model: :mod:`rlx_nb.run` produces these, :mod:`rlx_nb.report.files`
+saves and loads them, :mod:`rlx_nb.compare` judges them.
+"""
+
+from __future__ import annotations
+
+import collections.abc
+import dataclasses
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+import torch
+
+from rlx_nb._support.tree import Opaque
+
+OK, ERROR, SKIPPED = "ok", "error", "skipped"
+
+GRAD_PREFIX = "grad:"
+
+
+class Leaf:
+    """One named output of one run: a numpy array (or a plain value) and the torch dtype it came as.
+
+    ``value`` may be loaded lazily (a report read from disk reads an array on first access).  A
+    backend that compares on its device (:attr:`Backend.keeps_outputs_on_device`) leaves the
+    output there as ``tensor``; the host copy behind ``value`` is then made on first access only,
+    and the metrics run on the device.
+    """
+
+    __slots__ = ("_loader", "_value", "dtype", "shape", "tensor")
+
+    def __init__(
+        self,
+        value: Any = None,
+        dtype: str = "",
+        shape: tuple[int, ...] | None = None,
+        loader: Callable[[], Any] | None = None,
+        tensor: torch.Tensor | None = None,
+    ) -> None:
+        self._value, self._loader, self.dtype, self.shape, self.tensor = value, loader, dtype, shape, tensor
+
+    @property
+    def value(self) -> Any:
+        if self._loader is not None:
+            self._value, self._loader = self._loader(), None
+        if self._value is None and self.tensor is not None:
+            self._value = self.tensor.cpu().numpy()  # the host copy, on first use (the tensor is contiguous)
+        return self._value
+
+    @property
+    def loaded(self) -> bool:
+        return self._loader is None
+
+    @property
+    def on_device(self) -> bool:
+        """True while the output exists only on its device (no host copy made yet)."""
+        return self.tensor is not None and self._value is None
+
+    @property
+    def is_array(self) -> bool:
+        return self.shape is not None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes this output holds now (device tensor plus host copy), without making a host copy.
+
+        0 for plain values and for arrays not read from disk yet.
+        """
+        size = self.tensor.numel() * self.tensor.element_size() if self.tensor is not None else 0
+        if self._loader is None and self._value is not None and self.is_array:
+            size += self._value.nbytes
+        return size
+
+    def __repr__(self) -> str:
+        where = f", on {self.tensor.device}" if self.tensor is not None else ""
+        return f"Leaf(dtype={self.dtype!r}, shape={self.shape!r}, loaded={self.loaded}{where})"
+
+
+@dataclasses.dataclass
+class BackendRun:
+    """Everything one backend produced: named outputs (and ``grad:`` outputs), status, timing."""
+
+    backend: str
+    status: str
+    outputs: dict[str, Leaf]
+    message: str = ""
+    seconds: float = 0.0
+    grad_status: str | None = None
+    grad_message: str = ""
+    compute_dtype: str = "float32"
+    reduction_lengths: dict[str, int] = dataclasses.field(default_factory=dict)
+    """For ``grad:<param>`` outputs: about how many terms the backward sums into each element."""
+    notes: list[str] = dataclasses.field(default_factory=list)
+    """What the backend said about how it ran (:func:`rlx_nb.backends.notes.add_note`): a route, graph breaks."""
+    detail: str = ""
+    """A failed run's whole error (every line, chained causes, where it was raised); ``message`` is its gist."""
+    abandoned: bool = dataclasses.field(default=False, repr=False, compare=False)
+    """Its thread was left running after its timeout (not saved: a run's own business)."""
+
+
+class Fingerprints(collections.abc.Mapping):
+    """``inputs`` and ``model`` fingerprints, computed the first time something reads them.
+
+    Nothing in a single-node report reads them; saving, merging and gathering do.  ``compute()``
+    returns the dict (a value is ``None`` when it can no longer be computed, e.g. the inputs were
+    changed in place after the run); it runs once and is then dropped.
+    """
+
+    def __init__(self, compute: Callable[[], dict]) -> None:
+        self._values: dict | None = None
+        self._compute: Callable[[], dict] | None = compute
+
+    def _get(self) -> dict:
+        if self._values is None:
+            self._values = self._compute()
+            self._compute = None
+        return self._values
+
+    def __getitem__(self, key: str) -> str | None:
+        return self._get()[key]
+
+    def __iter__(self):
+        return iter(self._get())
+
+    def __len__(self) -> int:
+        return len(self._get())
+
+    def __repr__(self) -> str:
+        return repr(self._get()) if self._values is not None else "Fingerprints(<computed when read>)"
+
+
+@dataclasses.dataclass
+class RunResults:
+    """The oracle, the fp64 reference and each candidate's outputs, plus the environment."""
+
+    label: str
+    oracle: BackendRun
+    reference: BackendRun
+    candidates: dict[str, BackendRun]
+    backward: bool
+    environment: dict[str, Any]
+    fingerprints: Mapping[str, str | None] = dataclasses.field(default_factory=dict)
+    """``inputs`` and ``model``: sha256 of the tensors' dtypes, shapes and bytes (nodes must agree on inputs);
+    a :class:`Fingerprints` computed only when read (saving, merging, gathering)."""
+    anchors: dict[int, BackendRun] = dataclasses.field(default_factory=dict)
+    """Runs with matmul/conv operands rounded to 8 and 11 bits: the effective-precision scale."""
+    sequential: BackendRun | None = None
+    """The model in float32 with plain sequential reductions (:mod:`rlx_nb.backends.sequential`): a second
+    legitimate error next to the oracle's.  ``None`` when the model has no reduction it changes
+    (it would repeat the oracle) or the run failed; when only its backward failed, it holds the
+    forward outputs.  A failure's reason is in ``environment["sequential_failed"]``."""
+    discrete: dict[str, BackendRun] = dataclasses.field(default_factory=dict)
+    """Per run (a candidate, ``cpu`` for the oracle, ``sequential``): the part of its gradients that ReLU inputs
+    within round-off of their thresholds, flipped in that run, explain (:mod:`rlx_nb.execution.discrete`), taken out
+    before the budget judges them; the run's notes say which units."""
+
+    @property
+    def output_names(self) -> list[str]:
+        return list(self.oracle.outputs)
+
+
+OPAQUE = "opaque"
+"""The dtype of a leaf that is neither a tensor nor a plain value: it is named, never compared."""
+
+
+def to_leaf(value: Any, keep_on_device: bool = False, *, copy: bool = False) -> Leaf:
+    """One output as a :class:`Leaf`: a host array sharing the tensor's memory (``copy``: its own), or the
+    device tensor itself (``keep_on_device``)."""
+    if isinstance(value, Opaque):
+        return Leaf(value.type_name, OPAQUE, None)
+    if not isinstance(value, torch.Tensor):
+        return Leaf(value, type(value).__name__, None)
+    t = value.detach()
+    dtype = str(t.dtype).removeprefix("torch.")
+    if t.dtype == torch.bfloat16:
+        t = t.float()  # numpy has no bfloat16 (nor do the device metrics); the dtype name keeps the truth
+    if keep_on_device and t.dtype in (torch.float32, torch.float16):
+        return Leaf(None, dtype, tuple(t.shape), tensor=t.contiguous())
+    arr = t.to("cpu").resolve_conj().resolve_neg().numpy()
+    if not arr.flags.c_contiguous:
+        arr = np.ascontiguousarray(arr)  # (not on 0-d outputs: it would make them 1-d)
+    elif copy:
+        arr = arr.copy()
+    return Leaf(arr, dtype, tuple(arr.shape))
+
+
+def nondeterministic(first: BackendRun, second: BackendRun) -> dict[str, float]:
+    # Outputs whose two oracle runs differ (NaN in both counts as equal), with the largest difference.
+    unstable = {}
+    for name, leaf in first.outputs.items():
+        other = second.outputs.get(name)
+        if other is None or not leaf.is_array:
+            continue
+        a, b = leaf.value, other.value
+        if a.shape != b.shape:
+            unstable[name] = float("inf")
+            continue
+        if a.dtype == b.dtype and a.dtype.kind in "biufc" and _same_bits(a, b):
+            continue  # the common case, one pass: bit for bit the same
+        same = (a == b) | ((a != a) & (b != b)) if a.dtype.kind in "fc" else a == b
+        if not np.all(same):
+            with np.errstate(invalid="ignore", over="ignore"):
+                diff = np.abs(a.astype(np.float64) - b.astype(np.float64)) if a.dtype.kind != "b" else (a != b)
+            unstable[name] = float(np.nanmax(diff)) if diff.size else 0.0
+    return unstable
+
+
+def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    # Byte-wise equality without copies (Leaf arrays are C-contiguous), in 4 MB slices so the
+    # temporary comparison stays small.
+    x = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+    y = np.ascontiguousarray(b).reshape(-1).view(np.uint8)
+    step = 1 << 22
+    return all(np.array_equal(x[s : s + step], y[s : s + step]) for s in range(0, x.size, step))

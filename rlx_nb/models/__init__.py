@@ -1,0 +1,1 @@
+"""Models to try rlx_nb on: the embedded demo models and real Hugging Face architectures from small configs."""

@@ -1,0 +1,175 @@
+"""Element look-ups of one (backend, output): its arrays, its worst elements, one element, every element.
+
+What :class:`~rlx_nb.DivergenceReport`'s ``arrays``, ``elements``, ``element`` and ``element_frame`` hand out,
+and what the explorer reads around a picked element (:func:`neighbourhood`, :func:`worst_in_block`).  Each
+takes the runs (:class:`~rlx_nb.execution.results.RunResults`) and the record that names the output; a candidate whose
+output stayed on its device gives its top-k there, and only k elements come to the host.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import pandas as pd
+import torch
+
+from rlx_nb.comparison.comparators import on_device
+from rlx_nb.comparison.records import OutputRecord
+from rlx_nb.comparison.tables import element_table, elements_frame
+from rlx_nb.errors import InputError
+from rlx_nb.execution.results import RunResults
+from rlx_nb.numerics import device as device_metrics
+from rlx_nb.numerics.elements import rel_error, top_k, ulp_distance
+from rlx_nb.plot.fold import block_argmax, error_window
+
+
+def arrays(results: RunResults, rec: OutputRecord) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    """``(oracle, backend, fp64 reference)`` arrays of the record's output (reference may be None)."""
+    if rec.output is None:
+        raise InputError(f"backend {rec.backend!r} did not run: {rec.reason}")
+    got = results.candidates[rec.backend].outputs.get(rec.output)
+    if got is None or not got.is_array:
+        raise InputError(f"{rec.backend!r} has no array output {rec.output!r}")
+    ref = results.reference.outputs.get(rec.output)
+    return results.oracle.outputs[rec.output].value, got.value, ref.value if ref is not None and ref.is_array else None
+
+
+@np.errstate(invalid="ignore", over="ignore")
+def elements(results: RunResults, rec: OutputRecord, top: int) -> pd.DataFrame:
+    """The ``top`` worst elements (by absolute error) of the record's output, worst first; O(top) memory."""
+    if not isinstance(top, int) or top < 1:
+        raise InputError(f"top must be a positive integer, got {top!r}")
+    found = _device_elements(results, rec, top)
+    if found is not None:
+        return found
+    o, b, r = arrays(results, rec)
+    if o.shape != b.shape:
+        raise InputError(f"{rec.backend!r} output shape {b.shape} differs from the oracle's {o.shape}")
+    if np.iscomplexobj(o) or np.iscomplexobj(b):
+        # Complex outputs are compared as interleaved (real, imag): the last index doubles.
+        o, b = (np.ascontiguousarray(v.astype(np.complex128)).view(np.float64) for v in (o, b))
+        r = np.ascontiguousarray(r.astype(np.complex128)).view(np.float64) if r is not None else None
+    elif not np.issubdtype(o.dtype, np.floating):
+        o, b = o.astype(np.float64), b.astype(np.float64)
+    idx, err = top_k(o, b, top)
+    return _rows(o, r, idx, err, (o.reshape(-1)[idx], b.reshape(-1)[idx]))
+
+
+def _device_elements(results: RunResults, rec: OutputRecord, top: int) -> pd.DataFrame | None:
+    # A candidate whose output stayed on its device: the top-k there (None when the output is on the host).
+    got = results.candidates[rec.backend].outputs.get(rec.output) if rec.output is not None else None
+    if got is None or not got.on_device:
+        return None
+    o = results.oracle.outputs[rec.output].value
+    if o.shape != got.tensor.shape or not on_device(o, got):
+        return None
+    eb = got.tensor.reshape(-1)
+    idx, err = device_metrics.top_k(device_metrics.as_device(o, eb.device), eb, top)
+    ref = results.reference.outputs.get(rec.output)
+    r = ref.value if ref is not None and ref.is_array else None
+    bf = eb[torch.from_numpy(idx).to(eb.device)].cpu().numpy()
+    return _rows(o, r, idx, err, (o.reshape(-1)[idx], bf))
+
+
+def element(results: RunResults, rec: OutputRecord, index: tuple[int, ...]) -> pd.DataFrame:
+    """One element of the record's output as a one-row frame (the columns of :func:`elements`)."""
+    o, b, r = arrays(results, rec)
+    index = tuple(int(i) for i in index)
+    if len(index) != o.ndim or any(not (0 <= i < n) for i, n in zip(index, o.shape, strict=True)):
+        raise InputError(f"index {index} is not inside the output's shape {o.shape}")
+    flat = np.array([np.ravel_multi_index(index, o.shape) if o.ndim else 0])
+    of, bf = o.reshape(-1)[flat], b.reshape(-1)[flat]
+    with np.errstate(invalid="ignore", over="ignore"):
+        err = np.abs(bf.astype(np.float64) - of.astype(np.float64))
+    return _rows(o, r, flat, err, (of, bf))
+
+
+@np.errstate(invalid="ignore", over="ignore", divide="ignore")
+def element_frame(results: RunResults, rec: OutputRecord, max_bytes: float) -> pd.DataFrame:
+    """Every element of the record's output as a frame with compact dtypes, refused past ``max_bytes``."""
+    o, b, r = arrays(results, rec)
+    if o.shape != b.shape or o.dtype.kind not in "f":
+        raise InputError(f"a per-element frame needs a real floating output of one shape; got {o.dtype} {o.shape}")
+    width = 8 + 4 + 4 + 4 + sum(np.dtype(np.min_scalar_type(max(n - 1, 0))).itemsize for n in o.shape)
+    width += 2 * o.dtype.itemsize
+    size = o.size * width
+    if size > max_bytes:
+        raise InputError(
+            f"a per-element frame of {o.size:,} rows would take about {size / 1e9:.2f} GB "
+            f"(max_bytes={max_bytes:.3g}); use report.elements(..., top=k) for the worst elements, "
+            "or pass a larger max_bytes"
+        )
+    return element_table(o, b, r)
+
+
+def neighbourhood(
+    results: RunResults, rec: OutputRecord, index: tuple[int, ...], fold: Any, radius: int = 2
+) -> np.ndarray:
+    """``|backend - oracle|`` around ``index`` on a heatmap's folded grid (``fold``, see :mod:`rlx_nb.plot.fold`)."""
+    o, b, _ = arrays(results, rec)
+    return error_window(o, b, fold, index, radius)
+
+
+def worst_in_block(
+    results: RunResults, rec: OutputRecord, fold: Any, block: tuple[int, int], factors: tuple[int, int]
+) -> tuple[int, ...]:
+    """The index of the worst element in one pooled cell of a heatmap (what a click on it picks)."""
+    o, b, _ = arrays(results, rec)
+    return block_argmax(o, b, fold, block, factors)
+
+
+@np.errstate(invalid="ignore", over="ignore")
+def _rows(o: np.ndarray, r: np.ndarray | None, idx: np.ndarray, err: np.ndarray, values: tuple) -> pd.DataFrame:
+    # The element rows of ``idx`` (flat indices into ``o``'s shape); ``values``: the oracle's and backend's there.
+    of, bf = values
+    rf = r.reshape(-1)[idx].astype(np.float64) if r is not None else np.full(idx.size, np.nan)
+    ulp = ulp_distance(of, bf.astype(of.dtype)) if of.dtype in (np.float16, np.float32, np.float64) else None
+    rows = {
+        "rank": np.arange(idx.size),
+        "index": [tuple(int(v) for v in np.unravel_index(i, o.shape)) for i in idx],
+        "flat_index": idx,
+        "oracle": of,
+        "backend": bf,
+        "reference": rf,
+        "abs_err": err,
+        "rel_err": rel_error(of, bf),
+        "ulp_err": ulp if ulp is not None else np.zeros(idx.size, np.int64),
+        "oracle_err_fp64": of.astype(np.float64) - rf,
+        "backend_err_fp64": bf.astype(np.float64) - rf,
+    }
+    return elements_frame(rows)
+
+
+ELEMENT_DIGITS = {"oracle": 9, "backend": 9, "reference": 12}
+"""Significant digits of the element table's values: float32's 9 tell the oracle and the backend apart where
+they differ in the last bit; the fp64 reference shows the digits that the float32 values round away."""
+
+
+def element_html(frame: Any) -> str:
+    """The worst elements as an HTML table whose numbers show the digits that differ (never wrapped)."""
+    shown = frame.copy()
+    for column in shown.columns:
+        digits = ELEMENT_DIGITS.get(column)
+        if digits is not None:
+            shown[column] = [f"{float(v):.{digits}g}" for v in shown[column]]
+        elif shown[column].dtype.kind == "f":
+            shown[column] = [f"{float(v):.3e}" for v in shown[column]]
+    shown["index"] = [str(tuple(v)) for v in shown["index"]]
+    body = shown.to_html(index=False, escape=True, classes="rlx-elements")
+    return f"<div style='white-space:nowrap;overflow-x:auto'>{body}</div>"
+
+
+def neighbourhood_html(window: Any) -> str:
+    """A picked element's 5 x 5 neighbourhood (:func:`neighbourhood`) as an HTML table, the element in the middle."""
+    cells = "".join(
+        "<tr>"
+        + "".join(
+            f"<td style='padding:2px 6px;{'font-weight:bold;background:#fde0dc' if (i, j) == (2, 2) else ''}'>"
+            f"{'' if v != v else f'{v:.1e}'}</td>"
+            for j, v in enumerate(row)
+        )
+        + "</tr>"
+        for i, row in enumerate(window)
+    )
+    return f"<p><b>neighbourhood</b> (abs error, folded grid)</p><table>{cells}</table>"

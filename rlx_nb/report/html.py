@@ -1,0 +1,189 @@
+"""One self-contained HTML file for a report: to attach to an issue or send to a vendor.
+
+Images are inline PNGs, styles inline; no script and no network is needed to read it.  It holds the
+verdict lines, the backends and summary tables, for each SUSPECT output its heatmap, histogram and worst elements,
+the environment (versions, CPU flags, backend settings), and a localization when one is given.  It
+holds no model weights: only outputs' statistics, a few elements' values and pictures of the errors.
+"""
+
+from __future__ import annotations
+
+import base64
+import datetime
+import html
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+from rlx_nb._support.safe import html_text
+from rlx_nb.errors import writing
+
+MAX_SECTIONS = 12
+"""At most this many SUSPECT (backend, output) pairs get figures; the rest are listed."""
+
+MAX_SUMMARY_ROWS = 300
+"""Rows of the summary table, SUSPECT first, then by their place on the SUSPECT line; the rest are counted."""
+
+SUMMARY_COLUMNS = (
+    "backend", "output", "verdict", "line", "cause", "shape", "max_abs", "max_rel", "ratio_rmse", "ratio_max",
+    "mismatched", "max_ulp", "cosine", "pcc", "sqnr_db", "nmse", "effective_bits",
+)  # fmt: skip
+"""The summary's columns in the file (the whole row of every output: the ``.rlxnb`` file)."""
+
+_STYLE = """
+body { font-family: system-ui, sans-serif; margin: 2em; color: #222; max-width: 1200px; }
+pre { background: #f6f6f6; padding: 0.8em; white-space: pre-wrap; font-size: 12px; }
+table { border-collapse: collapse; font-size: 12px; margin: 0.5em 0; }
+td, th { border: 1px solid #ddd; padding: 3px 6px; text-align: right; white-space: nowrap; }
+th { background: #f0f0f0; }
+td:first-child, th:first-child { text-align: left; }
+.suspect { color: #b00020; font-weight: bold; }
+.figs img { max-width: 100%; margin-right: 1em; vertical-align: top; }
+section { border-top: 1px solid #ccc; margin-top: 1.5em; }
+"""
+
+
+def _png(fig: Any) -> str:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=80, bbox_inches="tight")
+    return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+def _figure(width: float, height: float) -> Any:
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width, height), layout="constrained")
+
+
+def _table(frame: Any) -> str:
+    # Numbers as the notebook shows them (frames.FORMATS: enough digits to tell the oracle from the
+    # backend and the reference, a cosine of 0.999999998 not rounded to 1); other floats in 4 digits.
+    from rlx_nb.comparison.tables import FORMATS
+
+    def fmt(spec: str):
+        return lambda v: "" if v != v else spec.format(v)
+
+    floats = [c for c in frame.columns if frame[c].dtype.kind == "f"]
+    formatters = {c: fmt(FORMATS.get(c, "{:.4g}")) for c in floats}
+    return frame.to_html(index=False, escape=True, border=0, na_rep="", formatters=formatters)
+
+
+def _environment(env: dict[str, Any]) -> str:
+    rows = []
+    for key, value in env.items():
+        text = value if isinstance(value, str) else json.dumps(value, default=str, sort_keys=True)
+        if len(text) > 600:
+            text = text[:600] + " …"
+        rows.append(
+            f"<tr><td>{html.escape(str(key))}</td><td style='text-align:left; white-space:normal'>{html.escape(text)}</td></tr>"
+        )
+    return "<table><tr><th>key</th><th>value</th></tr>" + "".join(rows) + "</table>"
+
+
+def _summary(report: Any) -> str:
+    from rlx_nb.verdict.rule import SUSPECT
+
+    frame = report.summary_detail
+    frame = frame.assign(_first=frame.verdict != SUSPECT).sort_values(["_first", "line"], ascending=[True, False])
+    cols = [c for c in SUMMARY_COLUMNS if c in frame]
+    rest = len(frame) - MAX_SUMMARY_ROWS
+    more = (
+        f"<p>{rest} more rows, after these in the same order (SUSPECT first, then by their place on the SUSPECT "
+        "line): <code>report.save(path)</code> keeps every row.</p>"
+        if rest > 0
+        else ""
+    )
+    return "<h2>Summary: one row per backend and output</h2>" + _table(frame[cols].head(MAX_SUMMARY_ROWS)) + more
+
+
+def _suspect_section(report: Any, rec: Any) -> str:
+    metric = "line" if rec.judgement.budget_max == rec.judgement.budget_max else "abs"
+    heat = _figure(6.0, 4.5)
+    report.plot.heatmap(rec.backend, rec.output, metric=metric, ax=heat.add_subplot(), max_pixels=400)
+    hist = _figure(6.5, 4.0)
+    report.plot.histogram(rec.output, metric=metric, ax=hist.add_subplot(), highlight=rec.backend)
+    worst = report.elements(rec.backend, rec.output, top=10)
+    return (
+        f"<section><h3><span class='suspect'>SUSPECT</span> {html.escape(rec.backend)} · "
+        f"<code>{html.escape(rec.output)}</code></h3><p>{html.escape(rec.reason)}</p>"
+        f"<div class='figs'><img alt='heatmap of {html.escape(rec.backend)} {html.escape(rec.output)}' "
+        f"src='{_png(heat)}'><img alt='histogram of {html.escape(rec.output)}' src='{_png(hist)}'></div>"
+        f"<h4>Worst elements</h4>{_table(worst)}</section>"
+    )
+
+
+def _localization(loc: Any) -> str:
+    fig = _figure(9.0, 4.0)
+    loc.plot(ax=fig.add_subplot())
+    culprit = html.escape(loc.culprit or "none — every module within round-off")
+    repro = (
+        "<p>Standalone repro: <code>loc.repro('repro/')</code> writes <code>inputs.npz</code>, "
+        "<code>case.json</code> and <code>repro.py</code> (run <code>python repro/repro.py</code>).</p>"
+        if loc.culprit
+        else ""
+    )
+    cols = [c for c in ("name", "kind", "verdict", "local_line", "propagated_line", "notes") if c in loc.frame]
+    return (
+        f"<section><h2>Localization: {html.escape(loc.backend)}</h2><p>Culprit: <b>{culprit}</b>; suspects: "
+        f"{html.escape(', '.join(loc.suspects) or 'none')}</p><img src='{_png(fig)}' alt='localization'>"
+        f"{repro}{_table(loc.frame[cols])}</section>"
+    )
+
+
+def report_html(report: Any, *, localization: Any = None, title: str | None = None, prelude: str = "") -> str:
+    """The whole HTML document for ``report`` (and ``localization``, a :class:`rlx_nb.Localization`);
+    ``prelude`` (HTML rlx_nb built, its texts escaped) goes before the verdicts."""
+    from rlx_nb._version import __version__
+    from rlx_nb.verdict.rule import SUSPECT
+
+    title = title or f"rlx_nb: {report.label}"
+    suspects = [r for r in report.records if r.verdict == SUSPECT and r.output is not None]
+    shown = suspects[:MAX_SECTIONS]
+    rest = suspects[MAX_SECTIONS:]
+    parts = [
+        "<!DOCTYPE html><html><head><meta charset='utf-8'>",
+        f"<title>{html_text(title)}</title><style>{_STYLE}</style></head><body>",
+        f"<h1>{html_text(title)}</h1>",
+        f"<p>{len(report.results.candidates)} backend(s) against the CPU oracle, judged by the "
+        f"<i>{html.escape(report.rule)}</i> rule; suspects: <span class='suspect'>"
+        f"{html.escape(', '.join(report.suspects) or 'none')}</span>. Written by rlx_nb {__version__} on "
+        f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC.</p>",
+        prelude,
+        "<h2>Verdicts</h2><pre>" + html.escape("\n".join(report.lines())) + "</pre>",
+        "<h2>Backends</h2>" + _table(report.backends),
+        _summary(report),
+    ]
+    if shown:
+        parts.append("<h2>SUSPECT outputs</h2>")
+        parts += [_suspect_section(report, rec) for rec in shown]
+    if rest:
+        listed = ", ".join(f"{r.backend} · {r.output}" for r in rest)
+        parts.append(f"<p>{len(rest)} more SUSPECT outputs, without figures: {html.escape(listed)}</p>")
+    if localization is not None:
+        parts.append(_localization(localization))
+    parts += [
+        "<h2>Environment</h2>",
+        _environment(dict(report.results.environment)),
+        "<p>No model weights are in this file: outputs' statistics, a few elements' values and pictures of the "
+        "errors only. Every output's arrays are in the report itself: <code>report.save('name.rlxnb')</code> "
+        "writes them, <code>rlx_nb.load_report</code> reads them back.</p></body></html>",
+    ]
+    return "".join(parts)
+
+
+def write_html(
+    report: Any, path: str | Path, *, localization: Any = None, title: str | None = None, prelude: str = ""
+) -> Path:
+    """Write :func:`report_html` to ``path`` (``.html`` appended when it has no suffix); returns the path."""
+    path = Path(path)
+    if path.suffix.lower() not in (".html", ".htm"):
+        path = path.with_name(path.name + ".html")
+    page = report_html(report, localization=localization, title=title, prelude=prelude)
+    with writing(path, "the HTML report"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(page, encoding="utf-8", errors="replace")  # (a lone surrogate anywhere: "?", never a crash)
+    return path
+
+
+__all__ = ["MAX_SECTIONS", "MAX_SUMMARY_ROWS", "report_html", "write_html"]

@@ -1,0 +1,224 @@
+"""The verdict's data: the verdict names, what decided one (:class:`Cause`), what the rule reads
+(:class:`Evidence`) and what it returns (:class:`Judgement`).  Types only; the rule is :mod:`rlx_nb.verdict.rule`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Any, TypeVar
+
+from rlx_nb.numerics.reference import ReferenceStats, SliceStats
+
+ROUNDOFF = "round-off"
+SUSPECT = "SUSPECT"
+VERDICT_ERROR = "error"
+VERDICT_SKIPPED = "skipped"
+NEAR_TIE = "near-tie"
+"""A generated token that differs from the oracle's where fp64 puts the two within the step's round-off."""
+DISAGREEMENT = "real disagreement"
+"""A generated token that differs from the oracle's further than the step's round-off allows (SUSPECT)."""
+NONDETERMINISTIC = "nondeterministic"
+
+_Frozen = TypeVar("_Frozen")
+
+
+def replaced(obj: _Frozen, **changes: Any) -> _Frozen:
+    """``dataclasses.replace(obj, **changes)`` for the verdict's frozen dataclasses (a :class:`Judgement`, an
+    output record), without its per-field walk: the record of every (backend, output) is replaced four times
+    on its way to the table, and ``dataclasses.replace`` took 12% of a small decoder's comparison.  The same new
+    object: every field ``obj``'s but ``changes``, none of which may be a name that is not a field.
+
+    Examples
+    --------
+    >>> j = Judgement("round-off", Cause.WITHIN, line=0.5)
+    >>> replaced(j, line=2.0) == dataclasses.replace(j, line=2.0)
+    True
+    """
+    names = _init_fields(type(obj))
+    if names is None:  # (a field __init__ does not set, or a __post_init__: only dataclasses.replace knows)
+        return dataclasses.replace(obj, **changes)  # type: ignore[type-var]
+    unknown = [k for k in changes if k not in names]
+    if unknown:
+        raise TypeError(f"{type(obj).__name__} has no field {unknown[0]!r}")
+    new = object.__new__(type(obj))
+    state = obj.__dict__
+    new.__dict__.update({k: state[k] for k in names})  # (what __init__ would set: the fields, nothing else)
+    new.__dict__.update(changes)
+    return new
+
+
+@functools.cache
+def _init_fields(cls: type) -> tuple[str, ...] | None:
+    # The fields __init__ sets from its arguments, when that is all it does; else None.
+    fields = dataclasses.fields(cls)
+    if hasattr(cls, "__post_init__") or hasattr(cls, "__slots__") or not all(f.init for f in fields):
+        return None
+    return tuple(f.name for f in fields)
+
+
+class Cause:
+    """What decided a :class:`Judgement`: the clause of the rule, or the reading of a SUSPECT output."""
+
+    IDENTICAL = "identical"
+    """Bit for bit the oracle's output."""
+    WITHIN = "within budget"
+    """The error against fp64 is within the round-off the legitimate runs show."""
+    DISCRETE = "discrete events"
+    """... once ReLU inputs within round-off of their thresholds that flipped are taken out."""
+    ORACLE_OFF = "oracle off the reference"
+    """The backend is within its budget and the oracle is the outlier: judged the other way round, against the
+    backend's error, the oracle's would be SUSPECT (or its NaN/Inf pattern differs from fp64's where the backend's
+    does not)."""
+    WHOLE = "whole output"
+    """SUSPECT: the error's RMSE over the budget past its limit."""
+    WORST = "worst element"
+    """SUSPECT: the largest error over the budget past its limit (further past than the RMSE)."""
+    SLICE = "slice"
+    """SUSPECT: one slice's mean error past what round-off allows there, the whole output within."""
+    CONCENTRATED = "concentration"
+    """SUSPECT: the worst element stands out as round-off never does, the whole output within."""
+    NONFINITE = "NaN/Inf pattern"
+    """SUSPECT: NaN/Inf where neither the oracle nor fp64 has one (or the reverse)."""
+    ZEROS = "positions the model zeroes"
+    """SUSPECT reading: nonzero where the oracle and fp64 are exactly 0, round-off elsewhere."""
+    PRECISION = "precision likeness"
+    """SUSPECT reading: at about a narrower format's bits, spread: a precision mode, or a kernel error that size."""
+    LESS_ACCURATE = "less accurate"
+    """SUSPECT reading: a uniformly less accurate arithmetic (every SUSPECT output of the backend reads so)."""
+    FIXED = "fixed rule"
+    """The seed's ``max_rel > tol_rel`` decided (``rule="fixed"``, or no fp64 reference)."""
+    STRUCTURE = "structure"
+    """SUSPECT: an output missing, extra, of another shape, or a plain value that differs."""
+    EXACT = "exact match"
+    """An integer or boolean output: equal, or not."""
+    NOT_COMPARED = "not compared"
+    """An object that holds no tensor."""
+    NONDETERMINISTIC = "nondeterministic"
+    """The model's own two oracle runs differ on this output."""
+    ERROR = "error"
+    SKIPPED = "skipped"
+
+
+@dataclasses.dataclass(frozen=True)
+class SliceEvidence:
+    """Per-slice error sums (:class:`~rlx_nb.numerics.reference.SliceStats`) of the backend and of the legitimate runs.
+
+    ``legit``: the fp32 oracle and sequential run; ``at_precision``: the anchor at a reduced-precision
+    backend's own width; ``profiles``: ``(whole-output RMSE, slice sums)`` of every precision anchor,
+    whose error shows which slices amplify round-off.  All have the backend's axes.
+    """
+
+    backend: SliceStats
+    legit: tuple[SliceStats, ...]
+    at_precision: tuple[SliceStats, ...] = ()
+    profiles: tuple[tuple[float, SliceStats], ...] = ()
+
+
+@dataclasses.dataclass(frozen=True)
+class Evidence:
+    """Everything the budget verdict reads about one (backend, output): errors against the fp64 reference."""
+
+    backend: str
+    kind: str
+    compute_dtype: str
+    numel: int
+    errors: ReferenceStats
+    """The backend's output against fp64."""
+    oracle: ReferenceStats
+    sequential: ReferenceStats | None = None
+    anchor: tuple[int, ReferenceStats] | None = None
+    """``(bits, errors)`` of the anchor at the backend's own precision (reduced-precision backends only)."""
+    slices: SliceEvidence | None = None
+    nonfinite_mismatch: int = 0
+    """Elements whose NaN/Inf pattern differs from both the oracle's and fp64's (or from the oracle's, without
+    a reference)."""
+    reduction_length: int = 1
+    anchors_rmse: dict[int, float] = dataclasses.field(default_factory=dict)
+    """Every precision anchor's RMSE against fp64 on this output: the effective-precision scale."""
+    oracle_outliers: int = 0
+    """Elements where the backend's NaN/Inf pattern is fp64's and the oracle's is not."""
+    max_abs: float = math.nan
+    """The backend's largest difference from the oracle (0: bit for bit the oracle's)."""
+    discrete_events: int = 0
+    """Flipped ReLU inputs taken out of the backend's error before it was measured (:mod:`rlx_nb.execution.discrete`)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Judgement:
+    """The verdict on one (backend, output), the clause that decided it and the figures behind it.
+
+    ``verdict`` is what the rule in charge decided; ``cause`` (a :class:`Cause`) why; ``line`` the one number
+    on the SUSPECT line's scale (past 1.0 is SUSPECT: the budget clauses' excess, ``max_rel / tol_rel`` under
+    the fixed rule, infinite for a NaN/Inf or structural mismatch).  Every text of a verdict (the reason, the
+    seed's lines, the tables' cells) formats a Judgement (:mod:`rlx_nb.verdict.words`).
+    """
+
+    verdict: str
+    cause: str
+    line: float = math.nan
+    verdict_fixed: str = ""
+    verdict_budget: str | None = None
+    detail: str = ""
+    """For a verdict without statistics (error, skipped, structure): what happened, in words."""
+    tol_rel: float = math.nan
+    budget_rmse: float = math.nan
+    budget_max: float = math.nan
+    ratio_rmse: float = math.nan
+    ratio_max: float = math.nan
+    excess: float = math.nan
+    slice_ratio: float = math.nan
+    slice_at: str = ""
+    concentration: float = math.nan
+    concentrated: bool = False
+    oracle_rmse: float = math.nan
+    backend_rmse: float = math.nan
+    oracle_max_err: float = math.nan
+    backend_max_err: float = math.nan
+    sequential_rmse: float = math.nan
+    sequential_max_err: float = math.nan
+    effective_bits: float = math.nan
+    closest_format: str = ""
+    anchor_likeness: float = math.nan
+    """For a SUSPECT reading near a narrower format: correlation of |error| with that format's anchor."""
+    zero_mismatch: int = 0
+    """For a SUSPECT output: elements where the oracle and fp64 are exactly 0 and the backend is not."""
+    zero_mismatch_max: float = math.nan
+    excess_elsewhere: float = math.nan
+    """... and the budget excess (as ``excess``) over every other element."""
+    error_bias: float = math.nan
+    """For a SUSPECT output: the mean of its error against fp64 over the error's RMS (noise: ~0)."""
+    error_value_corr: float = math.nan
+    """... and the error's correlation with the fp64 values (noise: ~0; a scale bug: ~1)."""
+    slice_share: float = math.nan
+    """For a judged output: the share of the error's square on the slice that holds most over its round-off share
+    (:func:`rlx_nb.verdict.chance.slice_share`) ..."""
+    slice_share_over: float = math.nan
+    """... how many times its round-off share that is ..."""
+    slice_share_at: str = ""
+    """... and which slice (``[:, :, 3]``).  Past :data:`rlx_nb.verdict.readings.LOCALIZED_OVER` with at least
+    :data:`rlx_nb.verdict.readings.LOCALIZED_SHARE` of the error, the error is localized: a bug on one row, position or
+    channel, never read as a precision mode or a less accurate arithmetic."""
+    less_accurate: bool = False
+    """Every SUSPECT output of this backend reads as a uniformly less accurate arithmetic (:func:`looks_less_accurate`)."""
+    discrete_events: int = 0
+    """ReLU inputs within round-off of a threshold that flipped in this backend's run, taken out before judging."""
+    nonfinite_unexplained: int = 0
+    """Elements whose NaN/Inf pattern the backend has and neither the oracle nor fp64 does (or the reverse)."""
+    oracle_outliers: int = 0
+    """Elements where the backend's NaN/Inf pattern is fp64's and the oracle's is not."""
+    nondeterminism: float = math.nan
+    """For a nondeterministic output: how far the model's own two oracle runs differ."""
+    notes: tuple[str, ...] = ()
+
+    @property
+    def suspect(self) -> bool:
+        return self.verdict == SUSPECT
+
+
+def without_statistics(verdict: str, cause: str, detail: str) -> Judgement:
+    """A verdict decided without statistics: an error, a skip, a structural mismatch (SUSPECT), an exact match."""
+    line = math.inf if verdict == SUSPECT else 0.0 if verdict == ROUNDOFF else math.nan
+    budget = SUSPECT if verdict == SUSPECT else None
+    return Judgement(verdict, cause, line, verdict_fixed=verdict, verdict_budget=budget, detail=detail)

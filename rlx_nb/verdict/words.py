@@ -1,0 +1,265 @@
+"""The words of a verdict: the reason sentence of a record, the few words for a table cell.
+
+:mod:`rlx_nb.verdict.rule` decides, and its :class:`~rlx_nb.verdict.rule.Judgement` names the clause that decided
+(``cause``); this module only says it, from a record's judgement, pair statistics and identity (an
+:class:`~rlx_nb.comparison.records.OutputRecord`).  One sentence per cause; nothing here works out again why.
+"""
+
+from __future__ import annotations
+
+import math
+
+from rlx_nb.comparison.records import OutputRecord, worst_record
+from rlx_nb.numerics import formats
+from rlx_nb.verdict.readings import localized
+from rlx_nb.verdict.rule import (
+    MAX_LIMIT,
+    NONDETERMINISTIC,
+    PRECISION_ALIKE,
+    PRECISION_UNLIKE,
+    RMSE_LIMIT,
+    SUSPECT,
+    VERDICT_ERROR,
+    VERDICT_SKIPPED,
+    Cause,
+    Judgement,
+    whole_excess,
+)
+
+
+def _less_accurate_reason(j: Judgement, worst: float, ops: dict[str, int] | None) -> str:
+    where = op_hint(ops)
+    return (
+        f"SUSPECT as the fp32 it claims to be, and uniformly less accurate: ~{j.effective_bits:.1f} effective bits of "
+        f"fp32's 24 ({worst:.3g}x the fp32 round-off budget), its error spread over the whole output and noise-like "
+        "(no bias, not following the values) — what a less accurate algorithm leaves"
+        f"{f' ({where})' if where else ''}, and what a small systematic error can leave too: localize the backend to "
+        "see which op"
+    )
+
+
+def op_hint(ops: dict[str, int] | None) -> str:
+    """Where such arithmetic usually is, from the model's matrix work by class (``{"convolution": 53, ...}``)."""
+    if not isinstance(ops, dict):
+        return ""
+    counts = {
+        k: v for k, v in ops.items() if isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v > 0
+    }
+    convolutions = counts.get("convolution", 0)
+    if convolutions:
+        return (
+            f"this model's {convolutions} convolution call(s) are the usual place (a fast algorithm such as Winograd "
+            "or FFT: NNPACK, some cuDNN and oneDNN choices)"
+        )
+    if counts:
+        return "this model's matrix products are the usual place (a split or reduced-precision accumulation)"
+    return ""
+
+
+def _precision_reason(j: Judgement, worst: float) -> str:
+    # A SUSPECT forward output of a backend claiming fp32, at about a narrower format's bits: a precision
+    # mode, or a kernel error of that size.  How its error follows the anchor's tells them apart, if it does.
+    bits, fmt, like = j.effective_bits, j.closest_format, j.anchor_likeness
+    size = f"about {bits:.0f} effective bits while it claims fp32 (error {worst:.3g}x the fp32 budget)"
+    anchor = (
+        f"correlation {like:.2f} with the {formats.label_bits(fmt)}-bit anchor"
+        if like == like
+        else "no anchor to compare"
+    )
+    if like >= PRECISION_ALIKE:
+        return (
+            f"behaves like {fmt}: {size}, and its error follows the pattern {fmt} arithmetic leaves on this model "
+            f"({anchor}) — a reduced-precision mode such as TF32, autocast or a runtime precision hint is likely on"
+        )
+    if like <= PRECISION_UNLIKE:
+        return (
+            f"error of {size}, but it does not follow the pattern a reduced-precision mode leaves on this model "
+            f"({anchor}) — likely a systematic kernel error, not a precision setting"
+        )
+    return (
+        f"{size}: either a reduced-precision mode (TF32, autocast, a runtime precision hint) or a systematic kernel "
+        f"error of that size — its error's pattern does not tell them apart ({anchor})"
+    )
+
+
+def _oracle_off_reason(r: OutputRecord) -> str:
+    # The backend within its budget, the oracle the outlier: say where, with the three values there.
+    j, p, b = r.judgement, r.pair, r.backend
+    at = ""
+    if p.worst_index is not None:
+        where = f"at {list(p.worst_index)}" if p.worst_index else "there"
+        at = f"; {where} the oracle gives {p.oracle_value:.6g}, fp64 {p.reference_value:.6g}, {b} {p.backend_value:.6g}"
+    if j.oracle_outliers:
+        return (
+            f"the oracle, not {b}, is off the fp64 reference: {j.oracle_outliers} element(s) where {b} has NaN/Inf "
+            f"as fp64 does and the oracle does not (or the reverse){at}; everywhere else {b} is round-off"
+        )
+    return (
+        f"the oracle, not {b}, is off the fp64 reference: the oracle's error against fp64 (RMSE {j.oracle_rmse:.3g}, "
+        f"largest {j.oracle_max_err:.3g}) is past what {b}'s own (RMSE {j.backend_rmse:.3g}, largest "
+        f"{j.backend_max_err:.3g}) allows{at} — judged the other way round the oracle would be SUSPECT; {b} is "
+        "round-off"
+    )
+
+
+def reason(r: OutputRecord, ops: dict[str, int] | None = None) -> str:
+    """The one-line reason of a record: its judgement's cause, in words.  ``ops``: the model's matrix work by
+    class, to say where a less accurate arithmetic usually is."""
+    j = r.judgement
+    if j.cause == Cause.NONDETERMINISTIC:
+        return nondeterministic_reason(j.nondeterminism)
+    if j.cause in (Cause.ERROR, Cause.SKIPPED, Cause.STRUCTURE, Cause.EXACT, Cause.NOT_COMPARED):
+        return j.detail
+    if j.cause == Cause.NONFINITE or (j.cause == Cause.FIXED and r.pair.nonfinite_mismatch):
+        n = j.nonfinite_unexplained if j.cause == Cause.NONFINITE else r.pair.nonfinite_mismatch
+        return f"{n} NaN/Inf elements where the oracle has none (or the reverse)"
+    if j.cause == Cause.FIXED:  # (the seed's rule: its own line, max_rel at tol_rel)
+        if j.verdict == SUSPECT:
+            return f"max_rel {r.pair.max_rel:.3e} > tol_rel {j.tol_rel:.1e} — relative error too large for round-off"
+        return f"max_rel {r.pair.max_rel:.3e} <= tol_rel {j.tol_rel:.1e}"
+    fmt = formats.short(r.compute_dtype) if r.compute_dtype == "float32" else r.compute_dtype
+    worst = max(j.ratio_rmse, j.ratio_max)
+    at = on_line(j.line)
+    if j.cause == Cause.IDENTICAL:
+        return "bit for bit identical to the oracle"
+    if j.cause == Cause.ZEROS:
+        share = j.zero_mismatch / max(r.numel, 1)
+        return (
+            f"{at}: differs where the model writes zeros: {j.zero_mismatch} element(s) ({share:.2%}) that the "
+            f"oracle and fp64 both give as exactly 0 are nonzero here (up to {j.zero_mismatch_max:.3g}) — "
+            "positions the eager model sets rather than computes, such as padding a fused inference fast "
+            f"path skips or a mask; everywhere else it is {fmt} round-off ({j.excess_elsewhere:.2g} of the line)"
+        )
+    if j.cause == Cause.PRECISION:
+        return f"{at}: {_precision_reason(j, worst)}"
+    if j.cause == Cause.LESS_ACCURATE:
+        return f"{at}: {_less_accurate_reason(j, worst, ops)}"
+    if j.cause == Cause.SLICE:
+        whole = whole_excess(j.ratio_rmse, j.ratio_max)
+        return (
+            f"{at} on one slice: the mean error of {r.output}{j.slice_at} is {j.slice_ratio:.3g}x what round-off "
+            f"allows there (the line is at {RMSE_LIMIT:g}x), while the output as a whole is at {whole:.2g} of the "
+            "line — round-off averages out over a slice, a bug on one row or channel does not"
+        )
+    if j.cause == Cause.CONCENTRATED:
+        over = j.backend_max_err / j.oracle_max_err if j.oracle_max_err > 0 else math.inf
+        return (
+            f"{at} by concentration: the worst element is {over:.3g}x the oracle's worst and stands out "
+            f"{j.concentration:.2g}x more than round-off does, while the output as a whole is at {j.excess:.2g} of "
+            "the line — likely a bug on one row or channel"
+        )
+    if j.cause in (Cause.WHOLE, Cause.WORST):
+        what = (
+            ("its largest error", j.ratio_max, MAX_LIMIT)
+            if j.cause == Cause.WORST
+            else ("its RMS error", j.ratio_rmse, RMSE_LIMIT)
+        )
+        where = (
+            f"; {j.slice_share:.0%} of it sits on {r.output}{j.slice_share_at} ({j.slice_share_over:.2g}x the share "
+            "round-off leaves there) — likely a kernel bug on that one row, position or channel"
+            if localized(j)
+            else " — likely a kernel bug"
+        )
+        return f"{at}: {what[0]} is {what[1]:.3g}x the {fmt} round-off budget (the line is at {what[2]:g}x){where}"
+    if j.cause == Cause.ORACLE_OFF:
+        return f"round-off, {at}: {_oracle_off_reason(r)}"
+    if j.cause == Cause.DISCRETE:
+        return (
+            f"round-off, {at} once {j.discrete_events} discrete event(s) are accounted for: inputs within "
+            f"round-off of a ReLU's threshold flipped (see the note); its error {worst:.3g}x the {fmt} round-off budget"
+        )
+    return f"round-off, {at}: its error {worst:.3g}x the {fmt} round-off budget"
+
+
+def on_line(line: float) -> str:
+    """A place on the SUSPECT line in words: ``0.31 of the SUSPECT line``, ``15.3x the SUSPECT line``."""
+    if line != line:
+        return "off the SUSPECT line's scale"
+    if math.isinf(line):
+        return "far past the SUSPECT line"
+    return f"{line:.3g}x the SUSPECT line" if line >= 1 else f"{line:.2g} of the SUSPECT line"
+
+
+def short_reason(r: OutputRecord) -> str:
+    """A few words for a table cell: the record's place on the SUSPECT line and what decided it (the whole
+    sentence is ``reason``)."""
+    j = r.judgement
+    if r.verdict in (VERDICT_ERROR, VERDICT_SKIPPED):
+        text = r.reason.split(" (at ")[0]
+        return f"{r.verdict}: {text[:70]}{'…' if len(text) > 70 else ''}"
+    if j.cause == Cause.NONDETERMINISTIC:
+        return "the model is nondeterministic"
+    if j.cause == Cause.NONFINITE:
+        return f"{j.nonfinite_unexplained} NaN/Inf mismatches"
+    if j.cause == Cause.FIXED:
+        if r.pair.nonfinite_mismatch:
+            return f"{r.pair.nonfinite_mismatch} NaN/Inf mismatches"
+        return f"{j.line:.2g}x the seed's line (max_rel {r.pair.max_rel:.2e})"
+    if j.verdict_budget is None or j.line != j.line:
+        return r.reason[:70]
+    if j.cause == Cause.IDENTICAL:
+        return "identical"
+    if j.cause == Cause.ORACLE_OFF:
+        return f"round-off, {j.line:.2g} of the line; the oracle is off fp64"
+    if j.verdict != SUSPECT:
+        return f"round-off, {j.line:.2g} of the line"
+    head = f"{j.line:.3g}x the line"
+    if j.cause == Cause.PRECISION:
+        like = j.anchor_likeness
+        what = (
+            "likely a precision mode"
+            if like >= PRECISION_ALIKE
+            else "a kernel error, not a precision mode"
+            if like <= PRECISION_UNLIKE
+            else "a precision mode or a kernel error"
+        )
+        return f"{head}: ~{j.effective_bits:.0f} bits, like {j.closest_format}: {what}."
+    if localized(j) and j.cause in (Cause.WORST, Cause.WHOLE, Cause.CONCENTRATED):
+        return f"{head}: {j.slice_share:.0%} of its error sits on {j.slice_share_at}."
+    tail = {
+        Cause.ZEROS: f"{j.zero_mismatch} positions the model zeroes are computed.",
+        Cause.LESS_ACCURATE: f"uniformly less accurate, ~{j.effective_bits:.1f} bits of 24.",
+        Cause.SLICE: f"the slice {j.slice_at} is off by more than round-off.",
+        Cause.CONCENTRATED: "a few elements are far off.",
+        Cause.WORST: f"its largest error is {j.ratio_max:.3g}x round-off.",
+        Cause.WHOLE: f"its RMS error is {j.ratio_rmse:.3g}x round-off.",
+    }.get(j.cause)
+    return f"{head}: {tail}" if tail else f"{head}."
+
+
+def nondeterministic_reason(difference: float) -> str:
+    """Why an output of a model whose two oracle runs differ is not judged."""
+    return (
+        f"the model itself is nondeterministic: two oracle runs differ by up to {difference:.3g} on this output, "
+        "so no backend can be judged on it; put the model in eval mode (dropout), seed any RNG used inside "
+        "forward, or enable torch.use_deterministic_algorithms"
+    )
+
+
+def seed_line(label: str, name: str, recs: list[OutputRecord]) -> str:
+    """The seed's line for one backend: ``[label] name vs cpu: max_abs=... max_rel=... (output #i name) — verdict``."""
+    worst = worst_record(recs)
+    if worst.verdict in (VERDICT_ERROR, VERDICT_SKIPPED) and worst.output is None:
+        return f"[{label}] {name:>6} vs cpu: {worst.verdict.upper()} — {worst.reason}"
+    arrays = [r for r in recs if r.pair.max_rel == r.pair.max_rel]
+    max_abs = max((r.pair.max_abs for r in arrays), default=math.nan)
+    rel = max(arrays, key=lambda r: r.pair.max_rel) if arrays else worst
+    where = f"(output #{rel.output_index} {rel.output})"
+    if worst.verdict == SUSPECT:
+        tail = f"SUSPECT ({worst.reason})"
+        if worst.output != rel.output:
+            tail = f"SUSPECT (output #{worst.output_index} {worst.output}: {worst.reason})"
+    else:
+        skipped = [r for r in recs if r.verdict in (VERDICT_SKIPPED, VERDICT_ERROR, NONDETERMINISTIC)]
+        off = [r for r in recs if r.cause == Cause.ORACLE_OFF]
+        line = max((r.judgement.line for r in recs if r.judgement.line == r.judgement.line), default=math.nan)
+        # The seed's words stay whole ("round-off (explainable)", which CI logs are grepped for); the one
+        # number on the SUSPECT-line scale follows them.
+        tail = "round-off (explainable)" + (f", {on_line(line)}" if line == line else "")
+        if off:
+            tail += f"; the oracle itself is off the fp64 reference on {off[0].output}" + (
+                f" and {len(off) - 1} more output(s)" if len(off) > 1 else "")  # fmt: skip
+        if skipped:
+            count = f"{len(skipped)} output(s) " if len(skipped) > 1 else ""
+            tail += f"; {count}{skipped[0].verdict}: {skipped[0].reason}"
+    return f"[{label}] {name:>6} vs cpu: max_abs={max_abs:.3e} max_rel={rel.pair.max_rel:.3e} {where} — {tail}"
