@@ -46,7 +46,8 @@ import rlx_nb
 from rlx_nb.backends.faults import CATALOGUE, HITS, fault_backend
 from rlx_nb.backends.registry import _REGISTRY, available_backends, register_backend
 from rlx_nb.models import demo
-from rlx_nb.verdict.rule import MAX_LIMIT, RMSE_LIMIT, SUSPECT
+from rlx_nb.verdict.rule import MAX_LIMIT, RMSE_LIMIT
+from rlx_nb.verdict.types import SUSPECT
 
 RESULTS = Path(__file__).parent / "results"
 FAMILIES = {

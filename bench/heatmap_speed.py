@@ -22,7 +22,7 @@ from IPython.core.pylabtools import print_figure
 from matplotlib_inline.config import InlineBackend
 
 from rlx_nb.numerics.pairs import pair_stats
-from rlx_nb.plot.charts import heatmap, plot_heatmap
+from rlx_nb.plot.heatmap import heatmap, plot_heatmap
 
 
 def _timed(fn) -> float:

@@ -32,7 +32,7 @@ import torch
 import rlx_nb
 from rlx_nb.backends import sequential as reassoc
 from rlx_nb.backends.known_bugs import known_bug
-from rlx_nb.verdict.rule import SUSPECT
+from rlx_nb.verdict.types import SUSPECT
 
 RESULTS = Path(__file__).parent / "results"
 BACKENDS = ["cpu-nomkldnn", "cpu-inductor", known_bug("fault:sum-no-cascade")]

@@ -40,7 +40,7 @@ import rlx_nb
 from rlx_nb.backends.faults import CATALOGUE, HITS, fault_backend
 from rlx_nb.backends.registry import available_backends, get_backend, register_backend
 from rlx_nb.models import zoo
-from rlx_nb.verdict.rule import SUSPECT, VERDICT_ERROR, VERDICT_SKIPPED
+from rlx_nb.verdict.types import SUSPECT, VERDICT_ERROR, VERDICT_SKIPPED
 
 HERE = Path(__file__).parent
 RESULTS = HERE / "results"

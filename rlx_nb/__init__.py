@@ -10,7 +10,8 @@ from rlx_nb._support import warmup as _warmup
 from rlx_nb._version import __version__
 from rlx_nb.api import backend_divergence, interrupted_report, report_backend_divergence
 from rlx_nb.backends.registry import available_backends, register_backend, unregister_backend
-from rlx_nb.comparison.compare import OutputRecord, compare
+from rlx_nb.comparison.compare import compare
+from rlx_nb.comparison.records import OutputRecord
 from rlx_nb.errors import BackendError, InputError, ReportFormatError, RlxError
 from rlx_nb.execution.cache import clear_preparations, kept_preparations
 from rlx_nb.execution.results import RunResults

@@ -19,9 +19,10 @@ from rlx_nb.comparison.records import worst_first
 from rlx_nb.errors import InputError
 from rlx_nb.generation.decode import step_of
 from rlx_nb.generation.report import GenerationReport
-from rlx_nb.plot.charts import HEATMAP_MARGINS, HISTOGRAM_MARGINS, localization_figsize
+from rlx_nb.plot.charts import localization_figsize
+from rlx_nb.plot.style import HEATMAP_MARGINS, HISTOGRAM_MARGINS
 from rlx_nb.report import elements as lookups
-from rlx_nb.verdict.rule import SUSPECT, VERDICT_ERROR, VERDICT_SKIPPED
+from rlx_nb.verdict.types import SUSPECT, VERDICT_ERROR, VERDICT_SKIPPED
 
 if TYPE_CHECKING:
     from rlx_nb.report.report import DivergenceReport

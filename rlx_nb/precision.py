@@ -20,7 +20,7 @@ from rlx_nb.backends.emulated import emulate
 from rlx_nb.backends.registry import device_probe, get_backend
 from rlx_nb.comparison.tables import precision_frame
 from rlx_nb.errors import InputError
-from rlx_nb.verdict.rule import ROUNDOFF, SUSPECT, VERDICT_ERROR
+from rlx_nb.verdict.types import ROUNDOFF, SUSPECT, VERDICT_ERROR
 
 if TYPE_CHECKING:
     import pandas

@@ -9,7 +9,7 @@ import torch
 import rlx_nb
 from rlx_nb.backends.emulated import emulate
 from rlx_nb.execution import discrete
-from rlx_nb.verdict.rule import ROUNDOFF, SUSPECT
+from rlx_nb.verdict.types import ROUNDOFF, SUSPECT
 
 
 class PlainCNN(torch.nn.Module):

@@ -11,7 +11,7 @@ import torch
 
 import rlx_nb
 from rlx_nb.models import zoo
-from rlx_nb.verdict.rule import ROUNDOFF, VERDICT_SKIPPED
+from rlx_nb.verdict.types import ROUNDOFF, VERDICT_SKIPPED
 from tests.conftest import require_live
 
 EXPORTED = ["onnxruntime", "openvino"]

@@ -15,8 +15,8 @@ from rlx_nb.backends.faults import fault_backend
 from rlx_nb.errors import FileWriteError, InputError, ReportFormatError
 from rlx_nb.execution.run import STREAMS
 from rlx_nb.generation import decode as decode_module
-from rlx_nb.generation.report import DISAGREEMENT, NEAR_TIE
 from rlx_nb.models import demo, zoo
+from rlx_nb.verdict.types import DISAGREEMENT, NEAR_TIE
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import rlx_nb
-from rlx_nb.verdict.rule import NONDETERMINISTIC, ROUNDOFF, SUSPECT
+from rlx_nb.verdict.types import NONDETERMINISTIC, ROUNDOFF, SUSPECT
 from tests.conftest import require_live
 
 

@@ -231,7 +231,7 @@ def test_a_model_whose_float64_weights_do_not_fit_gets_a_streamed_reference_bit_
 
 
 def test_a_backward_reference_that_does_not_fit_is_skipped_and_says_why_it_was_not_streamed(monkeypatch):
-    from rlx_nb.backends.registry import REFERENCE
+    from rlx_nb.backends.base import REFERENCE
     from rlx_nb.execution.memory import Memory
 
     estimate = Memory.need  # the float64 weights "need" a petabyte; every other estimate is as it is

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 import rlx_nb
-from rlx_nb.plot.charts import heatmap
+from rlx_nb.plot.heatmap import heatmap
 from tests.pixels import near, rgba, top_colour
 
 matplotlib.use("Agg")

@@ -12,8 +12,9 @@ import pytest
 import torch
 
 import rlx_nb
-from rlx_nb.plot.charts import heatmap, plot_heatmap, plot_histogram, plot_scatter, plot_tolerance_curve
+from rlx_nb.plot.charts import plot_histogram, plot_scatter, plot_tolerance_curve
 from rlx_nb.plot.fold import error_map, make_fold
+from rlx_nb.plot.heatmap import heatmap, plot_heatmap
 
 
 @pytest.fixture(autouse=True)

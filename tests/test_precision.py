@@ -9,7 +9,7 @@ import rlx_nb
 from rlx_nb.backends.emulated import round_mantissa
 from rlx_nb.backends.registry import get_backend
 from rlx_nb.models import demo
-from rlx_nb.verdict.rule import ROUNDOFF, SUSPECT
+from rlx_nb.verdict.types import ROUNDOFF, SUSPECT
 from tests.conftest import demo_report
 
 FORMATS = {"cpu-bf16": ("bf16", 8), "cpu-fp16": ("tf32/fp16", 11), "cpu-tf32-emulated": ("tf32/fp16", 11)}

@@ -14,7 +14,7 @@ import torch
 import rlx_nb
 from rlx_nb.backends.faults import HITS
 from rlx_nb.models import zoo
-from rlx_nb.verdict.rule import ROUNDOFF, SUSPECT
+from rlx_nb.verdict.types import ROUNDOFF, SUSPECT
 from tests.conftest import require_live
 
 pytest.importorskip("transformers")

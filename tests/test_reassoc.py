@@ -12,7 +12,7 @@ from rlx_nb.backends.known_bugs import known_bug
 from rlx_nb.backends.registry import get_backend
 from rlx_nb.backends.sequential import CountReductions, SequentialSums, sequential_sum
 from rlx_nb.models import demo
-from rlx_nb.verdict.rule import ROUNDOFF
+from rlx_nb.verdict.types import ROUNDOFF
 from tests.conftest import require_live
 
 

@@ -9,7 +9,7 @@ import torch
 
 import rlx_nb
 from rlx_nb._support.tree import Opaque, flatten, map_tensors
-from rlx_nb.verdict.rule import SUSPECT, VERDICT_SKIPPED
+from rlx_nb.verdict.types import SUSPECT, VERDICT_SKIPPED
 
 
 class Layer:

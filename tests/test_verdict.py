@@ -10,7 +10,7 @@ import torch
 
 import rlx_nb
 from rlx_nb.models import demo
-from rlx_nb.verdict.rule import ROUNDOFF, SUSPECT
+from rlx_nb.verdict.types import ROUNDOFF, SUSPECT
 from tests.conftest import candidate_backends, demo_report, require_live
 
 LEGIT = ("cpu-nomkldnn", "cpu-inductor", "onnxruntime")
@@ -276,7 +276,9 @@ def test_the_slice_clause_still_sees_a_whole_slice_shifted(rng):
 def test_judge_on_statistics_alone():
     # The rule as a pure function: each clause from synthetic statistics, no model, no arrays.
     from rlx_nb.numerics.reference import ReferenceStats
-    from rlx_nb.verdict.rule import Evidence, effective_bits, judge
+    from rlx_nb.verdict.readings import effective_bits
+    from rlx_nb.verdict.rule import judge
+    from rlx_nb.verdict.types import Evidence
 
     oracle = ReferenceStats(rmse=1e-6, max_err=4e-6, ref_rms=1.0, ref_max=4.0)  # above the 2-ulp floor
     ev = lambda errors, **kw: Evidence("b", "forward", kw.pop("dtype", "float32"), 10_000, errors, oracle, **kw)  # noqa: E731

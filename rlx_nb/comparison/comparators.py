@@ -28,8 +28,7 @@ from rlx_nb.numerics.pairs import PairStats, pair_stats
 from rlx_nb.numerics.reference import error_stats, reference_stats
 from rlx_nb.numerics.zeros import zero_split
 from rlx_nb.verdict import rule as verdict
-from rlx_nb.verdict.rule import ROUNDOFF, SUSPECT, VERDICT_SKIPPED, Cause, Evidence, Judgement
-from rlx_nb.verdict.types import replaced
+from rlx_nb.verdict.types import ROUNDOFF, SUSPECT, VERDICT_SKIPPED, Cause, Evidence, Judgement, replaced
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,8 +20,8 @@ from rlx_nb.comparison.records import OutputRecord, PairFields
 from rlx_nb.execution.results import GRAD_PREFIX, OK, SKIPPED, BackendRun, Leaf, RunResults
 from rlx_nb.verdict import rule as verdict
 from rlx_nb.verdict import words as reasons
-from rlx_nb.verdict.rule import NONDETERMINISTIC, SUSPECT, VERDICT_ERROR, VERDICT_SKIPPED, Cause, check_rule
-from rlx_nb.verdict.types import replaced
+from rlx_nb.verdict.rule import check_rule
+from rlx_nb.verdict.types import NONDETERMINISTIC, SUSPECT, VERDICT_ERROR, VERDICT_SKIPPED, Cause, replaced
 
 
 def compare(

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from rlx_nb.backends.registry import ORACLE
+from rlx_nb.backends.base import ORACLE
 from rlx_nb.comparison.flips import Flips, flips_of, less
 from rlx_nb.execution.results import GRAD_PREFIX, OK, Leaf, RunResults
 from rlx_nb.numerics import device as device_metrics

@@ -18,7 +18,7 @@ import numpy as np
 import pandas as pd
 
 from rlx_nb.comparison.records import VERDICT_ORDER, OutputRecord, PairFields, worst_record
-from rlx_nb.verdict.rule import SUSPECT, VERDICT_ERROR, Judgement
+from rlx_nb.verdict.types import SUSPECT, VERDICT_ERROR, Judgement
 
 BACKEND = "backend"
 OUTPUT = "output"

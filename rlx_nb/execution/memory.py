@@ -16,8 +16,7 @@ import torch
 
 from rlx_nb._support import meter as phases
 from rlx_nb._support.meter import available_bytes, rss_bytes
-from rlx_nb.backends.base import Backend
-from rlx_nb.backends.registry import REFERENCE
+from rlx_nb.backends.base import REFERENCE, Backend
 from rlx_nb.execution import cache as preparations
 
 

@@ -18,12 +18,12 @@ from rlx_nb._support import switches
 from rlx_nb._support.meter import rss_bytes
 from rlx_nb._support.progress import bar
 from rlx_nb._support.tree import map_tensors
-from rlx_nb.backends.base import Backend
+from rlx_nb.backends.base import ORACLE, REFERENCE, Backend
 from rlx_nb.backends.eager import run_eager, run_float64_streamed
 from rlx_nb.backends.emulated import emulate
 from rlx_nb.backends.float64_kernels import Float64Kernels
 from rlx_nb.backends.onnx import forget_exports
-from rlx_nb.backends.registry import ORACLE, REFERENCE, get_backend, resolve_backends
+from rlx_nb.backends.registry import get_backend, resolve_backends
 from rlx_nb.backends.sequential import CountCalls, SequentialSums
 from rlx_nb.errors import InputError
 from rlx_nb.execution import cache as preparations

@@ -31,7 +31,8 @@ import torch
 
 from rlx_nb._support import switches
 from rlx_nb._support.progress import bar
-from rlx_nb.backends.registry import ORACLE, REFERENCE, get_backend
+from rlx_nb.backends.base import ORACLE, REFERENCE
+from rlx_nb.backends.registry import get_backend
 from rlx_nb.errors import InputError
 from rlx_nb.execution.prepare import normalize_inputs, prepare_model
 from rlx_nb.execution.source import WeakSource
@@ -39,7 +40,7 @@ from rlx_nb.localization.capture import CallModule, OpModule, capture_calls
 from rlx_nb.localization.repro import resolve_function, template_from_json, template_to_json, write_repro
 from rlx_nb.localization.result import Found, Localization
 from rlx_nb.localization.search import KEEP_ARRAYS_BYTES, State, descend, user_name
-from rlx_nb.verdict.rule import SUSPECT, VERDICT_ERROR
+from rlx_nb.verdict.types import SUSPECT, VERDICT_ERROR
 
 
 def localize(

@@ -20,7 +20,7 @@ import pandas as pd
 from rlx_nb.comparison.tables import baseline_frame
 from rlx_nb.errors import InputError
 from rlx_nb.generation.report import ENV_KEY
-from rlx_nb.verdict.rule import SUSPECT
+from rlx_nb.verdict.types import SUSPECT
 
 WORSE_FACTOR = 2.0
 """Both SUSPECT: worse when the new excess is more than this many times the old one."""

@@ -82,7 +82,7 @@ def _environment(env: dict[str, Any]) -> str:
 
 
 def _summary(report: Any) -> str:
-    from rlx_nb.verdict.rule import SUSPECT
+    from rlx_nb.verdict.types import SUSPECT
 
     frame = report.summary_detail
     frame = frame.assign(_first=frame.verdict != SUSPECT).sort_values(["_first", "line"], ascending=[True, False])
@@ -135,7 +135,7 @@ def report_html(report: Any, *, localization: Any = None, title: str | None = No
     """The whole HTML document for ``report`` (and ``localization``, a :class:`rlx_nb.Localization`);
     ``prelude`` (HTML rlx_nb built, its texts escaped) goes before the verdicts."""
     from rlx_nb._version import __version__
-    from rlx_nb.verdict.rule import SUSPECT
+    from rlx_nb.verdict.types import SUSPECT
 
     title = title or f"rlx_nb: {report.label}"
     suspects = [r for r in report.records if r.verdict == SUSPECT and r.output is not None]

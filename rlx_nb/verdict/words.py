@@ -11,20 +11,9 @@ import math
 
 from rlx_nb.comparison.records import OutputRecord, worst_record
 from rlx_nb.numerics import formats
-from rlx_nb.verdict.readings import localized
-from rlx_nb.verdict.rule import (
-    MAX_LIMIT,
-    NONDETERMINISTIC,
-    PRECISION_ALIKE,
-    PRECISION_UNLIKE,
-    RMSE_LIMIT,
-    SUSPECT,
-    VERDICT_ERROR,
-    VERDICT_SKIPPED,
-    Cause,
-    Judgement,
-    whole_excess,
-)
+from rlx_nb.verdict.readings import PRECISION_ALIKE, PRECISION_UNLIKE, localized
+from rlx_nb.verdict.rule import MAX_LIMIT, RMSE_LIMIT, whole_excess
+from rlx_nb.verdict.types import NONDETERMINISTIC, SUSPECT, VERDICT_ERROR, VERDICT_SKIPPED, Cause, Judgement
 
 
 def _less_accurate_reason(j: Judgement, worst: float, ops: dict[str, int] | None) -> str:
