@@ -287,4 +287,4 @@ def free_runs(model: Any, ids: torch.Tensor, steps: int, candidates: list[Backen
     return out
 
 
-__all__ = ["GenerationReport", "generation_divergence"]
+__all__ = ["generation_divergence"]

@@ -460,4 +460,4 @@ def _token_rows(rows: Any) -> bool:
                for r in rows)  # fmt: skip
 
 
-__all__ = ["DISAGREEMENT", "NEAR_TIE", "GenerationReport", "load_generation"]
+__all__ = ["GenerationReport", "load_generation"]

@@ -36,10 +36,9 @@ from rlx_nb.backends.registry import get_backend
 from rlx_nb.errors import InputError
 from rlx_nb.execution.prepare import normalize_inputs, prepare_model
 from rlx_nb.execution.source import WeakSource
-from rlx_nb.localization.capture import CallModule, OpModule, capture_calls
-from rlx_nb.localization.repro import resolve_function, template_from_json, template_to_json, write_repro
+from rlx_nb.localization.capture import capture_calls
 from rlx_nb.localization.result import Found, Localization
-from rlx_nb.localization.search import KEEP_ARRAYS_BYTES, State, descend, user_name
+from rlx_nb.localization.search import State, descend, user_name
 from rlx_nb.verdict.types import SUSPECT, VERDICT_ERROR
 
 
@@ -176,16 +175,4 @@ def localize_report(
     return localize(model, inputs, backend=backend, params=params, backward=backward, **kwargs)
 
 
-__all__ = [
-    "KEEP_ARRAYS_BYTES",
-    "CallModule",
-    "Localization",
-    "OpModule",
-    "capture_calls",
-    "localize",
-    "localize_report",
-    "resolve_function",
-    "template_from_json",
-    "template_to_json",
-    "write_repro",
-]
+__all__ = ["localize", "localize_report"]

@@ -284,14 +284,7 @@ def plot_effective_bits(
     return ax
 
 
-__all__ = [
-    "plot_effective_bits",
-    "plot_heatmap",
-    "plot_histogram",
-    "plot_localization",
-    "plot_scatter",
-    "plot_tolerance_curve",
-]
+__all__ = ["plot_effective_bits", "plot_histogram", "plot_localization", "plot_scatter", "plot_tolerance_curve"]
 
 
 __all__ = [

@@ -26,30 +26,19 @@ import numpy as np
 from rlx_nb.backends.sequential import SEQUENTIAL_BLOCK
 from rlx_nb.errors import InputError
 from rlx_nb.numerics import formats
-from rlx_nb.numerics.reference import ReferenceStats, SliceStats
+from rlx_nb.numerics.reference import SliceStats
 from rlx_nb.verdict.chance import isolation, peak_mean, sample_allowance, slice_allowance, slice_lean, slice_share
 from rlx_nb.verdict.readings import (
-    MILD_BITS,
-    NOISE_LIMIT,
-    PRECISION_ALIKE,
-    PRECISION_UNLIKE,
     effective_bits,
-    looks_less_accurate,
     looks_like_reduced_precision,
-    noise_like,
 )
 from rlx_nb.verdict.types import (
-    NONDETERMINISTIC,
     ROUNDOFF,
     SUSPECT,
-    VERDICT_ERROR,
-    VERDICT_SKIPPED,
     Cause,
     Evidence,
     Judgement,
-    SliceEvidence,
     replaced,
-    without_statistics,
 )
 
 RULES = ("budget", "fixed")
@@ -358,9 +347,4 @@ def _ratio(num: float, den: float) -> float:
     return 0.0 if num == 0 else math.inf
 
 
-__all__ = [
-    "MILD_BITS", "NOISE_LIMIT", "NONDETERMINISTIC", "PRECISION_ALIKE", "PRECISION_UNLIKE", "ROUNDOFF", "SUSPECT",
-    "VERDICT_ERROR", "VERDICT_SKIPPED", "Cause", "Evidence", "Judgement", "ReferenceStats", "SliceEvidence",
-    "SliceStats", "decide", "effective_bits", "fixed_judgement", "judge", "looks_less_accurate",
-    "looks_like_reduced_precision", "noise_like", "read_less_accurate", "read_suspect", "without_statistics",
-]  # fmt: skip
+__all__ = ["decide", "fixed_judgement", "judge", "read_less_accurate", "read_suspect"]
