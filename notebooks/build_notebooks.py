@@ -66,7 +66,7 @@ print(f"worst element {p.worst_index}: oracle {p.oracle_value:.7g}, backend {p.b
     ),
     (
         "code",
-        """from rlx_nb.plot.charts import plot_heatmap
+        """from rlx_nb.plot.heatmap import plot_heatmap
 
 oracle, backend, fp64 = report.arrays(suspect, rec.output)
 from rlx_nb.verdict.rule import MAX_LIMIT

@@ -19,11 +19,7 @@ from rlx_nb._support.safe import plot_text
 from rlx_nb.errors import InputError
 from rlx_nb.numerics.elements import error_histogram, error_range, tolerance_curve
 from rlx_nb.plot.fold import METRICS, scatter_sample
-from rlx_nb.plot.heatmap import Heatmap, HeatmapView, draw_heatmap, heatmap, plot_heatmap
 from rlx_nb.plot.style import (
-    COLORBAR_LABELS,
-    EXACT_COLOUR,
-    HEATMAP_MARGINS,
     HISTOGRAM_MARGINS,
     LINESTYLES,
     METRIC_LABELS,
@@ -288,8 +284,6 @@ __all__ = ["plot_effective_bits", "plot_histogram", "plot_localization", "plot_s
 
 
 __all__ = [
-    "COLORBAR_LABELS", "EXACT_COLOUR", "HEATMAP_MARGINS", "HISTOGRAM_MARGINS", "LINESTYLES", "METRIC_LABELS",
-    "PALETTE", "SUSPECT_COLOUR", "Heatmap", "HeatmapView", "draw_heatmap", "heatmap", "localization_figsize",
-    "plot_effective_bits",
-    "plot_heatmap", "plot_histogram", "plot_localization", "plot_scatter", "plot_tolerance_curve",
+    "localization_figsize", "plot_effective_bits", "plot_histogram", "plot_localization", "plot_scatter",
+    "plot_tolerance_curve",
 ]  # fmt: skip
