@@ -28,7 +28,18 @@ from rlx_nb.numerics.pairs import PairStats, pair_stats
 from rlx_nb.numerics.reference import error_stats, reference_stats
 from rlx_nb.numerics.zeros import zero_split
 from rlx_nb.verdict import rule as verdict
-from rlx_nb.verdict.types import ROUNDOFF, SUSPECT, VERDICT_SKIPPED, Cause, Evidence, Judgement, replaced
+from rlx_nb.verdict.readings import looks_like_reduced_precision
+from rlx_nb.verdict.types import (
+    ROUNDOFF,
+    SUSPECT,
+    VERDICT_SKIPPED,
+    Cause,
+    Evidence,
+    Judgement,
+    SliceEvidence,
+    replaced,
+    without_statistics,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +91,7 @@ class Comparator:
         )
 
     def plain(self, verdict_: str, cause: str, detail: str) -> OutputRecord:
-        return self.record(verdict.without_statistics(verdict_, cause, detail))
+        return self.record(without_statistics(verdict_, cause, detail))
 
 
 class Structure(Comparator):
@@ -146,8 +157,8 @@ class Exact(Comparator):
             flat = int(np.flatnonzero(diff.reshape(-1))[0])
             pair["worst_index"] = tuple(int(i) for i in np.unravel_index(flat, o.shape))
             why = f"{mismatched} of {o.size} elements of a {o.dtype} output differ (exact match expected)"
-            return self.record(verdict.without_statistics(SUSPECT, Cause.EXACT, why), PairFields(**pair))
-        return self.record(verdict.without_statistics(ROUNDOFF, Cause.EXACT, "exact match"), PairFields(**pair))
+            return self.record(without_statistics(SUSPECT, Cause.EXACT, why), PairFields(**pair))
+        return self.record(without_statistics(ROUNDOFF, Cause.EXACT, "exact match"), PairFields(**pair))
 
 
 class Floating(Comparator):
@@ -241,7 +252,7 @@ class Floating(Comparator):
                 if ae is not None and ae.slices is not None and ae.slices.axes == own.axes and ae.stats.rmse > 0:
                     shapes.append((ae.stats.rmse, ae.slices))
             precision = (at_precision,) if at_precision is not None and at_precision.axes == own.axes else ()
-            slices = verdict.SliceEvidence(own, tuple(legit_slices), precision, tuple(shapes))
+            slices = SliceEvidence(own, tuple(legit_slices), precision, tuple(shapes))
         return Evidence(
             cand.backend,
             ctx.kind,
@@ -272,7 +283,7 @@ class Floating(Comparator):
                     zero_mismatch_max=split.largest,
                     excess_elsewhere=verdict.excess_within(e.rmse, e.max_err, j.budget_rmse, j.budget_max),
                 )
-        if j.verdict == SUSPECT and verdict.looks_like_reduced_precision(j, self.cand.compute_dtype, self.ctx.kind):
+        if j.verdict == SUSPECT and looks_like_reduced_precision(j, self.cand.compute_dtype, self.ctx.kind):
             readings["anchor_likeness"] = self.likeness(got, r, j.closest_format)
         if j.verdict == SUSPECT and not device:
             readings["error_bias"], readings["error_value_corr"] = error_pattern(judged_b, r)

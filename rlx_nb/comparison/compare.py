@@ -20,8 +20,17 @@ from rlx_nb.comparison.records import OutputRecord, PairFields
 from rlx_nb.execution.results import GRAD_PREFIX, OK, SKIPPED, BackendRun, Leaf, RunResults
 from rlx_nb.verdict import rule as verdict
 from rlx_nb.verdict import words as reasons
+from rlx_nb.verdict.readings import looks_less_accurate
 from rlx_nb.verdict.rule import check_rule
-from rlx_nb.verdict.types import NONDETERMINISTIC, SUSPECT, VERDICT_ERROR, VERDICT_SKIPPED, Cause, replaced
+from rlx_nb.verdict.types import (
+    NONDETERMINISTIC,
+    SUSPECT,
+    VERDICT_ERROR,
+    VERDICT_SKIPPED,
+    Cause,
+    replaced,
+    without_statistics,
+)
 
 
 def compare(
@@ -98,7 +107,7 @@ def _compare_run(
     if (
         suspects
         and convolutions
-        and all(verdict.looks_less_accurate(r.judgement, r.compute_dtype, r.kind, r.numel) for r in suspects)
+        and all(looks_less_accurate(r.judgement, r.compute_dtype, r.kind, r.numel) for r in suspects)
     ):
         out = [replaced(r, judgement=verdict.read_less_accurate(r.judgement)) for r in out]
     extra = [n for n in run.outputs if n not in results.oracle.outputs]
@@ -118,14 +127,14 @@ def judge_leaf(oracle: Leaf, got: Leaf | None, reference: Leaf | None, *, backen
 
 def failed(backend: str, why: str) -> OutputRecord:
     """The record of a backend that could not run (an ``error`` row saying why)."""
-    j = verdict.without_statistics(VERDICT_ERROR, Cause.ERROR, why)
+    j = without_statistics(VERDICT_ERROR, Cause.ERROR, why)
     return OutputRecord(backend, None, -1, "forward", "float32", j, PairFields(), reason=why)
 
 
 def _plain(run: BackendRun, where: tuple[str | None, int, str], status: str, why: str, cause: str = "") -> OutputRecord:
     # A record decided without statistics: the backend failed, was skipped, or gave outputs the oracle has not.
     # ``where``: (output, its index, kind).
-    j = verdict.without_statistics(status, cause or status, why)
+    j = without_statistics(status, cause or status, why)
     return OutputRecord(run.backend, *where, run.compute_dtype, j, PairFields())
 
 
