@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from rlx_nb._support import warmup as _warmup
 from rlx_nb._version import __version__
-from rlx_nb.api import backend_divergence, interrupted_report, report_backend_divergence
+from rlx_nb.api import backend_divergence, interrupted_report, load_report, report_backend_divergence
 from rlx_nb.backends.registry import available_backends, register_backend, unregister_backend
 from rlx_nb.comparison.compare import compare
 from rlx_nb.comparison.records import OutputRecord
@@ -23,7 +23,7 @@ from rlx_nb.localization.result import Localization
 from rlx_nb.precision import precision_sweep
 from rlx_nb.report.baseline import compare_reports
 from rlx_nb.report.merge import merge_reports
-from rlx_nb.report.report import DivergenceReport, load_report
+from rlx_nb.report.report import DivergenceReport
 
 _warmup.start()  # the numba kernels load in the background (rlx_nb/_warmup.py)
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import sys
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -14,12 +15,12 @@ from rlx_nb.comparison.compare import compare
 from rlx_nb.comparison.context import OutputContext, contexts
 from rlx_nb.errors import InputError, RlxError
 from rlx_nb.execution import interrupted
-from rlx_nb.execution.results import RunResults
+from rlx_nb.execution.results import GENERATION_KEY, RunResults
 from rlx_nb.execution.run import default_label, run
 from rlx_nb.execution.source import WeakSource
 from rlx_nb.generation.decode import Decode
-from rlx_nb.generation.report import ENV_KEY, GenerationReport, progress_line
-from rlx_nb.report.report import DivergenceReport
+from rlx_nb.generation.report import GenerationReport, load_generation, progress_line
+from rlx_nb.report.report import DivergenceReport, read_report
 from rlx_nb.verdict.rule import check_rule
 
 
@@ -167,7 +168,24 @@ def interrupted_report(*, rule: str = "budget") -> DivergenceReport | Generation
     if results is None:
         return None
     report = DivergenceReport.from_results(results, rule=rule, progress=False)
-    return GenerationReport(report) if ENV_KEY in results.environment else report
+    return GenerationReport(report) if GENERATION_KEY in results.environment else report
+
+
+def load_report(path: str | Path) -> DivergenceReport | GenerationReport:
+    """Read a report saved by ``report.save`` (or ``rlx-nb check --save``): a :class:`~rlx_nb.GenerationReport` where
+    the file holds a generation's tokens, else a :class:`~rlx_nb.DivergenceReport`; arrays are read lazily.
+
+    Every field is checked on load: anything that is not a readable report of this version raises
+    :class:`~rlx_nb.ReportFormatError`; nothing is unpickled or executed.
+
+    Examples
+    --------
+    >>> import tempfile, torch, rlx_nb
+    >>> r = rlx_nb.backend_divergence(torch.nn.Linear(2, 2), torch.ones(1, 2), backends=["cpu-nomkldnn"])
+    >>> rlx_nb.load_report(r.save(tempfile.mkdtemp() + "/r")).lines() == r.lines()
+    True
+    """
+    return load_generation(read_report(path), path)
 
 
 class EarlyVerdicts:

@@ -202,7 +202,7 @@ def _check_writable(where: str, option: str, *, directory: bool) -> None:
 
 
 def _show(args: argparse.Namespace) -> int:
-    from rlx_nb.report.report import load_report
+    from rlx_nb.api import load_report
 
     report = load_report(args.file)
     for line in report.lines():

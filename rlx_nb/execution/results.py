@@ -24,6 +24,10 @@ OK, ERROR, SKIPPED = "ok", "error", "skipped"
 GRAD_PREFIX = "grad:"
 
 
+GENERATION_KEY = "generation"
+"""Where a generation's report keeps its tokens in a run's environment: ``environment["generation"]``."""
+
+
 class Leaf:
     """One named output of one run: a numpy array (or a plain value) and the torch dtype it came as.
 

@@ -24,11 +24,11 @@ from rlx_nb.backends.base import Backend
 from rlx_nb.backends.registry import resolve_backends
 from rlx_nb.errors import InputError
 from rlx_nb.execution import interrupted
-from rlx_nb.execution.results import OK
+from rlx_nb.execution.results import GENERATION_KEY, OK
 from rlx_nb.execution.run import default_label
 from rlx_nb.generation.decode import Decode, Step, step_name, step_of
 from rlx_nb.generation.export import forget as forget_export
-from rlx_nb.generation.report import ENV_KEY, GenerationReport
+from rlx_nb.generation.report import GenerationReport
 from rlx_nb.report.report import DivergenceReport
 
 MODES = ("teacher", "free")
@@ -142,7 +142,7 @@ def generation_divergence(
         except (KeyboardInterrupt, SystemExit):  # what finished is kept as a generation (rlx_nb.interrupted_report)
             kept = interrupted.latest()
             if kept is not None and kept is not before and decode.tokens.value is not None:
-                kept.environment[ENV_KEY] = {**meta, "mode": "teacher", "tokens": decode.tokens.value.tolist()}
+                kept.environment[GENERATION_KEY] = {**meta, "mode": "teacher", "tokens": decode.tokens.value.tolist()}
             raise
         finally:
             forget_export()
@@ -162,7 +162,7 @@ def generation_divergence(
     if tokens is None:  # (cannot happen: the oracle ran, or the call raised)
         raise RuntimeError("generation_divergence: the oracle's decode kept no tokens")
     meta["tokens"] = tokens.tolist()
-    forward.results.environment[ENV_KEY] = meta
+    forward.results.environment[GENERATION_KEY] = meta
     if mode == "free":
         try:
             meta["free"] = free_runs(model, ids, max_new_tokens, candidates, step=step, masked=masked)

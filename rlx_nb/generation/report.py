@@ -15,10 +15,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import pandas as pd
 
+from rlx_nb._support.safe import html_text
 from rlx_nb.backends.base import Backend
 from rlx_nb.backends.registry import lent
 from rlx_nb.comparison.tables import Table
 from rlx_nb.errors import InputError
+from rlx_nb.execution.results import GENERATION_KEY
 from rlx_nb.generation.decode import at_step, step_name
 from rlx_nb.verdict.types import DISAGREEMENT, NEAR_TIE, SUSPECT, VERDICT_ERROR, VERDICT_SKIPPED
 from rlx_nb.verdict.words import on_line
@@ -30,8 +32,6 @@ UNJUDGED = "flip, not judged"
 """A flip at a step without fp64 logits or a budget (the reference or the step's record is missing)."""
 NO_LOGITS = "no judged logits from this backend at this step"
 """A step row's reason where the backend ran but the step has no record (its verdict is ``error``)."""
-ENV_KEY = "generation"
-"""Where a generation report keeps its tokens: ``environment["generation"]``."""
 
 
 class GenerationReport:
@@ -50,7 +50,7 @@ class GenerationReport:
     """
 
     def __init__(self, logits: DivergenceReport, *, tokenizer: Any = None) -> None:
-        meta = logits.results.environment.get(ENV_KEY)
+        meta = logits.results.environment.get(GENERATION_KEY)
         if not isinstance(meta, dict) or "tokens" not in meta:
             raise InputError("this report is not a generation report (no generation metadata in its environment)")
         self.logits = logits
@@ -301,8 +301,6 @@ class GenerationReport:
         return f"<GenerationReport {self.label}: {self.n_steps} steps, {len(self.backend_names)} backend(s), suspects {self.suspects}>"
 
     def _repr_html_(self) -> str:
-        from rlx_nb._support.safe import html_text
-
         return "<pre>" + html_text("\n".join(self.lines())) + "</pre>" + self.first_divergence._repr_html_()
 
     # -- pictures, files, tools ---------------------------------------------------------------------
@@ -319,9 +317,17 @@ class GenerationReport:
 
     def to_html(self, path: str | Path, *, title: str | None = None) -> Path:
         """A self-contained HTML page: the lines, the step plot, the first divergences, then the logits report."""
-        from rlx_nb.plot.steps import write_html
+        from rlx_nb.report import html
 
-        return write_html(self, path, title=title)
+        fig = html.page_figure(8.0, 4.2)
+        self.plot(ax=fig.add_subplot())
+        first = self.first_divergence.reset_index()
+        prelude = (
+            "<h2>Generation</h2><pre>" + html_text("\n".join(self.lines())) + "</pre>"
+            f"<img alt='logits error per step' src='{html.png_uri(fig)}'>"
+            "<h3>First divergence per backend</h3>" + html.table_html(first)
+        )
+        return html.write_html(self.logits, path, title=title or f"rlx_nb generation: {self.label}", prelude=prelude)
 
     def explorer_view(self, backend: str | None, step: int | None) -> tuple[DivergenceReport, str, str]:
         """(the logits report, backend, output) the explorer opens on: ``step`` (default: the backend's first
@@ -388,7 +394,7 @@ def progress_line(early: DivergenceReport, tokens: Any) -> str:
     backend alone), in the words the finished report uses: where the tokens part and whether that is a near-tie,
     not a forward pass's largest difference.  ``tokens`` are the oracle's (``batch x steps``)."""
     meta = {"mode": "teacher", "tokens": np.asarray(tokens).tolist()}
-    results = dataclasses.replace(early.results, environment={**early.results.environment, ENV_KEY: meta})
+    results = dataclasses.replace(early.results, environment={**early.results.environment, GENERATION_KEY: meta})
     return GenerationReport(type(early)(results, early.records, rule=early.rule, tol_rel=early.tol_rel)).lines()[0]
 
 
@@ -405,7 +411,7 @@ def load_generation(report: DivergenceReport, where: Any = "report") -> Generati
     that is not a generation's (tokens a rectangle of integers matching the steps) raises ReportFormatError."""
     from rlx_nb.errors import ReportFormatError
 
-    meta = report.results.environment.get(ENV_KEY)
+    meta = report.results.environment.get(GENERATION_KEY)
     if meta is None:
         return report
     if not isinstance(meta, dict) or not _token_rows(meta.get("tokens")):

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
-from rlx_nb._support.safe import html_text, plot_text
+from rlx_nb._support.safe import plot_text
 from rlx_nb.plot.style import PALETTE, SUSPECT_COLOUR, new_axes
 from rlx_nb.verdict.types import DISAGREEMENT, NEAR_TIE, SUSPECT
 
@@ -48,19 +47,3 @@ def plot_steps(report: Any, ax: Any = None) -> Any:
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8, frameon=False)
     ax.grid(True, which="major", alpha=0.3)
     return ax
-
-
-def write_html(report: Any, path: str | Path, *, title: str | None = None) -> Path:
-    """The generation's lines, step plot and first divergences, then the logits report (every step's verdicts)."""
-    from rlx_nb.report import html as html_report
-
-    fig = html_report._figure(8.0, 4.2)
-    plot_steps(report, ax=fig.add_subplot())
-    first = report.first_divergence.reset_index()
-    prelude = (
-        "<h2>Generation</h2><pre>" + html_text("\n".join(report.lines())) + "</pre>"
-        f"<img alt='logits error per step' src='{html_report._png(fig)}'>"
-        "<h3>First divergence per backend</h3>" + html_report._table(first)
-    )
-    title = title or f"rlx_nb generation: {report.label}"
-    return html_report.write_html(report.logits, path, title=title, prelude=prelude)

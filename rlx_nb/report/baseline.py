@@ -19,7 +19,7 @@ import pandas as pd
 
 from rlx_nb.comparison.tables import baseline_frame
 from rlx_nb.errors import InputError
-from rlx_nb.generation.report import ENV_KEY
+from rlx_nb.execution.results import GENERATION_KEY
 from rlx_nb.verdict.types import SUSPECT
 
 WORSE_FACTOR = 2.0
@@ -102,13 +102,11 @@ class BaselineComparison:
 
 def _load(report: Any) -> Any:
     # A forward report as it is; a generation's, its steps' logits report (compared step by step).
-    from rlx_nb.generation.report import GenerationReport
-    from rlx_nb.report.report import DivergenceReport, load_report
+    from rlx_nb.report.report import DivergenceReport, read_report
 
     if isinstance(report, (str, Path)):
-        report = load_report(report)
-    if isinstance(report, GenerationReport):
-        return report.logits
+        report = read_report(report)
+    report = getattr(report, "logits", report)  # (a GenerationReport's steps)
     if isinstance(report, DivergenceReport):
         return report
     raise InputError(f"a report or the path of a saved one (.rlxnb) is needed; got {type(report).__name__}")
@@ -154,7 +152,7 @@ def compare_reports(old: Any, new: Any, *, allow_different_model: bool = False) 
     if not isinstance(allow_different_model, bool):
         raise InputError(f"allow_different_model must be True or False, got {allow_different_model!r}")
     a, b = _load(old), _load(new)
-    kinds = [("a generation" if ENV_KEY in r.results.environment else "a forward pass") for r in (a, b)]
+    kinds = [("a generation" if GENERATION_KEY in r.results.environment else "a forward pass") for r in (a, b)]
     if kinds[0] != kinds[1]:
         raise InputError(f"the baseline is {kinds[0]}'s report and the new one {kinds[1]}'s: compare like with like")
     differ, unchecked = fingerprint_differences(a.results.fingerprints, b.results.fingerprints)

@@ -44,19 +44,22 @@ section { border-top: 1px solid #ccc; margin-top: 1.5em; }
 """
 
 
-def _png(fig: Any) -> str:
+def png_uri(fig: Any) -> str:
+    """A figure as an inline PNG (``data:`` URI) for a page that needs no file beside it."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=80, bbox_inches="tight")
     return "data:image/png;base64," + base64.b64encode(buf.getvalue()).decode("ascii")
 
 
-def _figure(width: float, height: float) -> Any:
+def page_figure(width: float, height: float) -> Any:
+    """A figure for a page, outside pyplot (nothing is left open)."""
     from matplotlib.figure import Figure
 
     return Figure(figsize=(width, height), layout="constrained")
 
 
-def _table(frame: Any) -> str:
+def table_html(frame: Any) -> str:
+    """A frame as a page's table."""
     # Numbers as the notebook shows them (frames.FORMATS: enough digits to tell the oracle from the
     # backend and the reference, a cosine of 0.999999998 not rounded to 1); other floats in 4 digits.
     from rlx_nb.comparison.tables import FORMATS
@@ -94,27 +97,27 @@ def _summary(report: Any) -> str:
         if rest > 0
         else ""
     )
-    return "<h2>Summary: one row per backend and output</h2>" + _table(frame[cols].head(MAX_SUMMARY_ROWS)) + more
+    return "<h2>Summary: one row per backend and output</h2>" + table_html(frame[cols].head(MAX_SUMMARY_ROWS)) + more
 
 
 def _suspect_section(report: Any, rec: Any) -> str:
     metric = "line" if rec.judgement.budget_max == rec.judgement.budget_max else "abs"
-    heat = _figure(6.0, 4.5)
+    heat = page_figure(6.0, 4.5)
     report.plot.heatmap(rec.backend, rec.output, metric=metric, ax=heat.add_subplot(), max_pixels=400)
-    hist = _figure(6.5, 4.0)
+    hist = page_figure(6.5, 4.0)
     report.plot.histogram(rec.output, metric=metric, ax=hist.add_subplot(), highlight=rec.backend)
     worst = report.elements(rec.backend, rec.output, top=10)
     return (
         f"<section><h3><span class='suspect'>SUSPECT</span> {html.escape(rec.backend)} · "
         f"<code>{html.escape(rec.output)}</code></h3><p>{html.escape(rec.reason)}</p>"
         f"<div class='figs'><img alt='heatmap of {html.escape(rec.backend)} {html.escape(rec.output)}' "
-        f"src='{_png(heat)}'><img alt='histogram of {html.escape(rec.output)}' src='{_png(hist)}'></div>"
-        f"<h4>Worst elements</h4>{_table(worst)}</section>"
+        f"src='{png_uri(heat)}'><img alt='histogram of {html.escape(rec.output)}' src='{png_uri(hist)}'></div>"
+        f"<h4>Worst elements</h4>{table_html(worst)}</section>"
     )
 
 
 def _localization(loc: Any) -> str:
-    fig = _figure(9.0, 4.0)
+    fig = page_figure(9.0, 4.0)
     loc.plot(ax=fig.add_subplot())
     culprit = html.escape(loc.culprit or "none — every module within round-off")
     repro = (
@@ -126,8 +129,8 @@ def _localization(loc: Any) -> str:
     cols = [c for c in ("name", "kind", "verdict", "local_line", "propagated_line", "notes") if c in loc.frame]
     return (
         f"<section><h2>Localization: {html.escape(loc.backend)}</h2><p>Culprit: <b>{culprit}</b>; suspects: "
-        f"{html.escape(', '.join(loc.suspects) or 'none')}</p><img src='{_png(fig)}' alt='localization'>"
-        f"{repro}{_table(loc.frame[cols])}</section>"
+        f"{html.escape(', '.join(loc.suspects) or 'none')}</p><img src='{png_uri(fig)}' alt='localization'>"
+        f"{repro}{table_html(loc.frame[cols])}</section>"
     )
 
 
@@ -151,7 +154,7 @@ def report_html(report: Any, *, localization: Any = None, title: str | None = No
         f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC.</p>",
         prelude,
         "<h2>Verdicts</h2><pre>" + html.escape("\n".join(report.lines())) + "</pre>",
-        "<h2>Backends</h2>" + _table(report.backends),
+        "<h2>Backends</h2>" + table_html(report.backends),
         _summary(report),
     ]
     if shown:

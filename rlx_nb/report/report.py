@@ -315,10 +315,10 @@ class DivergenceReport:
         return head + self.backends._repr_html_()
 
 
-def load_report(path) -> DivergenceReport:
-    """Read a report saved by :meth:`DivergenceReport.save`; arrays are read lazily, on first use.
-
-    A generation's report (:meth:`rlx_nb.generation.report.GenerationReport.save`) comes back as a GenerationReport.
+def read_report(path) -> DivergenceReport:
+    """Read a report saved by :meth:`DivergenceReport.save` as a forward report (a generation's: its steps' logits
+    report); arrays are read lazily, on first use.  :func:`rlx_nb.load_report` makes a generation's a
+    GenerationReport.
 
     Raises :class:`rlx_nb.report.files.ReportFormatError` (an :class:`RlxError`) for anything that is not
     a readable report of this version; never unpickles or executes anything.
@@ -333,6 +333,4 @@ def load_report(path) -> DivergenceReport:
         report = DivergenceReport.from_results(results, rule=rule, tol_rel=tol)
     else:
         report = DivergenceReport(results, records, rule=rule, tol_rel=tol)
-    from rlx_nb.generation.report import load_generation
-
-    return load_generation(report, path)
+    return report
