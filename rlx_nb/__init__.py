@@ -6,12 +6,10 @@ this machine, and judge each backend's gap against a float64 reference.
 
 from __future__ import annotations
 
-from rlx_nb._support import warmup as _warmup
 from rlx_nb._version import __version__
 from rlx_nb.api import backend_divergence, interrupted_report, load_report, report_backend_divergence
 from rlx_nb.backends.registry import available_backends, register_backend, unregister_backend
 from rlx_nb.comparison.compare import compare
-from rlx_nb.comparison.records import OutputRecord
 from rlx_nb.errors import BackendError, InputError, ReportFormatError, RlxError
 from rlx_nb.execution.cache import clear_preparations, kept_preparations
 from rlx_nb.execution.results import RunResults
@@ -20,10 +18,12 @@ from rlx_nb.generation.divergence import generation_divergence
 from rlx_nb.generation.report import GenerationReport
 from rlx_nb.localization.locate import localize
 from rlx_nb.localization.result import Localization
+from rlx_nb.numerics import warmup as _warmup
 from rlx_nb.precision import precision_sweep
 from rlx_nb.report.baseline import compare_reports
 from rlx_nb.report.merge import merge_reports
 from rlx_nb.report.report import DivergenceReport
+from rlx_nb.verdict.records import OutputRecord
 
 _warmup.start()  # the numba kernels load in the background (rlx_nb/_warmup.py)
 

@@ -15,13 +15,13 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from rlx_nb.comparison.records import worst_first
 from rlx_nb.errors import InputError
 from rlx_nb.generation.decode import step_of
 from rlx_nb.generation.report import GenerationReport
 from rlx_nb.plot.charts import localization_figsize
 from rlx_nb.plot.style import HEATMAP_MARGINS, HISTOGRAM_MARGINS
 from rlx_nb.report import elements as lookups
+from rlx_nb.verdict.records import worst_first
 from rlx_nb.verdict.types import SUSPECT, VERDICT_ERROR, VERDICT_SKIPPED
 
 if TYPE_CHECKING:

@@ -11,11 +11,10 @@ import weakref
 import pytest
 import torch
 
-from rlx_nb._support.copies import copies_plainly, module_copy
-from rlx_nb.comparison.records import OutputRecord
-from rlx_nb.execution.prepare import shared_copy
+from rlx_nb._support.copies import copies_plainly, module_copy, shared_copy
 from rlx_nb.generation.decode import Decode
 from rlx_nb.models import demo, zoo
+from rlx_nb.verdict.records import OutputRecord
 from rlx_nb.verdict.types import Cause, Judgement, replaced
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")

@@ -172,7 +172,8 @@ def test_the_fp64_reference_lent_the_weights_is_bit_for_bit_the_whole_copy_refer
 
 
 def test_the_private_weights_are_released_while_a_backend_works_from_a_file_and_rebuilt_after(monkeypatch):
-    from rlx_nb.execution.prepare import PrivateModel, prepare_model, shared_copy
+    from rlx_nb._support.copies import shared_copy
+    from rlx_nb.execution.prepare import PrivateModel, prepare_model
 
     model = Tall()
     private = PrivateModel(lambda: prepare_model(model, None, None))

@@ -449,8 +449,8 @@ def test_the_bar_names_the_phase_a_backend_is_in(monkeypatch, capsys):
 def test_the_backends_judged_as_they_land_share_one_set_of_output_contexts(monkeypatch):
     # The oracle's, the sequential and the anchor runs' statistics are what every backend is judged against:
     # built once for the call, and the records are those a comparison of the whole results gives.
-    from rlx_nb import api
     from rlx_nb.comparison.compare import compare
+    from rlx_nb.report import judged
 
     built: list[int] = []
 
@@ -458,8 +458,8 @@ def test_the_backends_judged_as_they_land_share_one_set_of_output_contexts(monke
         built.append(1)
         return api_contexts(results)
 
-    api_contexts = api.contexts
-    monkeypatch.setattr(api, "contexts", counted)
+    api_contexts = judged.contexts
+    monkeypatch.setattr(judged, "contexts", counted)
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.LayerNorm(64), torch.nn.Linear(64, 8))
     backends = ["cpu-nomkldnn", "cpu-bf16", "fault:gelu-approx", "fault:linear-bias-channel"]

@@ -1,6 +1,6 @@
 """A deep copy of a module tree, as ``copy.deepcopy`` makes it, without its generic machinery per module.
 
-Every run of a call gets its own copy of the private model (:func:`rlx_nb.execution.prepare.shared_copy`: the modules
+Every run of a call gets its own copy of the private model (:func:`rlx_nb._support.copies.shared_copy`: the modules
 copied, the weights shared).  ``copy.deepcopy`` reduces each module to its state and copies that state item
 by item: for a module that is ~20 dictionaries and flags, most of them empty hook tables, each copied by the
 general path (``__reduce_ex__``, ``_reconstruct``, a dictionary copy).  On a small decoder that was ~2 ms a
@@ -16,9 +16,11 @@ config, a tensor, a list) passed to ``copy.deepcopy`` with the shared memo.  Any
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import copyreg
 from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -98,3 +100,44 @@ def _item(value: Any, memo: dict[int, Any]) -> Any:
             memo.setdefault(id(memo), []).append(value)
         return new
     return copy.deepcopy(value, memo)
+
+
+def shared_copy(model: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``model`` whose parameters and buffers share its tensors' storage: only the modules and their
+    plain state are copied, no weight.  Each parameter is a new ``Parameter`` (its own ``.grad``); tied
+    weights stay tied.  Other tensors the modules hold are copied, as a deep copy would.
+
+    Examples
+    --------
+    >>> m = torch.nn.Linear(2, 2)
+    >>> c = shared_copy(m)
+    >>> c.weight is not m.weight and c.weight.data_ptr() == m.weight.data_ptr()
+    True
+    """
+    memo: dict[int, Any] = {}
+    for t in (*model.parameters(), *model.buffers()):
+        if type(t) is torch.nn.Parameter:
+            memo[id(t)] = torch.nn.Parameter(t.detach(), requires_grad=t.requires_grad)
+        elif type(t) is torch.Tensor:
+            memo[id(t)] = t.detach()
+    return module_copy(model, memo)  # (copy.deepcopy(model, memo), faster: rlx_nb._support.copies)
+
+
+_RELEASE: dict[str, Callable[..., bool] | None] = {"release": None}
+
+
+@contextlib.contextmanager
+def releasing(release: Callable[..., bool]) -> Iterator[None]:
+    """While a run lasts, ``release(*holders)`` frees its private model's weights (:func:`release_private_weights`)."""
+    before, _RELEASE["release"] = _RELEASE["release"], release
+    try:
+        yield
+    finally:
+        _RELEASE["release"] = before
+
+
+def release_private_weights(*holders: torch.nn.Module) -> bool:
+    """Let the current run free its private model's weights while a backend works from a file (the run's
+    ``PrivateModel.release``, :mod:`rlx_nb.execution.prepare`); a no-op outside a run."""
+    release = _RELEASE["release"]
+    return release(*holders) if release is not None else False

@@ -16,11 +16,11 @@ from typing import Any
 import torch
 
 from rlx_nb._support import meter as phases
+from rlx_nb._support.copies import shared_copy
 from rlx_nb._support.tree import Opaque, flatten
 from rlx_nb.backends.base import Backend
 from rlx_nb.backends.notes import add_note
 from rlx_nb.errors import with_root_cause
-from rlx_nb.execution.prepare import shared_copy
 
 
 def onnxruntime_reason() -> str | None:
@@ -142,7 +142,7 @@ _EXPORTS: dict[tuple, Exported] = {}
 
 
 def _weights_key(model: torch.nn.Module, inputs: tuple) -> tuple:
-    # Copies of one private model share its weights' storage (rlx_nb.execution.prepare.shared_copy): the same storage,
+    # Copies of one private model share its weights' storage (rlx_nb._support.copies.shared_copy): the same storage,
     # the same structure and the same input shapes are the same export.
     tensors = [*model.parameters(), *model.buffers()]
     return (

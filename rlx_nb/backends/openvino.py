@@ -12,11 +12,11 @@ from typing import Any
 import torch
 
 from rlx_nb._support import meter as phases
+from rlx_nb._support.copies import release_private_weights
 from rlx_nb.backends.base import Backend
 from rlx_nb.backends.notes import add_note
 from rlx_nb.backends.onnx import _FlatOutputs, _quiet, attempt, exported
 from rlx_nb.errors import InputError
-from rlx_nb.execution.prepare import release_private_weights
 from rlx_nb.numerics import formats
 
 

@@ -5,7 +5,7 @@ oracle and the backend gave -- :class:`Floating` (real floats, on the host or on
 :class:`Complex` (compared as interleaved real and imaginary parts), :class:`Exact` (integers, booleans: equal
 or not), :class:`Value` (plain values), :class:`Opaque` (objects that hold no tensor) -- or a structural
 mismatch (an output missing, another shape).  Each measures the pair, asks :mod:`rlx_nb.verdict.rule` for the
-:class:`~rlx_nb.verdict.rule.Judgement`, and returns the whole :class:`~rlx_nb.comparison.records.OutputRecord`.
+:class:`~rlx_nb.verdict.rule.Judgement`, and returns the whole :class:`~rlx_nb.verdict.records.OutputRecord`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,6 @@ import torch
 
 from rlx_nb.comparison.context import OutputContext
 from rlx_nb.comparison.flips import Flips
-from rlx_nb.comparison.records import OutputRecord, PairFields
 from rlx_nb.execution.results import OPAQUE, Leaf
 from rlx_nb.numerics import device as device_metrics
 from rlx_nb.numerics import formats
@@ -29,6 +28,7 @@ from rlx_nb.numerics.reference import error_stats, reference_stats
 from rlx_nb.numerics.zeros import zero_split
 from rlx_nb.verdict import rule as verdict
 from rlx_nb.verdict.readings import looks_like_reduced_precision
+from rlx_nb.verdict.records import OutputRecord, PairFields
 from rlx_nb.verdict.types import (
     ROUNDOFF,
     SUSPECT,

@@ -16,11 +16,11 @@ from rlx_nb._support.progress import bar
 from rlx_nb.comparison.comparators import Candidate, compare_output, on_device
 from rlx_nb.comparison.context import OutputContext, contexts
 from rlx_nb.comparison.flips import flips_of
-from rlx_nb.comparison.records import OutputRecord, PairFields
 from rlx_nb.execution.results import GRAD_PREFIX, OK, SKIPPED, BackendRun, Leaf, RunResults
 from rlx_nb.verdict import rule as verdict
 from rlx_nb.verdict import words as reasons
 from rlx_nb.verdict.readings import looks_less_accurate
+from rlx_nb.verdict.records import OutputRecord, PairFields
 from rlx_nb.verdict.rule import check_rule
 from rlx_nb.verdict.types import (
     NONDETERMINISTIC,

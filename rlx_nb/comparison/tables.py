@@ -1,7 +1,7 @@
 """Flat rows of the package's structured results, and the DataFrames made of them.  Column names are
 defined once, here.
 
-A record (:class:`~rlx_nb.comparison.records.OutputRecord`: identity, :class:`~rlx_nb.comparison.records.PairFields`,
+A record (:class:`~rlx_nb.verdict.records.OutputRecord`: identity, :class:`~rlx_nb.verdict.records.PairFields`,
 :class:`~rlx_nb.verdict.rule.Judgement`) is flattened only here (:func:`record_row`; :func:`record_from_row` reads
 one back, for a saved report), so a table, a file and a benchmark's CSV all name a figure the same way.
 """
@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
-from rlx_nb.comparison.records import VERDICT_ORDER, OutputRecord, PairFields, worst_record
+from rlx_nb.verdict.records import VERDICT_ORDER, OutputRecord, PairFields, worst_record
 from rlx_nb.verdict.types import SUSPECT, VERDICT_ERROR, Judgement
 
 BACKEND = "backend"

@@ -21,8 +21,8 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from rlx_nb._support import switches
-from rlx_nb._support.copies import module_copy
+from rlx_nb._support import copies, switches
+from rlx_nb._support.copies import module_copy, shared_copy
 from rlx_nb._support.hugepages import private_copy, raw_bytes
 from rlx_nb._support.tree import flatten, map_tensors
 from rlx_nb.errors import InputError
@@ -273,27 +273,6 @@ def dtype_hint(inputs: Any) -> str:
     )
 
 
-def shared_copy(model: torch.nn.Module) -> torch.nn.Module:
-    """A copy of ``model`` whose parameters and buffers share its tensors' storage: only the modules and their
-    plain state are copied, no weight.  Each parameter is a new ``Parameter`` (its own ``.grad``); tied
-    weights stay tied.  Other tensors the modules hold are copied, as a deep copy would.
-
-    Examples
-    --------
-    >>> m = torch.nn.Linear(2, 2)
-    >>> c = shared_copy(m)
-    >>> c.weight is not m.weight and c.weight.data_ptr() == m.weight.data_ptr()
-    True
-    """
-    memo: dict[int, Any] = {}
-    for t in (*model.parameters(), *model.buffers()):
-        if type(t) is torch.nn.Parameter:
-            memo[id(t)] = torch.nn.Parameter(t.detach(), requires_grad=t.requires_grad)
-        elif type(t) is torch.Tensor:
-            memo[id(t)] = t.detach()
-    return module_copy(model, memo)  # (copy.deepcopy(model, memo), faster: rlx_nb._support.copies)
-
-
 def tensors_crc(model: torch.nn.Module) -> int:
     """crc32s over the bytes of every CPU parameter and buffer of ``model``, as one number (~7 GB/s per core,
     without the GIL: the tensors are split in two halves by bytes, one summed in a second thread)."""
@@ -441,24 +420,12 @@ class PrivateModel:
         return preparations.holds_any(storages)
 
 
-_CURRENT: dict[str, PrivateModel | None] = {"private": None}
-
-
 @contextlib.contextmanager
 def current(private: PrivateModel) -> Any:
-    """Make ``private`` the run's private model for :func:`release_private_weights` (runs are one at a time)."""
-    before, _CURRENT["private"] = _CURRENT["private"], private
-    try:
+    """Make ``private`` the run's private model, the one :func:`rlx_nb._support.copies.release_private_weights`
+    lets a backend free (runs are one at a time)."""
+    with copies.releasing(private.release):
         yield private
-    finally:
-        _CURRENT["private"] = before
-
-
-def release_private_weights(*holders: torch.nn.Module) -> bool:
-    """Let the current run free its private model's weights while a backend works from a file (see
-    :meth:`PrivateModel.release`); a no-op outside a run."""
-    private = _CURRENT["private"]
-    return private.release(*holders) if private is not None else False
 
 
 def trim() -> None:

@@ -28,7 +28,8 @@ from rlx_nb.execution.results import GENERATION_KEY, OK
 from rlx_nb.execution.run import default_label
 from rlx_nb.generation.decode import Decode, Step, step_name, step_of
 from rlx_nb.generation.export import forget as forget_export
-from rlx_nb.generation.report import GenerationReport
+from rlx_nb.generation.report import GenerationReport, progress_line
+from rlx_nb.report.judged import CallOptions, judged_report
 from rlx_nb.report.report import DivergenceReport
 
 MODES = ("teacher", "free")
@@ -102,7 +103,6 @@ def generation_divergence(
     >>> report.first_divergence.loc["cpu-nomkldnn", "kind"]
     'same tokens'
     """
-    from rlx_nb.api import backend_divergence
     from rlx_nb.generation.backends import for_generation
 
     if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1:
@@ -132,13 +132,18 @@ def generation_divergence(
     }
     before = interrupted.latest()
 
+    options = CallOptions(backends=candidates, label=label, progress=progress, timeout_s=timeout_s,
+                          check_determinism=check_determinism, memory_budget=memory_budget)  # fmt: skip
+
+    def line(early: DivergenceReport) -> str:
+        # Each backend's early line in a generation report's words, read against the oracle's tokens (held once
+        # the oracle has decoded, before any backend is judged).
+        tokens = decode.tokens.value
+        return early.lines()[0] if tokens is None else progress_line(early, tokens)
+
     def judged() -> DivergenceReport:
         try:
-            return backend_divergence(decode, (ids,), backends=candidates, label=label, progress=progress,
-                                      timeout_s=timeout_s, check_determinism=check_determinism,
-                                      memory_budget=memory_budget)  # fmt: skip
-        except InputError as exc:  # (the oracle's greedy decode failed: the user's model or step)
-            raise InputError(str(exc).replace("backend_divergence(", "generation_divergence(", 1)) from None
+            return judged_report(decode, (ids,), options, entry="generation_divergence", line=line)
         except (KeyboardInterrupt, SystemExit):  # what finished is kept as a generation (rlx_nb.interrupted_report)
             kept = interrupted.latest()
             if kept is not None and kept is not before and decode.tokens.value is not None:

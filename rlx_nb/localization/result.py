@@ -10,11 +10,11 @@ from typing import Any
 import numpy as np
 
 from rlx_nb.comparison.compare import compare
-from rlx_nb.comparison.records import OutputRecord
 from rlx_nb.comparison.tables import localization_frame
 from rlx_nb.errors import InputError
 from rlx_nb.localization.repro import write_repro
 from rlx_nb.localization.search import KEEP_ARRAYS_BYTES
+from rlx_nb.verdict.records import OutputRecord
 from rlx_nb.verdict.types import SUSPECT, VERDICT_ERROR
 
 

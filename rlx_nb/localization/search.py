@@ -20,12 +20,12 @@ from rlx_nb._support.tree import flatten
 from rlx_nb.backends.base import ORACLE, REFERENCE
 from rlx_nb.backends.registry import get_backend
 from rlx_nb.comparison.compare import compare, failed, judge_leaf
-from rlx_nb.comparison.records import OutputRecord, worst_record
 from rlx_nb.errors import InputError
 from rlx_nb.execution.prepare import KeywordModule
 from rlx_nb.execution.results import GRAD_PREFIX, to_leaf
 from rlx_nb.execution.run import run
 from rlx_nb.localization.capture import Call, CallModule, OpModule, RecordOps, inputs_requiring_grad
+from rlx_nb.verdict.records import OutputRecord, worst_record
 from rlx_nb.verdict.types import SUSPECT, VERDICT_ERROR
 
 

@@ -11,13 +11,13 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from rlx_nb.comparison.records import OutputRecord
 from rlx_nb.errors import InputError
 from rlx_nb.execution.results import RunResults
 from rlx_nb.plot.charts import plot_effective_bits, plot_histogram, plot_scatter, plot_tolerance_curve
 from rlx_nb.plot.heatmap import Heatmap, heatmap
 from rlx_nb.plot.style import METRIC_LABELS
 from rlx_nb.verdict.readings import localized_slice
+from rlx_nb.verdict.records import OutputRecord
 from rlx_nb.verdict.rule import MAX_LIMIT
 from rlx_nb.verdict.types import VERDICT_SKIPPED
 

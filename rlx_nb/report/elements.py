@@ -15,13 +15,13 @@ import pandas as pd
 import torch
 
 from rlx_nb.comparison.comparators import on_device
-from rlx_nb.comparison.records import OutputRecord
 from rlx_nb.comparison.tables import element_table, elements_frame
 from rlx_nb.errors import InputError
 from rlx_nb.execution.results import RunResults
 from rlx_nb.numerics import device as device_metrics
 from rlx_nb.numerics.elements import rel_error, top_k, ulp_distance
 from rlx_nb.plot.fold import block_argmax, error_window
+from rlx_nb.verdict.records import OutputRecord
 
 
 def arrays(results: RunResults, rec: OutputRecord) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:

@@ -12,7 +12,6 @@ import pandas as pd
 
 from rlx_nb.backends.base import ORACLE
 from rlx_nb.comparison.compare import compare
-from rlx_nb.comparison.records import OutputRecord, worst_record
 from rlx_nb.comparison.tables import (
     backends_frame,
     compact_backends_frame,
@@ -23,6 +22,7 @@ from rlx_nb.errors import InputError
 from rlx_nb.execution.results import RunResults
 from rlx_nb.execution.source import WeakSource
 from rlx_nb.report import elements as lookups
+from rlx_nb.verdict.records import OutputRecord, worst_record
 from rlx_nb.verdict.types import ROUNDOFF, SUSPECT, VERDICT_ERROR, VERDICT_SKIPPED
 from rlx_nb.verdict.words import seed_line
 

@@ -2,16 +2,16 @@
 
 :mod:`rlx_nb.verdict.rule` decides, and its :class:`~rlx_nb.verdict.rule.Judgement` names the clause that decided
 (``cause``); this module only says it, from a record's judgement, pair statistics and identity (an
-:class:`~rlx_nb.comparison.records.OutputRecord`).  One sentence per cause; nothing here works out again why.
+:class:`~rlx_nb.verdict.records.OutputRecord`).  One sentence per cause; nothing here works out again why.
 """
 
 from __future__ import annotations
 
 import math
 
-from rlx_nb.comparison.records import OutputRecord, worst_record
 from rlx_nb.numerics import formats
 from rlx_nb.verdict.readings import PRECISION_ALIKE, PRECISION_UNLIKE, localized
+from rlx_nb.verdict.records import OutputRecord, worst_record
 from rlx_nb.verdict.rule import MAX_LIMIT, RMSE_LIMIT, whole_excess
 from rlx_nb.verdict.types import NONDETERMINISTIC, SUSPECT, VERDICT_ERROR, VERDICT_SKIPPED, Cause, Judgement
 
