@@ -6,7 +6,6 @@ and names parameters as the user's model does.
 
 from __future__ import annotations
 
-import contextlib
 import copy
 import functools
 import gc
@@ -21,7 +20,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from rlx_nb._support import copies, switches
+from rlx_nb._support import switches
 from rlx_nb._support.copies import module_copy, shared_copy
 from rlx_nb._support.hugepages import private_copy, raw_bytes
 from rlx_nb._support.tree import flatten, map_tensors
@@ -418,14 +417,6 @@ class PrivateModel:
         from rlx_nb.execution import cache as preparations
 
         return preparations.holds_any(storages)
-
-
-@contextlib.contextmanager
-def current(private: PrivateModel) -> Any:
-    """Make ``private`` the run's private model, the one :func:`rlx_nb._support.copies.release_private_weights`
-    lets a backend free (runs are one at a time)."""
-    with copies.releasing(private.release):
-        yield private
 
 
 def trim() -> None:

@@ -13,8 +13,8 @@ from typing import Any
 
 import torch
 
+from rlx_nb._support import copies, switches
 from rlx_nb._support import meter as phases
-from rlx_nb._support import switches
 from rlx_nb._support.meter import rss_bytes
 from rlx_nb._support.progress import bar
 from rlx_nb._support.tree import map_tensors
@@ -34,7 +34,6 @@ from rlx_nb.execution.memory import Memory
 from rlx_nb.execution.prepare import (
     PrivateInputs,
     PrivateModel,
-    current,
     dtype_hint,
     float32_default,
     no_meta_inputs,
@@ -130,7 +129,8 @@ def run(
         cast = float32_default(inputs, saved)
         args, keys = normalize_inputs(inputs)
         with meter.phase("private copy"):
-            private = stack.enter_context(current(PrivateModel(lambda: prepare_model(model, params, keys))))
+            private = PrivateModel(lambda: prepare_model(model, params, keys))
+            stack.enter_context(copies.releasing(private.release))  # (a backend working from a file may free it)
         memory = Memory(private.model, memory_budget)
         input_names = keys or [f"input[{i}]" for i in range(len(args))]
         no_meta_inputs(args, input_names)
