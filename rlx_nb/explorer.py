@@ -275,7 +275,7 @@ class Explorer(W.VBox if W is not None else object):
         if len(frame) and (frame.abs_err > 0).any():  # elements that differ; exact ones only when none does
             frame = frame[frame.abs_err > 0]
         self._elements = frame
-        self.table.value = lookups.element_html(frame)
+        self.table.value = element_html(frame)
         self._busy = True
         self.element_picker.options = [
             (f"#{r.rank} {tuple(r.index)} abs={r.abs_err:.2e}", tuple(r.index)) for r in frame.itertuples()
@@ -487,3 +487,22 @@ class Explorer(W.VBox if W is not None else object):
         self.inspector.value = f"<table>{body}</table>{hood}"
         if redraw:
             self._mark(index)
+
+
+ELEMENT_DIGITS = {"oracle": 9, "backend": 9, "reference": 12}
+"""Significant digits of the element table's values: float32's 9 tell the oracle and the backend apart where
+they differ in the last bit; the fp64 reference shows the digits that the float32 values round away."""
+
+
+def element_html(frame: Any) -> str:
+    """The worst elements as an HTML table whose numbers show the digits that differ (never wrapped)."""
+    shown = frame.copy()
+    for column in shown.columns:
+        digits = ELEMENT_DIGITS.get(column)
+        if digits is not None:
+            shown[column] = [f"{float(v):.{digits}g}" for v in shown[column]]
+        elif shown[column].dtype.kind == "f":
+            shown[column] = [f"{float(v):.3e}" for v in shown[column]]
+    shown["index"] = [str(tuple(v)) for v in shown["index"]]
+    body = shown.to_html(index=False, escape=True, classes="rlx-elements")
+    return f"<div style='white-space:nowrap;overflow-x:auto'>{body}</div>"

@@ -17,6 +17,8 @@ from typing import Any
 import numpy as np
 import pandas as pd
 
+from rlx_nb.numerics.device import worst_columns as device_worst_columns
+from rlx_nb.numerics.elements import worst_columns
 from rlx_nb.verdict.records import VERDICT_ORDER, OutputRecord, PairFields, worst_record
 from rlx_nb.verdict.types import SUSPECT, VERDICT_ERROR, Judgement
 
@@ -307,6 +309,13 @@ def _worst_of(verdicts: Any) -> str | None:
 def elements_frame(rows: dict[str, Any]) -> pd.DataFrame:
     """The worst elements of one output, worst first (columns: :data:`ELEMENT_COLUMNS`)."""
     return Table(rows, columns=ELEMENT_COLUMNS)
+
+
+def worst_elements_frame(oracle: np.ndarray, backend: Any, reference: np.ndarray | None, top: int) -> pd.DataFrame:
+    """:func:`elements_frame` of the ``top`` worst elements (``backend`` a host array, or a tensor on its device)."""
+    if isinstance(backend, np.ndarray):
+        return elements_frame(worst_columns(oracle, backend, reference, top))
+    return elements_frame(device_worst_columns(oracle, backend, reference, top))
 
 
 def element_table(oracle: np.ndarray, backend: np.ndarray, reference: np.ndarray | None) -> pd.DataFrame:

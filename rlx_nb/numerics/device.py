@@ -202,3 +202,14 @@ def top_k(expected: torch.Tensor, actual: torch.Tensor, k: int) -> tuple[np.ndar
         order = np.lexsort((best_i, -best_v))[:k]
         best_i, best_v = best_i[order], best_v[order]
     return best_i, best_v
+
+
+def worst_columns(oracle: np.ndarray, backend: torch.Tensor, reference: np.ndarray | None, k: int) -> dict:
+    """:func:`rlx_nb.numerics.elements.element_columns` of the ``k`` worst elements of a backend's output left on its
+    device: the top-k found there, only those ``k`` elements brought to the host."""
+    from rlx_nb.numerics.elements import element_columns
+
+    eb = backend.reshape(-1)
+    idx, err = top_k(as_device(oracle, eb.device), eb, k)
+    bf = eb[torch.from_numpy(idx).to(eb.device)].cpu().numpy()
+    return element_columns(oracle.shape, reference, idx, err, (oracle.reshape(-1)[idx], bf))

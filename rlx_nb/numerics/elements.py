@@ -3,6 +3,8 @@ histograms and tolerance curves (numpy, chunked where the output is large)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from rlx_nb.errors import InputError
@@ -157,3 +159,33 @@ def tolerance_curve(expected: np.ndarray, actual: np.ndarray, rtols: np.ndarray)
         # elements with rel > t: size - (number <= t)
         failing[order] += rel.size - np.searchsorted(rel, sorted_tols, side="right")
     return failing / max(1, e.size)
+
+
+@np.errstate(invalid="ignore", over="ignore")
+def element_columns(
+    shape: tuple[int, ...], reference: np.ndarray | None, idx: np.ndarray, err: np.ndarray, values: tuple
+) -> dict[str, Any]:
+    """The columns of the element rows at flat indices ``idx`` of an output of ``shape``: indices, the oracle's and
+    the backend's values (``values``) and the reference's, and every error of each."""
+    of, bf = values
+    rf = reference.reshape(-1)[idx].astype(np.float64) if reference is not None else np.full(idx.size, np.nan)
+    ulp = ulp_distance(of, bf.astype(of.dtype)) if of.dtype in (np.float16, np.float32, np.float64) else None
+    return {
+        "rank": np.arange(idx.size),
+        "index": [tuple(int(v) for v in np.unravel_index(i, shape)) for i in idx],
+        "flat_index": idx,
+        "oracle": of,
+        "backend": bf,
+        "reference": rf,
+        "abs_err": err,
+        "rel_err": rel_error(of, bf),
+        "ulp_err": ulp if ulp is not None else np.zeros(idx.size, np.int64),
+        "oracle_err_fp64": of.astype(np.float64) - rf,
+        "backend_err_fp64": bf.astype(np.float64) - rf,
+    }
+
+
+def worst_columns(oracle: np.ndarray, backend: np.ndarray, reference: np.ndarray | None, k: int) -> dict[str, Any]:
+    """:func:`element_columns` of the ``k`` worst elements (:func:`top_k`), worst first."""
+    idx, err = top_k(oracle, backend, k)
+    return element_columns(oracle.shape, reference, idx, err, (oracle.reshape(-1)[idx], backend.reshape(-1)[idx]))

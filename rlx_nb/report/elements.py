@@ -12,14 +12,12 @@ from typing import Any
 
 import numpy as np
 import pandas as pd
-import torch
 
 from rlx_nb.comparison.comparators import on_device
-from rlx_nb.comparison.tables import element_table, elements_frame
+from rlx_nb.comparison.tables import element_table, elements_frame, worst_elements_frame
 from rlx_nb.errors import InputError
 from rlx_nb.execution.results import RunResults
-from rlx_nb.numerics import device as device_metrics
-from rlx_nb.numerics.elements import rel_error, top_k, ulp_distance
+from rlx_nb.numerics.elements import element_columns
 from rlx_nb.plot.fold import block_argmax, error_window
 from rlx_nb.verdict.records import OutputRecord
 
@@ -35,14 +33,23 @@ def arrays(results: RunResults, rec: OutputRecord) -> tuple[np.ndarray, np.ndarr
     return results.oracle.outputs[rec.output].value, got.value, ref.value if ref is not None and ref.is_array else None
 
 
-@np.errstate(invalid="ignore", over="ignore")
 def elements(results: RunResults, rec: OutputRecord, top: int) -> pd.DataFrame:
     """The ``top`` worst elements (by absolute error) of the record's output, worst first; O(top) memory."""
     if not isinstance(top, int) or top < 1:
         raise InputError(f"top must be a positive integer, got {top!r}")
-    found = _device_elements(results, rec, top)
-    if found is not None:
-        return found
+    return worst_elements_frame(*_compared(results, rec), top)
+
+
+@np.errstate(invalid="ignore", over="ignore")
+def _compared(results: RunResults, rec: OutputRecord) -> tuple[np.ndarray, Any, np.ndarray | None]:
+    # (oracle, backend, reference) as the worst elements are ranked: the backend's tensor where its output stayed on
+    # its device (only the top-k come to the host), complex outputs as interleaved (real, imag), others as floats.
+    got = results.candidates[rec.backend].outputs.get(rec.output) if rec.output is not None else None
+    if got is not None and got.on_device:
+        o = results.oracle.outputs[rec.output].value
+        if o.shape == got.tensor.shape and on_device(o, got):
+            ref = results.reference.outputs.get(rec.output)
+            return o, got.tensor, ref.value if ref is not None and ref.is_array else None
     o, b, r = arrays(results, rec)
     if o.shape != b.shape:
         raise InputError(f"{rec.backend!r} output shape {b.shape} differs from the oracle's {o.shape}")
@@ -52,24 +59,7 @@ def elements(results: RunResults, rec: OutputRecord, top: int) -> pd.DataFrame:
         r = np.ascontiguousarray(r.astype(np.complex128)).view(np.float64) if r is not None else None
     elif not np.issubdtype(o.dtype, np.floating):
         o, b = o.astype(np.float64), b.astype(np.float64)
-    idx, err = top_k(o, b, top)
-    return _rows(o, r, idx, err, (o.reshape(-1)[idx], b.reshape(-1)[idx]))
-
-
-def _device_elements(results: RunResults, rec: OutputRecord, top: int) -> pd.DataFrame | None:
-    # A candidate whose output stayed on its device: the top-k there (None when the output is on the host).
-    got = results.candidates[rec.backend].outputs.get(rec.output) if rec.output is not None else None
-    if got is None or not got.on_device:
-        return None
-    o = results.oracle.outputs[rec.output].value
-    if o.shape != got.tensor.shape or not on_device(o, got):
-        return None
-    eb = got.tensor.reshape(-1)
-    idx, err = device_metrics.top_k(device_metrics.as_device(o, eb.device), eb, top)
-    ref = results.reference.outputs.get(rec.output)
-    r = ref.value if ref is not None and ref.is_array else None
-    bf = eb[torch.from_numpy(idx).to(eb.device)].cpu().numpy()
-    return _rows(o, r, idx, err, (o.reshape(-1)[idx], bf))
+    return o, b, r
 
 
 def element(results: RunResults, rec: OutputRecord, index: tuple[int, ...]) -> pd.DataFrame:
@@ -119,45 +109,9 @@ def worst_in_block(
     return block_argmax(o, b, fold, block, factors)
 
 
-@np.errstate(invalid="ignore", over="ignore")
 def _rows(o: np.ndarray, r: np.ndarray | None, idx: np.ndarray, err: np.ndarray, values: tuple) -> pd.DataFrame:
     # The element rows of ``idx`` (flat indices into ``o``'s shape); ``values``: the oracle's and backend's there.
-    of, bf = values
-    rf = r.reshape(-1)[idx].astype(np.float64) if r is not None else np.full(idx.size, np.nan)
-    ulp = ulp_distance(of, bf.astype(of.dtype)) if of.dtype in (np.float16, np.float32, np.float64) else None
-    rows = {
-        "rank": np.arange(idx.size),
-        "index": [tuple(int(v) for v in np.unravel_index(i, o.shape)) for i in idx],
-        "flat_index": idx,
-        "oracle": of,
-        "backend": bf,
-        "reference": rf,
-        "abs_err": err,
-        "rel_err": rel_error(of, bf),
-        "ulp_err": ulp if ulp is not None else np.zeros(idx.size, np.int64),
-        "oracle_err_fp64": of.astype(np.float64) - rf,
-        "backend_err_fp64": bf.astype(np.float64) - rf,
-    }
-    return elements_frame(rows)
-
-
-ELEMENT_DIGITS = {"oracle": 9, "backend": 9, "reference": 12}
-"""Significant digits of the element table's values: float32's 9 tell the oracle and the backend apart where
-they differ in the last bit; the fp64 reference shows the digits that the float32 values round away."""
-
-
-def element_html(frame: Any) -> str:
-    """The worst elements as an HTML table whose numbers show the digits that differ (never wrapped)."""
-    shown = frame.copy()
-    for column in shown.columns:
-        digits = ELEMENT_DIGITS.get(column)
-        if digits is not None:
-            shown[column] = [f"{float(v):.{digits}g}" for v in shown[column]]
-        elif shown[column].dtype.kind == "f":
-            shown[column] = [f"{float(v):.3e}" for v in shown[column]]
-    shown["index"] = [str(tuple(v)) for v in shown["index"]]
-    body = shown.to_html(index=False, escape=True, classes="rlx-elements")
-    return f"<div style='white-space:nowrap;overflow-x:auto'>{body}</div>"
+    return elements_frame(element_columns(o.shape, r, idx, err, values))
 
 
 def neighbourhood_html(window: Any) -> str:
