@@ -5,7 +5,7 @@ oracle and the backend gave -- :class:`Floating` (real floats, on the host or on
 :class:`Complex` (compared as interleaved real and imaginary parts), :class:`Exact` (integers, booleans: equal
 or not), :class:`Value` (plain values), :class:`Opaque` (objects that hold no tensor) -- or a structural
 mismatch (an output missing, another shape).  Each measures the pair, asks :mod:`rlx_nb.verdict.rule` for the
-:class:`~rlx_nb.verdict.rule.Judgement`, and returns the whole :class:`~rlx_nb.verdict.records.OutputRecord`.
+:class:`~rlx_nb.verdict.rule.Judgement`, and returns what it found (:class:`~rlx_nb.verdict.records.Finding`).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from rlx_nb.numerics.reference import error_stats, reference_stats
 from rlx_nb.numerics.zeros import zero_split
 from rlx_nb.verdict import rule as verdict
 from rlx_nb.verdict.readings import looks_like_reduced_precision
-from rlx_nb.verdict.records import OutputRecord, PairFields
+from rlx_nb.verdict.records import Finding, PairFields
 from rlx_nb.verdict.types import (
     ROUNDOFF,
     SUSPECT,
@@ -69,13 +69,13 @@ class Comparator:
     def tol_rel(self) -> float:
         return self.cand.tol_rel if self.cand.tol_rel is not None else verdict.default_tol_rel(self.ctx.kind)
 
-    def compare(self) -> OutputRecord:
+    def compare(self) -> Finding:
         raise NotImplementedError
 
-    def record(self, judgement: Judgement, pair: PairFields | None = None) -> OutputRecord:
-        """The whole record (its ``reason`` is written once the backend's every output is judged)."""
+    def record(self, judgement: Judgement, pair: PairFields | None = None) -> Finding:
+        """What this comparator found (the record is made from it once the backend's every output is judged)."""
         o = self.ctx.oracle
-        return OutputRecord(
+        return Finding(
             self.cand.backend,
             self.ctx.name,
             self.ctx.index,
@@ -87,10 +87,10 @@ class Comparator:
             dtype=o.dtype,
             numel=int(o.value.size) if o.is_array and self.measured else 0,
             reduction_length=self.ctx.reduction_length,
-            note="; ".join(self.notes),
+            notes=tuple(self.notes),
         )
 
-    def plain(self, verdict_: str, cause: str, detail: str) -> OutputRecord:
+    def plain(self, verdict_: str, cause: str, detail: str) -> Finding:
         return self.record(without_statistics(verdict_, cause, detail))
 
 
@@ -101,7 +101,7 @@ class Structure(Comparator):
     def measured(self) -> bool:
         return self.cand.leaf is not None
 
-    def compare(self) -> OutputRecord:
+    def compare(self) -> Finding:
         got = self.cand.leaf
         if got is None:
             return self.plain(
@@ -119,7 +119,7 @@ class Opaque(Comparator):
 
     measured = False
 
-    def compare(self) -> OutputRecord:
+    def compare(self) -> Finding:
         o, got = self.ctx.oracle, self.cand.leaf
         if o.dtype == OPAQUE:
             why = f"not compared: a {o.value} object that holds no tensors (only tensors and plain values are compared)"
@@ -133,7 +133,7 @@ class Value(Comparator):
 
     measured = False
 
-    def compare(self) -> OutputRecord:
+    def compare(self) -> Finding:
         o, got = self.ctx.oracle, self.cand.leaf
         if not o.is_array and not got.is_array and _equal(o.value, got.value):
             return self.plain(ROUNDOFF, Cause.EXACT, "equal")
@@ -145,7 +145,7 @@ class Value(Comparator):
 class Exact(Comparator):
     """An integer or boolean output: it must match exactly."""
 
-    def compare(self) -> OutputRecord:
+    def compare(self) -> Finding:
         o, b = self.ctx.oracle.value, self.cand.leaf.value
         diff = o != b
         mismatched = int(np.count_nonzero(diff))
@@ -176,7 +176,7 @@ class Floating(Comparator):
             return o.astype(wide), b.astype(wide)
         return o, b
 
-    def compare(self) -> OutputRecord:
+    def compare(self) -> Finding:
         ctx, cand = self.ctx, self.cand
         o, got = ctx.oracle.value, cand.leaf
         if got.dtype != ctx.oracle.dtype:
@@ -338,7 +338,7 @@ def comparator_for(ctx: OutputContext, cand: Candidate) -> Comparator:
     return Floating(ctx, cand)
 
 
-def compare_output(ctx: OutputContext, cand: Candidate) -> OutputRecord:
+def compare_output(ctx: OutputContext, cand: Candidate) -> Finding:
     """One (backend, output) record: the comparator for its kind, judged against the output's context."""
     return comparator_for(ctx, cand).compare()
 

@@ -9,18 +9,19 @@ runs tell (a nondeterministic model), and the words (:mod:`rlx_nb.verdict.words`
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import Any
 
 from rlx_nb._support.progress import bar
-from rlx_nb.comparison.comparators import Candidate, compare_output, on_device
+from rlx_nb.comparison.comparators import Candidate, compare_output
 from rlx_nb.comparison.context import OutputContext, contexts
 from rlx_nb.comparison.flips import flips_of
 from rlx_nb.execution.results import GRAD_PREFIX, OK, SKIPPED, BackendRun, Leaf, RunResults
 from rlx_nb.verdict import rule as verdict
 from rlx_nb.verdict import words as reasons
 from rlx_nb.verdict.readings import looks_less_accurate
-from rlx_nb.verdict.records import OutputRecord, PairFields
+from rlx_nb.verdict.records import Finding, OutputRecord, PairFields
 from rlx_nb.verdict.rule import check_rule
 from rlx_nb.verdict.types import (
     NONDETERMINISTIC,
@@ -56,28 +57,23 @@ def compare(
     ['round-off']
     """
     check_rule(rule)
-    unstable = results.environment.get("nondeterministic") or {}
-    ops = results.environment.get("matmul_ops")
     outputs = outputs if outputs is not None else list(contexts(results))
     records: list[OutputRecord] = []
     with bar("rlx_nb compare", total=len(results.candidates) * len(outputs), unit="output", enabled=progress) as shown:
         for run in results.candidates.values():
-            for rec in _compare_run(results, run, outputs, tol_rel=tol_rel, rule=rule, shown=shown):
-                if rec.output in unstable and rec.verdict not in (VERDICT_ERROR, VERDICT_SKIPPED):
-                    j = replaced(rec.judgement, verdict=NONDETERMINISTIC, cause=Cause.NONDETERMINISTIC,
-                                 nondeterminism=unstable[rec.output])  # fmt: skip
-                    rec = replaced(rec, judgement=j)
-                records.append(replaced(rec, reason=reasons.reason(rec, ops)))
+            found = _compare_run(results, run, outputs, tol_rel=tol_rel, rule=rule, shown=shown)
+            records += _records(results, found, {ctx.name: ctx for ctx in outputs})
     return records
 
 
 def _compare_run(
     results: RunResults, run: BackendRun, outputs: list[OutputContext], *, tol_rel: float | None, rule: str, shown: Any
-) -> list[OutputRecord]:
+) -> list[Finding]:
+    # What the comparators find on every output of one backend.
     if run.status != OK:  # (skipped: the run did not fit in memory)
         status = VERDICT_SKIPPED if run.status == SKIPPED else VERDICT_ERROR
         return [_plain(run, (None, -1, "forward"), status, run.message)]
-    out: list[OutputRecord] = []
+    out: list[Finding] = []
     for ctx in outputs:
         shown.update()
         if ctx.kind == "grad" and run.grad_status != OK:
@@ -90,26 +86,9 @@ def _compare_run(
                 out.append(_plain(run, (GRAD_PREFIX + "*", ctx.index, "grad"), status, why))
             continue
         flips = flips_of(results, run.backend, ctx.name) if results.discrete else None
-        rec = compare_output(
+        out.append(compare_output(
             ctx, Candidate(run.backend, run.compute_dtype, run.outputs.get(ctx.name), rule, tol_rel, flips)
-        )
-        j = rec.judgement
-        notes = [rec.note]
-        if ctx.anchors_left_out and j.verdict_budget is not None:
-            notes.append(ctx.anchors_left_out)
-        if results.reference.status != OK and j.verdict_budget is None and rec.note:
-            notes.append(f"the fp64 reference did not run ({results.reference.message}), so the fixed rule decides")
-        out.append(replaced(rec, note="; ".join(n for n in notes if n)))
-    suspects = [r for r in out if r.verdict == SUSPECT]
-    # A uniformly less accurate fp32 arithmetic is a fast convolution algorithm (Winograd, FFT: NNPACK): on a model
-    # without convolutions no legitimate fp32 kernel is known to read so (a reduced precision reads as one).
-    convolutions = (results.environment.get("matmul_ops") or {}).get("convolution", 0)
-    if (
-        suspects
-        and convolutions
-        and all(looks_less_accurate(r.judgement, r.compute_dtype, r.kind, r.numel) for r in suspects)
-    ):
-        out = [replaced(r, judgement=verdict.read_less_accurate(r.judgement)) for r in out]
+        ))  # fmt: skip
     extra = [n for n in run.outputs if n not in results.oracle.outputs]
     if extra:
         why = f"outputs the oracle does not have: {', '.join(extra[:5])}"
@@ -117,12 +96,44 @@ def _compare_run(
     return out
 
 
+def _records(results: RunResults, found: list[Finding], contexts_: dict[str, OutputContext]) -> list[OutputRecord]:
+    # Each record of one backend made once: what only all its outputs tell (a uniformly less accurate arithmetic),
+    # then the model's own nondeterminism, then the call's notes and the words.
+    unstable = results.environment.get("nondeterministic") or {}
+    ops = results.environment.get("matmul_ops")
+    less = _less_accurate(found, (ops or {}).get("convolution", 0))
+    records = []
+    for f in found:
+        j, notes = f.judgement, []
+        if less:
+            j = verdict.read_less_accurate(j)
+        if f.output in unstable and j.verdict not in (VERDICT_ERROR, VERDICT_SKIPPED):
+            j = replaced(j, verdict=NONDETERMINISTIC, cause=Cause.NONDETERMINISTIC, nondeterminism=unstable[f.output])
+        ctx = contexts_.get(f.output)
+        if ctx is not None and ctx.anchors_left_out and j.verdict_budget is not None:
+            notes.append(ctx.anchors_left_out)
+        if results.reference.status != OK and j.verdict_budget is None and f.notes:
+            notes.append(f"the fp64 reference did not run ({results.reference.message}), so the fixed rule decides")
+        records.append(f.record(j, reasons.reason(dataclasses.replace(f, judgement=j), ops), notes))
+    return records
+
+
+def _less_accurate(found: list[Finding], convolutions: int) -> bool:
+    # Whether a backend reads as a uniformly less accurate arithmetic: every SUSPECT output of it does.  That is a
+    # fast convolution algorithm (Winograd, FFT: NNPACK): on a model without convolutions no legitimate fp32 kernel is
+    # known to read so (a reduced precision reads as one).
+    suspects = [f for f in found if f.judgement.verdict == SUSPECT]
+    return bool(suspects and convolutions) and all(
+        looks_less_accurate(f.judgement, f.compute_dtype, f.kind, f.numel) for f in suspects
+    )
+
+
 def judge_leaf(oracle: Leaf, got: Leaf | None, reference: Leaf | None, *, backend: str, output: str,
                compute_dtype: str = "float32") -> OutputRecord:  # fmt: skip
     """One forward output judged on its own (no sequential run, no anchors): a module's, in :mod:`rlx_nb.localize`."""
     ctx = OutputContext(output, 0, oracle, reference, None, {})
-    rec = compare_output(ctx, Candidate(backend, compute_dtype, got))
-    return replaced(rec, reason=reasons.reason(rec))
+    found = compare_output(ctx, Candidate(backend, compute_dtype, got))
+    return found.record(found.judgement, reasons.reason(found))
 
 
 def failed(backend: str, why: str) -> OutputRecord:
@@ -131,11 +142,10 @@ def failed(backend: str, why: str) -> OutputRecord:
     return OutputRecord(backend, None, -1, "forward", "float32", j, PairFields(), reason=why)
 
 
-def _plain(run: BackendRun, where: tuple[str | None, int, str], status: str, why: str, cause: str = "") -> OutputRecord:
-    # A record decided without statistics: the backend failed, was skipped, or gave outputs the oracle has not.
+def _plain(run: BackendRun, where: tuple[str | None, int, str], status: str, why: str, cause: str = "") -> Finding:
+    # Found without statistics: the backend failed, was skipped, or gave outputs the oracle has not.
     # ``where``: (output, its index, kind).
-    j = without_statistics(status, cause or status, why)
-    return OutputRecord(run.backend, *where, run.compute_dtype, j, PairFields())
+    return Finding(run.backend, *where, run.compute_dtype, without_statistics(status, cause or status, why))
 
 
-__all__: Sequence[str] = ["OutputRecord", "compare", "failed", "judge_leaf", "on_device"]
+__all__: Sequence[str] = ["compare", "failed", "judge_leaf"]

@@ -1,6 +1,7 @@
 """One (backend, output) comparison: who and what it is, the pair's statistics, and the judgement.
 
-:class:`OutputRecord` is built once, whole, by :mod:`rlx_nb.comparison.comparators`; nothing patches it after.  Its
+:class:`OutputRecord` is built once, whole, by :mod:`rlx_nb.comparison.compare` from a comparator's :class:`Finding`;
+nothing patches it after.  Its
 parts are typed: :class:`PairFields` (the backend against the oracle, element by element) and
 :class:`~rlx_nb.verdict.rule.Judgement` (the verdict, its cause and the figures behind it).  The flat row a table
 or a saved file holds is :mod:`rlx_nb.comparison.tables`' business (``frames.record_row``, ``frames.record_from_row``).
@@ -80,6 +81,32 @@ class OutputRecord:
     @property
     def cause(self) -> str:
         return self.judgement.cause
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """One (backend, output) as its comparator judged it, before what only all of a backend's outputs (a less
+    accurate arithmetic), the model's own nondeterminism and the call add: the parts of an :class:`OutputRecord`
+    but its words.  :func:`rlx_nb.comparison.compare.compare` makes each record from one, once."""
+
+    backend: str
+    output: str | None
+    output_index: int
+    kind: str
+    compute_dtype: str
+    judgement: Judgement
+    pair: PairFields = NO_PAIR
+    shape: tuple[int, ...] | None = None
+    dtype: str = ""
+    numel: int = 0
+    reduction_length: int = 1
+    notes: tuple[str, ...] = ()
+
+    def record(self, judgement: Judgement, reason: str, notes: Sequence[str] = ()) -> OutputRecord:
+        """The record: this finding with its final ``judgement``, its ``reason`` and every note."""
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "notes"}
+        note = "; ".join(n for n in (*self.notes, *notes) if n)
+        return OutputRecord(**{**fields, "judgement": judgement}, reason=reason, note=note)
 
 
 VERDICT_ORDER = {SUSPECT: 0, VERDICT_ERROR: 1}
