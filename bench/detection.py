@@ -46,8 +46,7 @@ import rlx_nb
 from rlx_nb.backends.faults import CATALOGUE, HITS, fault_backend
 from rlx_nb.backends.registry import _REGISTRY, available_backends, register_backend
 from rlx_nb.models import demo
-from rlx_nb.verdict.rule import MAX_LIMIT, RMSE_LIMIT
-from rlx_nb.verdict.types import SUSPECT
+from rlx_nb.verdict.types import MAX_LIMIT, RMSE_LIMIT, SUSPECT
 
 RESULTS = Path(__file__).parent / "results"
 FAMILIES = {

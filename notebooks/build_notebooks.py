@@ -69,7 +69,7 @@ print(f"worst element {p.worst_index}: oracle {p.oracle_value:.7g}, backend {p.b
         """from rlx_nb.plot.heatmap import plot_heatmap
 
 oracle, backend, fp64 = report.arrays(suspect, rec.output)
-from rlx_nb.verdict.rule import MAX_LIMIT
+from rlx_nb.verdict.types import MAX_LIMIT
 
 line = MAX_LIMIT * rec.judgement.budget_max   # one element this far off makes the output SUSPECT on its own
 ax = plot_heatmap(oracle[0, :16], backend[0, :16], fp64[0, :16], metric="line", budget=line,

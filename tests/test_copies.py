@@ -15,7 +15,8 @@ from rlx_nb._support.copies import copies_plainly, module_copy, shared_copy
 from rlx_nb.generation.decode import Decode
 from rlx_nb.models import demo, zoo
 from rlx_nb.verdict.records import OutputRecord
-from rlx_nb.verdict.types import Cause, Judgement, replaced
+from rlx_nb.verdict.types import Judgement, replaced
+from rlx_nb.verdict.words import Cause
 
 pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
 

@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 import rlx_nb
 from rlx_nb.numerics.reference import ReferenceStats
 from rlx_nb.verdict.rule import judge
-from rlx_nb.verdict.types import ROUNDOFF, SUSPECT, Cause, Evidence
+from rlx_nb.verdict.types import ROUNDOFF, SUSPECT, Evidence
+from rlx_nb.verdict.words import Cause
 
 
 def _in_float64(model, inputs):

@@ -193,7 +193,7 @@ def test_a_class_whose_bias_is_slightly_off_is_caught_by_its_slice_mean():
     # row is off the same way, and that column's mean error is far beyond the legitimate RMS there.
     from rlx_nb.backends.faults import fault_backend
     from rlx_nb.backends.registry import _REGISTRY
-    from rlx_nb.verdict.rule import RMSE_LIMIT
+    from rlx_nb.verdict.types import RMSE_LIMIT
 
     backend = fault_backend("linear-bias-channel", 1e-5)
     _REGISTRY[backend.name] = backend
@@ -252,7 +252,7 @@ def test_the_slice_clause_is_quiet_on_roundoff_at_any_slice_size_and_count(shape
     # noise, and with a limit fixed at 4 the largest of 64 chance ratios crossed it (the real-model false
     # positives).  Slices are judged against the larger of their own and the output's legitimate error,
     # with room for chance that shrinks with the slice's size and grows with the number of slices.
-    from rlx_nb.verdict.rule import RMSE_LIMIT
+    from rlx_nb.verdict.types import RMSE_LIMIT
 
     ratios = _slice_ratios(shape, 300, rng)
     assert (ratios <= RMSE_LIMIT).all(), (shape, ratios.max())
@@ -263,7 +263,7 @@ def test_the_slice_clause_still_sees_a_whole_slice_shifted(rng):
     # One column of an 8 x 10 output (the conv net's logits, one class's bias slightly off) shifted by
     # 15 sigma is caught in every draw; a shift of 3 sigma (within what round-off of 8 elements can do)
     # in none.
-    from rlx_nb.verdict.rule import RMSE_LIMIT
+    from rlx_nb.verdict.types import RMSE_LIMIT
 
     assert (_slice_ratios((8, 10), 200, rng, rho=1.0, shift=(15.0, (slice(None), 0))) > RMSE_LIMIT).all()
     assert (_slice_ratios((8, 10), 200, rng, rho=1.0, shift=(3.0, (slice(None), 0))) <= RMSE_LIMIT).all()

@@ -33,13 +33,13 @@ from rlx_nb.verdict.types import (
     ROUNDOFF,
     SUSPECT,
     VERDICT_SKIPPED,
-    Cause,
     Evidence,
     Judgement,
     SliceEvidence,
     replaced,
     without_statistics,
 )
+from rlx_nb.verdict.words import Cause
 
 
 @dataclasses.dataclass(frozen=True)

@@ -28,10 +28,10 @@ from rlx_nb.verdict.types import (
     SUSPECT,
     VERDICT_ERROR,
     VERDICT_SKIPPED,
-    Cause,
     replaced,
     without_statistics,
 )
+from rlx_nb.verdict.words import Cause
 
 
 def compare(

@@ -18,8 +18,7 @@ from rlx_nb.plot.heatmap import Heatmap, heatmap
 from rlx_nb.plot.style import METRIC_LABELS
 from rlx_nb.verdict.readings import localized_slice
 from rlx_nb.verdict.records import OutputRecord
-from rlx_nb.verdict.rule import MAX_LIMIT
-from rlx_nb.verdict.types import VERDICT_SKIPPED
+from rlx_nb.verdict.types import MAX_LIMIT, VERDICT_SKIPPED
 
 
 class Plottable(Protocol):

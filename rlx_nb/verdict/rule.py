@@ -33,19 +33,20 @@ from rlx_nb.verdict.readings import (
     looks_like_reduced_precision,
 )
 from rlx_nb.verdict.types import (
+    MAX_LIMIT,
+    RMSE_LIMIT,
     ROUNDOFF,
     SUSPECT,
-    Cause,
     Evidence,
     Judgement,
     replaced,
+    whole_excess,
 )
+from rlx_nb.verdict.words import Cause
 
 RULES = ("budget", "fixed")
 TOL_REL_FORWARD = 2e-3
 TOL_REL_BACKWARD = 1e-2
-RMSE_LIMIT = 4.0
-MAX_LIMIT = 8.0
 FLOOR_UNITS = 2.0
 GRAD_FLOOR_UNITS = 4.0
 BETTER_THAN_ORACLE = 0.5
@@ -256,17 +257,6 @@ def read_less_accurate(j: Judgement) -> Judgement:
         return j
     keep = j.cause in (Cause.NONFINITE, Cause.FIXED, Cause.ZEROS, Cause.PRECISION)
     return replaced(j, less_accurate=True, cause=j.cause if keep else Cause.LESS_ACCURATE)
-
-
-def whole_excess(ratio_rmse: float, ratio_max: float) -> float:
-    """How far an error's RMSE and max ratios to their budgets go past the limits (> 1: SUSPECT).
-
-    Examples
-    --------
-    >>> whole_excess(2.0, 16.0)
-    2.0
-    """
-    return max(ratio_rmse / RMSE_LIMIT, ratio_max / MAX_LIMIT)
 
 
 def excess_within(err_rmse: float, err_max: float, budget_rmse: float, budget_max: float) -> float:

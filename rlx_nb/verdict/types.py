@@ -1,4 +1,4 @@
-"""The verdict's data: the verdict names, what decided one (:class:`Cause`), what the rule reads
+"""The verdict's data: the verdict names, what decided one (:class:`rlx_nb.verdict.words.Cause`), what the rule reads
 (:class:`Evidence`) and what it returns (:class:`Judgement`).  Types only; the rule is :mod:`rlx_nb.verdict.rule`.
 """
 
@@ -32,7 +32,7 @@ def replaced(obj: _Frozen, **changes: Any) -> _Frozen:
 
     Examples
     --------
-    >>> j = Judgement("round-off", Cause.WITHIN, line=0.5)
+    >>> j = Judgement("round-off", "within budget", line=0.5)
     >>> replaced(j, line=2.0) == dataclasses.replace(j, line=2.0)
     True
     """
@@ -58,47 +58,21 @@ def _init_fields(cls: type) -> tuple[str, ...] | None:
     return tuple(f.name for f in fields)
 
 
-class Cause:
-    """What decided a :class:`Judgement`: the clause of the rule, or the reading of a SUSPECT output."""
+RMSE_LIMIT = 4.0
+"""The SUSPECT line for an error's RMS over its budget (docs/verdict.md: "The rule in full")."""
+MAX_LIMIT = 8.0
+"""... and for its largest element over its budget: 1.0 on the one scale (:attr:`Judgement.line`) is either."""
 
-    IDENTICAL = "identical"
-    """Bit for bit the oracle's output."""
-    WITHIN = "within budget"
-    """The error against fp64 is within the round-off the legitimate runs show."""
-    DISCRETE = "discrete events"
-    """... once ReLU inputs within round-off of their thresholds that flipped are taken out."""
-    ORACLE_OFF = "oracle off the reference"
-    """The backend is within its budget and the oracle is the outlier: judged the other way round, against the
-    backend's error, the oracle's would be SUSPECT (or its NaN/Inf pattern differs from fp64's where the backend's
-    does not)."""
-    WHOLE = "whole output"
-    """SUSPECT: the error's RMSE over the budget past its limit."""
-    WORST = "worst element"
-    """SUSPECT: the largest error over the budget past its limit (further past than the RMSE)."""
-    SLICE = "slice"
-    """SUSPECT: one slice's mean error past what round-off allows there, the whole output within."""
-    CONCENTRATED = "concentration"
-    """SUSPECT: the worst element stands out as round-off never does, the whole output within."""
-    NONFINITE = "NaN/Inf pattern"
-    """SUSPECT: NaN/Inf where neither the oracle nor fp64 has one (or the reverse)."""
-    ZEROS = "positions the model zeroes"
-    """SUSPECT reading: nonzero where the oracle and fp64 are exactly 0, round-off elsewhere."""
-    PRECISION = "precision likeness"
-    """SUSPECT reading: at about a narrower format's bits, spread: a precision mode, or a kernel error that size."""
-    LESS_ACCURATE = "less accurate"
-    """SUSPECT reading: a uniformly less accurate arithmetic (every SUSPECT output of the backend reads so)."""
-    FIXED = "fixed rule"
-    """The seed's ``max_rel > tol_rel`` decided (``rule="fixed"``, or no fp64 reference)."""
-    STRUCTURE = "structure"
-    """SUSPECT: an output missing, extra, of another shape, or a plain value that differs."""
-    EXACT = "exact match"
-    """An integer or boolean output: equal, or not."""
-    NOT_COMPARED = "not compared"
-    """An object that holds no tensor."""
-    NONDETERMINISTIC = "nondeterministic"
-    """The model's own two oracle runs differ on this output."""
-    ERROR = "error"
-    SKIPPED = "skipped"
+
+def whole_excess(ratio_rmse: float, ratio_max: float) -> float:
+    """How far an error's RMSE and max ratios to their budgets go past the limits (> 1: SUSPECT).
+
+    Examples
+    --------
+    >>> whole_excess(2.0, 16.0)
+    2.0
+    """
+    return max(ratio_rmse / RMSE_LIMIT, ratio_max / MAX_LIMIT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,7 +123,7 @@ class Evidence:
 class Judgement:
     """The verdict on one (backend, output), the clause that decided it and the figures behind it.
 
-    ``verdict`` is what the rule in charge decided; ``cause`` (a :class:`Cause`) why; ``line`` the one number
+    ``verdict`` is what the rule in charge decided; ``cause`` (a :class:`~rlx_nb.verdict.words.Cause`) why; ``line`` the one number
     on the SUSPECT line's scale (past 1.0 is SUSPECT: the budget clauses' excess, ``max_rel / tol_rel`` under
     the fixed rule, infinite for a NaN/Inf or structural mismatch).  Every text of a verdict (the reason, the
     seed's lines, the tables' cells) formats a Judgement (:mod:`rlx_nb.verdict.words`).

@@ -1,4 +1,5 @@
-"""The words of a verdict: the reason sentence of a record, the few words for a table cell.
+"""The causes of a verdict and their words, one table (:data:`WORDS`): the reason sentence of a record, the few
+words for a table cell.
 
 :mod:`rlx_nb.verdict.rule` decides, and its :class:`~rlx_nb.verdict.rule.Judgement` names the clause that decided
 (``cause``); this module only says it, from a record's judgement, pair statistics and identity (an
@@ -7,13 +8,67 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from collections.abc import Callable
+from typing import Any
 
 from rlx_nb.numerics import formats
 from rlx_nb.verdict.readings import PRECISION_ALIKE, PRECISION_UNLIKE, localized
 from rlx_nb.verdict.records import OutputRecord, worst_record
-from rlx_nb.verdict.rule import MAX_LIMIT, RMSE_LIMIT, whole_excess
-from rlx_nb.verdict.types import NONDETERMINISTIC, SUSPECT, VERDICT_ERROR, VERDICT_SKIPPED, Cause, Judgement
+from rlx_nb.verdict.types import (
+    MAX_LIMIT,
+    NONDETERMINISTIC,
+    RMSE_LIMIT,
+    SUSPECT,
+    VERDICT_ERROR,
+    VERDICT_SKIPPED,
+    Judgement,
+    whole_excess,
+)
+
+
+class Cause:
+    """What decided a :class:`Judgement`: the clause of the rule, or the reading of a SUSPECT output."""
+
+    IDENTICAL = "identical"
+    """Bit for bit the oracle's output."""
+    WITHIN = "within budget"
+    """The error against fp64 is within the round-off the legitimate runs show."""
+    DISCRETE = "discrete events"
+    """... once ReLU inputs within round-off of their thresholds that flipped are taken out."""
+    ORACLE_OFF = "oracle off the reference"
+    """The backend is within its budget and the oracle is the outlier: judged the other way round, against the
+    backend's error, the oracle's would be SUSPECT (or its NaN/Inf pattern differs from fp64's where the backend's
+    does not)."""
+    WHOLE = "whole output"
+    """SUSPECT: the error's RMSE over the budget past its limit."""
+    WORST = "worst element"
+    """SUSPECT: the largest error over the budget past its limit (further past than the RMSE)."""
+    SLICE = "slice"
+    """SUSPECT: one slice's mean error past what round-off allows there, the whole output within."""
+    CONCENTRATED = "concentration"
+    """SUSPECT: the worst element stands out as round-off never does, the whole output within."""
+    NONFINITE = "NaN/Inf pattern"
+    """SUSPECT: NaN/Inf where neither the oracle nor fp64 has one (or the reverse)."""
+    ZEROS = "positions the model zeroes"
+    """SUSPECT reading: nonzero where the oracle and fp64 are exactly 0, round-off elsewhere."""
+    PRECISION = "precision likeness"
+    """SUSPECT reading: at about a narrower format's bits, spread: a precision mode, or a kernel error that size."""
+    LESS_ACCURATE = "less accurate"
+    """SUSPECT reading: a uniformly less accurate arithmetic (every SUSPECT output of the backend reads so)."""
+    FIXED = "fixed rule"
+    """The seed's ``max_rel > tol_rel`` decided (``rule="fixed"``, or no fp64 reference)."""
+    STRUCTURE = "structure"
+    """SUSPECT: an output missing, extra, of another shape, or a plain value that differs."""
+    EXACT = "exact match"
+    """An integer or boolean output: equal, or not."""
+    NOT_COMPARED = "not compared"
+    """An object that holds no tensor."""
+    NONDETERMINISTIC = "nondeterministic"
+    """The model's own two oracle runs differ on this output."""
+    ERROR = "error"
+    SKIPPED = "skipped"
 
 
 def _less_accurate_reason(j: Judgement, worst: float, ops: dict[str, int] | None) -> str:
@@ -91,73 +146,142 @@ def _oracle_off_reason(r: OutputRecord) -> str:
     )
 
 
-def reason(r: OutputRecord, ops: dict[str, int] | None = None) -> str:
-    """The one-line reason of a record: its judgement's cause, in words.  ``ops``: the model's matrix work by
-    class, to say where a less accurate arithmetic usually is."""
-    j = r.judgement
-    if j.cause == Cause.NONDETERMINISTIC:
-        return nondeterministic_reason(j.nondeterminism)
-    if j.cause in (Cause.ERROR, Cause.SKIPPED, Cause.STRUCTURE, Cause.EXACT, Cause.NOT_COMPARED):
-        return j.detail
-    if j.cause == Cause.NONFINITE or (j.cause == Cause.FIXED and r.pair.nonfinite_mismatch):
-        n = j.nonfinite_unexplained if j.cause == Cause.NONFINITE else r.pair.nonfinite_mismatch
-        return f"{n} NaN/Inf elements where the oracle has none (or the reverse)"
-    if j.cause == Cause.FIXED:  # (the seed's rule: its own line, max_rel at tol_rel)
-        if j.verdict == SUSPECT:
-            return f"max_rel {r.pair.max_rel:.3e} > tol_rel {j.tol_rel:.1e} — relative error too large for round-off"
-        return f"max_rel {r.pair.max_rel:.3e} <= tol_rel {j.tol_rel:.1e}"
-    fmt = formats.short(r.compute_dtype) if r.compute_dtype == "float32" else r.compute_dtype
-    worst = max(j.ratio_rmse, j.ratio_max)
-    at = on_line(j.line)
-    if j.cause == Cause.IDENTICAL:
-        return "bit for bit identical to the oracle"
-    if j.cause == Cause.ZEROS:
-        share = j.zero_mismatch / max(r.numel, 1)
-        return (
-            f"{at}: differs where the model writes zeros: {j.zero_mismatch} element(s) ({share:.2%}) that the "
-            f"oracle and fp64 both give as exactly 0 are nonzero here (up to {j.zero_mismatch_max:.3g}) — "
-            "positions the eager model sets rather than computes, such as padding a fused inference fast "
-            f"path skips or a mask; everywhere else it is {fmt} round-off ({j.excess_elsewhere:.2g} of the line)"
-        )
-    if j.cause == Cause.PRECISION:
-        return f"{at}: {_precision_reason(j, worst)}"
-    if j.cause == Cause.LESS_ACCURATE:
-        return f"{at}: {_less_accurate_reason(j, worst, ops)}"
-    if j.cause == Cause.SLICE:
-        whole = whole_excess(j.ratio_rmse, j.ratio_max)
-        return (
-            f"{at} on one slice: the mean error of {r.output}{j.slice_at} is {j.slice_ratio:.3g}x what round-off "
-            f"allows there (the line is at {RMSE_LIMIT:g}x), while the output as a whole is at {whole:.2g} of the "
-            "line — round-off averages out over a slice, a bug on one row or channel does not"
-        )
-    if j.cause == Cause.CONCENTRATED:
-        over = j.backend_max_err / j.oracle_max_err if j.oracle_max_err > 0 else math.inf
-        return (
-            f"{at} by concentration: the worst element is {over:.3g}x the oracle's worst and stands out "
-            f"{j.concentration:.2g}x more than round-off does, while the output as a whole is at {j.excess:.2g} of "
-            "the line — likely a bug on one row or channel"
-        )
-    if j.cause in (Cause.WHOLE, Cause.WORST):
-        what = (
-            ("its largest error", j.ratio_max, MAX_LIMIT)
-            if j.cause == Cause.WORST
-            else ("its RMS error", j.ratio_rmse, RMSE_LIMIT)
-        )
+class Said:
+    """What a cause's words read: the record (or finding), its judgement, the model's matrix work by class (``ops``)
+    and the figures every sentence shares."""
+
+    def __init__(self, r: Any, ops: dict[str, int] | None = None) -> None:
+        self.r, self.j, self.ops = r, r.judgement, ops
+        self.fmt = formats.short(r.compute_dtype) if r.compute_dtype == "float32" else r.compute_dtype
+        self.worst = max(self.j.ratio_rmse, self.j.ratio_max)
+        self.at = on_line(self.j.line)
+
+
+@dataclasses.dataclass(frozen=True)
+class Words:
+    """One cause's words: ``long`` its reason sentence, ``short`` what a SUSPECT table cell adds after its place on
+    the line (a whole sentence; None: the cause never decides a SUSPECT on the budget's scale)."""
+
+    long: Callable[[Said], str]
+    short: Callable[[Said], str] | None = None
+
+
+def _detail(s: Said) -> str:
+    return s.j.detail
+
+
+def _nonfinite(s: Said) -> str:
+    n = s.j.nonfinite_unexplained if s.j.cause == Cause.NONFINITE else s.r.pair.nonfinite_mismatch
+    return f"{n} NaN/Inf elements where the oracle has none (or the reverse)"
+
+
+def _fixed(s: Said) -> str:  # (the seed's rule: its own line, max_rel at tol_rel)
+    if s.r.pair.nonfinite_mismatch:
+        return _nonfinite(s)
+    if s.j.verdict == SUSPECT:
+        return f"max_rel {s.r.pair.max_rel:.3e} > tol_rel {s.j.tol_rel:.1e} — relative error too large for round-off"
+    return f"max_rel {s.r.pair.max_rel:.3e} <= tol_rel {s.j.tol_rel:.1e}"
+
+
+def _zeros(s: Said) -> str:
+    j = s.j
+    share = j.zero_mismatch / max(s.r.numel, 1)
+    return (
+        f"{s.at}: differs where the model writes zeros: {j.zero_mismatch} element(s) ({share:.2%}) that the "
+        f"oracle and fp64 both give as exactly 0 are nonzero here (up to {j.zero_mismatch_max:.3g}) — "
+        "positions the eager model sets rather than computes, such as padding a fused inference fast "
+        f"path skips or a mask; everywhere else it is {s.fmt} round-off ({j.excess_elsewhere:.2g} of the line)"
+    )
+
+
+def _precision_short(s: Said) -> str:
+    like = s.j.anchor_likeness
+    what = (
+        "likely a precision mode"
+        if like >= PRECISION_ALIKE
+        else "a kernel error, not a precision mode"
+        if like <= PRECISION_UNLIKE
+        else "a precision mode or a kernel error"
+    )
+    return f"~{s.j.effective_bits:.0f} bits, like {s.j.closest_format}: {what}."
+
+
+def _slice(s: Said) -> str:
+    j = s.j
+    return (
+        f"{s.at} on one slice: the mean error of {s.r.output}{j.slice_at} is {j.slice_ratio:.3g}x what round-off "
+        f"allows there (the line is at {RMSE_LIMIT:g}x), while the output as a whole is at "
+        f"{whole_excess(j.ratio_rmse, j.ratio_max):.2g} of the line — round-off averages out over a slice, a bug on one "
+        "row or channel does not"
+    )
+
+
+def _concentrated(s: Said) -> str:
+    j = s.j
+    over = j.backend_max_err / j.oracle_max_err if j.oracle_max_err > 0 else math.inf
+    return (
+        f"{s.at} by concentration: the worst element is {over:.3g}x the oracle's worst and stands out "
+        f"{j.concentration:.2g}x more than round-off does, while the output as a whole is at {j.excess:.2g} of "
+        "the line — likely a bug on one row or channel"
+    )
+
+
+def _past(what: str, ratio: str, limit: float) -> Callable[[Said], str]:
+    # The whole output's (or its worst element's) error past the line: where it sits when it is localized.
+    def say(s: Said) -> str:
+        j = s.j
         where = (
-            f"; {j.slice_share:.0%} of it sits on {r.output}{j.slice_share_at} ({j.slice_share_over:.2g}x the share "
+            f"; {j.slice_share:.0%} of it sits on {s.r.output}{j.slice_share_at} ({j.slice_share_over:.2g}x the share "
             "round-off leaves there) — likely a kernel bug on that one row, position or channel"
             if localized(j)
             else " — likely a kernel bug"
         )
-        return f"{at}: {what[0]} is {what[1]:.3g}x the {fmt} round-off budget (the line is at {what[2]:g}x){where}"
-    if j.cause == Cause.ORACLE_OFF:
-        return f"round-off, {at}: {_oracle_off_reason(r)}"
-    if j.cause == Cause.DISCRETE:
-        return (
-            f"round-off, {at} once {j.discrete_events} discrete event(s) are accounted for: inputs within "
-            f"round-off of a ReLU's threshold flipped (see the note); its error {worst:.3g}x the {fmt} round-off budget"
-        )
-    return f"round-off, {at}: its error {worst:.3g}x the {fmt} round-off budget"
+        return (f"{s.at}: {what} is {getattr(j, ratio):.3g}x the {s.fmt} round-off budget (the line is at "
+                f"{limit:g}x){where}")  # fmt: skip
+
+    return say
+
+
+def _discrete(s: Said) -> str:
+    return (
+        f"round-off, {s.at} once {s.j.discrete_events} discrete event(s) are accounted for: inputs within round-off "
+        f"of a ReLU's threshold flipped (see the note); its error {s.worst:.3g}x the {s.fmt} round-off budget"
+    )
+
+
+WORDS: dict[str, Words] = {
+    Cause.IDENTICAL: Words(lambda s: "bit for bit identical to the oracle"),
+    Cause.WITHIN: Words(lambda s: f"round-off, {s.at}: its error {s.worst:.3g}x the {s.fmt} round-off budget"),
+    Cause.DISCRETE: Words(_discrete),
+    Cause.ORACLE_OFF: Words(lambda s: f"round-off, {s.at}: {_oracle_off_reason(s.r)}"),
+    Cause.WHOLE: Words(_past("its RMS error", "ratio_rmse", RMSE_LIMIT),
+                       lambda s: f"its RMS error is {s.j.ratio_rmse:.3g}x round-off."),
+    Cause.WORST: Words(_past("its largest error", "ratio_max", MAX_LIMIT),
+                       lambda s: f"its largest error is {s.j.ratio_max:.3g}x round-off."),
+    Cause.SLICE: Words(_slice, lambda s: f"the slice {s.j.slice_at} is off by more than round-off."),
+    Cause.CONCENTRATED: Words(_concentrated, lambda s: "a few elements are far off."),
+    Cause.NONFINITE: Words(_nonfinite),
+    Cause.ZEROS: Words(_zeros, lambda s: f"{s.j.zero_mismatch} positions the model zeroes are computed."),
+    Cause.PRECISION: Words(lambda s: f"{s.at}: {_precision_reason(s.j, s.worst)}", _precision_short),
+    Cause.LESS_ACCURATE: Words(lambda s: f"{s.at}: {_less_accurate_reason(s.j, s.worst, s.ops)}",
+                               lambda s: f"uniformly less accurate, ~{s.j.effective_bits:.1f} bits of 24."),
+    Cause.FIXED: Words(_fixed),
+    Cause.STRUCTURE: Words(_detail),
+    Cause.EXACT: Words(_detail),
+    Cause.NOT_COMPARED: Words(_detail),
+    Cause.NONDETERMINISTIC: Words(lambda s: nondeterministic_reason(s.j.nondeterminism)),
+    Cause.ERROR: Words(_detail),
+    Cause.SKIPPED: Words(_detail),
+}  # fmt: skip
+"""Every cause and its words, one row each: a new cause is a constant of :class:`Cause` and its row here, and the
+clause that decides it in :mod:`rlx_nb.verdict.rule`."""
+
+
+def reason(r: Any, ops: dict[str, int] | None = None) -> str:
+    """The one-line reason of a record (or finding): its judgement's cause, in words.  ``ops``: the model's matrix
+    work by class, to say where a less accurate arithmetic usually is."""
+    words = WORDS.get(r.judgement.cause)
+    return words.long(Said(r, ops)) if words is not None else r.judgement.detail
 
 
 def on_line(line: float) -> str:
@@ -170,19 +294,18 @@ def on_line(line: float) -> str:
 
 
 def short_reason(r: OutputRecord) -> str:
-    """A few words for a table cell: the record's place on the SUSPECT line and what decided it (the whole
-    sentence is ``reason``)."""
+    """A few words for a table cell, a whole sentence: the record's place on the SUSPECT line and what decided it
+    (the whole sentence is ``reason``)."""
     j = r.judgement
     if r.verdict in (VERDICT_ERROR, VERDICT_SKIPPED):
         text = r.reason.split(" (at ")[0]
         return f"{r.verdict}: {text[:70]}{'…' if len(text) > 70 else ''}"
     if j.cause == Cause.NONDETERMINISTIC:
         return "the model is nondeterministic"
-    if j.cause == Cause.NONFINITE:
-        return f"{j.nonfinite_unexplained} NaN/Inf mismatches"
+    if j.cause == Cause.NONFINITE or (j.cause == Cause.FIXED and r.pair.nonfinite_mismatch):
+        n = j.nonfinite_unexplained if j.cause == Cause.NONFINITE else r.pair.nonfinite_mismatch
+        return f"{n} NaN/Inf mismatches"
     if j.cause == Cause.FIXED:
-        if r.pair.nonfinite_mismatch:
-            return f"{r.pair.nonfinite_mismatch} NaN/Inf mismatches"
         return f"{j.line:.2g}x the seed's line (max_rel {r.pair.max_rel:.2e})"
     if j.verdict_budget is None or j.line != j.line:
         return r.reason[:70]
@@ -193,27 +316,10 @@ def short_reason(r: OutputRecord) -> str:
     if j.verdict != SUSPECT:
         return f"round-off, {j.line:.2g} of the line"
     head = f"{j.line:.3g}x the line"
-    if j.cause == Cause.PRECISION:
-        like = j.anchor_likeness
-        what = (
-            "likely a precision mode"
-            if like >= PRECISION_ALIKE
-            else "a kernel error, not a precision mode"
-            if like <= PRECISION_UNLIKE
-            else "a precision mode or a kernel error"
-        )
-        return f"{head}: ~{j.effective_bits:.0f} bits, like {j.closest_format}: {what}."
     if localized(j) and j.cause in (Cause.WORST, Cause.WHOLE, Cause.CONCENTRATED):
         return f"{head}: {j.slice_share:.0%} of its error sits on {j.slice_share_at}."
-    tail = {
-        Cause.ZEROS: f"{j.zero_mismatch} positions the model zeroes are computed.",
-        Cause.LESS_ACCURATE: f"uniformly less accurate, ~{j.effective_bits:.1f} bits of 24.",
-        Cause.SLICE: f"the slice {j.slice_at} is off by more than round-off.",
-        Cause.CONCENTRATED: "a few elements are far off.",
-        Cause.WORST: f"its largest error is {j.ratio_max:.3g}x round-off.",
-        Cause.WHOLE: f"its RMS error is {j.ratio_rmse:.3g}x round-off.",
-    }.get(j.cause)
-    return f"{head}: {tail}" if tail else f"{head}."
+    words = WORDS.get(j.cause)
+    return f"{head}: {words.short(Said(r))}" if words is not None and words.short is not None else f"{head}."
 
 
 def nondeterministic_reason(difference: float) -> str:
