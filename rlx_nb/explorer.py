@@ -264,7 +264,7 @@ class Explorer(W.VBox if W is not None else object):
             f"<span style='color:{'#b00020' if rec.verdict == SUSPECT else '#1b5e20'}'><b>{html.escape(rec.verdict)}</b></span> — "
             f"{html.escape(rec.reason)}"
         )
-        has_ref = rec.judgement.budget_rmse == rec.judgement.budget_rmse
+        has_ref = rec.judgement.budget.budget_rmse == rec.judgement.budget.budget_rmse
         self._busy = True
         options = METRIC_OPTIONS if has_ref else [o for o in METRIC_OPTIONS if o[1] not in FP64_METRICS]
         if self.metric_toggle.options != tuple(options):

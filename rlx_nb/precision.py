@@ -146,11 +146,17 @@ def precision_sweep(
     rows = []
     for name, s in names.items():
         recs = [r for r in report.records if r.backend == name]
-        bits = [r.judgement.effective_bits for r in recs if r.judgement.effective_bits == r.judgement.effective_bits]
+        bits = [
+            r.judgement.reading.effective_bits
+            for r in recs
+            if r.judgement.reading.effective_bits == r.judgement.reading.effective_bits
+        ]
         worst = min(
             recs,
             key=lambda r: (
-                r.judgement.effective_bits if r.judgement.effective_bits == r.judgement.effective_bits else 99
+                r.judgement.reading.effective_bits
+                if r.judgement.reading.effective_bits == r.judgement.reading.effective_bits
+                else 99
             ),
         )
         rows.append(
@@ -158,7 +164,7 @@ def precision_sweep(
                 "setting": s.label,
                 "switch": s.switch,
                 "effective_bits": min(bits) if bits else float("nan"),
-                "closest_format": worst.judgement.closest_format,
+                "closest_format": worst.judgement.reading.closest_format,
                 "verdict": VERDICT_ERROR
                 if name in report.errors
                 else (SUSPECT if name in report.suspects else ROUNDOFF),

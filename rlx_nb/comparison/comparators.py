@@ -212,7 +212,7 @@ class Floating(Comparator):
         )
         self.notes += j.notes
         j = verdict.decide(j, cand.rule, fixed)
-        if j.verdict == SUSPECT or j.verdict_budget == SUSPECT:
+        if j.verdict == SUSPECT or j.rules.verdict_budget == SUSPECT:
             j = self.read(j, got, judged_b, r, device)
         return self.record(j, pair)
 
@@ -274,17 +274,19 @@ class Floating(Comparator):
     def read(self, j: Judgement, got: Leaf, judged_b: Any, r: np.ndarray, device: bool) -> Judgement:
         """What a SUSPECT output's error shows: positions the model zeroes, a precision likeness, its pattern."""
         o, readings = self.ctx.oracle.value, {}
-        if j.verdict_budget == SUSPECT and not device:
+        if j.rules.verdict_budget == SUSPECT and not device:
             split = zero_split(o, got.value, r) if _real_alike(o, got.value, r) else None
             if split is not None:
                 e = split.elsewhere
                 readings.update(
                     zero_mismatch=split.nonzero,
                     zero_mismatch_max=split.largest,
-                    excess_elsewhere=verdict.excess_within(e.rmse, e.max_err, j.budget_rmse, j.budget_max),
+                    excess_elsewhere=verdict.excess_within(
+                        e.rmse, e.max_err, j.budget.budget_rmse, j.budget.budget_max
+                    ),
                 )
         if j.verdict == SUSPECT and looks_like_reduced_precision(j, self.cand.compute_dtype, self.ctx.kind):
-            readings["anchor_likeness"] = self.likeness(got, r, j.closest_format)
+            readings["anchor_likeness"] = self.likeness(got, r, j.reading.closest_format)
         if j.verdict == SUSPECT and not device:
             readings["error_bias"], readings["error_value_corr"] = error_pattern(judged_b, r)
         return verdict.read_suspect(j, self.cand.compute_dtype, self.ctx.kind, **readings)

@@ -110,9 +110,9 @@ def _records(results: RunResults, found: list[Finding], contexts_: dict[str, Out
         if f.output in unstable and j.verdict not in (VERDICT_ERROR, VERDICT_SKIPPED):
             j = replaced(j, verdict=NONDETERMINISTIC, cause=Cause.NONDETERMINISTIC, nondeterminism=unstable[f.output])
         ctx = contexts_.get(f.output)
-        if ctx is not None and ctx.anchors_left_out and j.verdict_budget is not None:
+        if ctx is not None and ctx.anchors_left_out and j.rules.verdict_budget is not None:
             notes.append(ctx.anchors_left_out)
-        if results.reference.status != OK and j.verdict_budget is None and f.notes:
+        if results.reference.status != OK and j.rules.verdict_budget is None and f.notes:
             notes.append(f"the fp64 reference did not run ({results.reference.message}), so the fixed rule decides")
         records.append(f.record(j, reasons.reason(dataclasses.replace(f, judgement=j), ops), notes))
     return records

@@ -20,7 +20,7 @@ import pandas as pd
 from rlx_nb.numerics.device import worst_columns as device_worst_columns
 from rlx_nb.numerics.elements import worst_columns
 from rlx_nb.verdict.records import VERDICT_ORDER, OutputRecord, PairFields, worst_record
-from rlx_nb.verdict.types import SUSPECT, VERDICT_ERROR, Judgement
+from rlx_nb.verdict.types import GROUPS, SUSPECT, VERDICT_ERROR, Judgement
 
 BACKEND = "backend"
 OUTPUT = "output"
@@ -29,7 +29,10 @@ EXCESS = "excess"
 
 _IDENTITY = [f for f in dataclasses.fields(OutputRecord) if f.name not in ("judgement", "pair")]
 _PAIR = list(dataclasses.fields(PairFields))
-_JUDGEMENT = [f for f in dataclasses.fields(Judgement) if f.name != "notes"]  # (the notes are the record's note)
+_JUDGEMENT = [  # (class, field) of every column of a judgement: its own, then its figures (the notes are the record's)
+    *((Judgement, f) for f in dataclasses.fields(Judgement) if f.name not in ("notes", *GROUPS)),
+    *((cls, f) for cls in GROUPS.values() for f in dataclasses.fields(cls)),
+]
 SUMMARY_COLUMNS = [
     *(BACKEND, OUTPUT, "output_index", "kind", VERDICT, "verdict_fixed", "verdict_budget", "reason"),
     *("compute_dtype", "shape", "dtype", "numel"),
@@ -52,16 +55,16 @@ def record_row(r: OutputRecord) -> dict[str, Any]:
     """One record as a flat row (:data:`RECORD_COLUMNS`)."""
     row = {f.name: getattr(r, f.name) for f in _IDENTITY}
     row.update({f.name: getattr(r.pair, f.name) for f in _PAIR})
-    row.update({f.name: getattr(r.judgement, f.name) for f in _JUDGEMENT})
+    row.update({f.name: getattr(r.judgement, f.name) for _, f in _JUDGEMENT})
     return row
 
 
 def record_from_row(row: dict[str, Any]) -> OutputRecord:
     """A record from a flat row (a saved report's; a field it lacks takes its default)."""
     pair = PairFields(**{f.name: row[f.name] for f in _PAIR if f.name in row})
-    judged = {f.name: row[f.name] for f in _JUDGEMENT if f.name in row}
+    judged = {f.name: row[f.name] for _, f in _JUDGEMENT if f.name in row}
     judged.setdefault("cause", "")
-    judgement = Judgement(**judged)
+    judgement = Judgement.of(**judged)
     ident = {f.name: row[f.name] for f in _IDENTITY if f.name in row}
     return OutputRecord(**ident, judgement=judgement, pair=pair)
 
@@ -73,11 +76,8 @@ REQUIRED_COLUMNS = (BACKEND, OUTPUT, "output_index", "kind", "compute_dtype", VE
 
 def record_fields() -> list[tuple[str, Any, bool]]:
     """``(column, type, required)`` of every column a saved record may hold (:mod:`rlx_nb.report.schema` checks them)."""
-    out = []
-    for cls, fields in ((OutputRecord, _IDENTITY), (PairFields, _PAIR), (Judgement, _JUDGEMENT)):
-        hints = typing.get_type_hints(cls)
-        out += [(f.name, hints[f.name], f.name in REQUIRED_COLUMNS) for f in fields]
-    return out
+    columns = [*((OutputRecord, f) for f in _IDENTITY), *((PairFields, f) for f in _PAIR), *_JUDGEMENT]
+    return [(f.name, typing.get_type_hints(cls)[f.name], f.name in REQUIRED_COLUMNS) for cls, f in columns]
 
 
 BACKEND_COLUMNS = [
@@ -255,8 +255,10 @@ def backends_frame(
             {
                 BACKEND: name,
                 VERDICT: worst.verdict,
-                "verdict_fixed": _worst_of(r.judgement.verdict_fixed for r in recs),
-                "verdict_budget": _worst_of(r.judgement.verdict_budget for r in recs if r.judgement.verdict_budget),
+                "verdict_fixed": _worst_of(r.judgement.rules.verdict_fixed for r in recs),
+                "verdict_budget": _worst_of(
+                    r.judgement.rules.verdict_budget for r in recs if r.judgement.rules.verdict_budget
+                ),
                 "worst_output": worst.output,
                 "worst_output_index": worst.output_index,
                 "reason": worst.reason,
@@ -264,9 +266,9 @@ def backends_frame(
                 "max_rel": rel_worst.pair.max_rel if rel_worst else np.nan,
                 "max_rel_output": rel_worst.output if rel_worst else None,
                 "line": worst.judgement.line,
-                "ratio_rmse": worst.judgement.ratio_rmse,
-                "ratio_max": worst.judgement.ratio_max,
-                EXCESS: worst.judgement.excess,
+                "ratio_rmse": worst.judgement.budget.ratio_rmse,
+                "ratio_max": worst.judgement.budget.ratio_max,
+                EXCESS: worst.judgement.budget.excess,
                 "outputs": len([r for r in recs if r.output is not None]),
                 "suspect_outputs": sum(r.verdict == SUSPECT for r in recs),
                 "compute_dtype": worst.compute_dtype,
@@ -292,7 +294,7 @@ def compact_backends_frame(detail: pd.DataFrame, records: Sequence[OutputRecord]
         worst.setdefault(r.backend, []).append(r)
     why = {name: short_reason(worst_record(recs)) for name, recs in worst.items()}
     bits = {
-        name: min((b for r in recs if (b := r.judgement.effective_bits) == b), default=np.nan)
+        name: min((b for r in recs if (b := r.judgement.reading.effective_bits) == b), default=np.nan)
         for name, recs in worst.items()
     }
     frame = detail.assign(why=detail[BACKEND].map(why), effective_bits=detail[BACKEND].map(bits))

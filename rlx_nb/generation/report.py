@@ -120,7 +120,7 @@ class GenerationReport:
                 if ref_v is not None and k not in top2:
                     two = np.partition(ref_v.astype(np.float64), -2, axis=-1)[:, -2:]
                     top2[k] = two[:, 1] - two[:, 0]
-                budget = rec.judgement.budget_max if rec is not None else math.nan
+                budget = rec.judgement.budget.budget_max if rec is not None else math.nan
                 allowance = 2.0 * budget if budget == budget else math.nan
                 for b in range(self.tokens.shape[0]):
                     want = int(self.tokens[b, k])

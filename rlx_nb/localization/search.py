@@ -117,8 +117,8 @@ class State:
                 "depth": depth,
                 "verdict": r.verdict,
                 "output": r.output,
-                "local_ratio_rmse": r.judgement.ratio_rmse,
-                "local_ratio_max": r.judgement.ratio_max,
+                "local_ratio_rmse": r.judgement.budget.ratio_rmse,
+                "local_ratio_max": r.judgement.budget.ratio_max,
                 "local_line": r.judgement.line,
                 "propagated_ratio_rmse": math.nan,
                 "propagated_ratio_max": math.nan,
@@ -219,8 +219,8 @@ class State:
             self._row(self._label(name), "module", call.order, call.depth, Check(rec, rec.verdict == SUSPECT))
             row = self.rows[-1]
             row["propagated_ratio_rmse"], row["propagated_ratio_max"] = (
-                rec.judgement.ratio_rmse,
-                rec.judgement.ratio_max,
+                rec.judgement.budget.ratio_rmse,
+                rec.judgement.budget.ratio_max,
             )
             row["propagated_line"], row["notes"] = (
                 rec.judgement.line,
@@ -252,8 +252,8 @@ class State:
                 continue
             rec = judge_leaf(o, b, r, backend=self.backend, output=row["name"], compute_dtype=backend.compute_dtype)
             row["propagated_ratio_rmse"], row["propagated_ratio_max"] = (
-                rec.judgement.ratio_rmse,
-                rec.judgement.ratio_max,
+                rec.judgement.budget.ratio_rmse,
+                rec.judgement.budget.ratio_max,
             )
             row["propagated_line"] = rec.judgement.line
             local = row["local_line"]

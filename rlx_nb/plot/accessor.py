@@ -43,7 +43,11 @@ def record_heatmap(
     a localized error's slice outlined; :meth:`ReportPlotter.heatmap` and a localization's module heatmaps."""
     j = rec.judgement
     if metric is None:
-        metric = "line" if ref is not None and j.budget_max == j.budget_max and j.budget_max > 0 else "abs"
+        metric = (
+            "line"
+            if ref is not None and j.budget.budget_max == j.budget.budget_max and j.budget.budget_max > 0
+            else "abs"
+        )
     complex_ = _is_complex(o, b)
     o, b, ref = _real(o), _real(b), _real(ref)
     what = " (real, imag)" if complex_ else ""
@@ -53,8 +57,10 @@ def record_heatmap(
     where = localized_slice(j)
     if where is not None and not complex_ and "fold" not in kwargs and "select" not in kwargs:
         # A localized error's slice (one position of every batch x head, one channel) outlined as what it is.
-        kwargs.setdefault("band", (*where, f"{j.slice_share_at}: {j.slice_share:.0%} of the error"))  # (axes, indices)
-    budget = MAX_LIMIT * j.budget_max if metric == "line" else j.budget_rmse
+        kwargs.setdefault(
+            "band", (*where, f"{j.where.slice_share_at}: {j.where.slice_share:.0%} of the error")
+        )  # (axes, indices)
+    budget = MAX_LIMIT * j.budget.budget_max if metric == "line" else j.budget.budget_rmse
     return heatmap(o, b, ref, metric=metric, budget=budget, **kwargs)
 
 
@@ -142,14 +148,16 @@ class ReportPlotter:
         for name in pairs:
             rec = r.record(name, output)
             if metric == "line":
-                unit = MAX_LIMIT * rec.judgement.budget_max
+                unit = MAX_LIMIT * rec.judgement.budget.budget_max
                 scales[name] = 1.0 / unit if unit > 0 else 1.0
                 lines[name] = 1.0
             elif metric == "budget":
-                scales[name] = 1.0 / rec.judgement.budget_rmse if rec.judgement.budget_rmse > 0 else 1.0
-                lines[name] = MAX_LIMIT * rec.judgement.budget_max * scales[name]
+                scales[name] = 1.0 / rec.judgement.budget.budget_rmse if rec.judgement.budget.budget_rmse > 0 else 1.0
+                lines[name] = MAX_LIMIT * rec.judgement.budget.budget_max * scales[name]
             elif metric in ("abs", "rel"):
-                lines[name] = rec.judgement.tol_rel if metric == "rel" else MAX_LIMIT * rec.judgement.budget_max
+                lines[name] = (
+                    rec.judgement.rules.tol_rel if metric == "rel" else MAX_LIMIT * rec.judgement.budget.budget_max
+                )
         kwargs.setdefault("title", f"{output}: error histogram")
         return plot_histogram(
             pairs, metric=metric, lines=lines, scales=scales, suspects=r.suspects, highlight=highlight, **kwargs
@@ -160,7 +168,7 @@ class ReportPlotter:
         backend, output = self._pick(backend, output)
         o, b, _ = self._report.arrays(backend, output)
         o, b = _real(o), _real(b)
-        kwargs.setdefault("tol_rel", self._report.record(backend, output).judgement.tol_rel)
+        kwargs.setdefault("tol_rel", self._report.record(backend, output).judgement.rules.tol_rel)
         kwargs.setdefault("title", f"{backend} · {output}: error vs magnitude")
         return plot_scatter(o, b, **kwargs)
 
@@ -171,8 +179,8 @@ class ReportPlotter:
         for rec in self._report.records:
             if (
                 output is None or rec.output == output
-            ) and rec.judgement.effective_bits == rec.judgement.effective_bits:
-                bits[rec.backend] = min(bits.get(rec.backend, 99.0), rec.judgement.effective_bits)
+            ) and rec.judgement.reading.effective_bits == rec.judgement.reading.effective_bits:
+                bits[rec.backend] = min(bits.get(rec.backend, 99.0), rec.judgement.reading.effective_bits)
         if not bits:
             raise InputError("no effective-precision readings in this report (no fp64 reference?)")
         verdicts = {name: self._report.record(name, output).verdict for name in bits}

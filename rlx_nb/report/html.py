@@ -101,7 +101,7 @@ def _summary(report: Any) -> str:
 
 
 def _suspect_section(report: Any, rec: Any) -> str:
-    metric = "line" if rec.judgement.budget_max == rec.judgement.budget_max else "abs"
+    metric = "line" if rec.judgement.budget.budget_max == rec.judgement.budget.budget_max else "abs"
     heat = page_figure(6.0, 4.5)
     report.plot.heatmap(rec.backend, rec.output, metric=metric, ax=heat.add_subplot(), max_pixels=400)
     hist = page_figure(6.5, 4.0)

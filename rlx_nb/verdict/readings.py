@@ -59,7 +59,7 @@ on one position of a 16-token sequence holds 12-16x (the README's), on one row o
 
 def localized(j: Judgement) -> bool:
     """Whether the error sits on one slice: a bug on one row, position or channel (:data:`LOCALIZED_SHARE`)."""
-    return j.slice_share >= LOCALIZED_SHARE and j.slice_share_over >= LOCALIZED_OVER
+    return j.where.slice_share >= LOCALIZED_SHARE and j.where.slice_share_over >= LOCALIZED_OVER
 
 
 def localized_slice(j: Judgement) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
@@ -67,12 +67,12 @@ def localized_slice(j: Judgement) -> tuple[tuple[int, ...], tuple[int, ...]] | N
     ``[0, 3]`` -> ``((0, 1), (0, 3))``), else None.
 
     >>> from rlx_nb.verdict.types import Judgement
-    >>> localized_slice(Judgement("SUSPECT", "whole output", slice_share=0.9, slice_share_over=12, slice_share_at="[0, :, 3]"))
+    >>> localized_slice(Judgement.of("SUSPECT", "whole output", slice_share=0.9, slice_share_over=12, slice_share_at="[0, :, 3]"))
     ((0, 2), (0, 3))
     """
     if not localized(j):
         return None
-    parts = [p.strip() for p in j.slice_share_at.strip("[]").split(",")]
+    parts = [p.strip() for p in j.where.slice_share_at.strip("[]").split(",")]
     if not all(p == ":" or p.isdigit() for p in parts) or not any(p.isdigit() for p in parts):
         return None
     axes = tuple(a for a, p in enumerate(parts) if p != ":")
@@ -87,9 +87,13 @@ def looks_like_reduced_precision(j: Judgement, compute_dtype: str, kind: str) ->
     coarser unit, which averages out over a row -- and not :func:`localized` on one), at about a standard
     narrower format's bits.
     """
-    spread = j.ratio_max <= 8 * max(j.ratio_rmse, 1e-300) and not j.slice_ratio >= j.ratio_rmse and not localized(j)
+    spread = (
+        j.budget.ratio_max <= 8 * max(j.budget.ratio_rmse, 1e-300)
+        and not j.where.slice_ratio >= j.budget.ratio_rmse
+        and not localized(j)
+    )
     narrower = (formats.label_bits(label) for label in formats.LABELS[1:])
-    near = min(abs(j.effective_bits - b) for b in narrower) <= 1.0
+    near = min(abs(j.reading.effective_bits - b) for b in narrower) <= 1.0
     return compute_dtype == "float32" and kind == "forward" and spread and near
 
 
@@ -102,7 +106,7 @@ bug usually has one (a scale or an offset: LayerNorm's eps, a dropped term, a me
 def noise_like(j: Judgement, numel: int) -> bool:
     """Whether an error against fp64 (``error_bias``, ``error_value_corr``) is noise, not systematic."""
     chance = 3.0 / math.sqrt(max(numel, 1))
-    return abs(j.error_bias) <= NOISE_LIMIT + chance and abs(j.error_value_corr) <= NOISE_LIMIT + chance
+    return abs(j.reading.error_bias) <= NOISE_LIMIT + chance and abs(j.reading.error_value_corr) <= NOISE_LIMIT + chance
 
 
 MILD_BITS = 19.0
@@ -121,16 +125,16 @@ def looks_less_accurate(j: Judgement, compute_dtype: str, kind: str, numel: int)
     that shows its shape on one output is a bug on all.  NNPACK's fast convolutions, which eager CPU kernels
     use from batch 16 with oneDNN off, read this way (ResNet's logits at batch 32: 4.4x the budget, 21.4 bits).
     """
-    spread = not j.concentrated and not j.slice_ratio >= j.ratio_rmse and not localized(j)
+    spread = not j.where.concentrated and not j.where.slice_ratio >= j.budget.ratio_rmse and not localized(j)
     return (
         j.verdict == SUSPECT
         and compute_dtype == "float32"
         and spread
-        and j.error_bias == j.error_bias
+        and j.reading.error_bias == j.reading.error_bias
         and noise_like(j, numel)
         and not looks_like_reduced_precision(j, compute_dtype, kind)
-        and j.effective_bits == j.effective_bits
-        and MILD_BITS <= j.effective_bits < 24
+        and j.reading.effective_bits == j.reading.effective_bits
+        and MILD_BITS <= j.reading.effective_bits < 24
     )
 
 

@@ -118,7 +118,7 @@ def worst_first(records: Sequence[OutputRecord]) -> list[OutputRecord]:
     excess over the round-off budget, then the largest seed ``max_rel``."""
 
     def key(r: OutputRecord) -> tuple:
-        excess = r.judgement.excess if r.judgement.excess == r.judgement.excess else -1.0
+        excess = r.judgement.budget.excess if r.judgement.budget.excess == r.judgement.budget.excess else -1.0
         rel = r.pair.max_rel if r.pair.max_rel == r.pair.max_rel else -1.0
         return (VERDICT_ORDER.get(r.verdict, 2), -excess, -rel)
 

@@ -178,7 +178,7 @@ def judge(e: Evidence) -> Judgement:
     else:
         cause = Cause.WORST if ratio_max / MAX_LIMIT > ratio_rmse / RMSE_LIMIT else Cause.WHOLE
     bits, closest = effective_bits(sb.rmse, so.rmse, e.anchors_rmse)
-    return Judgement(
+    return Judgement.of(
         verdict,
         cause,
         line,
@@ -234,7 +234,7 @@ def fixed_judgement(max_rel: float, tol_rel: float, nonfinite_mismatch: int) -> 
     """The seed's rule as a :class:`Judgement`: SUSPECT when ``max_rel > tol_rel`` or NaN/Inf patterns differ."""
     verdict = fixed_verdict(max_rel, tol_rel, nonfinite_mismatch)
     line = math.inf if nonfinite_mismatch else _ratio(max_rel, tol_rel)
-    return Judgement(verdict, Cause.FIXED, line, verdict_fixed=verdict, tol_rel=tol_rel)
+    return Judgement.of(verdict, Cause.FIXED, line, verdict_fixed=verdict, tol_rel=tol_rel)
 
 
 def read_suspect(j: Judgement, compute_dtype: str, kind: str, **readings: Any) -> Judgement:
@@ -244,7 +244,7 @@ def read_suspect(j: Judgement, compute_dtype: str, kind: str, **readings: Any) -
     j = replaced(j, **readings)
     if j.verdict != SUSPECT or j.cause in (Cause.NONFINITE, Cause.FIXED):
         return j
-    if j.zero_mismatch and j.excess_elsewhere <= 1.0:
+    if j.reading.zero_mismatch and j.reading.excess_elsewhere <= 1.0:
         return replaced(j, cause=Cause.ZEROS)
     if looks_like_reduced_precision(j, compute_dtype, kind):
         return replaced(j, cause=Cause.PRECISION)

@@ -36,6 +36,12 @@ def replaced(obj: _Frozen, **changes: Any) -> _Frozen:
     >>> replaced(j, line=2.0) == dataclasses.replace(j, line=2.0)
     True
     """
+    if isinstance(obj, Judgement):
+        return obj.but(**changes)  # type: ignore[return-value]
+    return _replaced(obj, **changes)
+
+
+def _replaced(obj: _Frozen, **changes: Any) -> _Frozen:
     names = _init_fields(type(obj))
     if names is None:  # (a field __init__ does not set, or a __post_init__: only dataclasses.replace knows)
         return dataclasses.replace(obj, **changes)  # type: ignore[type-var]
@@ -120,38 +126,63 @@ class Evidence:
 
 
 @dataclasses.dataclass(frozen=True)
-class Judgement:
-    """The verdict on one (backend, output), the clause that decided it and the figures behind it.
+class Rules:
+    """What each rule decided: the budget's verdict (None without an fp64 reference), the seed's and its threshold."""
 
-    ``verdict`` is what the rule in charge decided; ``cause`` (a :class:`~rlx_nb.verdict.words.Cause`) why; ``line`` the one number
-    on the SUSPECT line's scale (past 1.0 is SUSPECT: the budget clauses' excess, ``max_rel / tol_rel`` under
-    the fixed rule, infinite for a NaN/Inf or structural mismatch).  Every text of a verdict (the reason, the
-    seed's lines, the tables' cells) formats a Judgement (:mod:`rlx_nb.verdict.words`).
-    """
-
-    verdict: str
-    cause: str
-    line: float = math.nan
-    verdict_fixed: str = ""
     verdict_budget: str | None = None
-    detail: str = ""
-    """For a verdict without statistics (error, skipped, structure): what happened, in words."""
+    verdict_fixed: str = ""
     tol_rel: float = math.nan
+
+
+@dataclasses.dataclass(frozen=True)
+class Budget:
+    """The round-off budget (RMSE and largest error) and the backend's error over it: ``ratio_*``, and ``excess``,
+    how far past the limits (> 1: SUSPECT)."""
+
     budget_rmse: float = math.nan
     budget_max: float = math.nan
     ratio_rmse: float = math.nan
     ratio_max: float = math.nan
     excess: float = math.nan
-    slice_ratio: float = math.nan
-    slice_at: str = ""
-    concentration: float = math.nan
-    concentrated: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class Errors:
+    """Each run's error against the fp64 reference: RMSE and largest, the oracle's, the backend's, the sequential
+    run's."""
+
     oracle_rmse: float = math.nan
     backend_rmse: float = math.nan
     oracle_max_err: float = math.nan
     backend_max_err: float = math.nan
     sequential_rmse: float = math.nan
     sequential_max_err: float = math.nan
+
+
+@dataclasses.dataclass(frozen=True)
+class Where:
+    """Where the error sits: the slice whose mean stands out most, the worst element's isolation, the slice that
+    holds most of its square."""
+
+    slice_ratio: float = math.nan
+    slice_at: str = ""
+    concentration: float = math.nan
+    concentrated: bool = False
+    slice_share: float = math.nan
+    """The share of the error's square on the slice that holds most over its round-off share
+    (:func:`rlx_nb.verdict.chance.slice_share`) ..."""
+    slice_share_over: float = math.nan
+    """... how many times its round-off share that is ..."""
+    slice_share_at: str = ""
+    """... and which slice (``[:, :, 3]``).  Past :data:`rlx_nb.verdict.readings.LOCALIZED_OVER` with at least
+    :data:`rlx_nb.verdict.readings.LOCALIZED_SHARE` of the error, the error is localized: a bug on one row, position or
+    channel, never read as a precision mode or a less accurate arithmetic."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Reading:
+    """What an error reads as: its effective precision, a precision likeness, zeroed positions, its shape."""
+
     effective_bits: float = math.nan
     closest_format: str = ""
     anchor_likeness: float = math.nan
@@ -165,17 +196,14 @@ class Judgement:
     """For a SUSPECT output: the mean of its error against fp64 over the error's RMS (noise: ~0)."""
     error_value_corr: float = math.nan
     """... and the error's correlation with the fp64 values (noise: ~0; a scale bug: ~1)."""
-    slice_share: float = math.nan
-    """For a judged output: the share of the error's square on the slice that holds most over its round-off share
-    (:func:`rlx_nb.verdict.chance.slice_share`) ..."""
-    slice_share_over: float = math.nan
-    """... how many times its round-off share that is ..."""
-    slice_share_at: str = ""
-    """... and which slice (``[:, :, 3]``).  Past :data:`rlx_nb.verdict.readings.LOCALIZED_OVER` with at least
-    :data:`rlx_nb.verdict.readings.LOCALIZED_SHARE` of the error, the error is localized: a bug on one row, position or
-    channel, never read as a precision mode or a less accurate arithmetic."""
     less_accurate: bool = False
-    """Every SUSPECT output of this backend reads as a uniformly less accurate arithmetic (:func:`looks_less_accurate`)."""
+    """Every SUSPECT output of this backend reads as a uniformly less accurate arithmetic."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Events:
+    """What was counted outside the budget: discrete events taken out, NaN/Inf patterns, the model's own noise."""
+
     discrete_events: int = 0
     """ReLU inputs within round-off of a threshold that flipped in this backend's run, taken out before judging."""
     nonfinite_unexplained: int = 0
@@ -184,15 +212,87 @@ class Judgement:
     """Elements where the backend's NaN/Inf pattern is fp64's and the oracle's is not."""
     nondeterminism: float = math.nan
     """For a nondeterministic output: how far the model's own two oracle runs differ."""
+
+
+GROUPS: dict[str, type] = {"rules": Rules, "budget": Budget, "errors": Errors, "where": Where, "reading": Reading,
+                           "events": Events}  # fmt: skip
+"""A judgement's figures, grouped; every figure's name is unique across the groups (a saved row's column)."""
+FIGURES: dict[str, str] = {f.name: g for g, cls in GROUPS.items() for f in dataclasses.fields(cls)}
+"""Which group holds each figure."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Judgement:
+    """The verdict on one (backend, output), the clause that decided it and the figures behind it, grouped.
+
+    ``verdict`` is what the rule in charge decided; ``cause`` (a :class:`~rlx_nb.verdict.words.Cause`) why; ``line``
+    the one number on the SUSPECT line's scale (past 1.0 is SUSPECT: the budget clauses' excess, ``max_rel / tol_rel``
+    under the fixed rule, infinite for a NaN/Inf or structural mismatch); ``detail`` what happened, for a verdict
+    without statistics.  The figures: ``rules``, ``budget``, ``errors``, ``where``, ``reading``, ``events``
+    (:data:`GROUPS`).  Each figure also reads by its own name (``j.effective_bits``), as a saved row's column does.
+    Every text of a verdict formats a Judgement (:mod:`rlx_nb.verdict.words`).
+
+    Examples
+    --------
+    >>> j = Judgement.of("SUSPECT", "whole output", 2.0, ratio_rmse=8.0, effective_bits=12.0)
+    >>> j.budget.ratio_rmse, j.reading.effective_bits, j.effective_bits
+    (8.0, 12.0, 12.0)
+    """
+
+    verdict: str
+    cause: str
+    line: float = math.nan
+    detail: str = ""
     notes: tuple[str, ...] = ()
+    rules: Rules = Rules()
+    budget: Budget = Budget()
+    errors: Errors = Errors()
+    where: Where = Where()
+    reading: Reading = Reading()
+    events: Events = Events()
+
+    @classmethod
+    def of(cls, verdict: str, cause: str, line: float = math.nan, **figures: Any) -> Judgement:
+        """A judgement from its figures by name (``ratio_rmse=...``), each put in its group."""
+        top, grouped = split_figures(figures)
+        return cls(verdict, cause, line, **top, **{g: GROUPS[g](**v) for g, v in grouped.items()})
+
+    def but(self, **changes: Any) -> Judgement:
+        """This judgement with ``changes`` (top-level fields or figures by name)."""
+        top, grouped = split_figures(changes)
+        for g, values in grouped.items():
+            top[g] = _replaced(getattr(self, g), **values)
+        return _replaced(self, **top)
+
+    def figures(self) -> dict[str, Any]:
+        """Every figure by name, flat (a saved row's columns)."""
+        return {name: getattr(getattr(self, g), name) for name, g in FIGURES.items()}
+
+    def __getattr__(self, name: str) -> Any:
+        group = FIGURES.get(name)
+        if group is None:
+            raise AttributeError(f"Judgement has no field {name!r}")
+        return getattr(object.__getattribute__(self, group), name)
 
     @property
     def suspect(self) -> bool:
         return self.verdict == SUSPECT
 
 
+def split_figures(values: dict[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """``(top-level fields, {group: its figures})`` of a judgement's fields and figures by name."""
+    top, grouped = {}, {}
+    for name, value in values.items():
+        group = FIGURES.get(name)
+        if group is None:
+            top[name] = value
+        else:
+            grouped.setdefault(group, {})[name] = value
+    return top, grouped
+
+
 def without_statistics(verdict: str, cause: str, detail: str) -> Judgement:
     """A verdict decided without statistics: an error, a skip, a structural mismatch (SUSPECT), an exact match."""
     line = math.inf if verdict == SUSPECT else 0.0 if verdict == ROUNDOFF else math.nan
     budget = SUSPECT if verdict == SUSPECT else None
-    return Judgement(verdict, cause, line, verdict_fixed=verdict, verdict_budget=budget, detail=detail)
+    return Judgement(verdict, cause, line, detail=detail, rules=Rules(verdict_budget=budget, verdict_fixed=verdict))

@@ -74,7 +74,7 @@ class Cause:
 def _less_accurate_reason(j: Judgement, worst: float, ops: dict[str, int] | None) -> str:
     where = op_hint(ops)
     return (
-        f"SUSPECT as the fp32 it claims to be, and uniformly less accurate: ~{j.effective_bits:.1f} effective bits of "
+        f"SUSPECT as the fp32 it claims to be, and uniformly less accurate: ~{j.reading.effective_bits:.1f} effective bits of "
         f"fp32's 24 ({worst:.3g}x the fp32 round-off budget), its error spread over the whole output and noise-like "
         "(no bias, not following the values) — what a less accurate algorithm leaves"
         f"{f' ({where})' if where else ''}, and what a small systematic error can leave too: localize the backend to "
@@ -103,7 +103,7 @@ def op_hint(ops: dict[str, int] | None) -> str:
 def _precision_reason(j: Judgement, worst: float) -> str:
     # A SUSPECT forward output of a backend claiming fp32, at about a narrower format's bits: a precision
     # mode, or a kernel error of that size.  How its error follows the anchor's tells them apart, if it does.
-    bits, fmt, like = j.effective_bits, j.closest_format, j.anchor_likeness
+    bits, fmt, like = j.reading.effective_bits, j.reading.closest_format, j.reading.anchor_likeness
     size = f"about {bits:.0f} effective bits while it claims fp32 (error {worst:.3g}x the fp32 budget)"
     anchor = (
         f"correlation {like:.2f} with the {formats.label_bits(fmt)}-bit anchor"
@@ -133,15 +133,15 @@ def _oracle_off_reason(r: OutputRecord) -> str:
     if p.worst_index is not None:
         where = f"at {list(p.worst_index)}" if p.worst_index else "there"
         at = f"; {where} the oracle gives {p.oracle_value:.6g}, fp64 {p.reference_value:.6g}, {b} {p.backend_value:.6g}"
-    if j.oracle_outliers:
+    if j.events.oracle_outliers:
         return (
-            f"the oracle, not {b}, is off the fp64 reference: {j.oracle_outliers} element(s) where {b} has NaN/Inf "
+            f"the oracle, not {b}, is off the fp64 reference: {j.events.oracle_outliers} element(s) where {b} has NaN/Inf "
             f"as fp64 does and the oracle does not (or the reverse){at}; everywhere else {b} is round-off"
         )
     return (
-        f"the oracle, not {b}, is off the fp64 reference: the oracle's error against fp64 (RMSE {j.oracle_rmse:.3g}, "
-        f"largest {j.oracle_max_err:.3g}) is past what {b}'s own (RMSE {j.backend_rmse:.3g}, largest "
-        f"{j.backend_max_err:.3g}) allows{at} — judged the other way round the oracle would be SUSPECT; {b} is "
+        f"the oracle, not {b}, is off the fp64 reference: the oracle's error against fp64 (RMSE {j.errors.oracle_rmse:.3g}, "
+        f"largest {j.errors.oracle_max_err:.3g}) is past what {b}'s own (RMSE {j.errors.backend_rmse:.3g}, largest "
+        f"{j.errors.backend_max_err:.3g}) allows{at} — judged the other way round the oracle would be SUSPECT; {b} is "
         "round-off"
     )
 
@@ -153,7 +153,7 @@ class Said:
     def __init__(self, r: Any, ops: dict[str, int] | None = None) -> None:
         self.r, self.j, self.ops = r, r.judgement, ops
         self.fmt = formats.short(r.compute_dtype) if r.compute_dtype == "float32" else r.compute_dtype
-        self.worst = max(self.j.ratio_rmse, self.j.ratio_max)
+        self.worst = max(self.j.budget.ratio_rmse, self.j.budget.ratio_max)
         self.at = on_line(self.j.line)
 
 
@@ -171,7 +171,7 @@ def _detail(s: Said) -> str:
 
 
 def _nonfinite(s: Said) -> str:
-    n = s.j.nonfinite_unexplained if s.j.cause == Cause.NONFINITE else s.r.pair.nonfinite_mismatch
+    n = s.j.events.nonfinite_unexplained if s.j.cause == Cause.NONFINITE else s.r.pair.nonfinite_mismatch
     return f"{n} NaN/Inf elements where the oracle has none (or the reverse)"
 
 
@@ -179,23 +179,25 @@ def _fixed(s: Said) -> str:  # (the seed's rule: its own line, max_rel at tol_re
     if s.r.pair.nonfinite_mismatch:
         return _nonfinite(s)
     if s.j.verdict == SUSPECT:
-        return f"max_rel {s.r.pair.max_rel:.3e} > tol_rel {s.j.tol_rel:.1e} — relative error too large for round-off"
-    return f"max_rel {s.r.pair.max_rel:.3e} <= tol_rel {s.j.tol_rel:.1e}"
+        return (
+            f"max_rel {s.r.pair.max_rel:.3e} > tol_rel {s.j.rules.tol_rel:.1e} — relative error too large for round-off"
+        )
+    return f"max_rel {s.r.pair.max_rel:.3e} <= tol_rel {s.j.rules.tol_rel:.1e}"
 
 
 def _zeros(s: Said) -> str:
     j = s.j
-    share = j.zero_mismatch / max(s.r.numel, 1)
+    share = j.reading.zero_mismatch / max(s.r.numel, 1)
     return (
-        f"{s.at}: differs where the model writes zeros: {j.zero_mismatch} element(s) ({share:.2%}) that the "
-        f"oracle and fp64 both give as exactly 0 are nonzero here (up to {j.zero_mismatch_max:.3g}) — "
+        f"{s.at}: differs where the model writes zeros: {j.reading.zero_mismatch} element(s) ({share:.2%}) that the "
+        f"oracle and fp64 both give as exactly 0 are nonzero here (up to {j.reading.zero_mismatch_max:.3g}) — "
         "positions the eager model sets rather than computes, such as padding a fused inference fast "
-        f"path skips or a mask; everywhere else it is {s.fmt} round-off ({j.excess_elsewhere:.2g} of the line)"
+        f"path skips or a mask; everywhere else it is {s.fmt} round-off ({j.reading.excess_elsewhere:.2g} of the line)"
     )
 
 
 def _precision_short(s: Said) -> str:
-    like = s.j.anchor_likeness
+    like = s.j.reading.anchor_likeness
     what = (
         "likely a precision mode"
         if like >= PRECISION_ALIKE
@@ -203,25 +205,25 @@ def _precision_short(s: Said) -> str:
         if like <= PRECISION_UNLIKE
         else "a precision mode or a kernel error"
     )
-    return f"~{s.j.effective_bits:.0f} bits, like {s.j.closest_format}: {what}."
+    return f"~{s.j.reading.effective_bits:.0f} bits, like {s.j.reading.closest_format}: {what}."
 
 
 def _slice(s: Said) -> str:
     j = s.j
     return (
-        f"{s.at} on one slice: the mean error of {s.r.output}{j.slice_at} is {j.slice_ratio:.3g}x what round-off "
+        f"{s.at} on one slice: the mean error of {s.r.output}{j.where.slice_at} is {j.where.slice_ratio:.3g}x what round-off "
         f"allows there (the line is at {RMSE_LIMIT:g}x), while the output as a whole is at "
-        f"{whole_excess(j.ratio_rmse, j.ratio_max):.2g} of the line — round-off averages out over a slice, a bug on one "
+        f"{whole_excess(j.budget.ratio_rmse, j.budget.ratio_max):.2g} of the line — round-off averages out over a slice, a bug on one "
         "row or channel does not"
     )
 
 
 def _concentrated(s: Said) -> str:
     j = s.j
-    over = j.backend_max_err / j.oracle_max_err if j.oracle_max_err > 0 else math.inf
+    over = j.errors.backend_max_err / j.errors.oracle_max_err if j.errors.oracle_max_err > 0 else math.inf
     return (
         f"{s.at} by concentration: the worst element is {over:.3g}x the oracle's worst and stands out "
-        f"{j.concentration:.2g}x more than round-off does, while the output as a whole is at {j.excess:.2g} of "
+        f"{j.where.concentration:.2g}x more than round-off does, while the output as a whole is at {j.budget.excess:.2g} of "
         "the line — likely a bug on one row or channel"
     )
 
@@ -231,7 +233,7 @@ def _past(what: str, ratio: str, limit: float) -> Callable[[Said], str]:
     def say(s: Said) -> str:
         j = s.j
         where = (
-            f"; {j.slice_share:.0%} of it sits on {s.r.output}{j.slice_share_at} ({j.slice_share_over:.2g}x the share "
+            f"; {j.where.slice_share:.0%} of it sits on {s.r.output}{j.where.slice_share_at} ({j.where.slice_share_over:.2g}x the share "
             "round-off leaves there) — likely a kernel bug on that one row, position or channel"
             if localized(j)
             else " — likely a kernel bug"
@@ -244,7 +246,7 @@ def _past(what: str, ratio: str, limit: float) -> Callable[[Said], str]:
 
 def _discrete(s: Said) -> str:
     return (
-        f"round-off, {s.at} once {s.j.discrete_events} discrete event(s) are accounted for: inputs within round-off "
+        f"round-off, {s.at} once {s.j.events.discrete_events} discrete event(s) are accounted for: inputs within round-off "
         f"of a ReLU's threshold flipped (see the note); its error {s.worst:.3g}x the {s.fmt} round-off budget"
     )
 
@@ -255,21 +257,21 @@ WORDS: dict[str, Words] = {
     Cause.DISCRETE: Words(_discrete),
     Cause.ORACLE_OFF: Words(lambda s: f"round-off, {s.at}: {_oracle_off_reason(s.r)}"),
     Cause.WHOLE: Words(_past("its RMS error", "ratio_rmse", RMSE_LIMIT),
-                       lambda s: f"its RMS error is {s.j.ratio_rmse:.3g}x round-off."),
+                       lambda s: f"its RMS error is {s.j.budget.ratio_rmse:.3g}x round-off."),
     Cause.WORST: Words(_past("its largest error", "ratio_max", MAX_LIMIT),
-                       lambda s: f"its largest error is {s.j.ratio_max:.3g}x round-off."),
-    Cause.SLICE: Words(_slice, lambda s: f"the slice {s.j.slice_at} is off by more than round-off."),
+                       lambda s: f"its largest error is {s.j.budget.ratio_max:.3g}x round-off."),
+    Cause.SLICE: Words(_slice, lambda s: f"the slice {s.j.where.slice_at} is off by more than round-off."),
     Cause.CONCENTRATED: Words(_concentrated, lambda s: "a few elements are far off."),
     Cause.NONFINITE: Words(_nonfinite),
-    Cause.ZEROS: Words(_zeros, lambda s: f"{s.j.zero_mismatch} positions the model zeroes are computed."),
+    Cause.ZEROS: Words(_zeros, lambda s: f"{s.j.reading.zero_mismatch} positions the model zeroes are computed."),
     Cause.PRECISION: Words(lambda s: f"{s.at}: {_precision_reason(s.j, s.worst)}", _precision_short),
     Cause.LESS_ACCURATE: Words(lambda s: f"{s.at}: {_less_accurate_reason(s.j, s.worst, s.ops)}",
-                               lambda s: f"uniformly less accurate, ~{s.j.effective_bits:.1f} bits of 24."),
+                               lambda s: f"uniformly less accurate, ~{s.j.reading.effective_bits:.1f} bits of 24."),
     Cause.FIXED: Words(_fixed),
     Cause.STRUCTURE: Words(_detail),
     Cause.EXACT: Words(_detail),
     Cause.NOT_COMPARED: Words(_detail),
-    Cause.NONDETERMINISTIC: Words(lambda s: nondeterministic_reason(s.j.nondeterminism)),
+    Cause.NONDETERMINISTIC: Words(lambda s: nondeterministic_reason(s.j.events.nondeterminism)),
     Cause.ERROR: Words(_detail),
     Cause.SKIPPED: Words(_detail),
 }  # fmt: skip
@@ -303,11 +305,11 @@ def short_reason(r: OutputRecord) -> str:
     if j.cause == Cause.NONDETERMINISTIC:
         return "the model is nondeterministic"
     if j.cause == Cause.NONFINITE or (j.cause == Cause.FIXED and r.pair.nonfinite_mismatch):
-        n = j.nonfinite_unexplained if j.cause == Cause.NONFINITE else r.pair.nonfinite_mismatch
+        n = j.events.nonfinite_unexplained if j.cause == Cause.NONFINITE else r.pair.nonfinite_mismatch
         return f"{n} NaN/Inf mismatches"
     if j.cause == Cause.FIXED:
         return f"{j.line:.2g}x the seed's line (max_rel {r.pair.max_rel:.2e})"
-    if j.verdict_budget is None or j.line != j.line:
+    if j.rules.verdict_budget is None or j.line != j.line:
         return r.reason[:70]
     if j.cause == Cause.IDENTICAL:
         return "identical"
@@ -317,7 +319,7 @@ def short_reason(r: OutputRecord) -> str:
         return f"round-off, {j.line:.2g} of the line"
     head = f"{j.line:.3g}x the line"
     if localized(j) and j.cause in (Cause.WORST, Cause.WHOLE, Cause.CONCENTRATED):
-        return f"{head}: {j.slice_share:.0%} of its error sits on {j.slice_share_at}."
+        return f"{head}: {j.where.slice_share:.0%} of its error sits on {j.where.slice_share_at}."
     words = WORDS.get(j.cause)
     return f"{head}: {words.short(Said(r))}" if words is not None and words.short is not None else f"{head}."
 
