@@ -131,65 +131,42 @@ def run(
         with meter.phase("private copy"):
             private = PrivateModel(lambda: prepare_model(model, params, keys))
             stack.enter_context(copies.releasing(private.release))  # (a backend working from a file may free it)
-        memory = Memory(private.model, memory_budget)
         input_names = keys or [f"input[{i}]" for i in range(len(args))]
         no_meta_inputs(args, input_names)
         grad_inputs = [i for i, x in enumerate(args) if isinstance(x, torch.Tensor) and x.requires_grad]
         if grad_inputs and not backward:
             args = map_tensors(lambda t: t.detach(), args)
-        task = Task(backward, loss, tuple(grad_inputs), tuple(input_names))
-        inputs_ = PrivateInputs(args, cast=cast)
+        call = _Call(private, PrivateInputs(args, cast=cast), Task(backward, loss, tuple(grad_inputs),
+                     tuple(input_names)), candidates, meter, Memory(private.model, memory_budget), saved, say,
+                     timeout_s)  # fmt: skip
+        call.what = {"label": label or default_label(model), "cast": cast, "model": model,
+                     "prints": Fingerprints(fingerprints.later(args, model, params))}  # fmt: skip
+        call.run_oracle(inputs)
+        call.run_helpers(anchors_now=on_backend is None or call.anchors_cheap())
+        try:
+            with bar("rlx_nb backends", total=len(candidates), unit="backend", enabled=progress is not False) as shown, \
+                    _showing_phases(meter, shown):  # fmt: skip
+                if check_determinism:
+                    call.check_determinism(shown)
+                call.run_candidates(shown, on_backend)
+            call.run_late_helpers()
+        except (KeyboardInterrupt, SystemExit) as exc:
+            interrupted.keep(call.interrupted(exc), exc)
+            raise
+        return call.results()
 
-        def go(backend: Backend, phase: str, *, helper: bool = False, **kw: Any) -> BackendRun:
-            # ``helper``: one of rlx_nb's own helper runs (phases.helper_run), whose values matter, not their path
-            # (a model whose reference uses each weight once streams it: rlx_nb.generation.decode.Decode.streams_reference)
-            streams = (backend.name == REFERENCE and not backward and not private.whole
-                       and getattr(private.model, "streams_reference", False))  # fmt: skip
-            short = memory.shortfall(backend, phase, streamed=streams)
-            streamed = STREAMS if streams and not short else ""
-            if short and backend.name == REFERENCE and not streams:
-                streamed, short = streamable(short)
-            if short:
-                return BackendRun(backend.name, SKIPPED, {}, short, compute_dtype=backend.compute_dtype)
-            before = rss_bytes()
-            with meter.phase(phase), phases.helper_run(helper):
-                if streamed:  # the float32 weights as they are, each op's cast to float64 where it runs
-                    result = execute(STREAMED, private, inputs_.args, task, saved=saved, **kw)
-                    result.notes.append(streamed)
-                elif backend.name == REFERENCE:  # the weights lent, cast to float64 one by one, cast back after
-                    lent, pairs = private.lend()
-                    result = execute(backend, Given(lent), inputs_.args, task, saved=saved, **kw)
-                    del lent
-                    private.reclaim(pairs, finished=not result.abandoned)
-                else:
-                    result = execute(backend, private, inputs_.args, task, saved=saved, **kw)
-                    # (rlx_nb's own eager helper runs write only where the model does: the oracle's check says)
-                    if phase == "oracle" or backend in candidates:
-                        wrote = private.after(backend.name, oracle=phase == "oracle")
-                        if wrote:
-                            result.notes.append(wrote)
-            left = switches.restore(saved)  # what the backend left changed (a user's backend, an abandoned one)
-            if left:
-                result.notes.append(f"left process-wide switches changed: {switches.describe_changes(left)}")
-            inputs_.after(result)
-            memory.measured(backend, phase, meter, before)
-            return result
 
-        def streamable(short: str) -> tuple[str, str]:
-            # (note, shortfall): the streamed reference where the weights in float64 do not fit
-            if backward or private.whole:
-                why = "a backward keeps every weight's float64 copy" if backward else "the model writes its tensors"
-                return "", f"{short}; not streamed either: {why}"
-            again = memory.shortfall(get_backend(REFERENCE), "fp64 reference", streamed=True)
-            if again:
-                return "", again
-            extra_notes.append("fp64 reference streamed: its weights in float64 did not fit, so each op's were cast "
-                               "where it ran (the same float64 arithmetic, one op's weights at a time)")  # fmt: skip
-            need = short.replace("not run for memory: ", "").split(";")[0]
-            return f"streamed, one op's weights in float64 at a time: {need}", ""
+class _Call:
+    """One call's runs, one method per phase, in the order :func:`run` calls them: the oracle; the helper runs (the
+    fp64 reference, the sequential sums, the precision anchors where cheap); the determinism check; the candidates;
+    the helpers a verdict turned out to need (the anchors, the discrete events).  ``results()`` holds them."""
 
-        extra_notes: list[str] = []
-
+    def __init__(self, private: PrivateModel, inputs_: PrivateInputs, task: Task, candidates: list[Backend],
+                 meter: phases.Meter, memory: Memory, saved: dict[str, Any], say: Callable[[str], None],
+                 timeout_s: float | None) -> None:  # fmt: skip
+        self.private, self.inputs_, self.task, self.candidates = private, inputs_, task, candidates
+        self.meter, self.memory, self.saved, self.say, self.timeout_s = meter, memory, saved, say, timeout_s
+        self.what: dict[str, Any] = {}
         # The fp64 reference runs under this dispatch mode, which counts the matmul-like calls the precision
         # anchors would round (without any, the anchors would only repeat the oracle, so they are not run) and
         # the reductions a plain sequential kernel would sum in another order.  A dispatch mode sees the ops
@@ -198,159 +175,218 @@ def run(
         # Counted there, not in an oracle run: the oracle's runs are timed like a backend's and stay as they
         # are, and the reference is a helper run like the ones the counts decide (a decode's helpers compute
         # every step at once: rlx_nb.generation.decode), so it sees their ops, in float64.
-        counter = CountCalls(dtypes=(torch.float32, torch.float64))
-        say(ORACLE)
-        oracle = go(get_backend(ORACLE), "oracle", measure_reductions=True)
-        if oracle.status != OK:
-            raise InputError(
-                f"the model fails on the CPU oracle, so nothing can be compared: {oracle.message}{dtype_hint(inputs)}"
-            )
-        if backward and oracle.grad_status != OK:
-            raise InputError(f"backward=True but the oracle's backward did not run: {oracle.grad_message}")
-        unstable: dict[str, float] = {}  # (the determinism check's: filled before the candidates are judged)
-        say(REFERENCE)
-        reference = go(
-            get_backend(REFERENCE), "fp64 reference", helper=True, timeout_s=timeout_s,
-            scope=(lambda: _reference_scope(counter)) if backward else lambda: counter,
-        )  # fmt: skip
-        sequential = None
-        if counter.calls != 0:
-            say("sequential")
-            sequential = go(
-                _helper_backend("sequential", run_eager), "sequential sums", helper=True, timeout_s=timeout_s,
-                scope=SequentialSums,
-            )  # fmt: skip
-        failed = _why(sequential) if sequential is not None else ""
-        anchors: dict[int, BackendRun] = {}
+        self.counter = CountCalls(dtypes=(torch.float32, torch.float64))
+        self.oracle = self.reference = BackendRun(REFERENCE, SKIPPED, {}, "not run")
+        self.sequential: BackendRun | None = None
+        self.anchors: dict[int, BackendRun] = {}
+        self.anchors_now = True
+        self.unstable: dict[str, float] = {}  # (the determinism check's: filled before the candidates are judged)
+        self.runs: dict[str, BackendRun] = {}
+        self.early: dict[str, BackendRun] = {}  # (candidates run first, as the determinism check)
+        self.wanted: dict[str, set[str]] = {}  # what each backend's verdict may change with (on_backend)
+        self.discrete: dict[str, BackendRun] = {}
+        self.notes: list[str] = []  # (the streamed reference's)
+        self.determinism = ""  # (its line, once the check has run)
 
-        def run_anchors() -> None:
-            for bits in formats.ANCHOR_BITS:
-                anchor = _helper_backend(f"anchor:{bits}", emulate(bits, results=True))
-                anchors[bits] = go(anchor, f"anchor {bits} bits", helper=True, timeout_s=timeout_s)
+    # -- the phases ----------------------------------------------------------------------------------------------
 
+    def run_oracle(self, inputs: Any) -> None:
+        """The oracle: it must run (the user's model as it is), forward and, with a backward, backward."""
+        self.say(ORACLE)
+        self.oracle = self.go(get_backend(ORACLE), "oracle", measure_reductions=True)
+        if self.oracle.status != OK:
+            raise InputError(f"the model fails on the CPU oracle, so nothing can be compared: {self.oracle.message}"
+                             f"{dtype_hint(inputs)}")  # fmt: skip
+        if self.task.backward and self.oracle.grad_status != OK:
+            raise InputError(f"backward=True but the oracle's backward did not run: {self.oracle.grad_message}")
+
+    def anchors_cheap(self) -> bool:
         # The anchors only widen an fp32 backend's budget (and read its effective bits); a reduced-precision
         # backend's budget is its anchor.  On a large model (an oracle run past ANCHORS_CHEAP_S) they wait
         # until some backend is SUSPECT without them (on_backend says so), or one computes in reduced precision.
-        anchors_now = (
-            on_backend is None
-            or meter.phases["oracle"]["seconds"] <= ANCHORS_CHEAP_S
-            or any(b.compute_dtype not in ("float32", "float64") for b in candidates)
+        return self.meter.phases["oracle"]["seconds"] <= ANCHORS_CHEAP_S or any(
+            b.compute_dtype not in ("float32", "float64") for b in self.candidates
         )
+
+    def run_helpers(self, *, anchors_now: bool) -> None:
+        """The fp64 reference (counting what the other helpers would change), the sequential sums where the model
+        sums anything, and the precision anchors where they are cheap or needed at once."""
+        counter, backward = self.counter, self.task.backward
+        self.say(REFERENCE)
+        scope = (lambda: _reference_scope(counter)) if backward else lambda: counter
+        self.reference = self.go(get_backend(REFERENCE), "fp64 reference", helper=True, timeout_s=self.timeout_s,
+                                 scope=scope)  # fmt: skip
+        if counter.calls != 0:
+            self.say("sequential")
+            self.sequential = self.go(_helper_backend("sequential", run_eager), "sequential sums", helper=True,
+                                      timeout_s=self.timeout_s, scope=SequentialSums)  # fmt: skip
+        self.anchors_now = anchors_now
         if counter.matmuls != 0 and anchors_now:
-            run_anchors()
-        extra = ["fp64 reference: every verdict's yardstick", *extra_notes]
-        determinism: list[str] = []  # (its line, once the check has run)
-        if sequential is not None:
-            extra.append(
-                f"sequential sums: a second legitimate error ({counter.calls} reductions whose order may change)"
+            self.run_anchors()
+
+    def run_anchors(self) -> None:
+        for bits in formats.ANCHOR_BITS:
+            anchor = _helper_backend(f"anchor:{bits}", emulate(bits, results=True))
+            self.anchors[bits] = self.go(anchor, f"anchor {bits} bits", helper=True, timeout_s=self.timeout_s)
+
+    def check_determinism(self, shown: Any) -> None:
+        """The determinism check: a second run of the oracle's computation.  A candidate that runs the same eager
+        float32 code on the CPU (cpu-nomkldnn: a kernel switch turned) is such a run wherever the switch changes no
+        kernel this model uses: it runs first of the candidates (into ``early``), and where it gives every output
+        bit for bit it is the check (a model that does not repeat itself would give that run other bits too); else
+        the oracle runs again.  Fills ``unstable``."""
+        for second in (b for b in self.candidates if reruns_oracle(b)):
+            self.say(second.name)
+            shown.set_postfix_str(second.name)
+            self.early[second.name] = run = self.go(second, second.name, timeout_s=self.timeout_s)
+            if same_bits(self.oracle, run, self.task.backward):
+                self.early[second.name] = _shared_outputs(self.oracle, run)
+                self.determinism = (f"oracle, again: not run; {second.name} (the same eager float32 code, one switch "
+                                    "turned) gave every output of the oracle bit for bit, so it was the determinism "
+                                    "check (check_determinism=True)")  # fmt: skip
+                return
+        self.unstable.update(nondeterministic(self.oracle, self.go(get_backend(ORACLE), "determinism rerun")))
+        self.determinism = "oracle, again: the model's own nondeterminism (check_determinism=True)"
+
+    def run_candidates(self, shown: Any, on_backend: Callable[[RunResults, str], set[str]] | None) -> None:
+        """Every candidate in turn (one run first as the determinism check is taken as it is), each judged as it
+        lands (``on_backend``: what its verdict may change with)."""
+        for backend in self.candidates:
+            self.say(backend.name)
+            shown.set_postfix_str(backend.name)  # compiling backends (inductor, ONNX export) show here
+            ran = self.early.pop(backend.name, None)
+            self.runs[backend.name] = (
+                ran if ran is not None else self.go(backend, backend.name, timeout_s=self.timeout_s)
             )
+            preparations.fit(self.memory.keep_bytes)
+            trim()
+            if on_backend is not None:
+                self.wanted[backend.name] = on_backend(self.results(), backend.name)
+            shown.update()
 
-        def describe_anchors() -> list[str]:
-            if anchors:
-                return [f"precision anchors ({', '.join(f'{b} bits' for b in anchors)}): effective precision, for "
-                        f"{counter.matmuls} matmul/conv calls" + ("" if anchors_now else ", run because a backend "
-                        "was SUSPECT without them")]  # fmt: skip
-            if counter.matmuls != 0 and not anchors_now:
-                return ["precision anchors not run: every backend is within its budget without them (they can only "
-                        "widen an fp32 budget) and they cost about 3 oracle runs on this model; effective bits are "
-                        "read from the oracle's error alone"]  # fmt: skip
-            return []
+    def run_late_helpers(self) -> None:
+        """The helpers a verdict turned out to need: the anchors (a backend SUSPECT without them), the discrete
+        events (a gradient SUSPECT: ReLU inputs within round-off of their thresholds that flipped)."""
+        if any("anchors" in w for w in self.wanted.values()) and not self.anchors and self.counter.matmuls != 0:
+            self.run_anchors()
+        flipping = [name for name, w in self.wanted.items() if "discrete" in w]
+        if flipping and self.task.backward:
+            self.say("discrete events")
+            with self.meter.phase("discrete events"):
+                self.discrete.update(_discrete_events(self.private, self.inputs_.args, self.task, oracle=self.oracle,
+                                                      reference=self.reference, sequential=self.sequential,
+                                                      runs=self.runs, flipping=flipping))  # fmt: skip
 
-        prints = Fingerprints(fingerprints.later(args, model, params))
+    def interrupted(self, exc: BaseException) -> RunResults:
+        """What had finished when ``exc`` stopped the call, marked incomplete."""
+        if self.determinism:  # (a run made first as the determinism check, once the check is complete)
+            self.runs.update(self.early)
+        left = [b.name for b in self.candidates if b.name not in self.runs]
+        why = f"interrupted ({type(exc).__name__}) while {left[0]} ran" if left else "interrupted"
+        why += f"; not run: {', '.join(left[1:])}" if len(left) > 1 else ""
+        return self.results(why)
 
-        discrete: dict[str, BackendRun] = {}
+    # -- one run, and what the call holds ------------------------------------------------------------------------
 
-        def results(runs: dict[str, BackendRun], incomplete: str = "") -> RunResults:
-            return RunResults(
-                label=label or default_label(model),
-                oracle=oracle,
-                reference=reference,
-                candidates=runs,
-                backward=backward,
-                environment={
-                    **probe_environment(),
-                    **({"sequential_failed": failed} if failed else {}),
-                    **({"inputs_cast": cast} if cast else {}),
-                    **({"incomplete": incomplete} if incomplete else {}),
-                    "nondeterministic": unstable,
-                    "extra_runs": extra[:1] + determinism + extra[1:] + describe_anchors(),
-                    "backends": {b.name: b.description for b in candidates},
-                    "model_was_training": bool(getattr(model, "training", False)),
-                    "timings": meter.as_dict(),
-                    "matmul_ops": dict(counter.ops),
-                    "memory": memory.describe(),
-                },
-                fingerprints=prints,
-                anchors={b: a for b, a in anchors.items() if a.status == OK},
-                # (grads may be missing from a sequential run whose backward failed)
-                sequential=sequential if sequential is not None and sequential.status == OK else None,
-                discrete=dict(discrete),
+    def go(self, backend: Backend, phase: str, *, helper: bool = False, **kw: Any) -> BackendRun:
+        """One run, measured, after its memory need is checked; ``helper``: one of rlx_nb's own helper runs
+        (phases.helper_run), whose values matter, not their path (a model whose reference uses each weight once
+        streams it: rlx_nb.generation.decode.Decode.streams_reference)."""
+        private, memory, saved = self.private, self.memory, self.saved
+        streams = (backend.name == REFERENCE and not self.task.backward and not private.whole
+                   and getattr(private.model, "streams_reference", False))  # fmt: skip
+        short = memory.shortfall(backend, phase, streamed=streams)
+        streamed = STREAMS if streams and not short else ""
+        if short and backend.name == REFERENCE and not streams:
+            streamed, short = self._streamable(short)
+        if short:
+            return BackendRun(backend.name, SKIPPED, {}, short, compute_dtype=backend.compute_dtype)
+        before, args = rss_bytes(), self.inputs_.args
+        with self.meter.phase(phase), phases.helper_run(helper):
+            if streamed:  # the float32 weights as they are, each op's cast to float64 where it runs
+                result = execute(STREAMED, private, args, self.task, saved=saved, **kw)
+                result.notes.append(streamed)
+            elif backend.name == REFERENCE:  # the weights lent, cast to float64 one by one, cast back after
+                lent, pairs = private.lend()
+                result = execute(backend, Given(lent), args, self.task, saved=saved, **kw)
+                del lent
+                private.reclaim(pairs, finished=not result.abandoned)
+            else:
+                result = execute(backend, private, args, self.task, saved=saved, **kw)
+                # (rlx_nb's own eager helper runs write only where the model does: the oracle's check says)
+                if phase == "oracle" or backend in self.candidates:
+                    wrote = private.after(backend.name, oracle=phase == "oracle")
+                    if wrote:
+                        result.notes.append(wrote)
+        left = switches.restore(saved)  # what the backend left changed (a user's backend, an abandoned one)
+        if left:
+            result.notes.append(f"left process-wide switches changed: {switches.describe_changes(left)}")
+        self.inputs_.after(result)
+        memory.measured(backend, phase, self.meter, before)
+        return result
+
+    def _streamable(self, short: str) -> tuple[str, str]:
+        # (note, shortfall): the streamed reference where the weights in float64 do not fit
+        if self.task.backward or self.private.whole:
+            why = (
+                "a backward keeps every weight's float64 copy" if self.task.backward else "the model writes its tensors"
             )
+            return "", f"{short}; not streamed either: {why}"
+        again = self.memory.shortfall(get_backend(REFERENCE), "fp64 reference", streamed=True)
+        if again:
+            return "", again
+        self.notes.append("fp64 reference streamed: its weights in float64 did not fit, so each op's were cast "
+                          "where it ran (the same float64 arithmetic, one op's weights at a time)")  # fmt: skip
+        need = short.replace("not run for memory: ", "").split(";")[0]
+        return f"streamed, one op's weights in float64 at a time: {need}", ""
 
-        runs: dict[str, BackendRun] = {}
-        wanted: dict[str, set[str]] = {}  # what each backend's verdict may change with (on_backend)
-        early: dict[str, BackendRun] = {}  # (candidates run first, as the determinism check)
+    def _extra_runs(self) -> list[str]:
+        # What each helper run was for, in the report's words.
+        counter = self.counter
+        lines = ["fp64 reference: every verdict's yardstick", *([self.determinism] if self.determinism else []),
+                 *self.notes]  # fmt: skip
+        if self.sequential is not None:
+            lines.append(f"sequential sums: a second legitimate error ({counter.calls} reductions whose order may "
+                         "change)")  # fmt: skip
+        if self.anchors:
+            lines.append(f"precision anchors ({', '.join(f'{b} bits' for b in self.anchors)}): effective precision, "
+                         f"for {counter.matmuls} matmul/conv calls" + ("" if self.anchors_now else ", run because a "
+                         "backend was SUSPECT without them"))  # fmt: skip
+        elif counter.matmuls != 0 and not self.anchors_now:
+            lines.append("precision anchors not run: every backend is within its budget without them (they can only "
+                         "widen an fp32 budget) and they cost about 3 oracle runs on this model; effective bits are "
+                         "read from the oracle's error alone")  # fmt: skip
+        return lines
 
-        def check_determinism_first(shown: Any) -> str:
-            # The determinism check is a second run of the oracle's computation.  A candidate that runs the same
-            # eager float32 code on the CPU (cpu-nomkldnn: a kernel switch turned) is such a run wherever the switch
-            # changes no kernel this model uses: it runs first of the candidates (into ``early``), and where it gives
-            # every output bit for bit it is the check (a model that does not repeat itself would give that run
-            # other bits too); else the oracle runs again.  Fills ``unstable``; returns the extra-runs line.
-            for second in (b for b in candidates if reruns_oracle(b)):
-                say(second.name)
-                shown.set_postfix_str(second.name)
-                early[second.name] = go(second, second.name, timeout_s=timeout_s)
-                if same_bits(oracle, early[second.name], backward):
-                    early[second.name] = _shared_outputs(oracle, early[second.name])
-                    return (f"oracle, again: not run; {second.name} (the same eager float32 code, one switch turned) "
-                            "gave every output of the oracle bit for bit, so it was the determinism check "
-                            "(check_determinism=True)")  # fmt: skip
-            unstable.update(nondeterministic(oracle, go(get_backend(ORACLE), "determinism rerun")))
-            return "oracle, again: the model's own nondeterminism (check_determinism=True)"
-
-        try:
-            with bar("rlx_nb backends", total=len(candidates), unit="backend", enabled=progress is not False) as shown, \
-                    _showing_phases(meter, shown):  # fmt: skip
-                if check_determinism:
-                    determinism.append(check_determinism_first(shown))
-                for backend in candidates:
-                    say(backend.name)
-                    shown.set_postfix_str(backend.name)  # compiling backends (inductor, ONNX export) show here
-                    ran = early.pop(backend.name, None)  # (run first as the determinism check)
-                    runs[backend.name] = ran if ran is not None else go(backend, backend.name, timeout_s=timeout_s)
-                    preparations.fit(memory.keep_bytes)
-                    trim()
-                    if on_backend is not None:
-                        wanted[backend.name] = on_backend(results(dict(runs)), backend.name)
-                    shown.update()
-            if any("anchors" in w for w in wanted.values()) and not anchors and counter.matmuls != 0:
-                run_anchors()
-            flipping = [name for name, w in wanted.items() if "discrete" in w]
-            if flipping and backward:
-                say("discrete events")
-                with meter.phase("discrete events"):
-                    discrete.update(
-                        _discrete_events(
-                            private,
-                            inputs_.args,
-                            task,
-                            oracle=oracle,
-                            reference=reference,
-                            sequential=sequential,
-                            runs=runs,
-                            flipping=flipping,
-                        )
-                    )
-        except (KeyboardInterrupt, SystemExit) as exc:
-            if determinism:  # (a run made first as the determinism check, once the check is complete)
-                runs.update(early)
-            left = [b.name for b in candidates if b.name not in runs]
-            why = f"interrupted ({type(exc).__name__}) while {left[0]} ran" if left else "interrupted"
-            why += f"; not run: {', '.join(left[1:])}" if len(left) > 1 else ""
-            interrupted.keep(results(dict(runs), why), exc)
-            raise
-        return results(runs)
+    def results(self, incomplete: str = "") -> RunResults:
+        """Every run so far, as plain data (saved, loaded, merged before anything is compared)."""
+        what, seq = self.what, self.sequential
+        failed = _why(seq) if seq is not None else ""
+        return RunResults(
+            label=what["label"],
+            oracle=self.oracle,
+            reference=self.reference,
+            candidates=dict(self.runs),
+            backward=self.task.backward,
+            environment={
+                **probe_environment(),
+                **({"sequential_failed": failed} if failed else {}),
+                **({"inputs_cast": what["cast"]} if what["cast"] else {}),
+                **({"incomplete": incomplete} if incomplete else {}),
+                "nondeterministic": self.unstable,
+                "extra_runs": self._extra_runs(),
+                "backends": {b.name: b.description for b in self.candidates},
+                "model_was_training": bool(getattr(what["model"], "training", False)),
+                "timings": self.meter.as_dict(),
+                "matmul_ops": dict(self.counter.ops),
+                "memory": self.memory.describe(),
+            },
+            fingerprints=what["prints"],
+            anchors={b: a for b, a in self.anchors.items() if a.status == OK},
+            # (grads may be missing from a sequential run whose backward failed)
+            sequential=seq if seq is not None and seq.status == OK else None,
+            discrete=dict(self.discrete),
+        )
 
 
 @contextlib.contextmanager
