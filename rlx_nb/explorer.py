@@ -19,7 +19,7 @@ from rlx_nb.errors import InputError
 from rlx_nb.generation.decode import step_of
 from rlx_nb.generation.report import GenerationReport
 from rlx_nb.plot.charts import localization_figsize
-from rlx_nb.plot.style import HEATMAP_MARGINS, HISTOGRAM_MARGINS
+from rlx_nb.plot.style import HEATMAP_MARGINS, HISTOGRAM_MARGINS, SNAPSHOT_HIDES
 from rlx_nb.report import elements as lookups
 from rlx_nb.verdict.records import worst_first
 from rlx_nb.verdict.types import SUSPECT, VERDICT_ERROR, VERDICT_SKIPPED
@@ -106,14 +106,6 @@ def explore(report: DivergenceReport | GenerationReport, *, top: int = 20, inter
     if localization is not None:
         explorer.add_localization(localization)
     return explorer
-
-
-SNAPSHOT_HIDES = (
-    "<style>.jp-OutputArea-child:has(.rlx-snapshot):has(+ .jp-OutputArea-child .rlx-explorer){display:none}</style>"
-)
-"""The snapshot's rule: its output is hidden when the next output holds a drawn explorer (a live kernel's, or one
-drawn from saved widget state).  JupyterLab drops ``<style>`` from an untrusted notebook (one the reader did not
-run), and a notebook without the widget's state draws no explorer: in both the snapshot stays."""
 
 
 class Explorer(W.VBox if W is not None else object):

@@ -1,4 +1,5 @@
-"""The import layers of docs/architecture.md hold: run -> compare -> present, no upward import, no cycle."""
+"""The package layers of docs/architecture.md hold: each package imports only its own layer or lower ones, no
+file imports another in a circle, each name is imported from where it is defined."""
 
 from __future__ import annotations
 
@@ -6,18 +7,20 @@ import ast
 import re
 from pathlib import Path
 
+import rlx_nb
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "rlx_nb"
 DOC = ROOT / "docs" / "architecture.md"
 
 
 def _layers() -> dict[str, int]:
-    # The table in docs/architecture.md: "| <layer> | `module`, `module` | ..." -- the document is the source.
+    # The table in docs/architecture.md: "| <layer> | `package`, `module` | ..." -- the document is the source.
     layers: dict[str, int] = {}
     for line in DOC.read_text().splitlines():
         m = re.match(r"^\| (\d+) \| ([^|]+) \|", line)
         if m:
-            for name in re.findall(r"`([\w.*]+)`", m.group(2)):
+            for name in re.findall(r"`([\w.]+)`", m.group(2)):
                 layers[name] = int(m.group(1))
     return layers
 
@@ -28,6 +31,12 @@ def _module_name(path: Path) -> str:
     if parts[-1] == "__init__":
         parts = parts[:-1]
     return ".".join(parts)
+
+
+def _package(module: str) -> str:
+    # The package a module belongs to: rlx_nb.verdict.rule -> verdict; a top-level module is its own (api, cli ...).
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "rlx_nb"
 
 
 def _imports(path: Path, *, typing: bool = True) -> set[str]:
@@ -52,35 +61,24 @@ def _imports(path: Path, *, typing: bool = True) -> set[str]:
     return out
 
 
-def _layer_of(module: str, layers: dict[str, int]) -> int | None:
-    name = module.removeprefix("rlx_nb.") if module != "rlx_nb" else "rlx_nb"
-    while name:
-        if name in layers:
-            return layers[name]
-        if f"{name}.*" in layers:
-            return layers[f"{name}.*"]
-        name = name.rpartition(".")[0]
-    return None
-
-
 def _modules() -> dict[str, Path]:
     return {_module_name(p): p for p in PACKAGE.rglob("*.py")}
 
 
-def test_every_module_has_a_layer_in_the_architecture_document():
+def test_every_package_has_a_layer_in_the_architecture_document():
     layers = _layers()
-    missing = [m for m in _modules() if _layer_of(m, layers) is None]
+    missing = sorted({_package(m) for m in _modules()} - set(layers))
     assert not missing, f"docs/architecture.md does not place: {missing}"
 
 
-def test_no_module_imports_a_later_stage():
+def test_no_package_imports_a_later_one():
     layers = _layers()
     upward = []
     for module, path in _modules().items():
-        own = _layer_of(module, layers)
+        own = layers[_package(module)]
         for target in _imports(path):
-            theirs = _layer_of(target, layers)
-            if theirs is not None and theirs > own and not target.startswith(module + "."):
+            theirs = layers.get(_package(target), -1)
+            if theirs > own:
                 upward.append(f"{module} (layer {own}) imports {target} (layer {theirs})")
     assert not upward, "\n".join(upward)
 
@@ -109,6 +107,45 @@ def test_no_import_cycle():
             visit(m)
 
 
+def _defined(path: Path) -> set[str]:
+    # The names a module defines at its top level (functions, classes, assignments, also under if/try).
+    names: set[str] = set()
+    for node in ast.parse(path.read_text()).body:
+        for sub in [node, *(ast.walk(node) if isinstance(node, (ast.If, ast.Try)) else ())]:
+            if isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(sub.name)
+            elif isinstance(sub, (ast.Assign, ast.AnnAssign)):
+                for target in sub.targets if isinstance(sub, ast.Assign) else [sub.target]:
+                    names.update(n.id for n in ast.walk(target) if isinstance(n, ast.Name))
+    return names
+
+
+def test_each_name_has_one_import_path():
+    # Every name is imported from the module that defines it, and no module's __all__ lists another's: a name
+    # reached two ways (a re-export) is two paths to keep.  (rlx_nb itself hands out the public names.)
+    modules = _modules()
+    defined = {m: _defined(p) for m, p in modules.items()}
+    through = []
+    for module, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module in modules and node.module != "rlx_nb":
+                for a in node.names:
+                    if f"{node.module}.{a.name}" not in modules and a.name not in defined[node.module]:
+                        through.append(f"{module}: from {node.module} import {a.name}")
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", "") == "__all__" for t in node.targets):
+                listed = [e.value for e in node.value.elts]
+                if module != "rlx_nb":
+                    through += [f"{module}.__all__ lists {n}" for n in listed if n not in defined[module]]
+    assert not through, "\n".join(through)
+
+
+def test_packages_are_nouns_that_shadow_no_public_function():
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    assert packages & set(rlx_nb.__all__) == set()
+    for name in ("run", "compare", "localize", "explore"):  # (these were modules a function of the name hid)
+        assert callable(getattr(rlx_nb, name)), name
+
+
 def test_modules_stay_small():
     big = {m: len(p.read_text().splitlines()) for m, p in _modules().items()}
     assert {m: n for m, n in big.items() if n > 500} == {}, "a module past ~400 lines is asking to be split"
@@ -120,7 +157,7 @@ WIDE_SIGNATURES = {
     "rlx_nb.execution.run.run": "public (rlx_nb.run): backend_divergence's run without the comparison",
     "rlx_nb.generation.divergence.generation_divergence": "the public entry point for a decode: backend_divergence's options and its own",
     "rlx_nb.backends.registry.register_backend": "public: a backend's description, every field a keyword",
-    "rlx_nb.plot.heatmap.plot_heatmap": "public (rlx_nb.plot.charts.plot_heatmap): a plot's keywords, as matplotlib's are",
+    "rlx_nb.plot.heatmap.plot_heatmap": "public: a plot's keywords, as matplotlib's are",
     "rlx_nb.backends.faults.attention": "torch.nn.functional.scaled_dot_product_attention's own signature",
 }
 

@@ -35,7 +35,7 @@ def test_committed_notebooks_keep_their_colours_untrusted(path):
     # explorer (dropped with it, leaving the snapshot: what a reader without a kernel should see).
     import re
 
-    from rlx_nb.explorer import SNAPSHOT_HIDES
+    from rlx_nb.plot.style import SNAPSHOT_HIDES
 
     nb = nbformat.read(path, as_version=4)
     for cell in nb.cells:

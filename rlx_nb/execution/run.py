@@ -136,9 +136,9 @@ def run(
         grad_inputs = [i for i, x in enumerate(args) if isinstance(x, torch.Tensor) and x.requires_grad]
         if grad_inputs and not backward:
             args = map_tensors(lambda t: t.detach(), args)
-        call = _Call(private, PrivateInputs(args, cast=cast), Task(backward, loss, tuple(grad_inputs),
-                     tuple(input_names)), candidates, meter, Memory(private.model, memory_budget), saved, say,
-                     timeout_s)  # fmt: skip
+        task = Task(backward, loss, tuple(grad_inputs), tuple(input_names))
+        call = _Call(private, PrivateInputs(args, cast=cast), task, candidates, meter=meter,
+                     memory=Memory(private.model, memory_budget), saved=saved, say=say, timeout_s=timeout_s)  # fmt: skip
         call.what = {"label": label or default_label(model), "cast": cast, "model": model,
                      "prints": Fingerprints(fingerprints.later(args, model, params))}  # fmt: skip
         call.run_oracle(inputs)
@@ -161,7 +161,7 @@ class _Call:
     fp64 reference, the sequential sums, the precision anchors where cheap); the determinism check; the candidates;
     the helpers a verdict turned out to need (the anchors, the discrete events).  ``results()`` holds them."""
 
-    def __init__(self, private: PrivateModel, inputs_: PrivateInputs, task: Task, candidates: list[Backend],
+    def __init__(self, private: PrivateModel, inputs_: PrivateInputs, task: Task, candidates: list[Backend], *,
                  meter: phases.Meter, memory: Memory, saved: dict[str, Any], say: Callable[[str], None],
                  timeout_s: float | None) -> None:  # fmt: skip
         self.private, self.inputs_, self.task, self.candidates = private, inputs_, task, candidates

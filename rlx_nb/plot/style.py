@@ -120,3 +120,11 @@ SUSPECT_COLOUR = "#b00020"
 PALETTE = ["#4c72b0", "#55a868", "#8172b2", "#ccb974", "#64b5cd", "#2a9d8f", "#8c8c8c", "#6b6bb3"]
 """Colours for backends that are not SUSPECT (no red among them)."""
 LINESTYLES = ["-", "--", ":", "-."]
+
+
+SNAPSHOT_HIDES = (
+    "<style>.jp-OutputArea-child:has(.rlx-snapshot):has(+ .jp-OutputArea-child .rlx-explorer){display:none}</style>"
+)
+"""The snapshot's rule: its output is hidden when the next output holds a drawn explorer (a live kernel's, or one
+drawn from saved widget state).  JupyterLab drops ``<style>`` from an untrusted notebook (one the reader did not
+run), and a notebook without the widget's state draws no explorer: in both the snapshot stays."""
