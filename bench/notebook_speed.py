@@ -124,7 +124,7 @@ def _e2e_child(side: str, kind: str) -> None:
         import rlx_nb
 
         if side == "rlx-pause":
-            time.sleep(PAUSE_S)  # a person between "import" and the first call (rlx_nb/_warmup.py)
+            time.sleep(PAUSE_S)  # a person between "import" and the first call (rlx_nb/numerics/warmup.py)
 
         for _ in range(1 + REPEATS):
             report = None
@@ -229,7 +229,7 @@ def main() -> None:
         "The manual workflow is the oracle run, the candidate run (oneDNN off) and `torch.testing.assert_close`: "
         "no fp64 reference, no determinism rerun, no verdict beyond a fixed tolerance. *Cold* is the first call "
         "in a fresh process right after creating the inputs; *after a 5 s pause* gives the background warm-up "
-        "(`rlx_nb/_warmup.py`: the numba kernels) the time a person takes between "
+        "(`rlx_nb/numerics/warmup.py`: the numba kernels) the time a person takes between "
         "`import rlx_nb` and the first call.",
         "",
     ]

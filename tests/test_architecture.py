@@ -197,3 +197,34 @@ def test_no_function_takes_more_than_five_positional_or_ten_parameters():
         and not name.startswith("rlx_nb.numerics.fused")
     ]
     assert not wide, "\n".join(wide)
+
+
+def test_a_new_metric_is_two_files():
+    # docs/development.md: a metric is a PairStats name (numerics/pairs.py) and a PairFields field
+    # (verdict/records.py); the comparator copies it by name and every table and saved file carries it.
+    import dataclasses
+
+    from rlx_nb.comparison import comparators, tables
+    from rlx_nb.numerics.pairs import PairStats
+    from rlx_nb.verdict.records import PairFields
+
+    worst = {"worst_index", "oracle_value", "backend_value", "reference_value", "mismatched_frac"}
+    statistics = [f.name for f in dataclasses.fields(PairFields) if f.name not in worst]
+    assert [
+        n for n in statistics if not hasattr(PairStats, n) and n not in {f.name for f in dataclasses.fields(PairStats)}
+    ] == []
+    assert set(comparators._FROM_STATS) == set(statistics)
+    assert [n for n in (f.name for f in dataclasses.fields(PairFields)) if n not in tables.SUMMARY_COLUMNS] == []
+    saved = {name for name, _, _ in tables.record_fields()}
+    assert set(statistics) <= saved
+
+
+def test_a_new_cause_is_two_files():
+    # docs/development.md: a cause is its constant and its words (verdict/words.py) and its clause (verdict/rule.py).
+    from rlx_nb.verdict.words import WORDS, Cause
+
+    causes = {v for k, v in vars(Cause).items() if k.isupper()}
+    assert causes == set(WORDS), causes ^ set(WORDS)
+    # the rule names no words: every sentence comes from the table
+    rule = (ROOT / "rlx_nb" / "verdict" / "rule.py").read_text()
+    assert "WORDS" not in rule and "def reason" not in rule

@@ -348,3 +348,22 @@ def test_a_small_file_declaring_a_huge_array_is_refused_before_allocating(tmp_pa
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
         assert peak < 32 << 20 and seconds < 5, (name, peak, seconds, caught.value)
+
+
+DATA = Path(__file__).parent / "data"
+
+
+def test_reports_saved_before_the_packages_moved_still_load():
+    # tests/data: saved by the tree before the modules moved into packages (commit d14438b): a forward report
+    # (onnxruntime and a planted fault on a small MLP) and a 3-token generation (a random Llama, cpu-bf16).
+    forward = rlx_nb.load_report(DATA / "forward_before_the_move.rlxnb")
+    assert isinstance(forward, rlx_nb.DivergenceReport)
+    verdicts = dict(zip(forward.summary["backend"], forward.summary["verdict"], strict=True))
+    assert verdicts == {"onnxruntime": "round-off", "fault:linear-bias-channel": "SUSPECT"}
+    assert forward.record("fault:linear-bias-channel").judgement.line > 1e3
+    oracle, backend, fp64 = forward.arrays("fault:linear-bias-channel")
+    assert oracle.shape == backend.shape == fp64.shape == (4, 8)
+    generation = rlx_nb.load_report(DATA / "generation_before_the_move.rlxnb")
+    assert isinstance(generation, rlx_nb.GenerationReport)
+    assert generation.tokens.shape == (1, 3) and not generation.any_suspect
+    assert set(generation.steps["backend"]) == {"cpu-bf16"} and len(generation.steps) == 3

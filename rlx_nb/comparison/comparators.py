@@ -373,23 +373,18 @@ def error_pattern(b: np.ndarray, r: np.ndarray) -> tuple[float, float]:
     return bias, corr
 
 
+_STATS_NAMES = {f.name for f in dataclasses.fields(PairStats)} | {n for n in vars(PairStats) if not n.startswith("_")}
+_FROM_STATS = tuple(f.name for f in dataclasses.fields(PairFields) if f.name in _STATS_NAMES - {"worst_index"})
+"""The pair fields that :class:`~rlx_nb.numerics.pairs.PairStats` holds under the same name (fields or properties)."""
+
+
 def _pair_fields(stats: PairStats, o: np.ndarray, eo: Any, eb: Any, r: np.ndarray | None) -> PairFields:
     # The backend-against-oracle statistics and the worst element (``eo``/``eb`` flat views, interleaved
     # for complex outputs; ``eb`` may be a device tensor).
-    fields: dict[str, Any] = dict(
-        max_abs=stats.max_abs,
-        max_rel=stats.max_rel,
-        mean_abs=stats.mean_abs,
-        p99_abs=stats.p99_abs,
-        cosine=stats.cosine,
-        pcc=stats.pcc,
-        sqnr_db=stats.sqnr_db,
-        nmse=stats.nmse,
-        mismatched=stats.mismatched,
-        max_ulp=stats.max_ulp,
-        nonfinite_mismatch=stats.nonfinite_mismatch,
-        mismatched_frac=stats.mismatched / max(1, stats.numel),
-    )
+    # Every statistic the pair fields name is read off the stats by its name (a new metric is a property of
+    # PairStats and a field of PairFields, nothing here); the worst element's values are read below.
+    fields: dict[str, Any] = {name: getattr(stats, name) for name in _FROM_STATS}
+    fields["mismatched_frac"] = stats.mismatched / max(1, stats.numel)
     if stats.worst_index >= 0:
         flat = stats.worst_index
         fields["worst_index"] = tuple(

@@ -2,7 +2,7 @@
 
 Format ``rlx_nb.report.report`` version 2 (file extension ``.rlxnb`` by convention)::
 
-    meta.json          {"format": "rlx_nb.report.report", "version": 2, "label", "backward", "environment",
+    meta.json          {"format": "rlx_nb.report", "version": 2, "label", "backward", "environment",
                         "fingerprints": {"inputs", "model"}, "rule", "tol_rel",
                         "runs": {"oracle": RUN, "reference": RUN, "candidates": {name: RUN}}}
     arrays/<n>.npy     one per array output, numpy's own format, read with allow_pickle=False
@@ -40,7 +40,7 @@ from rlx_nb.errors import ReportFormatError, writing
 from rlx_nb.execution.results import GRAD_PREFIX, BackendRun, Leaf, RunResults
 from rlx_nb.report import schema
 
-FORMAT = "rlx_nb.report.report"
+FORMAT = "rlx_nb.report"
 VERSION = 2
 READS = (1, 2)
 SUFFIX = ".rlxnb"
