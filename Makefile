@@ -9,11 +9,12 @@ TORCH_PIN := torch==2.13.0
 
 .PHONY: demo test lint format bench notebooks clean
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml requirements/runtimes.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q $(TORCH_PIN)
 	$(BIN)/python -m pip install -q -e '.[onnx,openvino,notebook,browser,bench,graph,dev]'
+	$(BIN)/python -m pip install -q --no-deps -r requirements/runtimes.txt
 	touch $(STAMP)
 
 demo: $(STAMP)

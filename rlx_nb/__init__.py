@@ -6,7 +6,7 @@ this machine, and judge each backend's gap against a float64 reference.
 
 from __future__ import annotations
 
-from rlx_nb._version import __version__
+from rlx_nb._version import __version__  # (first: it stops a torch older than the tested range, clearly)
 from rlx_nb.api import backend_divergence, interrupted_report, load_report, report_backend_divergence
 from rlx_nb.backends.registry import available_backends, register_backend, unregister_backend
 from rlx_nb.comparison.compare import compare
@@ -25,7 +25,7 @@ from rlx_nb.report.merge import merge_reports
 from rlx_nb.report.report import DivergenceReport
 from rlx_nb.verdict.records import OutputRecord
 
-_warmup.start()  # the numba kernels load in the background (rlx_nb/_warmup.py)
+_warmup.start()  # the numba kernels load in the background (rlx_nb/numerics/warmup.py)
 
 
 def explore(report, **kwargs):

@@ -147,6 +147,7 @@ def _weights_key(model: torch.nn.Module, inputs: tuple) -> tuple:
     tensors = [*model.parameters(), *model.buffers()]
     return (
         type(model),
+        getattr(model, "export_key", None),  # what else changes the graph (a fault injected while tracing)
         tuple((t.data_ptr(), tuple(t.shape), t.dtype) for t in tensors),
         tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else repr(x) for x in inputs),
     )
@@ -248,8 +249,11 @@ def attempt(wrapper: _FlatOutputs, convert: Callable[[_FlatOutputs], Any]) -> An
     return convert(trial)
 
 
-def prepare_onnxruntime(model: Any, inputs: tuple) -> Any:
+def prepare_onnxruntime(model: Any, inputs: tuple, *, optimize: bool = True) -> Any:
     """Export to ONNX (TorchScript exporter, falling back to the dynamo one) and open an ORT session.
+
+    ``optimize``: ORT's graph optimizations all on (``ORT_ENABLE_ALL``: constant folding, node fusions, layout
+    changes), or all off (``ORT_DISABLE_ALL``: each ONNX node on its own kernel), from the same file.
 
     Returns ``runner(inputs)``, which runs the session on new inputs of the same shapes and returns a
     dict of named leaves in the same order and with the same names as the model's own outputs flatten
@@ -266,6 +270,8 @@ def prepare_onnxruntime(model: Any, inputs: tuple) -> Any:
     onnx_file = exported(wrapper, tuple(inputs), names)
     options = ort.SessionOptions()
     options.log_severity_level = 3
+    level = ort.GraphOptimizationLevel
+    options.graph_optimization_level = level.ORT_ENABLE_ALL if optimize else level.ORT_DISABLE_ALL
     with phases.step("onnxruntime: session"):
         session = ort.InferenceSession(str(onnx_file.path), options, providers=["CPUExecutionProvider"])
     produced = [o.name for o in session.get_outputs()]
@@ -295,6 +301,16 @@ def run_onnxruntime(model: Any, inputs: tuple) -> Any:
     return prepare_onnxruntime(model, inputs)(inputs)
 
 
+def prepare_onnxruntime_noopt(model: Any, inputs: tuple) -> Any:
+    """The same ONNX file on ORT with every graph optimization off (see :func:`prepare_onnxruntime`)."""
+    return prepare_onnxruntime(model, inputs, optimize=False)
+
+
+def run_onnxruntime_noopt(model: Any, inputs: tuple) -> Any:
+    """ORT with graph optimizations off, once."""
+    return prepare_onnxruntime_noopt(model, inputs)(inputs)
+
+
 BACKENDS = [
     Backend(
         "onnxruntime",
@@ -302,7 +318,17 @@ BACKENDS = [
         prepare=prepare_onnxruntime,
         differentiable=False,
         probe=onnxruntime_reason,
-        description="torch.onnx.export + ONNX Runtime CPU provider (forward only)",
+        description="torch.onnx.export + ONNX Runtime CPU provider, graph optimizations all on (forward only)",
+        builtin=True,
+    ),
+    Backend(
+        "onnxruntime-noopt",
+        run_onnxruntime_noopt,
+        prepare=prepare_onnxruntime_noopt,
+        differentiable=False,
+        probe=onnxruntime_reason,
+        default=False,
+        description="the same ONNX file with ORT's graph optimizations all off: tells an optimizer bug from a kernel bug",
         builtin=True,
     ),
 ]

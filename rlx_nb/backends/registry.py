@@ -28,9 +28,29 @@ def _ensure_builtins() -> None:
         if _BUILTINS_LOADED:
             return
         _BUILTINS_LOADED = True
-        from rlx_nb.backends import compiled, eager, emulated, faults, onnx, openvino, precision
+        from rlx_nb.backends import (
+            compiled,
+            eager,
+            emulated,
+            executorch_runtime,
+            faults,
+            litert_runtime,
+            onnx,
+            openvino,
+            precision,
+        )
 
-        for module in (eager, compiled, onnx, openvino, precision, emulated, faults):
+        for module in (
+            eager,
+            compiled,
+            onnx,
+            openvino,
+            executorch_runtime,
+            litert_runtime,
+            precision,
+            emulated,
+            faults,
+        ):
             for backend in module.BACKENDS:
                 _REGISTRY.setdefault(backend.name, backend)
 

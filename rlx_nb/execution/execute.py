@@ -91,7 +91,10 @@ def execute(
     """
     reason = backend.unavailable_reason()
     if reason is not None:
-        return BackendRun(backend.name, ERROR, {}, f"not available here: {reason}", compute_dtype=backend.compute_dtype)
+        # (a skipped row: nothing about the backend was judged, and the reason says how to make it live)
+        return BackendRun(
+            backend.name, SKIPPED, {}, f"not available here: {reason}", compute_dtype=backend.compute_dtype
+        )
 
     def go() -> BackendRun:
         with scope() if scope is not None else contextlib.nullcontext():

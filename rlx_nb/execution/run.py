@@ -22,6 +22,7 @@ from rlx_nb.backends.base import ORACLE, REFERENCE, Backend
 from rlx_nb.backends.eager import run_eager, run_float64_streamed
 from rlx_nb.backends.emulated import emulate
 from rlx_nb.backends.float64_kernels import Float64Kernels
+from rlx_nb.backends.litert_runtime import forget_conversions
 from rlx_nb.backends.onnx import forget_exports
 from rlx_nb.backends.registry import get_backend, resolve_backends
 from rlx_nb.backends.sequential import CountCalls, SequentialSums
@@ -407,6 +408,7 @@ def _exports_deleted() -> Any:
         yield
     finally:
         forget_exports()
+        forget_conversions()
 
 
 def _discrete_events(

@@ -32,7 +32,7 @@ import torch
 from rlx_nb._support import switches
 from rlx_nb._support.progress import bar
 from rlx_nb.backends.base import ORACLE, REFERENCE
-from rlx_nb.backends.registry import get_backend
+from rlx_nb.backends.registry import get_backend, lent
 from rlx_nb.errors import InputError
 from rlx_nb.execution.prepare import normalize_inputs, prepare_model
 from rlx_nb.execution.source import WeakSource
@@ -172,7 +172,11 @@ def localize_report(
         backend = report.suspects[0]
     if backward is None:
         backward = (report.record(backend).output or "").startswith("grad:")
-    return localize(model, inputs, backend=backend, params=params, backward=backward, **kwargs)
+    given = getattr(report, "backend_objects", {}).get(backend)
+    if given is None:
+        return localize(model, inputs, backend=backend, params=params, backward=backward, **kwargs)
+    with lent(given):  # (a Backend object passed in backends=[...], not registered)
+        return localize(model, inputs, backend=backend, params=params, backward=backward, **kwargs)
 
 
 __all__ = ["localize", "localize_report"]

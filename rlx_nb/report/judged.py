@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from rlx_nb._support.progress import Board
+from rlx_nb.backends.base import Backend
 from rlx_nb.comparison.compare import compare
 from rlx_nb.comparison.context import OutputContext, contexts
 from rlx_nb.errors import InputError, RlxError
@@ -86,7 +87,10 @@ def judged_report(
     try:
         source = WeakSource(model, inputs, options.params)
         records = early.records(results)
-        return DivergenceReport(results, records, rule=options.rule, tol_rel=options.tol_rel, source=source)
+        report = DivergenceReport(results, records, rule=options.rule, tol_rel=options.tol_rel, source=source)
+        given = [] if options.backends is None or isinstance(options.backends, str) else options.backends
+        report.backend_objects = {b.name: b for b in given if isinstance(b, Backend)}  # for report.localize
+        return report
     except (KeyboardInterrupt, SystemExit) as exc:  # every backend ran: keep them for interrupted_report()
         interrupted.keep(results, exc)
         raise

@@ -62,6 +62,8 @@ class DivergenceReport:
         self.tol_rel = tol_rel
         self.source = source
         """The model, inputs and params it was made from, held weakly (None for a loaded or merged report)."""
+        self.backend_objects: dict[str, Any] = {}
+        """The :class:`~rlx_nb.backends.base.Backend` objects passed in ``backends=[...]`` unregistered, by name."""
 
     def localize(self, backend: str | None = None, **kwargs: Any):
         """:func:`rlx_nb.localize` this report's model on ``backend`` (default: the first suspect).

@@ -1,0 +1,133 @@
+"""Device runtimes as backends: ExecuTorch (XNNPACK and portable), LiteRT (XNNPACK and reference kernels) and ONNX
+Runtime with its graph optimizations off; faults caught through each; an absent runtime is a skipped row."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+
+import rlx_nb
+from rlx_nb.backends import executorch_runtime, litert_runtime
+from rlx_nb.backends.exported_faults import fault_through
+from rlx_nb.backends.registry import get_backend
+from rlx_nb.models import demo
+from rlx_nb.verdict.types import ROUNDOFF, VERDICT_SKIPPED
+
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+EXECUTORCH = ("executorch-xnnpack", "executorch-portable")
+LITERT = ("litert", "litert-reference")
+needs_executorch = pytest.mark.skipif(executorch_runtime.executorch_reason() is not None, reason="no ExecuTorch")
+needs_litert = pytest.mark.skipif(litert_runtime.litert_reason() is not None, reason="no LiteRT")
+
+
+def _live(names):
+    return [n for n in names if get_backend(n).live]
+
+
+@pytest.mark.parametrize("name", ["mlp", "conv", "transformer"])
+def test_legitimate_device_runtimes_are_round_off(name):
+    backends = _live([*EXECUTORCH, *LITERT, "onnxruntime-noopt"])
+    if not backends:
+        pytest.skip("no device runtime installed")
+    model, inputs = getattr(demo, name)()
+    report = rlx_nb.backend_divergence(model, inputs, backends=backends, progress=False)
+    verdicts = dict(zip(report.backends["backend"], report.backends["verdict"], strict=True))
+    assert verdicts == dict.fromkeys(backends, ROUNDOFF), report.summary[["backend", "verdict", "why"]]
+
+
+@needs_executorch
+def test_executorch_says_which_ops_ran_on_portable_kernels():
+    model, inputs = demo.conv()
+    report = rlx_nb.backend_divergence(model, inputs, backends=list(EXECUTORCH), progress=False)
+    xnnpack = report.results.candidates["executorch-xnnpack"].notes
+    portable = report.results.candidates["executorch-portable"].notes
+    # the conv net's global average pool (a mean) is the one computing op XNNPACK leaves to portable kernels
+    assert any("portable kernels outside the XNNPACK delegate" in n and "aten.mean.dim" in n for n in xnnpack), xnnpack
+    assert any("(no delegate)" in n and "aten.convolution.default x2" in n for n in portable), portable
+
+
+@needs_executorch
+def test_a_delegate_bug_is_told_from_an_export_bug():
+    # ExecuTorch 1.5.1's XNNPACK delegate computes gelu(approximate="tanh") as the exact gelu (max_abs 4.7e-4 on
+    # N(0, 3) inputs, the whole difference of the two formulas); its portable kernels compute the tanh form.
+    class TanhGelu(torch.nn.Module):
+        def forward(self, x):
+            return torch.nn.functional.gelu(x, approximate="tanh")
+
+    x = torch.randn(64, 256, generator=torch.Generator().manual_seed(0)) * 3
+    report = rlx_nb.backend_divergence(TanhGelu(), (x,), backends=list(EXECUTORCH), progress=False)
+    assert report.suspects == ["executorch-xnnpack"]
+    assert report.record("executorch-portable").verdict == ROUNDOFF
+
+
+@pytest.mark.parametrize("runtime", ["executorch-xnnpack", "litert", "onnxruntime-noopt"])
+def test_faults_are_caught_through_each_runtime(runtime):
+    if get_backend(runtime).unavailable_reason() is not None:
+        pytest.skip(f"{runtime} not installed")
+    model, inputs = demo.transformer()
+    faults = ["fault:softmax-row", "fault:layernorm-unbiased", "fault:linear-bias-channel"]
+    through = [fault_through(f, get_backend(runtime)) for f in faults]
+    report = rlx_nb.backend_divergence(model, inputs, backends=[runtime, *through], progress=False)
+    assert report.suspects == [b.name for b in through], report.summary[["backend", "verdict", "why"]]
+    assert report.record(runtime).verdict == ROUNDOFF
+
+
+@needs_litert
+def test_litert_says_the_int64_inputs_it_cut_to_int32():
+    class Embed(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.embed = torch.nn.Embedding(50, 16)
+
+        def forward(self, ids):
+            return self.embed(ids).sum(-1)
+
+    ids = torch.randint(0, 50, (4, 8), generator=torch.Generator().manual_seed(0))
+    report = rlx_nb.backend_divergence(Embed(), (ids,), backends=list(LITERT), progress=False)
+    assert not report.suspects
+    for name in LITERT:
+        notes = report.results.candidates[name].notes
+        assert any("cut int64 to int32 for input 0" in n for n in notes), notes
+
+
+@needs_executorch
+def test_localize_finds_the_faulty_block_through_executorch():
+    model, inputs = demo.layered(fault_layer=1)
+    through = fault_through("fault:linear-bias-channel", get_backend("executorch-xnnpack"))
+    report = rlx_nb.backend_divergence(model, inputs, backends=[through], progress=False)
+    assert report.suspects == [through.name]
+    loc = report.localize(through.name)
+    assert loc.culprit is not None and loc.culprit.startswith("blocks.1"), loc.finding
+
+
+def test_an_absent_runtime_is_a_skipped_row_with_its_pip_line(monkeypatch):
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "executorch" else real(name, *a))
+    reason = executorch_runtime.executorch_reason()
+    assert reason is not None and "pip install 'rlx_nb[executorch]'" in reason
+    model, inputs = demo.mlp()
+    report = rlx_nb.backend_divergence(model, inputs, backends=["executorch-xnnpack"], progress=False)
+    row = report.record("executorch-xnnpack")
+    assert row.verdict == VERDICT_SKIPPED and "pip install 'rlx_nb[executorch]'" in row.reason
+    assert report.judged_nothing()
+
+
+def test_the_torch_range_declared_is_the_one_tested():
+    # pyproject asks for the oldest torch the suite runs on (CI: the Makefile's pin); an older one stops at import
+    # with the range and the pip line, not with an AttributeError deep in the fp64 kernels.
+    import re
+    from pathlib import Path
+
+    from rlx_nb._version import TORCH_OLDEST, check_torch
+
+    root = Path(__file__).resolve().parents[1]
+    declared = re.search(r'"torch>=(\d+)\.(\d+)"', (root / "pyproject.toml").read_text())
+    pinned = re.search(r"TORCH_PIN := torch==(\d+)\.(\d+)", (root / "Makefile").read_text())
+    assert declared and pinned
+    assert tuple(map(int, declared.groups())) == TORCH_OLDEST == tuple(map(int, pinned.groups()))
+    with pytest.raises(ImportError, match=r"needs torch>=2\.13 .* torch 2\.5\.1 is installed"):
+        check_torch("2.5.1")
+    check_torch(torch.__version__)
