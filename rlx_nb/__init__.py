@@ -20,6 +20,7 @@ from rlx_nb.localization.locate import localize
 from rlx_nb.localization.result import Localization
 from rlx_nb.numerics import warmup as _warmup
 from rlx_nb.precision import precision_sweep
+from rlx_nb.quantized import QuantizedReport, quantized_divergence
 from rlx_nb.report.baseline import compare_reports
 from rlx_nb.report.merge import merge_reports
 from rlx_nb.report.report import DivergenceReport
@@ -43,6 +44,7 @@ __all__ = [
     "InputError",
     "Localization",
     "OutputRecord",
+    "QuantizedReport",
     "ReportFormatError",
     "RlxError",
     "RunResults",
@@ -60,6 +62,7 @@ __all__ = [
     "localize",
     "merge_reports",
     "precision_sweep",
+    "quantized_divergence",
     "register_backend",
     "report_backend_divergence",
     "run",

@@ -80,6 +80,7 @@ def _say_fallbacks(label: str, ops: dict[str, int], delegated: int) -> None:
 
 def _lower(wrapper: _FlatOutputs, inputs: tuple, delegate: bool) -> tuple[Any, dict[str, int], int, int]:
     # (the ExecuTorch program's bytes, the fallback ops, the delegated partitions, the outputs)
+    import executorch.kernels.quantized  # noqa: F401  (the out variants of quantized_decomposed ops: int8 graphs)
     from executorch.exir import to_edge_transform_and_lower
 
     partitioners = []

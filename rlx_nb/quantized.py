@@ -1,0 +1,369 @@
+"""int8 models: is a quantized runtime's gap quantization noise, or a kernel bug?
+
+An int8 runtime is not judged against the float model (every element would be past an fp32 budget: quantization
+moves outputs by whole quanta), nor against fp64.  Its oracle is the quantized model itself, as PT2E converts it:
+each quantize/dequantize pair simulated in float32 on the CPU (the ``Q/DQ`` simulation, what a correct int8
+kernel computes up to the rounding of each requantization).  A correct kernel may still land one quantum away
+from the simulation wherever the value it requantizes sits near a rounding boundary (it accumulates in int32
+exactly and applies the scale in its own order), and that one quantum then travels through the layers after it.
+
+The budget measures that, rather than guessing it: the Q/DQ simulation is run ``trials`` more times with every
+activation requantization rounded stochastically (each element to the quantum below or above, at random: any
+rounding a kernel could legitimately make, one quantum at most per requantization), and what those runs leave
+at each output -- its RMS, its largest element, each slice's RMS -- is the budget.  A backend is SUSPECT past
+the same limits as the float verdict (its RMS error 4x the budget's, its largest 8x, or one slice's RMS 4x what
+the trials leave in that slice: one channel's scale off), "quantization noise" otherwise.
+
+    >>> import rlx_nb
+    >>> from rlx_nb.models import demo
+    >>> model, inputs = demo.mlp()
+    >>> report = rlx_nb.quantized_divergence(model, inputs)            # doctest: +SKIP
+    >>> report.summary                                                    # doctest: +SKIP
+
+Needs ExecuTorch (``pip install 'rlx_nb[executorch]'``): its XNNPACK quantizer makes the int8 model (per-channel
+symmetric weights, per-tensor activations) and its runtimes are the candidates.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from rlx_nb._support.progress import bar
+from rlx_nb._support.tree import flatten
+from rlx_nb.backends.base import Backend
+from rlx_nb.backends.executorch_runtime import executorch_reason
+from rlx_nb.backends.registry import get_backend
+from rlx_nb.comparison.tables import Table
+from rlx_nb.errors import BackendError, InputError, describe_error
+from rlx_nb.execution.prepare import KeywordModule, normalize_inputs
+from rlx_nb.verdict.types import MAX_LIMIT, RMSE_LIMIT, ROUNDOFF, SUSPECT, VERDICT_ERROR
+
+CANDIDATES = ("executorch-xnnpack", "executorch-portable")
+"""The int8 runtimes run by default: XNNPACK's int8 kernels, and the Q/DQ ops on ExecuTorch's portable kernels."""
+
+TRIALS = 4
+"""Stochastically rounded runs of the Q/DQ simulation that measure the budget."""
+
+ROUNDING_WIDTH = 0.02
+"""How close to a rounding boundary (in quanta) a requantized value may sit and still round the other way in a
+trial.  Measured here: the value an fp32 Q/DQ simulation requantizes and the one an exact (fp64) simulation does
+differ by at most 6e-5 quanta at the first requantization where they differ (demo MLP, CNN, transformer), and
+ExecuTorch's XNNPACK int8 lands one quantum off on 1-5% of their outputs; 0.02 quanta flips ~4% of every
+requantization's elements, and legitimate XNNPACK reads 0.12-0.20 of the line on those models (0.5, any rounding:
+0.06-0.14, with faults 2-3x less visible)."""
+
+NOISE = "quantization noise"
+BUG = "likely a kernel bug"
+
+_QUANTIZE = "quantize_per_tensor"
+_DEQUANTIZE_CHANNEL = "dequantize_per_channel"
+
+
+def _ops(graph_module: torch.fx.GraphModule, kind: str) -> list[torch.fx.Node]:
+    # The call_function nodes of one quantized_decomposed op (quantize_per_tensor's overloads, not dequantize).
+    def name(n: torch.fx.Node) -> str:
+        return str(n.target).split(".")[-2] if str(n.target).count(".") >= 2 else str(n.target)
+
+    return [n for n in graph_module.graph.nodes if n.op == "call_function" and name(n) == kind]
+
+
+def is_quantized(model: Any) -> bool:
+    """Whether ``model`` is a PT2E-converted graph (it holds quantize/dequantize ops)."""
+    return isinstance(model, torch.fx.GraphModule) and bool(_ops(model, _QUANTIZE))
+
+
+def quantize_pt2e(model: torch.nn.Module, inputs: Any, *, calibration: Iterable[Any] | None = None) -> Any:
+    """``model`` quantized to int8 by PT2E with ExecuTorch's XNNPACK quantizer (per-channel symmetric weights,
+    per-tensor activations), calibrated on ``calibration`` (a list of input tuples; default: ``inputs``)."""
+    reason = executorch_reason()
+    if reason is not None:
+        raise BackendError(f"int8 quantization needs ExecuTorch's XNNPACK quantizer: {reason}")
+    from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (
+        XNNPACKQuantizer,
+        get_symmetric_quantization_config,
+    )
+    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+
+    args, keys = normalize_inputs(inputs)
+    if keys:  # keyword inputs (a Hugging Face model's): positional from here on, as every backend takes them
+        model = KeywordModule(model, keys)
+    quantizer = XNNPACKQuantizer()
+    quantizer.set_global(get_symmetric_quantization_config(is_per_channel=True))
+    with torch.no_grad():
+        prepared = prepare_pt2e(torch.export.export(model.eval(), args, strict=False).module(), quantizer)
+        for batch in [args] if calibration is None else [normalize_inputs(c)[0] for c in calibration]:
+            prepared(*batch)
+        return convert_pt2e(prepared)
+
+
+def _stochastic_quantize(generator: torch.Generator, width: float):
+    # quantize_per_tensor with each element rounded to the quantum below or above at random (probability by
+    # distance): a rounding any int8 kernel could make, one quantum at most from round-to-nearest.
+    def quantize(x, scale, zero_point, quant_min, quant_max, dtype):
+        jitter = (torch.rand(x.shape, generator=generator, dtype=torch.float32) - 0.5) * (2.0 * width)
+        return torch.clamp(torch.round(x * (1.0 / scale) + jitter) + zero_point, quant_min, quant_max).to(dtype)
+
+    return quantize
+
+
+def stochastic_copy(converted: torch.fx.GraphModule, seed: int, width: float = 0.5) -> torch.fx.GraphModule:
+    """A copy of ``converted`` whose activation requantizations round stochastically (seeded)."""
+    trial = copy.deepcopy(converted)
+    quantize = _stochastic_quantize(torch.Generator().manual_seed(seed), width)
+    for node in _ops(trial, _QUANTIZE):
+        node.target = quantize
+    trial.recompile()
+    return trial
+
+
+def channel_scale_fault(*, layer: int = 0, channel: int = 0, factor: float = 1.25, runtime: str = "executorch-xnnpack"):
+    """A planted int8 kernel bug: ``runtime`` run with one output channel's weight scale of the ``layer``-th
+    per-channel-quantized weight multiplied by ``factor`` (named ``int8-fault:scale@<layer>.<channel>x<factor>``).
+    """
+    inner = get_backend(runtime)
+
+    def fn(model: Any, inputs: tuple) -> Any:
+        faulty = copy.deepcopy(model)
+        weights = _ops(faulty, _DEQUANTIZE_CHANNEL)
+        if not -len(weights) <= layer < len(weights):
+            raise InputError(f"layer {layer} is past the model's {len(weights)} per-channel weights")
+        scale = weights[layer].args[1]
+        values = getattr(faulty, scale.target).clone()
+        values[channel] *= factor
+        setattr(faulty, scale.target, values)
+        return inner.fn(faulty, inputs)
+
+    return Backend(
+        f"int8-fault:scale@{layer}.{channel}x{factor:g}",
+        fn,
+        default=False,
+        differentiable=False,
+        probe=inner.probe,
+        description=f"{runtime} with weight {layer}'s channel {channel} scale x{factor:g}",
+    )
+
+
+def _output_quanta(converted: torch.fx.GraphModule, names: list[str]) -> dict[str, float]:
+    # Each output's quantum: the scale of the dequantize that produces it (NaN for an output computed in float).
+    (output,) = [n for n in converted.graph.nodes if n.op == "output"]
+    found = output.args[0]
+    flat = (
+        list(found.values())
+        if isinstance(found, dict)
+        else list(found)
+        if isinstance(found, (tuple, list))
+        else [found]
+    )
+    quanta = {}
+    for name, node in zip(names, [n for n in flat if isinstance(n, torch.fx.Node)], strict=False):
+        is_dq = isinstance(node, torch.fx.Node) and "dequantize_per_tensor" in str(node.target)
+        quanta[name] = float(node.args[1]) if is_dq and isinstance(node.args[1], float) else math.nan
+    return quanta
+
+
+def _arrays(outputs: Any) -> dict[str, np.ndarray]:
+    return {
+        name: v.detach().cpu().to(torch.float64).numpy()
+        for name, v in flatten(outputs)
+        if isinstance(v, torch.Tensor) and v.is_floating_point()
+    }
+
+
+def _slice_rms(d: np.ndarray) -> list[tuple[int, np.ndarray]]:
+    # Per axis of more than one element, the RMS of each slice along it.
+    out = []
+    for axis in range(d.ndim):
+        if d.shape[axis] > 1 and d.size > d.shape[axis]:
+            rest = tuple(a for a in range(d.ndim) if a != axis)
+            out.append((axis, np.sqrt(np.mean(d * d, axis=rest))))
+    return out
+
+
+def judge(oracle: np.ndarray, got: np.ndarray, trials: Sequence[np.ndarray], quantum: float) -> dict[str, Any]:
+    """The int8 verdict of one output (module docstring): the figures, the verdict and its reading."""
+    d = got - oracle
+    legit = [t - oracle for t in trials]
+    rms = float(np.sqrt(np.mean(d * d))) if d.size else 0.0
+    worst = float(np.abs(d).max(initial=0.0))
+    floor = quantum if quantum == quantum else 1e-30
+    budget_rmse = max(
+        max((float(np.sqrt(np.mean(t * t))) for t in legit), default=0.0), floor / math.sqrt(max(d.size, 1))
+    )
+    budget_max = max(max((float(np.abs(t).max(initial=0.0)) for t in legit), default=0.0), floor)
+    ratio_slice, slice_at = 0.0, None
+    for axis, got_rms in _slice_rms(d):
+        allowed = np.max([r for _, r in (s for t in legit for s in _slice_rms(t) if s[0] == axis)], axis=0)
+        ratios = got_rms / np.maximum(allowed, budget_rmse)
+        k = int(np.argmax(ratios))
+        if ratios[k] > ratio_slice:
+            ratio_slice, slice_at = float(ratios[k]), (axis, k)
+    line = max(rms / budget_rmse / RMSE_LIMIT, worst / budget_max / MAX_LIMIT, ratio_slice / RMSE_LIMIT)
+    verdict = SUSPECT if line > 1.0 else ROUNDOFF
+    q = quantum if quantum == quantum else math.nan
+    return {
+        "verdict": verdict,
+        "reading": BUG if verdict == SUSPECT else NOISE,
+        "line": line,
+        "max_abs": worst,
+        "rmse": rms,
+        "max_quanta": worst / q,
+        "budget_rmse": budget_rmse,
+        "budget_max": budget_max,
+        "budget_max_quanta": budget_max / q,
+        "slice_ratio": ratio_slice,
+        "slice_axis": slice_at[0] if slice_at else None,
+        "slice_index": slice_at[1] if slice_at else None,
+        "mismatched": int(np.count_nonzero(d)),
+        "quantum": q,
+    }
+
+
+def _why(row: dict[str, Any]) -> str:
+    where = f"axis {row['slice_axis']} index {row['slice_index']}" if row["slice_axis"] is not None else "it"
+    quanta = f" ({row['max_quanta']:.3g} quanta)" if row["quantum"] == row["quantum"] else ""
+    if row["verdict"] == SUSPECT:
+        if row["slice_ratio"] / RMSE_LIMIT >= row["line"] - 1e-12:
+            return (f"{BUG}, {row['line']:.3g}x the line: the slice at {where} is {row['slice_ratio']:.3g}x what "
+                    "requantization rounding leaves there")  # fmt: skip
+        return f"{BUG}, {row['line']:.3g}x the line: its largest error {row['max_abs']:.3g}{quanta}"
+    return (f"{NOISE}, {row['line']:.2g} of the line: its largest error {row['max_abs']:.3g}{quanta} against "
+            f"{row['budget_max']:.3g} that requantization rounding leaves")  # fmt: skip
+
+
+class QuantizedReport:
+    """An int8 model's runtimes against its Q/DQ simulation: ``summary`` (one row per backend and output),
+    ``suspects``, ``arrays(backend, output)`` and ``plot_heatmap(backend, output)``."""
+
+    def __init__(self, label: str, converted: Any, rows: list[dict], arrays: dict, notes: dict[str, list[str]]):
+        self.label, self.converted, self.rows, self._arrays, self.notes = label, converted, rows, arrays, notes
+
+    @property
+    def summary(self) -> Table:
+        columns = ["backend", "output", "verdict", "reading", "line", "why", "max_abs", "max_quanta",
+                   "budget_max_quanta", "rmse", "budget_rmse", "slice_ratio", "slice_axis", "slice_index", "quantum"]  # fmt: skip
+        return Table([{c: r.get(c) for c in columns} for r in self.rows], columns=columns)
+
+    @property
+    def suspects(self) -> list[str]:
+        return list(dict.fromkeys(r["backend"] for r in self.rows if r["verdict"] == SUSPECT))
+
+    @property
+    def any_suspect(self) -> bool:
+        return bool(self.suspects)
+
+    def record(self, backend: str, output: str | None = None) -> dict[str, Any]:
+        """The row of ``backend``'s ``output`` (default: its worst)."""
+        rows = [r for r in self.rows if r["backend"] == backend and (output is None or r["output"] == output)]
+        if not rows:
+            raise InputError(f"no row for backend {backend!r} output {output!r}; backends: {sorted(self.notes)}")
+        return max(rows, key=lambda r: r["line"] if r["line"] == r["line"] else -1.0)
+
+    def arrays(self, backend: str, output: str | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """``(oracle, backend)``: the Q/DQ simulation's output and the backend's, float64."""
+        row = self.record(backend, output)
+        return self._arrays["oracle"][row["output"]], self._arrays[backend][row["output"]]
+
+    def plot_heatmap(self, backend: str, output: str | None = None, **kwargs: Any):
+        """The backend's error in quanta of the output, element by element (:func:`rlx_nb.plot.heatmap.plot_heatmap`)."""
+        from rlx_nb.plot.heatmap import plot_heatmap
+
+        row = self.record(backend, output)
+        oracle, got = self.arrays(backend, row["output"])
+        kwargs.setdefault("title", f"{backend} · x int8 budget")
+        # (the simulation is the reference here: the error is the backend's from it, in units of the budget)
+        return plot_heatmap(oracle, got, oracle, metric="budget", budget=row["budget_max"], **kwargs)
+
+    def lines(self) -> list[str]:
+        return [f"rlx_nb: [{self.label}] {r['backend']} (int8) {r['output']}: {r['why']}" for r in self.rows]
+
+    def __repr__(self) -> str:
+        return f"<QuantizedReport {self.label!r}: {len(self.notes)} backend(s) vs the Q/DQ simulation, suspects={self.suspects}>"
+
+
+def quantized_divergence(
+    model: Any,
+    inputs: Any,
+    *,
+    backends: str | Iterable[str | Backend] | None = None,
+    calibration: Iterable[Any] | None = None,
+    trials: int = TRIALS,
+    width: float = ROUNDING_WIDTH,
+    label: str | None = None,
+    progress: bool = True,
+) -> QuantizedReport:
+    """Judge int8 runtimes of ``model`` against its PT2E Q/DQ simulation (module docstring).
+
+    ``model``: a float ``nn.Module`` (quantized here: :func:`quantize_pt2e`, calibrated on ``calibration`` or
+    ``inputs``) or a PT2E-converted graph.  ``backends``: names or :class:`Backend` objects run on the converted
+    graph (default :data:`CANDIDATES`).  ``trials``: stochastically rounded runs that measure the budget.
+    """
+    if not isinstance(trials, int) or isinstance(trials, bool) or trials < 2:
+        raise InputError(f"trials must be an int of at least 2 (the budget's runs); got {trials!r}")
+    args = tuple(normalize_inputs(inputs)[0])
+    converted = model if is_quantized(model) else quantize_pt2e(model, args, calibration=calibration)
+    label = label or type(getattr(model, "_orig_mod", model)).__name__
+    names = [b if isinstance(b, str) else b.name for b in ([*CANDIDATES] if backends is None else _list(backends))]
+    chosen = [
+        b if isinstance(b, Backend) else get_backend(b)
+        for b in ([*CANDIDATES] if backends is None else _list(backends))
+    ]
+    shown = bar(f"int8 {label}", total=1 + trials + len(chosen), enabled=progress)
+    with torch.no_grad():
+        oracle = _arrays(converted(*args))
+        shown.update()
+        trial_runs = []
+        for k in range(trials):
+            trial_runs.append(_arrays(stochastic_copy(converted, seed=k, width=width)(*args)))
+            shown.update()
+    quanta = _output_quanta(converted, list(oracle))
+    rows, kept, notes = [], {"oracle": oracle}, {}
+    from rlx_nb.backends.notes import collecting
+
+    for name, backend in zip(names, chosen, strict=True):
+        reason = backend.unavailable_reason()
+        with collecting() as said:
+            try:
+                if reason is not None:
+                    raise BackendError(f"not available here: {reason}")
+                got = _arrays(backend.fn(copy.deepcopy(converted), args))
+                error = None
+            except Exception as exc:
+                got, error = {}, describe_error(exc)
+        shown.update()
+        notes[name] = list(said)
+        if error is not None:
+            rows.append({"backend": name, "output": None, "verdict": VERDICT_ERROR, "reading": "", "line": math.nan,
+                         "why": f"error: {error}"})  # fmt: skip
+            continue
+        kept[name] = got
+        for out, o in oracle.items():
+            if out not in got or got[out].shape != o.shape:
+                rows.append({"backend": name, "output": out, "verdict": VERDICT_ERROR, "reading": "", "line": math.nan,
+                             "why": f"error: output {out} missing or of another shape"})  # fmt: skip
+                continue
+            row = {"backend": name, "output": out, **judge(o, got[out], [t[out] for t in trial_runs], quanta[out])}
+            row["why"] = _why(row)
+            rows.append(row)
+    shown.close()
+    report = QuantizedReport(label, converted, rows, kept, notes)
+    if progress:
+        for line in report.lines():
+            print(line)
+    return report
+
+
+def _list(backends: Any) -> list:
+    if isinstance(backends, str):
+        return [n.strip() for n in backends.split(",") if n.strip()]
+    if isinstance(backends, Backend):
+        return [backends]
+    return list(backends)
+
+
+__all__ = ["QuantizedReport", "channel_scale_fault", "quantize_pt2e", "quantized_divergence"]
