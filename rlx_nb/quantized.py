@@ -236,12 +236,79 @@ def _why(row: dict[str, Any]) -> str:
             f"{row['budget_max']:.3g} that requantization rounding leaves")  # fmt: skip
 
 
+def _module_of(node: torch.fx.Node) -> str:
+    # The module that computed the value a requantization point holds: its producing op's innermost module.
+    producer = node.args[0].args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else node
+    producer = producer if isinstance(producer, torch.fx.Node) else node
+    stack = producer.meta.get("nn_module_stack") or {}
+    if not stack:
+        return "(top level)"
+    path, kind = list(stack.values())[-1]
+    path = str(path).replace("L['self'].", "").replace("L['self']", "")
+    for prefix in ("model.", "_orig_mod."):  # (the KeywordModule wrapper a keyword model gets)
+        path = path.removeprefix(prefix)
+    return f"{path or '(top level)'} ({getattr(kind, '__name__', str(kind).rsplit('.', 1)[-1])})"
+
+
+def _truncated(converted: torch.fx.GraphModule, point: int) -> torch.fx.GraphModule:
+    # The graph up to its ``point``-th requantization point (an activation's dequantize), which it returns.
+    cut = copy.deepcopy(converted)
+    node = _ops(cut, "dequantize_per_tensor")[point]
+    (output,) = [n for n in cut.graph.nodes if n.op == "output"]
+    output.args = ((node,),)
+    cut.recompile()  # (no dead-code pass: the weights after the point keep their places, for a fault that counts them)
+    return cut
+
+
+def localize_int8(converted: torch.fx.GraphModule, backend: Backend, args: tuple, *, trials: int, width: float) -> dict:
+    """The first requantization point (in graph order) where ``backend`` is past the int8 budget, found by
+    bisection (a divergence is taken to persist downstream, as Polygraphy's reduction does), and its module."""
+    points = _ops(converted, "dequantize_per_tensor")
+    checked: dict[int, dict] = {}
+
+    def check(k: int) -> dict:
+        if k not in checked:
+            cut = _truncated(converted, k)
+            with torch.no_grad():
+                (sim,) = _arrays(cut(*args)).values()
+                legit = [next(iter(_arrays(stochastic_copy(cut, seed=t, width=width)(*args)).values()))
+                         for t in range(trials)]  # fmt: skip
+            got = next(iter(_arrays(backend.fn(copy.deepcopy(cut), args)).values()))
+            scale = points[k].args[1]
+            checked[k] = judge(sim, got, legit, float(scale) if isinstance(scale, float) else math.nan)
+        return checked[k]
+
+    lo, hi = 0, len(points) - 1
+    if not points or check(hi)["verdict"] != SUSPECT:
+        return {"point": None, "module": None, "checked": len(checked), "rows": checked}
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if check(mid)["verdict"] == SUSPECT:
+            hi = mid
+        else:
+            lo = mid + 1
+    return {"point": lo, "module": _module_of(points[lo]), "checked": len(checked), "rows": checked}
+
+
 class QuantizedReport:
     """An int8 model's runtimes against its Q/DQ simulation: ``summary`` (one row per backend and output),
     ``suspects``, ``arrays(backend, output)`` and ``plot_heatmap(backend, output)``."""
 
     def __init__(self, label: str, converted: Any, rows: list[dict], arrays: dict, notes: dict[str, list[str]]):
         self.label, self.converted, self.rows, self._arrays, self.notes = label, converted, rows, arrays, notes
+        self.run: dict[str, Any] = {}  # the inputs, the backends by name, trials and width: what localize reruns
+
+    def localize(self, backend: str | None = None) -> dict[str, Any]:
+        """Where ``backend``'s int8 error is born (default: the first suspect): the first requantization point of
+        the graph past the budget and the module that computed it (``point``, ``module``, ``checked``: how many
+        truncated graphs were lowered and judged, ``rows``: their judgements)."""
+        backend = backend or (self.suspects[0] if self.suspects else None)
+        if backend is None:
+            raise InputError("no SUSPECT backend to localize; name one: report.localize('executorch-xnnpack')")
+        if backend not in self.run.get("backends", {}):
+            raise InputError(f"backend {backend!r} did not run here; it ran: {sorted(self.run.get('backends', {}))}")
+        return localize_int8(self.converted, self.run["backends"][backend], self.run["args"], trials=self.run["trials"],
+                             width=self.run["width"])  # fmt: skip
 
     @property
     def summary(self) -> Table:
@@ -352,6 +419,7 @@ def quantized_divergence(
             rows.append(row)
     shown.close()
     report = QuantizedReport(label, converted, rows, kept, notes)
+    report.run = {"args": args, "backends": dict(zip(names, chosen, strict=True)), "trials": trials, "width": width}
     if progress:
         for line in report.lines():
             print(line)

@@ -74,3 +74,17 @@ def test_bad_settings_are_named():
     with pytest.raises(InputError, match="past the model's 2 per-channel weights"):
         converted = quantized.quantize_pt2e(model, inputs)
         quantized.channel_scale_fault(layer=5).fn(converted, (torch.randn(64, 512),))
+
+
+def test_localize_finds_the_layer_whose_scale_is_off():
+    # The MLP's first Linear (fc1) with channel 1's weight scale 4x: the bisection over the graph's requantization
+    # points stops at fc1's output, and names it; a legitimate runtime is never past the budget at any point.
+    model, inputs = demo.mlp()
+    fault = quantized.channel_scale_fault(layer=0, channel=1, factor=4.0)
+    report = quantized.quantized_divergence(model, inputs, backends=["executorch-xnnpack", fault], progress=False)
+    assert report.suspects == [fault.name]
+    found = report.localize()
+    assert found["module"] == "fc1 (Linear)" and found["point"] == 1
+    assert found["checked"] <= 3  # bisection over the 4 points
+    with pytest.raises(InputError, match="did not run here"):
+        report.localize("litert")
