@@ -696,6 +696,81 @@ free.free[["parts_at", "oracle_text", "backend_text"]]""",
     ),
 ]
 
+INT8 = [
+    (
+        "md",
+        """# 08 · int8: quantization noise, or a kernel bug?
+
+An int8 model on a device runtime never matches the float model: quantization moves every output by whole quanta. Judged on an fp32 round-off budget, every correct int8 kernel reads as a bug. `rlx_nb.quantized_divergence` judges an int8 runtime against the quantized model's own **Q/DQ simulation** (PT2E's quantize/dequantize ops run in float32 on the CPU), on a budget measured by rounding each requantization the other way where a correct kernel could, and walks a real suspect down to the layer whose kernel is off.
+
+The model is the demo transformer block, quantized by PT2E with ExecuTorch's XNNPACK quantizer (per-channel weights, per-tensor activations).""",
+    ),
+    (
+        "code",
+        """import warnings
+warnings.filterwarnings("ignore")
+import rlx_nb
+from rlx_nb import quantized
+from rlx_nb.models import demo
+
+model, inputs = demo.transformer()
+converted = quantized.quantize_pt2e(model, inputs)   # calibrated on these inputs
+fp32_budget = rlx_nb.backend_divergence(converted, inputs, backends=["executorch-xnnpack"], progress=False)
+fp32_budget.summary""",
+    ),
+    (
+        "md",
+        """On the fp32 budget, XNNPACK's int8 kernels are SUSPECT by orders of magnitude: a false alarm. Against the Q/DQ simulation, with a planted kernel bug beside them (the output projection's channel 1 weight scale off by 1.5x):""",
+    ),
+    (
+        "code",
+        """fault = quantized.channel_scale_fault(layer=-1, channel=1, factor=1.5)
+report = rlx_nb.quantized_divergence(converted, inputs, progress=False,
+                                     backends=["executorch-xnnpack", "executorch-portable", fault])
+report.summary[["backend", "verdict", "reading", "line", "why", "max_quanta", "budget_max_quanta"]]""",
+    ),
+    (
+        "md",
+        """XNNPACK lands whole quanta off the simulation here and there, within what requantization rounding leaves; the portable kernels match the simulation. The planted fault is past the line, and its error sits in one slice. Its error, element by element, in units of the int8 budget:""",
+    ),
+    ("code", """report.plot_heatmap(fault.name);"""),
+    (
+        "md",
+        """The summary names the slice: axis 2 (the model's channels), index 1. Its first sequence, channels 0-15, unpooled:""",
+    ),
+    (
+        "code",
+        """from rlx_nb.plot.heatmap import plot_heatmap
+
+oracle, got = report.arrays(fault.name)
+budget = report.record(fault.name)["budget_max"]
+plot_heatmap(oracle[0, :, :16], got[0, :, :16], oracle[0, :, :16], metric="budget", budget=budget,
+             title=f"{fault.name} · sequence 0, channels 0-15 · x int8 budget");""",
+    ),
+    (
+        "md",
+        """## From the verdict to the module
+
+`report.localize()` cuts the graph at its requantization points, lowers each cut to the runtime, judges it on its own measured budget, and bisects to the first point past the line; the module that computed that point is where the bug is born.""",
+    ),
+    (
+        "code",
+        """found = report.localize()
+print(f"first past the line at requantization point {found['point']}: {found['module']}  "
+      f"({found['checked']} cuts lowered and judged)")
+{k: round(row["line"], 3) for k, row in sorted(found["rows"].items())}""",
+    ),
+    (
+        "md",
+        """A legitimate runtime is never past the line at any point:""",
+    ),
+    (
+        "code",
+        """legit = report.localize("executorch-xnnpack")
+legit["point"], legit["module"]""",
+    ),
+]
+
 NOTEBOOKS = {
     "01_find_the_suspect.ipynb": FIND_THE_SUSPECT,
     "02_localize_the_operator.ipynb": LOCALIZE,
@@ -704,6 +779,7 @@ NOTEBOOKS = {
     "05_precision.ipynb": PRECISION,
     "06_share_gate_baseline.ipynb": SHARE_AND_GATE,
     "07_where_generation_parts.ipynb": GENERATION,
+    "08_int8.ipynb": INT8,
 }
 
 

@@ -38,6 +38,7 @@ from rlx_nb._support.progress import bar
 from rlx_nb._support.tree import flatten
 from rlx_nb.backends.base import Backend
 from rlx_nb.backends.executorch_runtime import executorch_reason
+from rlx_nb.backends.onnx import _quiet
 from rlx_nb.backends.registry import get_backend
 from rlx_nb.comparison.tables import Table
 from rlx_nb.errors import BackendError, InputError, describe_error
@@ -84,18 +85,19 @@ def quantize_pt2e(model: torch.nn.Module, inputs: Any, *, calibration: Iterable[
     reason = executorch_reason()
     if reason is not None:
         raise BackendError(f"int8 quantization needs ExecuTorch's XNNPACK quantizer: {reason}")
-    from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (
-        XNNPACKQuantizer,
-        get_symmetric_quantization_config,
-    )
-    from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+    with _quiet():  # (torchao reports its optional CUDA kernels as it loads)
+        from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (
+            XNNPACKQuantizer,
+            get_symmetric_quantization_config,
+        )
+        from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
 
     args, keys = normalize_inputs(inputs)
     if keys:  # keyword inputs (a Hugging Face model's): positional from here on, as every backend takes them
         model = KeywordModule(model, keys)
     quantizer = XNNPACKQuantizer()
     quantizer.set_global(get_symmetric_quantization_config(is_per_channel=True))
-    with torch.no_grad():
+    with torch.no_grad(), _quiet():
         prepared = prepare_pt2e(torch.export.export(model.eval(), args, strict=False).module(), quantizer)
         for batch in [args] if calibration is None else [normalize_inputs(c)[0] for c in calibration]:
             prepared(*batch)

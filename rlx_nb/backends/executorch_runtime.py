@@ -10,6 +10,7 @@ localization is exported alone.  ``pip install 'rlx_nb[executorch]'``.
 from __future__ import annotations
 
 import collections
+import contextlib
 import importlib.util
 from typing import Any
 
@@ -119,15 +120,19 @@ def _prepare(model: Any, inputs: tuple, *, delegate: bool) -> Any:
     except Exception as exc:
         raise RuntimeError(f"{label}: export or lowering failed: {with_root_cause(exc)}") from None
     _say_fallbacks(label, ops, delegated)
-    with phases.step("executorch: load"):
+    with _quiet(), phases.step("executorch: load"):  # (its CPU probe writes to stderr from C++)
         # The method reads its program, and the program the buffer: both kept alive by the runner (a method
         # whose program was collected crashes the process).
         program = Runtime.get().load_program(buffer)
         method = program.load_method("forward")
     unflatten = wrapper.rebuild(outputs, label)
 
+    first = [True]
+
     def runner(xs: tuple, _keep: tuple = (buffer, program)) -> Any:
-        out = method.execute([x.detach().cpu().contiguous() for x in xs])
+        with _quiet() if first[0] else contextlib.nullcontext():  # (the delegate's CPU probe writes from C++)
+            out = method.execute([x.detach().cpu().contiguous() for x in xs])
+        first[0] = False
         tensors = [t if isinstance(t, torch.Tensor) else torch.as_tensor(t) for t in out]
         return unflatten(tensors)
 

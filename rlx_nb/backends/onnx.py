@@ -5,6 +5,8 @@ from __future__ import annotations
 import contextlib
 import gc
 import importlib.util
+import io
+import logging
 import os
 import sys
 import tempfile
@@ -102,8 +104,9 @@ class _Shared(list):
 
 @contextlib.contextmanager
 def _quiet() -> Iterator[None]:
-    # The exporters print graphs, progress and warnings from Python and C++;
-    # send file descriptors 1 and 2 to a scratch file while they run.
+    # The exporters and runtimes print graphs, progress and warnings from Python and C++: send file descriptors
+    # 1 and 2 to a scratch file while they run, and Python's own streams and log records (in a notebook kernel
+    # sys.stdout is not file descriptor 1) nowhere.
     sys.stdout.flush()
     sys.stderr.flush()
     saved = [os.dup(1), os.dup(2)]
@@ -111,10 +114,13 @@ def _quiet() -> Iterator[None]:
         try:
             os.dup2(sink.fileno(), 1)
             os.dup2(sink.fileno(), 2)
-            with warnings.catch_warnings():
+            logging.disable(logging.WARNING)
+            with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
                 warnings.simplefilter("ignore")
-                yield
+                with contextlib.redirect_stderr(io.StringIO()):
+                    yield
         finally:
+            logging.disable(logging.NOTSET)
             sys.stdout.flush()
             sys.stderr.flush()
             os.dup2(saved[0], 1)
