@@ -18,6 +18,7 @@ Writes ``bench/results/device_runtimes.csv`` and ``.md``.
 from __future__ import annotations
 
 import argparse
+import re
 import sys
 import time
 import warnings
@@ -104,7 +105,13 @@ def int8_rows(name: str, batch: int) -> list[dict]:
     return rows
 
 
+def _no_paths(text: object) -> object:
+    # An error message names the file it was raised in: keep the package's own path, not this machine's.
+    return re.sub(r"(/[^\s:]+)?/site-packages/", "", text) if isinstance(text, str) else text
+
+
 def summary(df: pd.DataFrame) -> str:
+    df = df.assign(why=df["why"].map(_no_paths))
     lines = ["# Device runtimes on the zoo", ""]
     for part, d in df.groupby("part"):
         legit = d[d.legit & (d.verdict != VERDICT_ERROR)]
@@ -163,6 +170,7 @@ def main() -> None:
                 print(part, name, batch, " ".join(f"{r['backend']}={r['verdict']}" for r in got if r.get("suspect")
                                                   or r["verdict"] == VERDICT_ERROR), flush=True)  # fmt: skip
                 df = pd.DataFrame(rows)
+                df["why"] = df["why"].map(_no_paths)
                 RESULTS.mkdir(exist_ok=True)
                 df.to_csv(RESULTS / f"{args.name}.csv", index=False)
                 (RESULTS / f"{args.name}.md").write_text(summary(df))
