@@ -703,7 +703,7 @@ INT8 = [
 
 An int8 model on a device runtime never matches the float model: quantization moves every output by whole quanta. Judged on an fp32 round-off budget, every correct int8 kernel reads as a bug. `rlx_nb.quantized_divergence` judges an int8 runtime against the quantized model's own **Q/DQ simulation** (PT2E's quantize/dequantize ops run in float32 on the CPU), on a budget measured by rounding each requantization the other way where a correct kernel could, and walks a real suspect down to the layer whose kernel is off.
 
-The model is the demo transformer block, quantized by PT2E with ExecuTorch's XNNPACK quantizer (per-channel weights, per-tensor activations).""",
+The model is the demo MLP (512 → 2048 → 512, GELU), quantized by PT2E with ExecuTorch's XNNPACK quantizer (per-channel weights, per-tensor activations).""",
     ),
     (
         "code",
@@ -713,7 +713,7 @@ import rlx_nb
 from rlx_nb import quantized
 from rlx_nb.models import demo
 
-model, inputs = demo.transformer()
+model, inputs = demo.mlp()
 converted = quantized.quantize_pt2e(model, inputs)   # calibrated on these inputs
 fp32_budget = rlx_nb.backend_divergence(converted, inputs, backends=["executorch-xnnpack"], progress=False)
 fp32_budget.summary""",
@@ -736,7 +736,7 @@ report.summary[["backend", "verdict", "reading", "line", "why", "max_quanta", "b
     ("code", """report.plot_heatmap(fault.name);"""),
     (
         "md",
-        """The summary names the slice: axis 2 (the model's channels), index 1. Its first sequence, channels 0-15, unpooled:""",
+        """The summary names the slice: axis 1 (the output channels), index 1. Channels 0-15 of every row, unpooled:""",
     ),
     (
         "code",
@@ -744,8 +744,8 @@ report.summary[["backend", "verdict", "reading", "line", "why", "max_quanta", "b
 
 oracle, got = report.arrays(fault.name)
 budget = report.record(fault.name)["budget_max"]
-plot_heatmap(oracle[0, :, :16], got[0, :, :16], oracle[0, :, :16], metric="budget", budget=budget,
-             title=f"{fault.name} · sequence 0, channels 0-15 · x int8 budget");""",
+plot_heatmap(oracle[:, :16], got[:, :16], oracle[:, :16], metric="budget", budget=budget,
+             title=f"{fault.name} · channels 0-15 · x int8 budget");""",
     ),
     (
         "md",

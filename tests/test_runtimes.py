@@ -131,3 +131,23 @@ def test_the_torch_range_declared_is_the_one_tested():
     with pytest.raises(ImportError, match=r"needs torch>=2\.13 .* torch 2\.5\.1 is installed"):
         check_torch("2.5.1")
     check_torch(torch.__version__)
+
+
+def test_onnxruntime_noopt_opens_its_session_with_every_graph_optimization_off(monkeypatch):
+    ort = pytest.importorskip("onnxruntime")
+    from rlx_nb.backends import onnx
+
+    levels = []
+    real = ort.InferenceSession
+
+    def recording(path, options, **kwargs):
+        levels.append(options.graph_optimization_level)
+        return real(path, options, **kwargs)
+
+    monkeypatch.setattr(ort, "InferenceSession", recording)
+    model, inputs = demo.mlp()
+    for prepare in (onnx.prepare_onnxruntime, onnx.prepare_onnxruntime_noopt):
+        prepare(model.eval(), tuple(inputs))(tuple(inputs))
+    onnx.forget_exports()
+    level = ort.GraphOptimizationLevel
+    assert levels == [level.ORT_ENABLE_ALL, level.ORT_DISABLE_ALL]
