@@ -39,7 +39,7 @@ from rlx_nb._support.tree import flatten
 from rlx_nb.backends.base import Backend
 from rlx_nb.backends.executorch_runtime import executorch_reason
 from rlx_nb.backends.onnx import _quiet
-from rlx_nb.backends.registry import get_backend
+from rlx_nb.backends.registry import get_backend, resolve_backends
 from rlx_nb.comparison.tables import Table
 from rlx_nb.errors import BackendError, InputError, describe_error
 from rlx_nb.execution.prepare import KeywordModule, normalize_inputs
@@ -199,15 +199,16 @@ def judge(oracle: np.ndarray, got: np.ndarray, trials: Sequence[np.ndarray], qua
     )
     budget_max = max(max((float(np.abs(t).max(initial=0.0)) for t in legit), default=0.0), floor)
     ratio_slice, slice_at = 0.0, None
+    legit_slices = [dict(_slice_rms(t)) for t in legit]  # each trial's per-axis slice RMS, once
     for axis, got_rms in _slice_rms(d):
-        allowed = np.max([r for _, r in (s for t in legit for s in _slice_rms(t) if s[0] == axis)], axis=0)
+        allowed = np.max([slices[axis] for slices in legit_slices], axis=0)
         ratios = got_rms / np.maximum(allowed, budget_rmse)
         k = int(np.argmax(ratios))
         if ratios[k] > ratio_slice:
             ratio_slice, slice_at = float(ratios[k]), (axis, k)
     line = max(rms / budget_rmse / RMSE_LIMIT, worst / budget_max / MAX_LIMIT, ratio_slice / RMSE_LIMIT)
     verdict = SUSPECT if line > 1.0 else ROUNDOFF
-    q = quantum if quantum == quantum else math.nan
+    q = quantum  # (NaN for an output computed in float: its figures in quanta are NaN too)
     return {
         "verdict": verdict,
         "reading": BUG if verdict == SUSPECT else NOISE,
@@ -377,11 +378,9 @@ def quantized_divergence(
     args = tuple(normalize_inputs(inputs)[0])
     converted = model if is_quantized(model) else quantize_pt2e(model, args, calibration=calibration)
     label = label or type(getattr(model, "_orig_mod", model)).__name__
-    names = [b if isinstance(b, str) else b.name for b in ([*CANDIDATES] if backends is None else _list(backends))]
-    chosen = [
-        b if isinstance(b, Backend) else get_backend(b)
-        for b in ([*CANDIDATES] if backends is None else _list(backends))
-    ]
+    given = CANDIDATES if backends is None else [backends] if isinstance(backends, Backend) else backends
+    chosen = resolve_backends(given)  # (the registry's parsing and errors: names, a comma string, Backend objects)
+    names = [b.name for b in chosen]
     shown = bar(f"int8 {label}", total=1 + trials + len(chosen), enabled=progress)
     with torch.no_grad():
         oracle = _arrays(converted(*args))
@@ -426,14 +425,6 @@ def quantized_divergence(
         for line in report.lines():
             print(line)
     return report
-
-
-def _list(backends: Any) -> list:
-    if isinstance(backends, str):
-        return [n.strip() for n in backends.split(",") if n.strip()]
-    if isinstance(backends, Backend):
-        return [backends]
-    return list(backends)
 
 
 __all__ = ["QuantizedReport", "channel_scale_fault", "quantize_pt2e", "quantized_divergence"]
