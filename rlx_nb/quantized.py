@@ -376,7 +376,8 @@ def quantized_divergence(
     if not isinstance(trials, int) or isinstance(trials, bool) or trials < 2:
         raise InputError(f"trials must be an int of at least 2 (the budget's runs); got {trials!r}")
     args = tuple(normalize_inputs(inputs)[0])
-    converted = model if is_quantized(model) else quantize_pt2e(model, args, calibration=calibration)
+    # (the inputs as given: keyword inputs make the quantized graph take them positionally, as ``args`` are)
+    converted = model if is_quantized(model) else quantize_pt2e(model, inputs, calibration=calibration)
     label = label or type(getattr(model, "_orig_mod", model)).__name__
     given = CANDIDATES if backends is None else [backends] if isinstance(backends, Backend) else backends
     chosen = resolve_backends(given)  # (the registry's parsing and errors: names, a comma string, Backend objects)

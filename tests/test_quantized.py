@@ -88,3 +88,21 @@ def test_localize_finds_the_layer_whose_scale_is_off():
     assert found["checked"] <= 3  # bisection over the 4 points
     with pytest.raises(InputError, match="did not run here"):
         report.localize("litert")
+
+
+def test_a_model_with_keyword_inputs_is_quantized_and_judged_as_it_is_called():
+    # Keyword inputs (a Hugging Face model's) reach the model by name, not in the dict's order.
+    class Keyword(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(16, 8)
+
+        def forward(self, x, scale):
+            return self.fc(x) * scale
+
+    gen = torch.Generator().manual_seed(0)
+    inputs = {"scale": torch.full((1,), 2.0), "x": torch.randn(32, 16, generator=gen)}  # not in forward's order
+    report = quantized.quantized_divergence(Keyword(), inputs, backends=["executorch-portable"], progress=False)
+    assert report.record("executorch-portable")["verdict"] == ROUNDOFF
+    oracle, _ = report.arrays("executorch-portable")
+    assert oracle.shape == (32, 8)
