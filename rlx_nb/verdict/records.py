@@ -47,15 +47,8 @@ NO_PAIR = PairFields()
 
 
 @dataclasses.dataclass(frozen=True)
-class OutputRecord:
-    """How one backend's output compares with the oracle's and the fp64 reference (see :mod:`rlx_nb.verdict.rule`).
-
-    Identity (``backend``, ``output`` -- None for a backend that did not run --, its index among the oracle's
-    outputs, ``kind`` ``"forward"`` or ``"grad"``, the backend's ``compute_dtype``, the oracle output's
-    ``shape``, ``dtype``, ``numel`` and ``reduction_length``), the ``pair`` statistics, the ``judgement``, and
-    its words: ``reason`` (:func:`rlx_nb.verdict.words.reason` of the judgement) and ``note``.
-    """
-
+class _Compared:
+    # What a finding and its record share: the (backend, output) pair's identity, its statistics, its judgement.
     backend: str
     output: str | None
     output_index: int
@@ -67,6 +60,18 @@ class OutputRecord:
     dtype: str = ""
     numel: int = 0
     reduction_length: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class OutputRecord(_Compared):
+    """How one backend's output compares with the oracle's and the fp64 reference (see :mod:`rlx_nb.verdict.rule`).
+
+    Identity (``backend``, ``output`` -- None for a backend that did not run --, its index among the oracle's
+    outputs, ``kind`` ``"forward"`` or ``"grad"``, the backend's ``compute_dtype``, the oracle output's
+    ``shape``, ``dtype``, ``numel`` and ``reduction_length``), the ``pair`` statistics, the ``judgement``, and
+    its words: ``reason`` (:func:`rlx_nb.verdict.words.reason` of the judgement) and ``note``.
+    """
+
     reason: str = ""
     note: str = ""
 
@@ -84,27 +89,16 @@ class OutputRecord:
 
 
 @dataclasses.dataclass(frozen=True)
-class Finding:
+class Finding(_Compared):
     """One (backend, output) as its comparator judged it, before what only all of a backend's outputs (a less
     accurate arithmetic), the model's own nondeterminism and the call add: the parts of an :class:`OutputRecord`
     but its words.  :func:`rlx_nb.comparison.compare.compare` makes each record from one, once."""
 
-    backend: str
-    output: str | None
-    output_index: int
-    kind: str
-    compute_dtype: str
-    judgement: Judgement
-    pair: PairFields = NO_PAIR
-    shape: tuple[int, ...] | None = None
-    dtype: str = ""
-    numel: int = 0
-    reduction_length: int = 1
     notes: tuple[str, ...] = ()
 
     def record(self, judgement: Judgement, reason: str, notes: Sequence[str] = ()) -> OutputRecord:
         """The record: this finding with its final ``judgement``, its ``reason`` and every note."""
-        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "notes"}
+        fields = {f.name: getattr(self, f.name) for f in dataclasses.fields(_Compared)}
         note = "; ".join(n for n in (*self.notes, *notes) if n)
         return OutputRecord(**{**fields, "judgement": judgement}, reason=reason, note=note)
 
