@@ -375,6 +375,8 @@ def quantized_divergence(
     """
     if not isinstance(trials, int) or isinstance(trials, bool) or trials < 2:
         raise InputError(f"trials must be an int of at least 2 (the budget's runs); got {trials!r}")
+    if not isinstance(width, (int, float)) or isinstance(width, bool) or not 0 < width <= 0.5:
+        raise InputError(f"width must be a number of quanta in (0, 0.5] (0.5: any rounding); got {width!r}")
     args = tuple(normalize_inputs(inputs)[0])
     # (the inputs as given: keyword inputs make the quantized graph take them positionally, as ``args`` are)
     converted = model if is_quantized(model) else quantize_pt2e(model, inputs, calibration=calibration)

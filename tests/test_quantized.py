@@ -71,6 +71,8 @@ def test_bad_settings_are_named():
     model, inputs = demo.mlp()
     with pytest.raises(InputError, match="trials must be an int of at least 2"):
         quantized.quantized_divergence(model, inputs, trials=1, progress=False)
+    with pytest.raises(InputError, match=r"width must be a number of quanta in \(0, 0.5\]"):
+        quantized.quantized_divergence(model, inputs, width=0.0, progress=False)
     with pytest.raises(InputError, match="past the model's 2 per-channel weights"):
         converted = quantized.quantize_pt2e(model, inputs)
         quantized.channel_scale_fault(layer=5).fn(converted, (torch.randn(64, 512),))
