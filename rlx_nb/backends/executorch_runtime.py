@@ -10,7 +10,6 @@ localization is exported alone.  ``pip install 'rlx_nb[executorch]'``.
 from __future__ import annotations
 
 import collections
-import contextlib
 import importlib.util
 from typing import Any
 
@@ -19,7 +18,7 @@ import torch
 from rlx_nb._support import meter as phases
 from rlx_nb.backends.base import Backend
 from rlx_nb.backends.notes import add_note
-from rlx_nb.backends.onnx import _FlatOutputs, _quiet, attempt
+from rlx_nb.backends.onnx import _FlatOutputs, _quiet, attempt, quiet_first
 from rlx_nb.errors import with_root_cause
 
 PIP = "pip install 'rlx_nb[executorch]'"
@@ -127,12 +126,10 @@ def _prepare(model: Any, inputs: tuple, *, delegate: bool) -> Any:
         method = program.load_method("forward")
     unflatten = wrapper.rebuild(outputs, label)
 
-    first = [True]
+    execute = quiet_first(method.execute)  # (the delegate's CPU probe writes from C++ as it first runs)
 
     def runner(xs: tuple, _keep: tuple = (buffer, program)) -> Any:
-        with _quiet() if first[0] else contextlib.nullcontext():  # (the delegate's CPU probe writes from C++)
-            out = method.execute([x.detach().cpu().contiguous() for x in xs])
-        first[0] = False
+        out = execute([x.detach().cpu().contiguous() for x in xs])
         tensors = [t if isinstance(t, torch.Tensor) else torch.as_tensor(t) for t in out]
         return unflatten(tensors)
 

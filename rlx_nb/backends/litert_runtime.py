@@ -20,7 +20,7 @@ import torch
 from rlx_nb._support import meter as phases
 from rlx_nb.backends.base import Backend
 from rlx_nb.backends.notes import add_note
-from rlx_nb.backends.onnx import _FlatOutputs, _quiet, _weights_key, attempt
+from rlx_nb.backends.onnx import _FlatOutputs, _quiet, _weights_key, attempt, quiet_first
 from rlx_nb.errors import with_root_cause
 
 PIP = "pip install 'rlx_nb[litert]'"
@@ -57,7 +57,8 @@ def converted(wrapper: _FlatOutputs, inputs: tuple) -> Converted:
     key = _weights_key(wrapper.model, inputs)
     if key in _CONVERTED:
         return _CONVERTED[key]
-    import litert_torch
+    with _quiet():  # (its import loads jax and TensorFlow's kernels, which log from C++)
+        import litert_torch
 
     directory = tempfile.TemporaryDirectory(prefix="rlx_nb-litert-")
     try:
@@ -98,9 +99,11 @@ def _prepare(model: Any, inputs: tuple, *, reference: bool) -> Any:
         add_note(f"{label}: the converter cut int64 to int32 for {', '.join(narrowed)} (values past 2^31 would wrap)")
     kept = (found, interpreter)  # the file and the interpreter live as long as the runner
 
+    invoke = quiet_first(signature)  # (the delegate announces itself from C++ as it first runs)
+
     def runner(xs: tuple, _keep: tuple = kept) -> Any:
         feed = {n: x.detach().cpu().numpy().astype(wanted[n], copy=False) for n, x in zip(names, xs, strict=True)}
-        result = signature(**feed)
+        result = invoke(**feed)
         return unflatten([torch.from_numpy(np.array(result[o])) for o in outputs])
 
     return runner

@@ -129,6 +129,19 @@ def _quiet() -> Iterator[None]:
                 os.close(fd)
 
 
+def quiet_first(call: Callable[..., Any]) -> Callable[..., Any]:
+    """``call`` with its first run :func:`_quiet` (a runtime that announces itself from C++ when it first runs)."""
+    first = [True]
+
+    def run(*args: Any, **kwargs: Any) -> Any:
+        with _quiet() if first[0] else contextlib.nullcontext():
+            out = call(*args, **kwargs)
+        first[0] = False
+        return out
+
+    return run
+
+
 DYNAMO_FIRST_PARAMS = 20_000_000
 """From this many parameters the dynamo exporter is tried first: it has a fixed cost of ~0.5 s, but at real
 sizes it is the faster one (GPT-2 small: 4.2 s against the TorchScript exporter's 9.5 s, measured here)."""
