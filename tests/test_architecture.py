@@ -229,3 +229,21 @@ def test_a_new_cause_is_two_files():
     # the rule names no words: every sentence comes from the table
     rule = (ROOT / "rlx_nb" / "verdict" / "rule.py").read_text()
     assert "WORDS" not in rule and "def reason" not in rule
+
+
+def test_each_output_record_is_built_once():
+    # An OutputRecord is made whole in three places only -- from a finding (verdict/records.py), for a backend that
+    # could not run (comparison/compare.py), from a saved row (comparison/tables.py) -- and no module copies one
+    # with changes (dataclasses.replace of a record): nothing patches a record after it is built.
+    makers, patched = set(), []
+    for module, path in _modules().items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            name = getattr(node.func, "id", getattr(node.func, "attr", ""))
+            if name == "OutputRecord":
+                makers.add(module)
+            if name == "replace" and node.args and "rec" in ast.unparse(node.args[0]).lower():
+                patched.append(f"{module}: {ast.unparse(node)[:80]}")
+    assert makers == {"rlx_nb.verdict.records", "rlx_nb.comparison.compare", "rlx_nb.comparison.tables"}, makers
+    assert not patched, patched
