@@ -63,6 +63,27 @@ def test_a_delegate_bug_is_told_from_an_export_bug():
     assert report.record("executorch-portable").verdict == ROUNDOFF
 
 
+@needs_litert
+def test_litert_attention_over_a_row_that_masks_every_key_is_caught():
+    # PyTorch's scaled_dot_product_attention returns zeros for a query whose boolean mask keeps no key; LiteRT's
+    # conversion (litert-torch 0.10) does not: its XNNPACK delegate returns NaN there, its reference kernels the
+    # mean of the values.  Hugging Face's Mistral meets it on padded positions whose sliding window holds only
+    # padding (bench/device_runtimes.py, batch 16): a real difference, caught, never called round-off.
+    class Attention(torch.nn.Module):
+        def forward(self, q, keep):
+            return torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=keep)
+
+    q = torch.randn(1, 2, 4, 8, generator=torch.Generator().manual_seed(0))
+    keep = torch.tril(torch.ones(4, 4, dtype=torch.bool))
+    keep[3] = False
+    report = rlx_nb.backend_divergence(Attention(), (q, keep), backends=["litert", "litert-reference"], progress=False)
+    assert report.suspects == ["litert", "litert-reference"]
+    assert "NaN" in report.record("litert").reason
+    kept = (q, torch.tril(torch.ones(4, 4, dtype=torch.bool)))  # every row keeps a key: round-off
+    again = rlx_nb.backend_divergence(Attention(), kept, backends=["litert", "litert-reference"], progress=False)
+    assert again.suspects == []
+
+
 @pytest.mark.parametrize("runtime", ["executorch-xnnpack", "litert", "onnxruntime-noopt"])
 def test_faults_are_caught_through_each_runtime(runtime):
     if get_backend(runtime).unavailable_reason() is not None:
