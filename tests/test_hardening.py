@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import threading
 import time
 import warnings
 
@@ -97,8 +98,11 @@ def test_structure_or_shape_differences():
 def test_misbehaving_backends_are_rows_and_others_survive():
     model, x = torch.nn.Linear(4, 4), torch.randn(3, 4)
 
+    woke = threading.Event()
+
     def hangs(m, xs):
-        time.sleep(30)
+        time.sleep(60)
+        woke.set()
         return m(*xs)
 
     def exhausts_memory(m, xs):
@@ -114,11 +118,10 @@ def test_misbehaving_backends_are_rows_and_others_survive():
         ("test-nan-all", lambda m, xs: m(*xs) * float("nan")),
     ]:
         rlx_nb.register_backend(name, fn, replace=True)
-    start = time.perf_counter()
     report = rlx_nb.backend_divergence(
         model, x, backends=["test-hang", "test-oom", "test-raise", "test-nan-all", "cpu-nomkldnn"], timeout_s=2
     )
-    assert time.perf_counter() - start < 20
+    assert not woke.is_set()  # the call went on without the hung backend (however loaded the machine)
     rows = report.backends_detail.set_index("backend")
     assert "timed out after 2 s" in rows.loc["test-hang", "reason"]
     assert rows.loc["test-oom", "verdict"] == "error" and "RuntimeError" in rows.loc["test-oom", "reason"]
@@ -164,6 +167,8 @@ def test_rlx_nbs_own_eager_runs_stay_on_the_calling_thread_and_registered_ones_g
 
 
 def test_an_eager_run_on_the_calling_thread_past_its_timeout_is_a_row_and_the_call_goes_on():
+    steps = []
+
     class SlowWithoutOneDNN(torch.nn.Module):
         def __init__(self) -> None:
             super().__init__()
@@ -172,15 +177,14 @@ def test_an_eager_run_on_the_calling_thread_past_its_timeout_is_a_row_and_the_ca
         def forward(self, x: torch.Tensor) -> torch.Tensor:
             for _ in range(200 if not torch.backends.mkldnn.enabled else 0):
                 time.sleep(0.05)  # 10 s in all, in Python steps
+                steps.append(1)
             return self.lin(x)
 
-    start = time.perf_counter()
     report = rlx_nb.backend_divergence(SlowWithoutOneDNN(), torch.randn(3, 4), backends=["cpu-nomkldnn"],
                                        timeout_s=0.5, progress=False)  # fmt: skip
-    took = time.perf_counter() - start
     rec = report.record("cpu-nomkldnn")
     assert rec.verdict == "error" and "timed out after 0.5 s" in rec.reason and "next Python step" in rec.reason
-    assert took < 8
+    assert len(steps) < 200  # stopped at a Python step, not waited out (a count, not a clock: a loaded machine)
     assert torch.backends.mkldnn.enabled  # its switch restored on the way out
     time.sleep(0.2)
     again = rlx_nb.backend_divergence(SlowWithoutOneDNN(), torch.randn(3, 4), backends=["cpu-bf16"], progress=False)

@@ -347,7 +347,7 @@ def test_a_small_file_declaring_a_huge_array_is_refused_before_allocating(tmp_pa
         seconds = time.perf_counter() - start
         peak = tracemalloc.get_traced_memory()[1]
         tracemalloc.stop()
-        assert peak < 32 << 20 and seconds < 5, (name, peak, seconds, caught.value)
+        assert peak < 32 << 20 and seconds < 30, (name, peak, seconds, caught.value)  # (refused, not inflated)
 
 
 DATA = Path(__file__).parent / "data"
