@@ -188,7 +188,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--part", default="fp32,int8")
     parser.add_argument("--models", default=",".join(zoo.MODELS))
-    parser.add_argument("--int8-models", default="mlp,conv,transformer,resnet,mobilenet,vit,convnext,swin,efficientnet")
+    parser.add_argument("--int8-models", default=",".join(("mlp", "conv", "transformer", *zoo.MODELS)))
     parser.add_argument("--batches", default="1,16")
     parser.add_argument("--name", default="device_runtimes")
     parser.add_argument("--resume", action="store_true", help="keep the cases the results file holds; run the rest")

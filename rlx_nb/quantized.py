@@ -38,7 +38,7 @@ from rlx_nb._support.progress import bar
 from rlx_nb._support.tree import flatten
 from rlx_nb.backends.base import Backend
 from rlx_nb.backends.executorch_runtime import executorch_reason
-from rlx_nb.backends.onnx import _quiet
+from rlx_nb.backends.onnx import _FlatOutputs, _quiet
 from rlx_nb.backends.registry import get_backend, resolve_backends
 from rlx_nb.comparison.tables import Table
 from rlx_nb.errors import BackendError, InputError, describe_error
@@ -95,13 +95,69 @@ def quantize_pt2e(model: torch.nn.Module, inputs: Any, *, calibration: Iterable[
     args, keys = normalize_inputs(inputs)
     if keys:  # keyword inputs (a Hugging Face model's): positional from here on, as every backend takes them
         model = KeywordModule(model, keys)
-    quantizer = XNNPACKQuantizer()
+    quantizer = _integer_scalars_kept(XNNPACKQuantizer)()
     quantizer.set_global(get_symmetric_quantization_config(is_per_channel=True))
+    flat = _FlatOutputs(model.eval())  # (a cache object among the outputs: export takes tensors only)
+    flat.record(tuple(args))
     with torch.no_grad(), _quiet():
-        prepared = prepare_pt2e(torch.export.export(model.eval(), args, strict=False).module(), quantizer)
+        prepared = prepare_pt2e(torch.export.export(flat, tuple(args), strict=False).module(), quantizer)
         for batch in [args] if calibration is None else [normalize_inputs(c)[0] for c in calibration]:
             prepared(*batch)
-        return convert_pt2e(prepared)
+        return _named_outputs(convert_pt2e(prepared), flat)
+
+
+def _named_outputs(converted: torch.fx.GraphModule, flat: _FlatOutputs) -> torch.fx.GraphModule:
+    # The converted graph returns the model's tensors by their names (``logits``, ``cache.layers[0].keys``), as
+    # the float model did, rather than a bare tuple: its output tree becomes a dict of those names, in order.
+    names = [n for n, v in flat.leaves or [] if isinstance(v, torch.Tensor) and n not in flat.dropped]
+    codegen = converted.graph._codegen
+    info = getattr(codegen, "pytree_info", None)
+    if info is not None and info.out_spec is not None and info.out_spec.num_leaves == len(names) == len(set(names)):
+        codegen.pytree_info = info._replace(out_spec=torch.utils._pytree.tree_structure(dict.fromkeys(names)))
+        converted.recompile()
+    return converted
+
+
+def _integer_scalars_kept(base: type) -> type:
+    """``base`` (ExecuTorch's XNNPACK quantizer) with its scalar pass kept to float arithmetic.
+
+    Before annotating, the quantizer turns every scalar operand of an ``add``/``mul`` into a float32 tensor
+    constant (``_convert_scalars_to_attrs``, ExecuTorch 1.5.1), integer ones too: a Hugging Face model's position
+    ids (``arange + past_length``) come out float and its embedding lookup fails.  Here that pass sees only the
+    nodes whose result is floating point; the integer ones keep their scalars."""
+
+    class IntegerScalarsKept(base):
+        def transform_for_annotation(self, model: torch.fx.GraphModule) -> torch.fx.GraphModule:
+            scalar_ops = (torch.ops.aten.add.Tensor, torch.ops.aten.mul.Tensor)
+            hidden = []
+            for node in model.graph.nodes:
+                val = node.meta.get("val")
+                if (
+                    node.op == "call_function"
+                    and node.target in scalar_ops
+                    and not (isinstance(val, torch.Tensor) and val.is_floating_point())
+                ):
+                    hidden.append((node, node.target))
+                    node.target = _Hidden(node.target)  # (not one of the pass's targets while it runs)
+            try:
+                model = super().transform_for_annotation(model)
+            finally:
+                for node, target in hidden:
+                    node.target = target
+                model.recompile()
+            return model
+
+    return IntegerScalarsKept
+
+
+class _Hidden:
+    # A stand-in target for an integer add/mul while the scalar pass runs (it calls the op it stands for).
+    def __init__(self, target: Any) -> None:
+        self.target = target
+        self.__name__ = f"hidden_{getattr(target, '__name__', 'op')}".replace(".", "_")
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        return self.target(*args, **kwargs)
 
 
 def _stochastic_quantize(generator: torch.Generator, width: float):

@@ -108,3 +108,28 @@ def test_a_model_with_keyword_inputs_is_quantized_and_judged_as_it_is_called():
     assert report.record("executorch-portable")["verdict"] == ROUNDOFF
     oracle, _ = report.arrays("executorch-portable")
     assert oracle.shape == (32, 8)
+
+
+def test_a_language_model_shape_quantizes_keeps_its_output_names_and_is_judged():
+    # What a Hugging Face language model does that PT2E's XNNPACK path tripped on: position ids from integer
+    # arithmetic with a Python scalar (ExecuTorch's scalar pass made them float32, and the embedding lookup
+    # failed), and outputs returned by name in a dict.
+    class Tiny(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.tokens, self.positions = torch.nn.Embedding(50, 16), torch.nn.Embedding(40, 16)
+            self.mlp = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+
+        def forward(self, input_ids):
+            past = 3  # (a cache's length: a plain int)
+            positions = torch.arange(input_ids.shape[1]) + past
+            hidden = self.tokens(input_ids) + self.positions(positions)
+            return {"logits": self.mlp(hidden), "hidden": hidden}
+
+    ids = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(0))
+    converted = quantized.quantize_pt2e(Tiny().eval(), {"input_ids": ids})
+    assert set(converted(ids)) == {"logits", "hidden"}  # by name, as the float model returns them
+    fault = quantized.channel_scale_fault(**FAULT)
+    report = quantized.quantized_divergence(converted, (ids,), backends=["executorch-xnnpack", fault], progress=False)
+    assert report.record("executorch-xnnpack", "logits")["verdict"] == ROUNDOFF
+    assert report.suspects == [fault.name]
