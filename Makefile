@@ -30,8 +30,11 @@ format: $(STAMP)
 
 # numpy's bundled OpenBLAS can hang in a threaded call after the process forked
 # (OpenMathLib/OpenBLAS#5520); rlx_nb makes no BLAS call, and the suite keeps it single-threaded.
+# The suite runs in one pytest-xdist worker per core (TEST_WORKERS=0 for one process); a notebook's
+# tests share a worker, so each notebook executes once.
+TEST_WORKERS ?= auto
 test: lint
-	OPENBLAS_NUM_THREADS=1 $(BIN)/python -m pytest -q
+	OPENBLAS_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 bench: $(STAMP)
 	$(BIN)/python bench/metrics_speed.py

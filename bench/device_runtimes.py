@@ -121,12 +121,10 @@ def int8_rows(name: str, batch: int) -> list[dict]:
     )
     seconds = time.perf_counter() - start
     rows = []
-    legit = report.record("executorch-xnnpack")
+    outputs = [r["output"] for r in report.rows if r["backend"] == "executorch-xnnpack" and "rmse" in r]
     for backend in ("executorch-xnnpack", "executorch-portable", fault.name):
         row = report.record(backend)
-        # Detectable, independently of the budget: past 10x what legitimate XNNPACK int8 leaves (RMS or largest),
-        # as the fp32 benchmark's faults are past 10x the oracle's own error (a diluted channel can be inert).
-        raw = max(row["rmse"] / max(legit["rmse"], 1e-30), row["max_abs"] / max(legit["max_abs"], 1e-30))
+        raw = max((_int8_ratio(report, backend, out) for out in outputs), default=float("nan"))
         rows.append({
             "part": "int8", "model": name, "batch": batch, "backend": backend, "legit": backend != fault.name,
             "verdict": row["verdict"], "line": row["line"], "suspect": row["verdict"] == SUSPECT,
@@ -136,6 +134,24 @@ def int8_rows(name: str, batch: int) -> list[dict]:
     return rows
 
 
+def _int8_ratio(report: quantized.QuantizedReport, backend: str, output: str) -> float:
+    # How far past what legitimate XNNPACK int8 leaves on ``output`` the backend is (RMS or largest, the larger):
+    # independent of the budget, as the fp32 faults are measured against the oracle's own error.  XNNPACK's error
+    # counts as at least one quantum of the output (it can be exactly 0), or, for an output computed in float
+    # (no quantum), at least what the trials leave.  NaN where either did not run.
+    try:
+        row, legit = report.record(backend, output), report.record("executorch-xnnpack", output)
+    except rlx_nb.InputError:
+        return float("nan")
+    if "rmse" not in row or "rmse" not in legit:
+        return float("nan")
+    q, n = legit["quantum"], report.arrays("executorch-xnnpack", output)[0].size
+    floors = (q / np.sqrt(max(n, 1)), q) if q == q else (legit["budget_rmse"], legit["budget_max"])
+    return max(
+        row["rmse"] / max(legit["rmse"], floors[0], 1e-30), row["max_abs"] / max(legit["max_abs"], floors[1], 1e-30)
+    )
+
+
 def _no_paths(text: object) -> object:
     # An error message names the file it was raised in: keep the package's own path, not this machine's.
     return re.sub(r"(/[^\s:]+)?/site-packages/", "", text) if isinstance(text, str) else text
@@ -143,6 +159,9 @@ def _no_paths(text: object) -> object:
 
 def summary(df: pd.DataFrame) -> str:
     df = df.assign(why=df["why"].map(_no_paths))
+    for flag in ("suspect", "detectable", "inert", "legit"):  # (an error row leaves them empty)
+        if flag in df:
+            df[flag] = df[flag].astype("boolean").fillna(flag == "legit").astype(bool)
     lines = ["# Device runtimes on the zoo", ""]
     for part, d in df.groupby("part"):
         legit = d[d.legit & (d.verdict != VERDICT_ERROR)]

@@ -62,6 +62,16 @@ def metrics_path(request):
             yield "numpy"
 
 
+def per_notebook(paths, ids: bool = True) -> list:
+    """Parameters for tests over the walkthrough notebooks, each in the xdist group of its notebook: under
+    ``pytest -n`` (``make test``) a notebook's tests run in one worker, which executes it once for all of them
+    (:func:`executed_notebook`), and different notebooks run in parallel."""
+    return [
+        pytest.param(p if ids else p.name, id=p.name, marks=pytest.mark.xdist_group(f"notebook-{p.name}"))
+        for p in paths
+    ]
+
+
 collect_ignore = ["_torchrun_job.py"]  # run by torchrun, not imported by pytest
 
 _REPORTS: dict[tuple, rlx_nb.DivergenceReport] = {}

@@ -7,6 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import per_notebook
+
 nbformat = pytest.importorskip("nbformat")
 pytest.importorskip("nbclient")
 
@@ -14,7 +16,7 @@ NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("*.ipynb"))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+@pytest.mark.parametrize("path", per_notebook(NOTEBOOKS))
 def test_notebook_executes(path, executed_notebook):
     nb = nbformat.read(executed_notebook(path), as_version=4)
     errors = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if o.output_type == "error"]
