@@ -98,23 +98,32 @@ def quantize_pt2e(model: torch.nn.Module, inputs: Any, *, calibration: Iterable[
     quantizer = _integer_scalars_kept(XNNPACKQuantizer)()
     quantizer.set_global(get_symmetric_quantization_config(is_per_channel=True))
     flat = _FlatOutputs(model.eval())  # (a cache object among the outputs: export takes tensors only)
+    with torch.no_grad():
+        original = flat.model(*args)  # (what the float model returns, whose structure the int8 graph keeps)
     flat.record(tuple(args))
     with torch.no_grad(), _quiet():
         prepared = prepare_pt2e(torch.export.export(flat, tuple(args), strict=False).module(), quantizer)
         for batch in [args] if calibration is None else [normalize_inputs(c)[0] for c in calibration]:
             prepared(*batch)
-        return _named_outputs(convert_pt2e(prepared), flat)
+        return _named_outputs(convert_pt2e(prepared), flat, original)
 
 
-def _named_outputs(converted: torch.fx.GraphModule, flat: _FlatOutputs) -> torch.fx.GraphModule:
-    # The converted graph returns the model's tensors by their names (``logits``, ``cache.layers[0].keys``), as
-    # the float model did, rather than a bare tuple: its output tree becomes a dict of those names, in order.
+def _named_outputs(converted: torch.fx.GraphModule, flat: _FlatOutputs, original: Any) -> torch.fx.GraphModule:
+    # The converted graph returns what the float model returned: the same structure when that is a tree of tensors
+    # only (a tensor, a tuple, a dict), otherwise (a Hugging Face output holding a cache object) a dict of the
+    # tensors by their names (``logits``, ``cache.layers[0].keys``), in order -- never the wrapper's bare tuple.
     names = [n for n, v in flat.leaves or [] if isinstance(v, torch.Tensor) and n not in flat.dropped]
     codegen = converted.graph._codegen
     info = getattr(codegen, "pytree_info", None)
-    if info is not None and info.out_spec is not None and info.out_spec.num_leaves == len(names) == len(set(names)):
-        codegen.pytree_info = info._replace(out_spec=torch.utils._pytree.tree_structure(dict.fromkeys(names)))
-        converted.recompile()
+    if info is None or info.out_spec is None or info.out_spec.num_leaves != len(names):
+        return converted
+    leaves, spec = torch.utils._pytree.tree_flatten(original)
+    if len(leaves) != len(names) or not all(isinstance(v, torch.Tensor) for v in leaves):
+        if len(set(names)) != len(names):
+            return converted
+        spec = torch.utils._pytree.tree_structure(dict.fromkeys(names))
+    codegen.pytree_info = info._replace(out_spec=spec)
+    converted.recompile()
     return converted
 
 

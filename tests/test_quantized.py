@@ -129,6 +129,8 @@ def test_a_language_model_shape_quantizes_keeps_its_output_names_and_is_judged()
     ids = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(0))
     converted = quantized.quantize_pt2e(Tiny().eval(), {"input_ids": ids})
     assert set(converted(ids)) == {"logits", "hidden"}  # by name, as the float model returns them
+    model, inputs = demo.mlp()
+    assert isinstance(quantized.quantize_pt2e(model, inputs)(*inputs), torch.Tensor)  # a tensor stays a tensor
     fault = quantized.channel_scale_fault(**FAULT)
     report = quantized.quantized_divergence(converted, (ids,), backends=["executorch-xnnpack", fault], progress=False)
     assert report.record("executorch-xnnpack", "logits")["verdict"] == ROUNDOFF
