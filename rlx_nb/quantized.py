@@ -98,9 +98,7 @@ def quantize_pt2e(model: torch.nn.Module, inputs: Any, *, calibration: Iterable[
     quantizer = _integer_scalars_kept(XNNPACKQuantizer)()
     quantizer.set_global(get_symmetric_quantization_config(is_per_channel=True))
     flat = _FlatOutputs(model.eval())  # (a cache object among the outputs: export takes tensors only)
-    with torch.no_grad():
-        original = flat.model(*args)  # (what the float model returns, whose structure the int8 graph keeps)
-    flat.record(tuple(args))
+    original = flat.record(tuple(args))  # (what the float model returns, whose structure the int8 graph keeps)
     with torch.no_grad(), _quiet():
         prepared = prepare_pt2e(torch.export.export(flat, tuple(args), strict=False).module(), quantizer)
         for batch in [args] if calibration is None else [normalize_inputs(c)[0] for c in calibration]:
@@ -112,7 +110,7 @@ def _named_outputs(converted: torch.fx.GraphModule, flat: _FlatOutputs, original
     # The converted graph returns what the float model returned: the same structure when that is a tree of tensors
     # only (a tensor, a tuple, a dict), otherwise (a Hugging Face output holding a cache object) a dict of the
     # tensors by their names (``logits``, ``cache.layers[0].keys``), in order -- never the wrapper's bare tuple.
-    names = [n for n, v in flat.leaves or [] if isinstance(v, torch.Tensor) and n not in flat.dropped]
+    names = flat.kept()
     codegen = converted.graph._codegen
     info = getattr(codegen, "pytree_info", None)
     if info is None or info.out_spec is None or info.out_spec.num_leaves != len(names):

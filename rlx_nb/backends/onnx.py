@@ -56,16 +56,22 @@ class _FlatOutputs(torch.nn.Module):
         self.dropped.extend(n for n in wanted if n not in self.dropped and not isinstance(traced.get(n), torch.Tensor))
         return tuple(traced[n] for n in wanted if isinstance(traced.get(n), torch.Tensor))
 
-    def record(self, inputs: tuple) -> None:
-        """Run the model eagerly once (no gradients) to fix the output names."""
+    def record(self, inputs: tuple) -> Any:
+        """Run the model eagerly once (no gradients) to fix the output names; returns what the model returned."""
         with torch.no_grad():
-            self(*inputs)
+            out = self.model(*inputs)
+        self.leaves = flatten(out)
+        return out
+
+    def kept(self) -> list[str]:
+        """The names of the tensor outputs a converted graph returns, in order (those the trace left out dropped)."""
+        return [n for n, v in self.leaves or [] if isinstance(v, torch.Tensor) and n not in self.dropped]
 
     def rebuild(self, count: int, what: str) -> Callable[[list[torch.Tensor]], dict[str, Any]]:
         """``unflatten(tensors)`` for a converted graph with ``count`` outputs: the model's named leaves, with
         an :class:`~rlx_nb._support.tree.Opaque` marker (not compared) for each output the conversion left out."""
         leaves = list(self.leaves or [])
-        kept = [n for n, v in leaves if isinstance(v, torch.Tensor) and n not in self.dropped]
+        kept = self.kept()
         if count != len(kept):
             raise RuntimeError(
                 f"{what} has {count} output(s) where the model returns {len(kept)} tensor(s) "
