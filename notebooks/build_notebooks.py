@@ -731,7 +731,14 @@ report.summary[["backend", "verdict", "reading", "line", "why", "max_quanta", "b
     ),
     (
         "md",
-        """XNNPACK lands whole quanta off the simulation here and there, within what requantization rounding leaves; the portable kernels match the simulation. The planted fault is past the line, and its error sits in one slice. Its error, element by element, in units of the int8 budget:""",
+        """XNNPACK lands whole quanta off the simulation here and there, within what requantization rounding leaves; the portable kernels match the simulation. The planted fault is past the line, and its error sits in one slice.
+
+What requantization rounding leaves is measured: the simulation runs 4 more times, each requantization rounding the other way at random wherever the value sits within a **width** of a rounding boundary. A correct kernel can round the other way only that close to a boundary, and the width is measured for each requantization: one step of the integer accumulator that feeds it (a kernel rounds its bias to that grid), or 100x the fp32 simulation's own error there against float64 from the same quantized inputs, whichever is larger (at least 0.001 quanta):""",
+    ),
+    ("code", """report.widths"""),
+    (
+        "md",
+        """The planted fault's error, element by element, in units of the int8 budget:""",
     ),
     ("code", """report.plot_heatmap(fault.name);"""),
     (
@@ -751,12 +758,12 @@ plot_heatmap(oracle[:, :16], got[:, :16], oracle[:, :16], metric="budget", budge
         "md",
         """## From the verdict to the module
 
-`report.localize()` cuts the graph at its requantization points, lowers each cut to the runtime, judges it on its own measured budget, and bisects to the first point past the line; the module that computed that point is where the bug is born.""",
+`report.localize()` cuts the graph at its requantization points, lowers each cut to the runtime, judges it on its own measured budget, and bisects to the first point past the line; the op and module that computed that point are where the bug is born.""",
     ),
     (
         "code",
         """found = report.localize()
-print(f"first past the line at requantization point {found['point']}: {found['module']}  "
+print(f"first past the line at requantization point {found['point']}: {found['op']} in {found['module']}  "
       f"({found['checked']} cuts lowered and judged)")
 {k: round(row["line"], 3) for k, row in sorted(found["rows"].items())}""",
     ),

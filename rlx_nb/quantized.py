@@ -8,9 +8,12 @@ from the simulation wherever the value it requantizes sits near a rounding bound
 exactly and applies the scale in its own order), and that one quantum then travels through the layers after it.
 
 The budget measures that, rather than guessing it: the Q/DQ simulation is run ``trials`` more times with every
-activation requantization rounded stochastically (each element to the quantum below or above, at random: any
-rounding a kernel could legitimately make, one quantum at most per requantization), and what those runs leave
-at each output -- its RMS, its largest element, each slice's RMS -- is the budget.  A backend is SUSPECT past
+activation requantization rounded stochastically (each element within a *width* of a rounding boundary rounded
+to the quantum below or above, at random: a rounding a correct kernel could make, one quantum at most per
+requantization), and what those runs leave at each output -- its RMS, its largest element, each slice's RMS --
+is the budget.  The width is measured for each requantization (:func:`requantizations`): one step of the integer
+accumulator that feeds it, or the fp32 simulation's own arithmetic error there (against float64 from the same
+quantized inputs) times a margin, whichever is larger.  A backend is SUSPECT past
 the same limits as the float verdict (its RMS error 4x the budget's, its largest 8x, or one slice's RMS 4x what
 the trials leave in that slice: one channel's scale off), "quantization noise" otherwise.
 
@@ -43,6 +46,17 @@ from rlx_nb.backends.registry import get_backend, resolve_backends
 from rlx_nb.comparison.tables import Table
 from rlx_nb.errors import BackendError, InputError, describe_error
 from rlx_nb.execution.prepare import KeywordModule, normalize_inputs
+from rlx_nb.requantization import (
+    _QUANTIZE,
+    _WRAPPERS,
+    _computed,
+    _module_of,
+    _op_name,
+    _ops,
+    _truncated,
+    requantizations,
+    stochastic_copy,
+)
 from rlx_nb.verdict.types import MAX_LIMIT, RMSE_LIMIT, ROUNDOFF, SUSPECT, VERDICT_ERROR
 
 CANDIDATES = ("executorch-xnnpack", "executorch-portable")
@@ -51,27 +65,10 @@ CANDIDATES = ("executorch-xnnpack", "executorch-portable")
 TRIALS = 4
 """Stochastically rounded runs of the Q/DQ simulation that measure the budget."""
 
-ROUNDING_WIDTH = 0.02
-"""How close to a rounding boundary (in quanta) a requantized value may sit and still round the other way in a
-trial.  Measured here: the value an fp32 Q/DQ simulation requantizes and the one an exact (fp64) simulation does
-differ by at most 6e-5 quanta at the first requantization where they differ (demo MLP, CNN, transformer), and
-ExecuTorch's XNNPACK int8 lands one quantum off on 1-5% of their outputs; 0.02 quanta flips ~4% of every
-requantization's elements, and legitimate XNNPACK reads 0.12-0.20 of the line on those models (0.5, any rounding:
-0.06-0.14, with faults 2-3x less visible)."""
-
 NOISE = "quantization noise"
 BUG = "likely a kernel bug"
 
-_QUANTIZE = "quantize_per_tensor"
 _DEQUANTIZE_CHANNEL = "dequantize_per_channel"
-
-
-def _ops(graph_module: torch.fx.GraphModule, kind: str) -> list[torch.fx.Node]:
-    # The call_function nodes of one quantized_decomposed op (quantize_per_tensor's overloads, not dequantize).
-    def name(n: torch.fx.Node) -> str:
-        return str(n.target).split(".")[-2] if str(n.target).count(".") >= 2 else str(n.target)
-
-    return [n for n in graph_module.graph.nodes if n.op == "call_function" and name(n) == kind]
 
 
 def is_quantized(model: Any) -> bool:
@@ -103,7 +100,9 @@ def quantize_pt2e(model: torch.nn.Module, inputs: Any, *, calibration: Iterable[
         prepared = prepare_pt2e(torch.export.export(flat, tuple(args), strict=False).module(), quantizer)
         for batch in [args] if calibration is None else [normalize_inputs(c)[0] for c in calibration]:
             prepared(*batch)
-        return _named_outputs(convert_pt2e(prepared), flat, original)
+        converted = _named_outputs(convert_pt2e(prepared), flat, original)
+    converted.meta[_WRAPPERS] = 2 if keys else 1  # (module paths start with them: model.[model.]fc1)
+    return converted
 
 
 def _named_outputs(converted: torch.fx.GraphModule, flat: _FlatOutputs, original: Any) -> torch.fx.GraphModule:
@@ -165,26 +164,6 @@ class _Hidden:
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         return self.target(*args, **kwargs)
-
-
-def _stochastic_quantize(generator: torch.Generator, width: float):
-    # quantize_per_tensor with each element rounded to the quantum below or above at random (probability by
-    # distance): a rounding any int8 kernel could make, one quantum at most from round-to-nearest.
-    def quantize(x, scale, zero_point, quant_min, quant_max, dtype):
-        jitter = (torch.rand(x.shape, generator=generator, dtype=torch.float32) - 0.5) * (2.0 * width)
-        return torch.clamp(torch.round(x * (1.0 / scale) + jitter) + zero_point, quant_min, quant_max).to(dtype)
-
-    return quantize
-
-
-def stochastic_copy(converted: torch.fx.GraphModule, seed: int, width: float = 0.5) -> torch.fx.GraphModule:
-    """A copy of ``converted`` whose activation requantizations round stochastically (seeded)."""
-    trial = copy.deepcopy(converted)
-    quantize = _stochastic_quantize(torch.Generator().manual_seed(seed), width)
-    for node in _ops(trial, _QUANTIZE):
-        node.target = quantize
-    trial.recompile()
-    return trial
 
 
 def channel_scale_fault(*, layer: int = 0, channel: int = 0, factor: float = 1.25, runtime: str = "executorch-xnnpack"):
@@ -302,34 +281,15 @@ def _why(row: dict[str, Any]) -> str:
             f"{row['budget_max']:.3g} that requantization rounding leaves")  # fmt: skip
 
 
-def _module_of(node: torch.fx.Node) -> str:
-    # The module that computed the value a requantization point holds: its producing op's innermost module.
-    producer = node.args[0].args[0] if node.args and isinstance(node.args[0], torch.fx.Node) else node
-    producer = producer if isinstance(producer, torch.fx.Node) else node
-    stack = producer.meta.get("nn_module_stack") or {}
-    if not stack:
-        return "(top level)"
-    path, kind = list(stack.values())[-1]
-    path = str(path).replace("L['self'].", "").replace("L['self']", "")
-    for prefix in ("model.", "_orig_mod."):  # (the KeywordModule wrapper a keyword model gets)
-        path = path.removeprefix(prefix)
-    return f"{path or '(top level)'} ({getattr(kind, '__name__', str(kind).rsplit('.', 1)[-1])})"
-
-
-def _truncated(converted: torch.fx.GraphModule, point: int) -> torch.fx.GraphModule:
-    # The graph up to its ``point``-th requantization point (an activation's dequantize), which it returns.
-    cut = copy.deepcopy(converted)
-    node = _ops(cut, "dequantize_per_tensor")[point]
-    (output,) = [n for n in cut.graph.nodes if n.op == "output"]
-    output.args = ((node,),)
-    cut.recompile()  # (no dead-code pass: the weights after the point keep their places, for a fault that counts them)
-    return cut
-
-
-def localize_int8(converted: torch.fx.GraphModule, backend: Backend, args: tuple, *, trials: int, width: float) -> dict:
+def localize_int8(
+    converted: torch.fx.GraphModule, backend: Backend, args: tuple, *, trials: int, width: float | dict[str, float]
+) -> dict:
     """The first requantization point (in graph order) where ``backend`` is past the int8 budget, found by
-    bisection (a divergence is taken to persist downstream, as Polygraphy's reduction does), and its module."""
+    bisection (a divergence is taken to persist downstream, as Polygraphy's reduction does), its op and module.
+    Only points that hold a computed value are bisected: a quantized constant (a bias or an epsilon, folded by
+    PT2E) matches everywhere and would break the bisection's order."""
     points = _ops(converted, "dequantize_per_tensor")
+    computed = [k for k, p in enumerate(points) if _computed(p)]
     checked: dict[int, dict] = {}
 
     def check(k: int) -> dict:
@@ -344,16 +304,18 @@ def localize_int8(converted: torch.fx.GraphModule, backend: Backend, args: tuple
             checked[k] = judge(sim, got, legit, float(scale) if isinstance(scale, float) else math.nan)
         return checked[k]
 
-    lo, hi = 0, len(points) - 1
-    if not points or check(hi)["verdict"] != SUSPECT:
-        return {"point": None, "module": None, "checked": len(checked), "rows": checked}
+    lo, hi = 0, len(computed) - 1
+    if not computed or check(computed[hi])["verdict"] != SUSPECT:
+        return {"point": None, "op": None, "module": None, "checked": len(checked), "rows": checked}
     while lo < hi:
         mid = (lo + hi) // 2
-        if check(mid)["verdict"] == SUSPECT:
+        if check(computed[mid])["verdict"] == SUSPECT:
             hi = mid
         else:
             lo = mid + 1
-    return {"point": lo, "module": _module_of(points[lo]), "checked": len(checked), "rows": checked}
+    point = points[computed[lo]]
+    return {"point": computed[lo], "op": _op_name(point.args[0]), "module": _module_of(point), "checked": len(checked),
+            "rows": checked}  # fmt: skip
 
 
 class QuantizedReport:
@@ -366,8 +328,9 @@ class QuantizedReport:
 
     def localize(self, backend: str | None = None) -> dict[str, Any]:
         """Where ``backend``'s int8 error is born (default: the first suspect): the first requantization point of
-        the graph past the budget and the module that computed it (``point``, ``module``, ``checked``: how many
-        truncated graphs were lowered and judged, ``rows``: their judgements)."""
+        the graph past the budget and the op and module that computed it (``point``, ``op``, ``module``,
+        ``checked``: how many truncated graphs were lowered and judged, ``rows``: their judgements).  ``point`` is
+        None when the last point is within the budget (the error is in an output computed in float after it)."""
         backend = backend or (self.suspects[0] if self.suspects else None)
         if backend is None:
             raise InputError("no SUSPECT backend to localize; name one: report.localize('executorch-xnnpack')")
@@ -385,6 +348,16 @@ class QuantizedReport:
     @property
     def suspects(self) -> list[str]:
         return list(dict.fromkeys(r["backend"] for r in self.rows if r["verdict"] == SUSPECT))
+
+    @property
+    def widths(self) -> Table:
+        """Each activation requantization (graph order): the op and module that computed it, its accumulator's step
+        and the fp32 simulation's error there (in its quanta), and the width the trials round it within
+        (:func:`requantizations`; a ``width=`` given to the call replaces the measured one)."""
+        columns = ["node", "op", "module", "accumulator_quantum", "fp32_error", "width"]
+        widths = self.run.get("width", {})
+        rows = [{**r, "width": widths.get(r["node"], r["width"])} for r in self.run.get("requantizations", [])]
+        return Table(rows, columns=columns)
 
     @property
     def any_suspect(self) -> bool:
@@ -426,7 +399,7 @@ def quantized_divergence(
     backends: str | Iterable[str | Backend] | None = None,
     calibration: Iterable[Any] | None = None,
     trials: int = TRIALS,
-    width: float = ROUNDING_WIDTH,
+    width: float | None = None,
     label: str | None = None,
     progress: bool = True,
 ) -> QuantizedReport:
@@ -435,11 +408,15 @@ def quantized_divergence(
     ``model``: a float ``nn.Module`` (quantized here: :func:`quantize_pt2e`, calibrated on ``calibration`` or
     ``inputs``) or a PT2E-converted graph.  ``backends``: names or :class:`Backend` objects run on the converted
     graph (default :data:`CANDIDATES`).  ``trials``: stochastically rounded runs that measure the budget.
+    ``width``: how close to a rounding boundary, in quanta, a value may sit and round the other way in a trial;
+    default: measured for each requantization (:func:`rounding_widths`, shown by ``report.widths``).
     """
     if not isinstance(trials, int) or isinstance(trials, bool) or trials < 2:
         raise InputError(f"trials must be an int of at least 2 (the budget's runs); got {trials!r}")
-    if not isinstance(width, (int, float)) or isinstance(width, bool) or not 0 < width <= 0.5:
-        raise InputError(f"width must be a number of quanta in (0, 0.5] (0.5: any rounding); got {width!r}")
+    if width is not None and (not isinstance(width, (int, float)) or isinstance(width, bool) or not 0 < width <= 0.5):
+        raise InputError(
+            f"width must be None (measured) or a number of quanta in (0, 0.5] (0.5: any rounding); got {width!r}"
+        )
     args = tuple(normalize_inputs(inputs)[0])
     # (the inputs as given: keyword inputs make the quantized graph take them positionally, as ``args`` are)
     converted = model if is_quantized(model) else quantize_pt2e(model, inputs, calibration=calibration)
@@ -447,13 +424,16 @@ def quantized_divergence(
     given = CANDIDATES if backends is None else [backends] if isinstance(backends, Backend) else backends
     chosen = resolve_backends(given)  # (the registry's parsing and errors: names, a comma string, Backend objects)
     names = [b.name for b in chosen]
-    shown = bar(f"int8 {label}", total=1 + trials + len(chosen), enabled=progress)
+    shown = bar(f"int8 {label}", total=2 + trials + len(chosen), enabled=progress)
     with torch.no_grad():
         oracle = _arrays(converted(*args))
         shown.update()
+        measured = requantizations(converted, args)
+        widths = {r["node"]: r["width"] if width is None else float(width) for r in measured}
+        shown.update()
         trial_runs = []
         for k in range(trials):
-            trial_runs.append(_arrays(stochastic_copy(converted, seed=k, width=width)(*args)))
+            trial_runs.append(_arrays(stochastic_copy(converted, seed=k, width=widths)(*args)))
             shown.update()
     quanta = _output_quanta(converted, list(oracle))
     rows, kept, notes = [], {"oracle": oracle}, {}
@@ -486,11 +466,17 @@ def quantized_divergence(
             rows.append(row)
     shown.close()
     report = QuantizedReport(label, converted, rows, kept, notes)
-    report.run = {"args": args, "backends": dict(zip(names, chosen, strict=True)), "trials": trials, "width": width}
+    report.run = {"args": args, "backends": dict(zip(names, chosen, strict=True)), "trials": trials, "width": widths,
+                  "requantizations": measured}  # fmt: skip
     if progress:
         for line in report.lines():
             print(line)
     return report
 
 
-__all__ = ["QuantizedReport", "channel_scale_fault", "quantize_pt2e", "quantized_divergence"]
+__all__ = [
+    "QuantizedReport",
+    "channel_scale_fault",
+    "quantize_pt2e",
+    "quantized_divergence",
+]

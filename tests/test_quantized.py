@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
 import rlx_nb
-from rlx_nb import quantized
+from rlx_nb import quantized, requantization
 from rlx_nb.backends.executorch_runtime import executorch_reason
+from rlx_nb.backends.registry import get_backend
 from rlx_nb.errors import InputError
 from rlx_nb.models import demo
 from rlx_nb.verdict.types import ROUNDOFF, SUSPECT
@@ -71,11 +74,93 @@ def test_bad_settings_are_named():
     model, inputs = demo.mlp()
     with pytest.raises(InputError, match="trials must be an int of at least 2"):
         quantized.quantized_divergence(model, inputs, trials=1, progress=False)
-    with pytest.raises(InputError, match=r"width must be a number of quanta in \(0, 0.5\]"):
+    with pytest.raises(InputError, match=r"width must be None \(measured\) or a number of quanta in \(0, 0.5\]"):
         quantized.quantized_divergence(model, inputs, width=0.0, progress=False)
     with pytest.raises(InputError, match="past the model's 2 per-channel weights"):
         converted = quantized.quantize_pt2e(model, inputs)
         quantized.channel_scale_fault(layer=5).fn(converted, (torch.randn(64, 512),))
+
+
+def _attr(module: torch.nn.Module, target: str) -> torch.Tensor:
+    return functools.reduce(getattr, target.split("."), module)
+
+
+def _mlp_requantizations():
+    model, inputs = demo.mlp()
+    converted = quantized.quantize_pt2e(model, inputs)
+    return converted, inputs, requantization.requantizations(converted, inputs)
+
+
+def test_each_requantization_width_is_one_accumulator_step_or_the_measured_fp32_error():
+    # The MLP: x -> quantize -> fc1 -> quantize -> gelu -> quantize -> fc2 -> quantize.
+    converted, inputs, rows = _mlp_requantizations()
+    assert [r["module"] for r in rows] == ["(top level)", "fc1 (Linear)", "(top level)", "fc2 (Linear)"]
+    assert [r["op"] for r in rows] == ["input", "linear", "gelu", "linear"]
+    quantizes = requantization._ops(converted, "quantize_per_tensor")
+    weight_scales = [
+        _attr(converted, n.args[1].target) for n in requantization._ops(converted, "dequantize_per_channel")
+    ]
+    s_x, s_fc1, s_gelu, s_fc2 = (float(q.args[1]) for q in quantizes)
+    # fc1 accumulates on the grid of its input's quantum times its weights' (the coarsest channel), in s_fc1 quanta
+    assert rows[1]["accumulator_quantum"] == pytest.approx(s_x * float(weight_scales[0].max()) / s_fc1, rel=1e-6)
+    assert rows[3]["accumulator_quantum"] == pytest.approx(s_gelu * float(weight_scales[1].max()) / s_fc2, rel=1e-6)
+    assert rows[0]["accumulator_quantum"] == rows[2]["accumulator_quantum"] == 0.0  # the input, and a float op
+    for r in rows:
+        assert 0 < r["fp32_error"] < 1e-3  # fp32 arithmetic, against float64 from the same quantized inputs
+        expected = max(requantization.ACCUMULATOR_QUANTA * r["accumulator_quantum"],
+                       requantization.ARITHMETIC_MARGIN * r["fp32_error"], requantization.WIDTH_FLOOR)  # fmt: skip
+        assert r["width"] == pytest.approx(min(expected, 0.5))
+    report = quantized.quantized_divergence(converted, inputs, backends=["executorch-portable"], progress=False)
+    assert list(report.widths["width"]) == pytest.approx([r["width"] for r in rows])
+    given = quantized.quantized_divergence(
+        converted, inputs, backends=["executorch-portable"], width=0.1, progress=False
+    )
+    assert set(given.widths["width"]) == {0.1}
+    # the exact simulation (float64 between the quantize/dequantize ops) is what the fp32 one approximates
+    exact, sim = requantization.exact_simulation(converted, inputs), converted(*inputs)
+    assert exact.dtype == torch.float64 and exact.shape == sim.shape
+    assert float((exact - sim.double()).abs().max()) <= float(
+        requantization._ops(converted, "quantize_per_tensor")[-1].args[1]
+    )
+
+
+def test_a_mean_accumulates_on_its_input_quantum_over_the_count_it_averages():
+    # The CNN's global average pool: 32x32 positions per channel, on its input's quantum, in its output's quanta.
+    model, inputs = demo.conv()
+    converted = quantized.quantize_pt2e(model, inputs)
+    (mean,) = [r for r in requantization.requantizations(converted, inputs) if r["op"] == "mean"]
+    node = next(n for n in requantization._ops(converted, "quantize_per_tensor") if n.name == mean["node"])
+    source = node.args[0].args[0]  # (mean's input: a dequantized activation)
+    with torch.no_grad():
+        positions = requantization._truncated(converted, 2)(*inputs)[0, 0].numel()  # the activation the mean averages
+    assert mean["accumulator_quantum"] == pytest.approx(float(source.args[1]) / positions / float(node.args[1]))
+    assert mean["width"] == pytest.approx(requantization.ACCUMULATOR_QUANTA * mean["accumulator_quantum"])
+
+
+def test_xnnpack_rounds_the_other_way_only_within_the_measured_width():
+    # The principle the widths stand on, checked against a real kernel: where XNNPACK's int8 fc1 lands a quantum
+    # off the simulation, the exact value it rounded (float64, from the same quantized input) lies within one
+    # accumulator step of a rounding boundary, and so within that requantization's width.
+    converted, inputs, rows = _mlp_requantizations()
+    (x,) = inputs
+    with torch.no_grad():
+        cut = requantization._truncated(converted, 1)  # the graph up to fc1's output
+        sim = cut(x).double()
+        x_q = requantization._truncated(converted, 0)(x).double()  # the simulation's quantized input, dequantized
+    got = torch.as_tensor(next(iter(quantized._arrays(get_backend("executorch-xnnpack").fn(cut, (x,))).values())))
+    q_x, q_fc1 = requantization._ops(converted, "quantize_per_tensor")[:2]
+    s_x, s_out = float(q_x.args[1]), float(q_fc1.args[1])
+    x_q = torch.round(x_q / s_x) * s_x  # (its integers, times its quantum, in float64)
+    linear = q_fc1.args[0]
+    _, weight, bias = linear.args
+    w_int, w_scale, b = (_attr(converted, a.target).double() for a in (*weight.args[:2], bias))
+    exact = (x_q @ (w_int * w_scale[:, None]).T + b) / s_out
+    flipped = (got - sim).abs() > s_out / 2
+    assert flipped.any()  # XNNPACK does round some elements the other way
+    distance = float(((exact - exact.floor()) - 0.5).abs()[flipped].max())
+    # within one step of the accumulator (its bias rounded to int32), and so within the width the trials use
+    step = rows[1]["accumulator_quantum"]
+    assert distance <= step <= requantization.ACCUMULATOR_QUANTA * step <= rows[1]["width"], (distance, rows[1])
 
 
 def test_localize_finds_the_layer_whose_scale_is_off():
@@ -86,10 +171,52 @@ def test_localize_finds_the_layer_whose_scale_is_off():
     report = quantized.quantized_divergence(model, inputs, backends=["executorch-xnnpack", fault], progress=False)
     assert report.suspects == [fault.name]
     found = report.localize()
-    assert found["module"] == "fc1 (Linear)" and found["point"] == 1
+    assert (found["op"], found["module"], found["point"]) == ("linear", "fc1 (Linear)", 1)
     assert found["checked"] <= 3  # bisection over the 4 points
     with pytest.raises(InputError, match="did not run here"):
         report.localize("litert")
+
+
+class _QuietRowNorm(torch.nn.Module):
+    # An RMSNorm and a linear: a row far quieter than the others has a variance that quantizes to the zero point,
+    # so the int8 model takes rsqrt(0) = +inf there (what Mamba's and padded Mistral's norms do in the zoo).
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(16, 16)
+
+    def forward(self, x):
+        variance = x.pow(2).mean(-1, keepdim=True) + 1e-6
+        return self.fc(x * torch.rsqrt(variance))
+
+
+def test_executorch_portable_quantizes_positive_infinity_to_the_lowest_integer_and_is_caught():
+    # ExecuTorch 1.5.1's portable quantize_per_tensor turns +inf (and values near float32's largest) into the
+    # lowest integer; PyTorch's Q/DQ op and XNNPACK saturate them to the highest.  A real runtime bug, caught.
+    qd = torch.ops.quantized_decomposed
+
+    class QDQ(torch.nn.Module):
+        def forward(self, x):
+            return qd.dequantize_per_tensor(qd.quantize_per_tensor(x, 0.5, 3, -128, 127, torch.int8), 0.5, 3, -128,
+                                            127, torch.int8)  # fmt: skip
+
+    x = torch.tensor([[float("inf"), 3e38, 1e10, 1.0]])
+    simulated = QDQ()(x)
+    assert simulated.tolist() == [[62.0, 62.0, 62.0, 1.0]]  # (127 - 3) * 0.5: saturated
+    graph = torch.export.export(QDQ(), (x,)).module()
+    portable = next(iter(get_backend("executorch-portable").fn(graph, (x,)).values()))
+    assert portable.tolist() == [[-65.5, -65.5, 62.0, 1.0]]  # (-128 - 3) * 0.5: the lowest integer
+
+    torch.manual_seed(0)
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0)) * 10
+    x[0] *= 0.02
+    report = quantized.quantized_divergence(
+        _QuietRowNorm().eval(), (x,), backends=["executorch-portable", "executorch-xnnpack"], progress=False
+    )
+    assert report.suspects == ["executorch-portable"]
+    row = report.record("executorch-portable")
+    assert (row["slice_axis"], row["slice_index"]) == (0, 0), row  # the quiet row
+    found = report.localize()
+    assert (found["op"], found["module"]) == ("rsqrt", "(top level)"), found
 
 
 def test_a_model_with_keyword_inputs_is_quantized_and_judged_as_it_is_called():
@@ -135,3 +262,6 @@ def test_a_language_model_shape_quantizes_keeps_its_output_names_and_is_judged()
     report = quantized.quantized_divergence(converted, (ids,), backends=["executorch-xnnpack", fault], progress=False)
     assert report.record("executorch-xnnpack", "logits")["verdict"] == ROUNDOFF
     assert report.suspects == [fault.name]
+    # localize cuts a graph that returns a dict by name (a cut returns one tensor), past the quantized constants
+    found = report.localize()
+    assert (found["op"], found["module"]) == ("linear", "mlp.2 (Linear)"), found

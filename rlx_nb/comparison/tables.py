@@ -147,6 +147,8 @@ FORMATS: dict[str, str] = {
     **dict.fromkeys(("oracle_value", "backend_value", "oracle", "backend", "reference"), "{:.9g}"),
     **dict.fromkeys(("reference_value",), "{:.12g}"),
     **dict.fromkeys(("effective_bits", "anchor_likeness", "excess_elsewhere", "zero_mismatch_max"), "{:.3g}"),
+    **dict.fromkeys(("max_quanta", "budget_max_quanta", "quantum"), "{:.3g}"),  # (int8: in quanta)
+    **dict.fromkeys(("accumulator_quantum", "fp32_error", "width"), "{:.3g}"),  # (int8: a requantization's width)
     **dict.fromkeys(("seconds",), "{:.2f}"),
     **dict.fromkeys(("peak_bytes", "rss_after_bytes"), "{:,.0f}"),
 }

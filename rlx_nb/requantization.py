@@ -1,0 +1,296 @@
+"""Requantization: where a correct int8 kernel may round a value the other way, and the runs that measure it.
+
+An int8 kernel requantizes each activation: it rounds a value it computed (exactly, in int32, or in float between
+quantized ops) to the nearest quantum.  It may round the other way from the Q/DQ simulation only where the value
+sits close to a rounding boundary, and how close is measured here for each requantization (its *width*):
+:func:`requantizations` runs the simulation in lockstep with a float64 copy fed the same quantized values (the
+simulation's own arithmetic error there) and reads the step of the integer accumulator that feeds it.
+:func:`stochastic_copy` makes the trial runs that round within those widths; :func:`exact_simulation` is what the
+quantized model computes with exact arithmetic.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any
+
+import torch
+
+ACCUMULATOR_QUANTA = 2.0
+"""A requantization's width, in quanta of the accumulator that feeds it.  An int8 kernel accumulates on an integer
+grid -- a matmul or convolution on the grid of its two inputs' scales' product, a mean on its input's quantum over
+the count it averages -- and rounds what it adds to that grid (its bias, quantized to int32) or divides on it, so it
+may be a grid step from the exact value before it rounds.  Measured (ExecuTorch 1.5.1's XNNPACK int8, the demo MLP,
+CNN and transformer): at the first requantization where it differs from the simulation, every element it rounds the
+other way lies within 0.41 (linears, convolutions) and 1.0 (a global mean) of that step from the rounding boundary."""
+
+ARITHMETIC_MARGIN = 100.0
+"""A requantization's width, in multiples of the fp32 simulation's own error there: a float op between quantized
+ones (a norm, a softmax, an activation) computed in another order or with another approximation.  Measured: XNNPACK's
+first flips after a linear lie within 4x the simulation's error (which is at most 2e-4 quanta on the zoo)."""
+
+WIDTH_FLOOR = 1e-3
+"""The narrowest width, in quanta: an exact tie (a value on the boundary), which kernels round either way."""
+
+FALLBACK_WIDTH = 0.02
+"""The width of a requantization whose fp32 error could not be measured (an op that would not run in float64)."""
+
+
+_QUANTIZE = "quantize_per_tensor"
+_WRAPPERS = "rlx_nb_wrappers"  # (how many wrapper modules quantize_pt2e put around the model: its paths' prefix)
+
+
+def _op(node: Any) -> str | None:
+    # A call_function node's op without its namespace and overload (``aten.linear.default`` -> ``linear``).
+    if not isinstance(node, torch.fx.Node) or node.op != "call_function":
+        return None
+    target = str(node.target)
+    return target.split(".")[-2] if target.count(".") >= 2 else target
+
+
+def _ops(graph_module: torch.fx.GraphModule, kind: str) -> list[torch.fx.Node]:
+    # The call_function nodes of one quantized_decomposed op (quantize_per_tensor's overloads, not dequantize).
+    return [n for n in graph_module.graph.nodes if _op(n) == kind]
+
+
+_THROUGH = frozenset({
+    "relu", "relu_", "hardtanh", "hardtanh_", "clamp", "view", "reshape", "_unsafe_view", "permute", "transpose", "t",
+    "expand", "clone", "contiguous", "squeeze", "unsqueeze", "flatten", "slice", "select", "_to_copy", "alias", "pad",
+    "constant_pad_nd",
+})  # fmt: skip
+"""Ops that move or clip a value without computing a new one: a requantization's accumulator is the op before them."""
+
+_CONTRACTIONS = frozenset({"linear", "conv1d", "conv2d", "conv3d", "convolution", "matmul", "mm", "bmm", "addmm",
+                           "baddbmm", "einsum"})  # fmt: skip
+_AVERAGES = frozenset({"mean", "sum", "avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d",
+                       "adaptive_avg_pool2d", "adaptive_avg_pool3d"})  # fmt: skip
+
+
+def _behind_moves(node: Any) -> Any:
+    # The op that computed ``node``'s value, past the ops that only move or clip it (:data:`_THROUGH`).
+    while _op(node) in _THROUGH:
+        node = node.args[0]
+    return node
+
+
+def _input_scale(node: Any, module: torch.fx.GraphModule) -> float | None:
+    # The quantum ``node`` carries when it is a dequantized value (the largest, for a per-channel one), else None.
+    node = _behind_moves(node)
+    if _op(node) not in ("dequantize_per_tensor", "dequantize_per_channel"):
+        return None
+    scale = node.args[1]
+    if isinstance(scale, torch.fx.Node) and scale.op == "get_attr":
+        return float(torch.as_tensor(getattr(module, scale.target)).abs().max())
+    return float(scale) if isinstance(scale, (int, float)) else None
+
+
+def _count(node: torch.fx.Node, sizes: dict[str, int]) -> int | None:
+    # How many inputs each output of a reduction averages: its input's elements over its output's (None: unknown).
+    source = node.args[0]
+    a = sizes.get(source.name) if isinstance(source, torch.fx.Node) else None
+    b = sizes.get(node.name)
+    return max(a // b, 1) if a and b else None
+
+
+def accumulator_quantum(quantize: torch.fx.Node, module: torch.fx.GraphModule, sizes: dict[str, int]) -> float:
+    """The grid step, in quanta of the requantization ``quantize``, an int8 kernel accumulates the value it
+    requantizes on (0 where the op before it is not an integer accumulation a kernel would make: a float op, or a
+    reduction whose count is unknown).  ``sizes``: each node's element count in a run (:class:`_Lockstep`)."""
+    op = _behind_moves(quantize.args[0])
+    kind, out = _op(op), quantize.args[1]
+    if kind is None or not isinstance(out, (int, float)) or not out > 0:
+        return 0.0
+    if kind in _CONTRACTIONS:
+        tensors = [a for a in op.args if isinstance(a, torch.fx.Node)][:2]
+        scales = [_input_scale(a, module) for a in tensors]
+        if len(scales) == 2 and None not in scales:
+            return scales[0] * scales[1] / out
+    elif kind in _AVERAGES:
+        scale, count = _input_scale(op.args[0], module), 1 if kind == "sum" else _count(op, sizes)
+        if scale is not None and count is not None:
+            return scale / count / out
+    return 0.0
+
+
+class _Pair:
+    # A value of the lockstep run: as the fp32 simulation computes it, and in float64 from the same quantized inputs.
+    __slots__ = ("double", "exact", "single")
+
+    def __init__(self, single: Any, double: Any, exact: bool = True) -> None:
+        self.single, self.double, self.exact = single, double, exact
+
+
+def _double(value: Any) -> Any:
+    if isinstance(value, torch.Tensor) and value.dtype == torch.float32:
+        return value.to(torch.float64)
+    if value is torch.float32:  # (an op's dtype argument: float64 in the exact run)
+        return torch.float64
+    if isinstance(value, (list, tuple)):
+        return type(value)(_double(v) for v in value)
+    if isinstance(value, dict):
+        return {k: _double(v) for k, v in value.items()}
+    return value
+
+
+class _Lockstep(torch.fx.Interpreter):
+    """The Q/DQ simulation run twice in lockstep: in fp32, and in float64 fed the same quantized values, so that at
+    each requantization the gap between the two is the fp32 simulation's own arithmetic error there (in quanta).
+    ``follow=False``: the float64 run requantizes its own values instead (the exact simulation), and is returned."""
+
+    def __init__(self, module: torch.fx.GraphModule, *, follow: bool = True) -> None:
+        super().__init__(module)
+        self.follow = follow
+        self.errors: dict[str, float] = {}  # each requantization's largest fp32 error, in quanta (NaN: not measured)
+        self.sizes: dict[str, int] = {}  # each tensor value's element count
+
+    def run_node(self, n: torch.fx.Node) -> Any:
+        with self._set_current_node(n):
+            args, kwargs = self.fetch_args_kwargs_from_env(n)
+            pairs = [v for v in (*args, *kwargs.values()) if isinstance(v, _Pair)]
+            pairs += [x for v in (*args, *kwargs.values()) if isinstance(v, (list, tuple)) for x in v
+                      if isinstance(x, _Pair)]  # fmt: skip
+            exact = all(p.exact for p in pairs)
+
+            def side(value: Any, double: bool) -> Any:
+                return torch.fx.node.map_aggregate(
+                    value, lambda v: (v.double if double else v.single) if isinstance(v, _Pair) else v
+                )
+
+            if n.op == "placeholder":
+                value = next(self.args_iter)
+                if isinstance(value, torch.Tensor):
+                    self.sizes[n.name] = value.numel()
+                return _Pair(value, _double(value))
+            if n.op == "get_attr":
+                value = self.fetch_attr(n.target)
+                return _Pair(value, _double(value))
+            if n.op == "output":
+                return side(args[0], not self.follow)
+            run = getattr(self, n.op)
+            single = run(n.target, side(args, False), side(kwargs, False))
+            if isinstance(single, torch.Tensor):
+                self.sizes[n.name] = single.numel()
+            target = str(n.target)
+            if _op(n) == _QUANTIZE:
+                scale, x = float(side(args[1], False)), args[0]
+                gap = ((x.single * (1.0 / scale)).to(torch.float64) - x.double / scale).abs()
+                self.errors[n.name] = (float(gap.max()) if gap.numel() else 0.0) if x.exact else math.nan
+                if self.follow:
+                    return _Pair(single, single)  # (both runs go on from the simulation's quantized values)
+                zero, low, high, dtype = side(args[2:6], False)
+                return _Pair(single, torch.clamp(torch.round(x.double / scale) + zero, low, high).to(dtype), x.exact)
+            double_kwargs = _double(side(kwargs, True))
+            if "dequantize" in target:  # (its integers times its scale, in float64)
+                double_kwargs["out_dtype"] = torch.float64
+            try:
+                double = run(n.target, _double(side(args, True)), double_kwargs)
+            except Exception:  # (an op with no float64 kernel: its error downstream is not measured)
+                double, exact = _double(single), False
+            return _Pair(single, double, exact)
+
+
+def requantizations(converted: torch.fx.GraphModule, args: tuple) -> list[dict[str, Any]]:
+    """Each activation requantization of ``converted``, in graph order, with how far from a rounding boundary (in
+    quanta) a correct int8 kernel's value may sit and still round the other way (``width``): the largest of one
+    step of the accumulator that feeds it (``accumulator_quantum`` x :data:`ACCUMULATOR_QUANTA`), the fp32
+    simulation's own error there, measured against float64 from the same quantized inputs (``fp32_error`` x
+    :data:`ARITHMETIC_MARGIN`), and :data:`WIDTH_FLOOR`; at most 0.5."""
+    lockstep = _Lockstep(converted)
+    with torch.no_grad():
+        lockstep.run(*args)
+    rows = []
+    for node in _ops(converted, _QUANTIZE):
+        error = lockstep.errors.get(node.name, math.nan)
+        accumulator = accumulator_quantum(node, converted, lockstep.sizes)
+        arithmetic = FALLBACK_WIDTH if error != error else ARITHMETIC_MARGIN * error
+        width = min(0.5, max(arithmetic, ACCUMULATOR_QUANTA * accumulator, WIDTH_FLOOR))
+        rows.append({"node": node.name, "op": _op_name(node), "module": _module_of(node),
+                     "accumulator_quantum": accumulator, "fp32_error": error, "width": width})  # fmt: skip
+    return rows
+
+
+def _op_name(quantize: torch.fx.Node) -> str:
+    # The op whose value a requantization rounds (``linear``, ``gelu``; ``input`` for a model input).
+    producer = quantize.args[0]
+    if not isinstance(producer, torch.fx.Node) or producer.op == "placeholder":
+        return "input"
+    return _op(producer) or producer.op
+
+
+def exact_simulation(converted: torch.fx.GraphModule, args: tuple) -> Any:
+    """What ``converted`` computes with exact arithmetic (float64 between its quantize/dequantize ops, each
+    requantization rounding the float64 value): a correct int8 model's reference, as fp64 is an fp32 model's."""
+    with torch.no_grad():
+        return _Lockstep(converted, follow=False).run(*args)
+
+
+def rounding_widths(converted: torch.fx.GraphModule, args: tuple) -> dict[str, float]:
+    """Each activation requantization's width (:func:`requantizations`), by node name."""
+    return {row["node"]: row["width"] for row in requantizations(converted, args)}
+
+
+def _stochastic_quantize(generator: torch.Generator, width: float):
+    # quantize_per_tensor with each element rounded to the quantum below or above at random (probability by
+    # distance): a rounding any int8 kernel could make, one quantum at most from round-to-nearest.
+    def quantize(x, scale, zero_point, quant_min, quant_max, dtype):
+        jitter = (torch.rand(x.shape, generator=generator, dtype=torch.float32) - 0.5) * (2.0 * width)
+        return torch.clamp(torch.round(x * (1.0 / scale) + jitter) + zero_point, quant_min, quant_max).to(dtype)
+
+    return quantize
+
+
+def stochastic_copy(
+    converted: torch.fx.GraphModule, seed: int, width: float | dict[str, float] = 0.5
+) -> torch.fx.GraphModule:
+    """A copy of ``converted`` whose activation requantizations round stochastically (seeded), each element within
+    ``width`` quanta of a boundary either way: one width, or one per requantization by node name
+    (:func:`rounding_widths`)."""
+    trial = copy.deepcopy(converted)
+    generator = torch.Generator().manual_seed(seed)
+    for node in _ops(trial, _QUANTIZE):
+        node.target = _stochastic_quantize(generator, width[node.name] if isinstance(width, dict) else width)
+    trial.recompile()
+    return trial
+
+
+def _module_of(node: torch.fx.Node) -> str:
+    # The module that computed the value a requantization (its quantize, or the dequantize after it) holds: its
+    # producing op's innermost module.
+    quantize = node.args[0] if "dequantize" in str(node.target) and node.args else node
+    producer = quantize.args[0] if isinstance(quantize, torch.fx.Node) and quantize.args else node
+    producer = producer if isinstance(producer, torch.fx.Node) else node
+    stack = producer.meta.get("nn_module_stack") or {}
+    if not stack:
+        return "(top level)"
+    path, kind = list(stack.values())[-1]
+    path = str(path).replace("L['self'].", "").replace("L['self']", "")
+    owner = node.graph.owning_module
+    for _ in range(owner.meta.get(_WRAPPERS, 0) if owner is not None else 0):  # (quantize_pt2e's own wrappers)
+        path = path.partition(".")[2] if path.split(".")[0] == "model" else path
+    path = path.removeprefix("_orig_mod.") if path != "_orig_mod" else ""  # (a compiled model's)
+    if not path:
+        return "(top level)"
+    return f"{path} ({getattr(kind, '__name__', str(kind).rsplit('.', 1)[-1])})"
+
+
+def _truncated(converted: torch.fx.GraphModule, point: int) -> torch.fx.GraphModule:
+    # The graph up to its ``point``-th requantization point (an activation's dequantize), which it returns.
+    cut = copy.deepcopy(converted)
+    node = _ops(cut, "dequantize_per_tensor")[point]
+    (output,) = [n for n in cut.graph.nodes if n.op == "output"]
+    output.args = ((node,),)
+    info = getattr(cut.graph._codegen, "pytree_info", None)
+    if info is not None and info.out_spec is not None:  # (the model's own outputs: a cut returns one tensor)
+        cut.graph._codegen.pytree_info = info._replace(out_spec=torch.utils._pytree.tree_structure(0))
+    cut.recompile()  # (no dead-code pass: the weights after the point keep their places, for a fault that counts them)
+    return cut
+
+
+def _computed(dequantize: torch.fx.Node) -> bool:
+    # Whether a requantization point holds a value the graph computes (not a quantized constant).
+    quantize = dequantize.args[0] if dequantize.args else None
+    return isinstance(quantize, torch.fx.Node) and quantize.op == "call_function"
+
+
+__all__ = ["accumulator_quantum", "exact_simulation", "requantizations", "rounding_widths", "stochastic_copy"]
