@@ -85,15 +85,16 @@ def _attr(module: torch.nn.Module, target: str) -> torch.Tensor:
     return functools.reduce(getattr, target.split("."), module)
 
 
-def _mlp_requantizations():
+@pytest.fixture(scope="module")
+def mlp_requantizations():
     model, inputs = demo.mlp()
     converted = quantized.quantize_pt2e(model, inputs)
     return converted, inputs, requantization.requantizations(converted, inputs)
 
 
-def test_each_requantization_width_is_one_accumulator_step_or_the_measured_fp32_error():
+def test_each_requantization_width_is_one_accumulator_step_or_the_measured_fp32_error(mlp_requantizations):
     # The MLP: x -> quantize -> fc1 -> quantize -> gelu -> quantize -> fc2 -> quantize.
-    converted, inputs, rows = _mlp_requantizations()
+    converted, inputs, rows = mlp_requantizations
     assert [r["module"] for r in rows] == ["(top level)", "fc1 (Linear)", "(top level)", "fc2 (Linear)"]
     assert [r["op"] for r in rows] == ["input", "linear", "gelu", "linear"]
     quantizes = requantization._ops(converted, "quantize_per_tensor")
@@ -137,11 +138,11 @@ def test_a_mean_accumulates_on_its_input_quantum_over_the_count_it_averages():
     assert mean["width"] == pytest.approx(requantization.ACCUMULATOR_QUANTA * mean["accumulator_quantum"])
 
 
-def test_xnnpack_rounds_the_other_way_only_within_the_measured_width():
+def test_xnnpack_rounds_the_other_way_only_within_the_measured_width(mlp_requantizations):
     # The principle the widths stand on, checked against a real kernel: where XNNPACK's int8 fc1 lands a quantum
     # off the simulation, the exact value it rounded (float64, from the same quantized input) lies within one
     # accumulator step of a rounding boundary, and so within that requantization's width.
-    converted, inputs, rows = _mlp_requantizations()
+    converted, inputs, rows = mlp_requantizations
     (x,) = inputs
     with torch.no_grad():
         cut = requantization._truncated(converted, 1)  # the graph up to fc1's output
