@@ -51,6 +51,7 @@ from rlx_nb.requantization import (
     _WRAPPERS,
     _computed,
     _module_of,
+    _op,
     _op_name,
     _ops,
     _truncated,
@@ -206,7 +207,7 @@ def _output_quanta(converted: torch.fx.GraphModule, names: list[str]) -> dict[st
     )
     quanta = {}
     for name, node in zip(names, [n for n in flat if isinstance(n, torch.fx.Node)], strict=False):
-        is_dq = isinstance(node, torch.fx.Node) and "dequantize_per_tensor" in str(node.target)
+        is_dq = _op(node) == "dequantize_per_tensor"
         quanta[name] = float(node.args[1]) if is_dq and isinstance(node.args[1], float) else math.nan
     return quanta
 
@@ -355,9 +356,7 @@ class QuantizedReport:
         and the fp32 simulation's error there (in its quanta), and the width the trials round it within
         (:func:`requantizations`; a ``width=`` given to the call replaces the measured one)."""
         columns = ["node", "op", "module", "accumulator_quantum", "fp32_error", "width"]
-        widths = self.run.get("width", {})
-        rows = [{**r, "width": widths.get(r["node"], r["width"])} for r in self.run.get("requantizations", [])]
-        return Table(rows, columns=columns)
+        return Table(self.run.get("requantizations", []), columns=columns)
 
     @property
     def any_suspect(self) -> bool:
@@ -409,7 +408,8 @@ def quantized_divergence(
     ``inputs``) or a PT2E-converted graph.  ``backends``: names or :class:`Backend` objects run on the converted
     graph (default :data:`CANDIDATES`).  ``trials``: stochastically rounded runs that measure the budget.
     ``width``: how close to a rounding boundary, in quanta, a value may sit and round the other way in a trial;
-    default: measured for each requantization (:func:`rounding_widths`, shown by ``report.widths``).
+    default: measured for each requantization (:func:`~rlx_nb.requantization.requantizations`, shown by
+    ``report.widths``).
     """
     if not isinstance(trials, int) or isinstance(trials, bool) or trials < 2:
         raise InputError(f"trials must be an int of at least 2 (the budget's runs); got {trials!r}")
@@ -429,7 +429,9 @@ def quantized_divergence(
         oracle = _arrays(converted(*args))
         shown.update()
         measured = requantizations(converted, args)
-        widths = {r["node"]: r["width"] if width is None else float(width) for r in measured}
+        if width is not None:  # (one width given: it replaces the measured ones)
+            measured = [{**r, "width": float(width)} for r in measured]
+        widths = {r["node"]: r["width"] for r in measured}
         shown.update()
         trial_runs = []
         for k in range(trials):

@@ -38,6 +38,7 @@ FALLBACK_WIDTH = 0.02
 
 
 _QUANTIZE = "quantize_per_tensor"
+_DEQUANTIZE = ("dequantize_per_tensor", "dequantize_per_channel")
 _WRAPPERS = "rlx_nb_wrappers"  # (how many wrapper modules quantize_pt2e put around the model: its paths' prefix)
 
 
@@ -77,7 +78,7 @@ def _behind_moves(node: Any) -> Any:
 def _input_scale(node: Any, module: torch.fx.GraphModule) -> float | None:
     # The quantum ``node`` carries when it is a dequantized value (the largest, for a per-channel one), else None.
     node = _behind_moves(node)
-    if _op(node) not in ("dequantize_per_tensor", "dequantize_per_channel"):
+    if _op(node) not in _DEQUANTIZE:
         return None
     scale = node.args[1]
     if isinstance(scale, torch.fx.Node) and scale.op == "get_attr":
@@ -147,9 +148,8 @@ class _Lockstep(torch.fx.Interpreter):
     def run_node(self, n: torch.fx.Node) -> Any:
         with self._set_current_node(n):
             args, kwargs = self.fetch_args_kwargs_from_env(n)
-            pairs = [v for v in (*args, *kwargs.values()) if isinstance(v, _Pair)]
-            pairs += [x for v in (*args, *kwargs.values()) if isinstance(v, (list, tuple)) for x in v
-                      if isinstance(x, _Pair)]  # fmt: skip
+            pairs: list[_Pair] = []  # (every lockstep value among the arguments, however nested)
+            torch.fx.node.map_aggregate((args, kwargs), lambda v: pairs.append(v) if isinstance(v, _Pair) else None)
             exact = all(p.exact for p in pairs)
 
             def side(value: Any, double: bool) -> Any:
@@ -171,7 +171,6 @@ class _Lockstep(torch.fx.Interpreter):
             single = run(n.target, side(args, False), side(kwargs, False))
             if isinstance(single, torch.Tensor):
                 self.sizes[n.name] = single.numel()
-            target = str(n.target)
             if _op(n) == _QUANTIZE:
                 scale, x = float(side(args[1], False)), args[0]
                 gap = ((x.single * (1.0 / scale)).to(torch.float64) - x.double / scale).abs()
@@ -181,7 +180,7 @@ class _Lockstep(torch.fx.Interpreter):
                 zero, low, high, dtype = side(args[2:6], False)
                 return _Pair(single, torch.clamp(torch.round(x.double / scale) + zero, low, high).to(dtype), x.exact)
             double_kwargs = _double(side(kwargs, True))
-            if "dequantize" in target:  # (its integers times its scale, in float64)
+            if _op(n) in _DEQUANTIZE:  # (its integers times its scale, in float64)
                 double_kwargs["out_dtype"] = torch.float64
             try:
                 double = run(n.target, _double(side(args, True)), double_kwargs)
@@ -225,11 +224,6 @@ def exact_simulation(converted: torch.fx.GraphModule, args: tuple) -> Any:
         return _Lockstep(converted, follow=False).run(*args)
 
 
-def rounding_widths(converted: torch.fx.GraphModule, args: tuple) -> dict[str, float]:
-    """Each activation requantization's width (:func:`requantizations`), by node name."""
-    return {row["node"]: row["width"] for row in requantizations(converted, args)}
-
-
 def _stochastic_quantize(generator: torch.Generator, width: float):
     # quantize_per_tensor with each element rounded to the quantum below or above at random (probability by
     # distance): a rounding any int8 kernel could make, one quantum at most from round-to-nearest.
@@ -245,7 +239,7 @@ def stochastic_copy(
 ) -> torch.fx.GraphModule:
     """A copy of ``converted`` whose activation requantizations round stochastically (seeded), each element within
     ``width`` quanta of a boundary either way: one width, or one per requantization by node name
-    (:func:`rounding_widths`)."""
+    (:func:`requantizations`)."""
     trial = copy.deepcopy(converted)
     generator = torch.Generator().manual_seed(seed)
     for node in _ops(trial, _QUANTIZE):
@@ -257,7 +251,7 @@ def stochastic_copy(
 def _module_of(node: torch.fx.Node) -> str:
     # The module that computed the value a requantization (its quantize, or the dequantize after it) holds: its
     # producing op's innermost module.
-    quantize = node.args[0] if "dequantize" in str(node.target) and node.args else node
+    quantize = node.args[0] if _op(node) in _DEQUANTIZE and node.args else node
     producer = quantize.args[0] if isinstance(quantize, torch.fx.Node) and quantize.args else node
     producer = producer if isinstance(producer, torch.fx.Node) else node
     stack = producer.meta.get("nn_module_stack") or {}
@@ -293,4 +287,4 @@ def _computed(dequantize: torch.fx.Node) -> bool:
     return isinstance(quantize, torch.fx.Node) and quantize.op == "call_function"
 
 
-__all__ = ["accumulator_quantum", "exact_simulation", "requantizations", "rounding_widths", "stochastic_copy"]
+__all__ = ["accumulator_quantum", "exact_simulation", "requantizations", "stochastic_copy"]
