@@ -167,6 +167,69 @@ def test_slice_stats_match_a_sum_over_every_other_axis(rng, shape):
     assert whole.ref_rms == pytest.approx(want.ref_rms, rel=1e-9) and whole.ref_max == want.ref_max
 
 
+def _pattern(x: np.ndarray, ref: np.ndarray) -> tuple[float, float]:
+    # The error's bias over its RMS and its correlation with fp64, in two passes over float64 copies.
+    e, v = (x.astype(np.float64) - ref).ravel(), ref.astype(np.float64).ravel()
+    ok = np.isfinite(e) & np.isfinite(v)
+    e, v = e[ok], v[ok]
+    return float(e.mean() / np.sqrt(np.mean(e * e))), float(np.corrcoef(e, v)[0, 1])
+
+
+@pytest.mark.parametrize("kind", ["noise", "scaled", "offset", "sign"])
+@pytest.mark.parametrize("shape", [(1_100_003,), (700, 1_601), (5, 7)])
+def test_the_error_pattern_comes_from_the_pass_that_measures_the_error(rng, kind, shape):
+    # The reading a SUSPECT output gets (its bias, its correlation with the values) is formed by the same pass as
+    # its RMSE against fp64, with no float64 copies of the output (#46: they were 3.3 s of a 5.2 s call at 5e7).
+    ref = rng.standard_normal(shape) * 3
+    noise = rng.standard_normal(shape) * 1e-4
+    x = {
+        "noise": ref + noise,
+        "scaled": ref * (1 + 1e-3) + noise,
+        "offset": ref + 2e-4 + noise,
+        "sign": ref + 1e-3 * np.abs(ref) + noise,
+    }[kind].astype(np.float32)
+    x.reshape(-1)[[1, x.size // 2]] = np.nan
+    ref.reshape(-1)[-2] = np.inf
+    bias, corr = _pattern(x, ref)
+    for got in (reference_stats(x, ref), error_stats(x, ref)[0]):
+        assert got.pattern == pytest.approx((bias, corr), abs=1e-6)
+    if kind == "noise":
+        assert abs(bias) < 0.2 and abs(corr) < 0.2
+    if kind == "scaled":
+        assert corr > 0.9
+    if kind == "offset":
+        assert bias > 0.8
+
+
+def test_the_error_pattern_is_nan_without_its_sums_and_zero_for_exact_errors():
+    from rlx_nb.numerics.reference import ReferenceStats
+
+    assert all(math.isnan(v) for v in ReferenceStats(1e-7, 3e-7, 1.0, 3.0).pattern)
+    assert reference_stats(np.float32([1, 2, 3]), np.float64([1, 2, 3])).pattern == (0.0, 0.0)
+    assert all(math.isnan(v) for v in reference_stats(np.float32([1]), np.float64([2])).pattern)
+
+
+@pytest.mark.parametrize("n", [9, 1_100_003])
+def test_zero_split_in_one_pass_matches_a_float64_reference(rng, n):
+    from rlx_nb.numerics.zeros import zero_split
+
+    ref = rng.standard_normal(n)
+    ref[::3] = 0.0
+    o = ref.astype(np.float32)
+    b = (ref + rng.standard_normal(n) * 1e-6).astype(np.float32)
+    b[[0, 3]] = [0.5, np.nan]  # where the model zeroes: one computed, one NaN
+    b[1] = np.inf  # elsewhere: left out of the error
+    got = zero_split(o, b, ref)
+    zero = (o == 0) & (ref == 0)
+    d = b[~zero].astype(np.float64) - ref[~zero]
+    ok = np.isfinite(d)
+    assert (got.zeroed, got.nonzero, got.largest) == (int(zero.sum()), int(np.count_nonzero(b[zero])), 0.5)
+    assert got.elsewhere.rmse == pytest.approx(math.sqrt(np.mean(d[ok] ** 2)), rel=1e-9)
+    assert got.elsewhere.max_err == np.abs(d[ok]).max()
+    b[zero] = 0.0
+    assert zero_split(o, b, ref) is None
+
+
 def test_slice_axes_keep_slices_of_two_or_more_and_bound_the_row_sums():
     assert slice_axes((8, 10)) == (0, 1)
     assert slice_axes((1, 9)) == ()  # one slice along axis 0, single elements along axis 1

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import numpy as np
 import pytest
@@ -239,6 +240,29 @@ def test_a_model_that_does_not_repeat_itself_still_gets_the_oracles_rerun():
     assert not same_bits(results.oracle, results.candidates["cpu-nomkldnn"], False)
     assert "determinism rerun" in results.environment["timings"]
     assert results.environment["nondeterministic"] == {}
+
+
+def test_two_runs_differ_by_their_largest_difference_chunk_by_chunk_nan_equal_to_nan():
+    from rlx_nb.execution.results import BackendRun, Leaf, nondeterministic
+
+    def run_of(**arrays):
+        return BackendRun("cpu", "ok", {k: Leaf(v, str(v.dtype), v.shape) for k, v in arrays.items()})
+
+    a = np.zeros(3_000_001, np.float32)
+    a[[5, 2_500_000]] = np.nan
+    b = a.copy()
+    assert nondeterministic(run_of(x=a), run_of(x=b)) == {}
+    b[[0, 2_999_999]] = [1e-3, 2.0]  # in the first chunk and in the last
+    b[1_000_000] = np.nan  # NaN against a number: no difference can say how far
+    c = np.arange(6, dtype=np.int64)
+    d = c.copy()
+    d[4] = 9
+    got = nondeterministic(run_of(x=a, n=c, same=c), run_of(x=b, n=d, same=c))
+    assert got == {"x": math.inf, "n": 5.0}
+    b[1_000_000] = 0.0
+    assert nondeterministic(run_of(x=a), run_of(x=b)) == {"x": 2.0}
+    # Whether two runs are the same stops at the first difference: the first output, its first chunk.
+    assert nondeterministic(run_of(x=a, n=c), run_of(x=b, n=d), any_only=True) == {"x": pytest.approx(1e-3)}
 
 
 def test_only_rlx_nbs_eager_float32_cpu_runs_stand_in_for_the_rerun():

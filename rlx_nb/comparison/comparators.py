@@ -24,7 +24,7 @@ from rlx_nb.numerics import device as device_metrics
 from rlx_nb.numerics import formats
 from rlx_nb.numerics.elements import rel_error
 from rlx_nb.numerics.pairs import PairStats, pair_stats
-from rlx_nb.numerics.reference import error_stats, reference_stats
+from rlx_nb.numerics.reference import ReferenceStats, error_stats, reference_stats
 from rlx_nb.numerics.zeros import zero_split
 from rlx_nb.verdict import rule as verdict
 from rlx_nb.verdict.readings import looks_like_reduced_precision
@@ -213,7 +213,7 @@ class Floating(Comparator):
         self.notes += j.notes
         j = verdict.decide(j, cand.rule, fixed)
         if j.verdict == SUSPECT or j.rules.verdict_budget == SUSPECT:
-            j = self.read(j, got, judged_b, r, device)
+            j = self.read(j, got, errors, r, device)
         return self.record(j, pair)
 
     def backend_errors(self, b: np.ndarray, r: np.ndarray) -> tuple[Any, Any]:
@@ -271,8 +271,9 @@ class Floating(Comparator):
             discrete_events=events,
         )
 
-    def read(self, j: Judgement, got: Leaf, judged_b: Any, r: np.ndarray, device: bool) -> Judgement:
-        """What a SUSPECT output's error shows: positions the model zeroes, a precision likeness, its pattern."""
+    def read(self, j: Judgement, got: Leaf, errors: ReferenceStats, r: np.ndarray, device: bool) -> Judgement:
+        """What a SUSPECT output's error shows: positions the model zeroes, a precision likeness, its pattern
+        (its bias and its correlation with the fp64 values, from the sums of the pass that measured ``errors``)."""
         o, readings = self.ctx.oracle.value, {}
         if j.rules.verdict_budget == SUSPECT and not device:
             split = zero_split(o, got.value, r) if _real_alike(o, got.value, r) else None
@@ -287,8 +288,8 @@ class Floating(Comparator):
                 )
         if j.verdict == SUSPECT and looks_like_reduced_precision(j, self.cand.compute_dtype, self.ctx.kind):
             readings["anchor_likeness"] = self.likeness(got, r, j.reading.closest_format)
-        if j.verdict == SUSPECT and not device:
-            readings["error_bias"], readings["error_value_corr"] = error_pattern(judged_b, r)
+        if j.verdict == SUSPECT:
+            readings["error_bias"], readings["error_value_corr"] = errors.pattern
         return verdict.read_suspect(j, self.cand.compute_dtype, self.ctx.kind, **readings)
 
     def likeness(self, got: Leaf, r: np.ndarray, fmt: str) -> float:
@@ -351,26 +352,6 @@ def on_device(oracle: np.ndarray, got: Leaf) -> bool:
 
 
 _TORCH_OF = {np.dtype(np.float32): torch.float32, np.dtype(np.float16): torch.float16}
-
-
-def error_pattern(b: np.ndarray, r: np.ndarray) -> tuple[float, float]:
-    """``(bias, correlation)`` of a run's error against fp64: its mean over its RMS, and its correlation with
-    the fp64 values.  Noise has neither (:func:`rlx_nb.verdict.rule.noise_like`)."""
-    if b.shape != r.shape or b.dtype.kind != "f" or r.dtype.kind != "f":
-        return math.nan, math.nan
-    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        e = (b.astype(np.float64) - r).reshape(-1)
-        v = r.reshape(-1).astype(np.float64)
-        ok = np.isfinite(e) & np.isfinite(v)
-        e, v = e[ok], v[ok]
-        if e.size < 2:
-            return math.nan, math.nan
-        rms = float(np.sqrt(np.mean(e * e)))
-        bias = float(np.mean(e)) / rms if rms > 0 else 0.0
-        ec, vc = e - e.mean(), v - v.mean()
-        den = float(np.sqrt(np.sum(ec * ec) * np.sum(vc * vc)))
-        corr = float(np.sum(ec * vc)) / den if den > 0 else 0.0
-    return bias, corr
 
 
 _STATS_NAMES = {f.name for f in dataclasses.fields(PairStats)} | {n for n in vars(PairStats) if not n.startswith("_")}

@@ -194,8 +194,10 @@ def to_leaf(value: Any, keep_on_device: bool = False, *, copy: bool = False) -> 
     return Leaf(arr, dtype, tuple(arr.shape))
 
 
-def nondeterministic(first: BackendRun, second: BackendRun) -> dict[str, float]:
-    # Outputs whose two oracle runs differ (NaN in both counts as equal), with the largest difference.
+def nondeterministic(first: BackendRun, second: BackendRun, *, any_only: bool = False) -> dict[str, float]:
+    """Outputs whose two runs differ (NaN in both counts as equal), with the largest difference; with
+    ``any_only``, at most the first such output, found without reading further than its first difference
+    (whether two runs are the same, not by how much)."""
     unstable = {}
     for name, leaf in first.outputs.items():
         other = second.outputs.get(name)
@@ -204,15 +206,42 @@ def nondeterministic(first: BackendRun, second: BackendRun) -> dict[str, float]:
         a, b = leaf.value, other.value
         if a.shape != b.shape:
             unstable[name] = float("inf")
-            continue
-        if a.dtype == b.dtype and a.dtype.kind in "biufc" and _same_bits(a, b):
-            continue  # the common case, one pass: bit for bit the same
-        same = (a == b) | ((a != a) & (b != b)) if a.dtype.kind in "fc" else a == b
-        if not np.all(same):
-            with np.errstate(invalid="ignore", over="ignore"):
-                diff = np.abs(a.astype(np.float64) - b.astype(np.float64)) if a.dtype.kind != "b" else (a != b)
-            unstable[name] = float(np.nanmax(diff)) if diff.size else 0.0
+        elif (largest := _largest_difference(a, b, first_only=any_only)) is not None:
+            unstable[name] = largest
+        if unstable and any_only:
+            break
     return unstable
+
+
+_CHUNK = 1 << 20  # elements compared at a time: the temporaries stay a few MB whatever the output's size
+
+
+def _largest_difference(a: np.ndarray, b: np.ndarray, *, first_only: bool) -> float | None:
+    # The largest |a - b| over the elements where two arrays of one shape differ (NaN equal to NaN; NaN against a
+    # number is inf), None where none does; chunk by chunk, each first compared byte for byte (the common case:
+    # the same bits, one pass).
+    bitwise = a.dtype == b.dtype and a.dtype.kind in "biufc"
+    x, y = np.ascontiguousarray(a).reshape(-1), np.ascontiguousarray(b).reshape(-1)
+    largest = None
+    for s in range(0, x.size, _CHUNK):
+        xc, yc = x[s : s + _CHUNK], y[s : s + _CHUNK]
+        if bitwise and _same_bits(xc, yc):
+            continue
+        same = (xc == yc) | ((xc != xc) & (yc != yc)) if xc.dtype.kind in "fc" or yc.dtype.kind in "fc" else xc == yc
+        if np.all(same):
+            continue
+        off = ~same
+        if xc.dtype.kind == "b":
+            here = 1.0
+        else:
+            wide = np.complex128 if "c" in (xc.dtype.kind, yc.dtype.kind) else np.float64
+            with np.errstate(invalid="ignore", over="ignore"):
+                diff = np.abs(xc[off].astype(wide) - yc[off].astype(wide))
+            here = float(np.where(np.isnan(diff), np.inf, diff).max())
+        largest = here if largest is None else max(largest, here)
+        if first_only:
+            break
+    return largest
 
 
 def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:

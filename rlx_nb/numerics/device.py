@@ -131,7 +131,7 @@ def reference_stats(x: torch.Tensor, reference: torch.Tensor) -> ReferenceStats:
     """:func:`rlx_nb.numerics.reference.reference_stats` for a flat tensor and a flat float64 reference on one device."""
     if x.shape != reference.shape:
         raise InputError(f"shapes differ: {tuple(x.shape)} vs {tuple(reference.shape)}")
-    sq = mx = rsq = rmx = 0.0
+    sq = mx = rsq = rmx = se = sr = ser = 0.0
     count = 0
     for s in range(0, x.numel(), CHUNK):
         r = reference[s : s + CHUNK].double()
@@ -141,11 +141,10 @@ def reference_stats(x: torch.Tensor, reference: torch.Tensor) -> ReferenceStats:
         count += int(ok.sum())
         sq += float((d * d).sum())
         rsq += float((r * r).sum())
+        se, sr, ser = se + float(d.sum()), sr + float(r.sum()), ser + float((d * r).sum())
         mx = max(mx, float(d.abs().max())) if d.numel() else mx
         rmx = max(rmx, float(r.abs().max())) if r.numel() else rmx
-    if count == 0:
-        return ReferenceStats(0.0, 0.0, 0.0, 0.0)
-    return ReferenceStats(math.sqrt(sq / count), mx, math.sqrt(rsq / count), rmx)
+    return ReferenceStats.of_sums((sq, mx, rsq, rmx, count, se, sr, ser))
 
 
 @torch.no_grad()

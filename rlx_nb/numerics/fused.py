@@ -189,13 +189,17 @@ def _f32_range(e, a, ei, ai, start, stop, rtol, atol, rel_eps, floor, above, sum
 
 
 def _reference_range(x, ref, start, stop):  # pragma: no cover - compiled
-    # Squared-error sum, largest error, the reference's squared sum and largest magnitude, and the
-    # count, over elements where both are finite (x: float32 or float64; ref: float64).
+    # Squared-error sum, largest error, the reference's squared sum and largest magnitude, the count,
+    # and the error's, the reference's and their product's sums (the error's pattern), over elements
+    # where both are finite (x: float32 or float64; ref: float64).
     sq = 0.0
     mx = 0.0
     rsq = 0.0
     rmx = 0.0
     count = 0
+    se = 0.0
+    sr = 0.0
+    ser = 0.0
     xs = x[start:stop]  # views indexed from 0: see the block views in _f32_range
     rs = ref[start:stop]
     for i in range(xs.size):
@@ -207,20 +211,26 @@ def _reference_range(x, ref, start, stop):  # pragma: no cover - compiled
         count += 1 if ok else 0
         sq += d * d
         rsq += r * r
+        se += d
+        sr += r
+        ser += d * r
         mx = max(mx, abs(d))
         rmx = max(rmx, abs(r))
-    return sq, mx, rsq, rmx, count
+    return sq, mx, rsq, rmx, count, se, sr, ser
 
 
 def _slice_rows(x, ref, r0, r1, row_s, row_q, row_n, col_s, col_q, col_n):  # pragma: no cover - compiled
     # Errors e = x - ref (float64) of rows r0..r1 of two 2-D arrays, where both are finite: per row
     # their sum, sum of squares and count (row_* of length 0: not kept), and per column the same,
-    # added to col_* (one set per worker).  Returns the largest error, and the reference's squared
-    # sum and largest magnitude there: with the sums, what :func:`_reference_range` gives.
+    # added to col_* (one set per worker).  Returns the largest error, the reference's squared sum and
+    # largest magnitude there, and the reference's and the error-times-reference sums: with the column
+    # sums, what :func:`_reference_range` gives.
     keep_rows = row_s.size > 0
     mx = 0.0
     rsq = 0.0
     rmx = 0.0
+    sr = 0.0
+    ser = 0.0
     for i in range(r0, r1):
         s = 0.0
         q = 0.0
@@ -240,12 +250,55 @@ def _slice_rows(x, ref, r0, r1, row_s, row_q, row_n, col_s, col_q, col_n):  # pr
             col_n[j] += c
             mx = max(mx, abs(e))
             rsq += r * r
+            sr += r
+            ser += e * r
             rmx = max(rmx, abs(r))
         if keep_rows:
             row_s[i] = s
             row_q[i] = q
             row_n[i] = n
-    return mx, rsq, rmx
+    return mx, rsq, rmx, sr, ser
+
+
+def _zero_range(o, b, ref, start, stop):  # pragma: no cover - compiled
+    # Over elements start..stop of three flat arrays: where the oracle and the reference are both exactly 0,
+    # their count, how many of the backend's are not 0 there and its largest finite magnitude; elsewhere the
+    # sums of :func:`_reference_range` of ``b`` against ``ref`` (for rlx_nb.numerics.zeros.zero_split).
+    zeroed = 0
+    nonzero = 0
+    largest = 0.0
+    sq = 0.0
+    mx = 0.0
+    rsq = 0.0
+    rmx = 0.0
+    count = 0
+    se = 0.0
+    sr = 0.0
+    ser = 0.0
+    os_ = o[start:stop]  # views indexed from 0: see the block views in _f32_range
+    bs = b[start:stop]
+    rs = ref[start:stop]
+    for i in range(os_.size):
+        r = rs[i]
+        x = np.float64(bs[i])
+        if os_[i] == 0 and r == 0:
+            zeroed += 1
+            if x != 0:
+                nonzero += 1
+                if abs(x) < math.inf:
+                    largest = max(largest, abs(x))
+            continue
+        d = x - r
+        if abs(d) < math.inf and abs(r) < math.inf:
+            count += 1
+            sq += d * d
+            rsq += r * r
+            se += d
+            sr += r
+            ser += d * r
+            mx = max(mx, abs(d))
+            rmx = max(rmx, abs(r))
+    return zeroed, nonzero, largest, sq, mx, rsq, rmx, count, se, sr, ser  # (the last 8: _reference_range's)
 
 
 def _pool_rows(o, b, r0, r1, fy, fx, rel, rel_eps, pooled):  # pragma: no cover - compiled
@@ -294,6 +347,11 @@ def reference_kernel():
 def slice_kernel():
     """The compiled :func:`_slice_rows`, or ``None`` like :func:`kernel`."""
     return None if kernel() is None else _compiled("_slice_rows")
+
+
+def zero_kernel():
+    """The compiled :func:`_zero_range`, or ``None`` like :func:`kernel`."""
+    return None if kernel() is None else _compiled("_zero_range")
 
 
 def pool_kernel():

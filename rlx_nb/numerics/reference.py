@@ -26,6 +26,45 @@ class ReferenceStats:
     max_err: float
     ref_rms: float
     ref_max: float
+    count: int = 0
+    """The finite pairs the figures are over (0 where only the four figures were given)."""
+    sum_err: float = math.nan
+    """Sum of the signed errors ``x - reference``."""
+    sum_ref: float = math.nan
+    """Sum of the reference's values."""
+    sum_err_ref: float = math.nan
+    """Sum of each error times its reference value."""
+
+    @classmethod
+    def of_sums(cls, sums: tuple) -> ReferenceStats:
+        """The statistics from the sums one pass forms, in :func:`_reference_range`'s order: the squared errors'
+        sum, the largest error, the reference's squared sum and largest magnitude, the count, and the error's
+        pattern sums (the errors', the reference's, the errors times the reference)."""
+        sq, mx, rsq, rmx, count, se, sr, ser = sums
+        if count == 0:
+            return cls(0.0, 0.0, 0.0, 0.0)
+        return cls(math.sqrt(sq / count), mx, math.sqrt(rsq / count), rmx, int(count), se, sr, ser)
+
+    @property
+    def pattern(self) -> tuple[float, float]:
+        """``(bias, correlation)`` of the error: its mean over its RMS, and its correlation with the
+        reference's values; NaN without the sums or with fewer than two pairs.  Noise has neither
+        (:func:`rlx_nb.verdict.readings.noise_like`).
+
+        Examples
+        --------
+        >>> r = np.float64([1.0, 2.0, 3.0, 4.0])
+        >>> [round(v, 3) for v in reference_stats(r + 0.1 * r, r).pattern]
+        [0.913, 1.0]
+        """
+        n = self.count
+        if n < 2 or not math.isfinite(self.sum_err_ref):
+            return math.nan, math.nan
+        see, srr = self.rmse**2 * n, self.ref_rms**2 * n
+        bias = self.sum_err / n / self.rmse if self.rmse > 0 else 0.0
+        cov = self.sum_err_ref - self.sum_err * self.sum_ref / n
+        var = max(see - self.sum_err**2 / n, 0.0) * max(srr - self.sum_ref**2 / n, 0.0)
+        return bias, (max(-1.0, min(1.0, cov / math.sqrt(var))) if var > 0 else 0.0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,7 +150,7 @@ def error_stats(x: np.ndarray, reference: np.ndarray) -> tuple[ReferenceStats, S
     parts = [[np.zeros(cols, np.float64) for _ in range(3)] for _ in bands]
     if kern is not None:
         scalars = on_cores(lambda a, b: kern(xf, rf, a, b, *row, *parts[bands.index((a, b))]), bands)
-    else:
+    else:  # (largest error, reference squares, largest reference, reference sum, error-times-reference sum)
         scalars = []
         step = max(1, CHUNK // cols)
         for a in range(0, rows, step):
@@ -130,15 +169,16 @@ def error_stats(x: np.ndarray, reference: np.ndarray) -> tuple[ReferenceStats, S
                     float(np.abs(e).max(initial=0.0)),
                     dot(rc.ravel(), rc.ravel()),
                     float(np.abs(rc).max(initial=0.0)),
+                    float(rc.sum()),
+                    dot(e.ravel(), rc.ravel()),
                 )
             )
     col = [sum(p[i] for p in parts) for i in range(3)]
     slices = slices_from_rows(x.shape, axes, col, row)
-    count = float(col[2].sum())
-    if count == 0:
-        return ReferenceStats(0.0, 0.0, 0.0, 0.0), slices
     mx, rsq, rmx = max(v[0] for v in scalars), sum(v[1] for v in scalars), max(v[2] for v in scalars)
-    return ReferenceStats(math.sqrt(float(col[1].sum()) / count), mx, math.sqrt(rsq / count), rmx), slices
+    sr, ser = sum(v[3] for v in scalars), sum(v[4] for v in scalars)
+    stats = ReferenceStats.of_sums((float(col[1].sum()), mx, rsq, rmx, int(col[2].sum()), float(col[0].sum()), sr, ser))
+    return stats, slices
 
 
 @np.errstate(invalid="ignore", over="ignore")
@@ -162,11 +202,11 @@ def reference_stats(x: np.ndarray, reference: np.ndarray) -> ReferenceStats:
         kern = _fused.reference_kernel()
         if kern is not None:  # (any size: a small output is one range, one call, ~10 numpy calls' overhead saved)
             return _fused_reference_stats(kern, xf, rf)
-    sq = mx = rsq = rmx = 0.0
+    sq = mx = rsq = rmx = se = sr = ser = 0.0
     count = 0
     buf = np.empty(min(CHUNK, xf.size), np.float64)
     for s in range(0, xf.size, CHUNK):
-        xc, rc = xf[s : s + CHUNK], rf[s : s + CHUNK]
+        xc, rc = xf[s : s + CHUNK], rf[s : s + CHUNK].astype(np.float64, copy=False)
         d = np.subtract(xc, rc, out=buf[: xc.size], dtype=np.float64)
         ok = None
         if not np.isfinite(d).all() or not np.isfinite(rc).all():
@@ -178,21 +218,11 @@ def reference_stats(x: np.ndarray, reference: np.ndarray) -> ReferenceStats:
             mx = max(mx, float(np.abs(d).max()))
             rsq += dot(rc, rc)
             rmx = max(rmx, float(np.abs(rc).max()))
-    if count == 0:
-        return ReferenceStats(0.0, 0.0, 0.0, 0.0)
-    return ReferenceStats(math.sqrt(sq / count), mx, math.sqrt(rsq / count), rmx)
+            se, sr, ser = se + float(d.sum()), sr + float(rc.sum()), ser + dot(d, rc)
+    return ReferenceStats.of_sums((sq, mx, rsq, rmx, count, se, sr, ser))
 
 
 def _fused_reference_stats(kern, xf: np.ndarray, rf: np.ndarray) -> ReferenceStats:
     # One compiled pass per core, like the fused pair_stats (one range, on the calling thread, for a small output).
     parts = on_cores(lambda start, stop: kern(xf, rf, start, stop), ranges(xf.size))
-    sq, mx, rsq, rmx, count = (
-        sum(p[0] for p in parts),
-        max(p[1] for p in parts),
-        sum(p[2] for p in parts),
-        max(p[3] for p in parts),
-        sum(p[4] for p in parts),
-    )
-    if count == 0:
-        return ReferenceStats(0.0, 0.0, 0.0, 0.0)
-    return ReferenceStats(math.sqrt(sq / count), mx, math.sqrt(rsq / count), rmx)
+    return ReferenceStats.of_sums(tuple((max if k in (1, 3) else sum)(p[k] for p in parts) for k in range(8)))

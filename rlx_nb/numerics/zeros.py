@@ -16,7 +16,8 @@ import math
 
 import numpy as np
 
-from rlx_nb.numerics.pairs import CHUNK, dot
+from rlx_nb.numerics import fused as _fused
+from rlx_nb.numerics.pairs import CHUNK, dot, on_cores, ranges
 from rlx_nb.numerics.reference import ReferenceStats
 
 
@@ -49,6 +50,11 @@ def zero_split(oracle: np.ndarray, backend: np.ndarray, reference: np.ndarray) -
     True
     """
     o, b, r = (np.ascontiguousarray(a).reshape(-1) for a in (oracle, backend, reference))
+    floats = (np.float32, np.float64)
+    if o.dtype in floats and b.dtype in floats and r.dtype == np.float64 and (kern := _fused.zero_kernel()):
+        parts = on_cores(lambda start, stop: kern(o, b, r, start, stop), ranges(o.size))
+        zeroed, nonzero, largest, *sums = ((max if k in (2, 4, 6) else sum)(p[k] for p in parts) for k in range(11))
+        return ZeroSplit(zeroed, nonzero, largest, ReferenceStats.of_sums(tuple(sums))) if nonzero else None
     zeroed = nonzero = count = 0
     largest = sq = mx = rsq = rmx = 0.0
     for s in range(0, o.size, CHUNK):
@@ -69,5 +75,6 @@ def zero_split(oracle: np.ndarray, backend: np.ndarray, reference: np.ndarray) -
             mx, rmx = max(mx, float(np.abs(d).max())), max(rmx, float(np.abs(rest).max()))
     if nonzero == 0:
         return None
-    n = max(count, 1)
-    return ZeroSplit(zeroed, nonzero, largest, ReferenceStats(math.sqrt(sq / n), mx, math.sqrt(rsq / n), rmx))
+    return ZeroSplit(
+        zeroed, nonzero, largest, ReferenceStats.of_sums((sq, mx, rsq, rmx, count, math.nan, math.nan, math.nan))
+    )

@@ -134,8 +134,10 @@ class EarlyVerdicts:
         alone = dataclasses.replace(results, candidates={name: results.candidates[name]})
         records = compare(alone, tol_rel=self.tol_rel, rule=self.rule, progress=False, outputs=self.contexts(results))
         self.by_backend[name] = records
-        early = DivergenceReport(alone, records, rule=self.rule, tol_rel=self.tol_rel)
-        self.board.add(lambda: f"rlx_nb: {self.line(early)}")  # (made only if shown)
+        early, line = DivergenceReport(alone, records, rule=self.rule, tol_rel=self.tol_rel), self.line
+        # (made only if shown; the board's line holds no reference back to self: no cycle keeps this call's
+        # outputs alive after it returns, until the collector runs)
+        self.board.add(lambda: f"rlx_nb: {line(early)}")
         wants = set()
         if not results.anchors:
             self.without_anchors.add(name)
