@@ -7,7 +7,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.rlx_nb-installed
 TORCH_PIN := torch==2.13.0
 
-.PHONY: demo test lint format bench notebooks clean
+.PHONY: demo test lint format bench bench-check notebooks clean
 
 $(STAMP): pyproject.toml requirements/runtimes.txt
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -36,10 +36,17 @@ TEST_WORKERS ?= auto
 test: lint
 	OPENBLAS_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
+# A quick set of the ratio benchmarks against the committed results (a few minutes; not part of `make test`):
+# fails when a ratio is more than 25% worse than committed or misses its target.  Run it before resolving an
+# issue that touches rlx_nb/.
+bench-check: $(STAMP)
+	OPENBLAS_NUM_THREADS=1 $(BIN)/python bench/check.py
+
 bench: $(STAMP)
 	$(BIN)/python bench/metrics_speed.py
 	$(BIN)/python bench/heatmap_speed.py
 	$(BIN)/python bench/end_to_end.py
+	$(BIN)/python bench/explorer_speed.py
 	$(BIN)/python bench/notebook_speed.py
 	$(BIN)/python bench/report_memory.py
 	$(BIN)/python bench/growth.py

@@ -18,8 +18,19 @@ def run_child(script: str, *args: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def write_result(name: str, lines: list[str]) -> None:
-    """Write ``bench/results/NAME`` and say where."""
+def write_result(name: str, lines: list[str], rows: list[dict] | None = None) -> None:
+    """Write ``bench/results/NAME`` and say where; with ``rows``, also ``NAME`` as ``.json`` (the figures
+    ``bench/check.py`` compares a new run with)."""
     path = RESULTS / name
     path.write_text("\n".join(lines) + "\n")
     print(f"wrote {path}")
+    if rows is not None:
+        figures = path.with_suffix(".json")
+        figures.write_text(json.dumps(rows, indent=1) + "\n")
+        print(f"wrote {figures}")
+
+
+def read_rows(name: str) -> list[dict]:
+    """The committed figures of ``bench/results/NAME`` (its ``.json``), or [] where there are none."""
+    figures = (RESULTS / name).with_suffix(".json")
+    return json.loads(figures.read_text()) if figures.exists() else []

@@ -1,0 +1,119 @@
+"""A quick set of the ratio benchmarks, against the committed results: ``make bench-check``.
+
+Runs, in a few minutes on 2 cores, what a change to ``rlx_nb/`` is most likely to slow down, each as a ratio to
+its anchor measured in the same run:
+
+- end to end at 1e7 and 5e7 elements (``bench/end_to_end.py``'s gelu row: the call over ``assert_close``'s
+  failure, and the peak RSS at 5e7);
+- the metric pass at 1e7 and 5e7 (``bench/metrics_speed.py``: the full set over a bare max-abs);
+- an explorer step (``bench/explorer_speed.py``'s demo report: its slowest interaction over drawing the same two
+  figures by hand).
+
+Each is compared with the figure the full benchmark committed in ``bench/results/*.json``: the check fails (exit 1)
+when a ratio is more than 25% worse than committed, or misses its target.  Each line says which.
+
+    python bench/check.py
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+
+import end_to_end
+import explorer_speed
+import metrics_speed
+from _child import read_rows
+
+WORSE = 1.25
+"""A ratio this many times the committed one is a regression."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Figure:
+    """One measured figure: lower is better; ``target`` the most it may be (None: only the committed figure)."""
+
+    name: str
+    value: float
+    unit: str
+    committed: float | None
+    target: float | None = None
+
+    def problems(self) -> list[str]:
+        found = []
+        if self.target is not None and self.value > self.target:
+            found.append(f"misses its target (<= {self.target:g}{self.unit})")
+        if self.committed is not None and self.value > self.committed * WORSE:
+            found.append(f"{self.value / self.committed:.2f}x the committed {self.committed:.3g}{self.unit}")
+        return found
+
+    def line(self) -> str:
+        committed = f"committed {self.committed:.3g}{self.unit}" if self.committed is not None else "none committed"
+        target = f", target <= {self.target:g}{self.unit}" if self.target is not None else ""
+        problems = self.problems()
+        verdict = "FAIL: " + "; ".join(problems) if problems else "ok"
+        return f"bench-check: {self.name}: {self.value:.3g}{self.unit} ({committed}{target}): {verdict}"
+
+
+def _committed(rows: list[dict], **where) -> dict | None:
+    # The committed row whose fields match ``where`` (sizes within 5%: a row records the elements it ran).
+    for row in rows:
+        if all(abs(row[k] - v) <= 0.05 * v if isinstance(v, (int, float)) else row[k] == v for k, v in where.items()):
+            return row
+    return None
+
+
+def end_to_end_figures() -> list[Figure]:
+    rows, out = read_rows("end_to_end.md"), []
+    for n in (10**7, 5 * 10**7):
+        got, old = end_to_end.measure("gelu", n), _committed(rows, model="gelu", n=n)
+        at = "5e7" if n > 10**7 else "1e7"
+        target = n > 10**7
+        out.append(Figure(f"end to end gelu {at}, backend_divergence / assert_close", got["rlx"] / got["close"], "x",
+                          old and old["rlx"] / old["close"], end_to_end.TARGET_RATIO if target else None))  # fmt: skip
+        if target:
+            out.append(Figure(f"end to end gelu {at}, peak RSS", got["rss_gb"], " GB", old and old["rss_gb"],
+                              end_to_end.TARGET_GB))  # fmt: skip
+    return out
+
+
+def metric_figures() -> list[Figure]:
+    rows, out = read_rows("metrics_speed.md"), []
+    for n in (10**7, 5 * 10**7):
+        got, old = metrics_speed.measure(n, repeat=5), _committed(rows, n=n)
+        at = "5e7" if n > 10**7 else "1e7"
+        out.append(Figure(f"metric pass {at}, pair_stats / max-abs", got["pair_stats_s"] / got["max_abs_s"], "x",
+                          old and old["pair_stats_s"] / old["max_abs_s"], metrics_speed.TARGET_TO_MAX_ABS))  # fmt: skip
+        if n > 10**7:  # (the other target, as a lower-is-better ratio: pair_stats / assert_close's failure)
+            out.append(Figure(f"metric pass {at}, pair_stats / assert_close", got["pair_stats_s"] / got["assert_close_s"],
+                              "x", old and old["pair_stats_s"] / old["assert_close_s"],
+                              1 / metrics_speed.TARGET_OVER_ASSERT_CLOSE))  # fmt: skip
+    return out
+
+
+def explorer_figures() -> list[Figure]:
+    report = explorer_speed.small_report()
+    explorer_speed._interactions(report, "cpu-nomkldnn")  # (warm-up, as the full benchmark does)
+    got = explorer_speed.measure(report, "cpu-nomkldnn")
+    old = _committed(read_rows("explorer_speed.md"), report="demo transformer, forward + backward")
+    return [
+        Figure("explorer step (demo report), slowest / by hand", got["ratio"], "x", old and old["ratio"]),
+        Figure("explorer step (demo report), slowest", got["slowest_s"], " s", None, explorer_speed.TARGET_S),
+    ]
+
+
+def main() -> int:
+    t0 = time.perf_counter()
+    figures = []
+    for part in (end_to_end_figures, metric_figures, explorer_figures):
+        for figure in part():
+            figures.append(figure)
+            print(figure.line(), flush=True)
+    failed = [f for f in figures if f.problems()]
+    print(f"bench-check: {len(figures) - len(failed)} of {len(figures)} ok in {time.perf_counter() - t0:.0f} s")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
