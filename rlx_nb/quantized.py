@@ -38,10 +38,11 @@ import numpy as np
 import torch
 
 from rlx_nb._support.progress import bar
+from rlx_nb._support.quiet import quiet
 from rlx_nb._support.tree import flatten
 from rlx_nb.backends.base import Backend
 from rlx_nb.backends.executorch_runtime import executorch_reason
-from rlx_nb.backends.onnx import _FlatOutputs, _quiet
+from rlx_nb.backends.onnx import _FlatOutputs
 from rlx_nb.backends.registry import get_backend, resolve_backends
 from rlx_nb.comparison.tables import Table
 from rlx_nb.errors import BackendError, InputError, describe_error
@@ -83,7 +84,7 @@ def quantize_pt2e(model: torch.nn.Module, inputs: Any, *, calibration: Iterable[
     reason = executorch_reason()
     if reason is not None:
         raise BackendError(f"int8 quantization needs ExecuTorch's XNNPACK quantizer: {reason}")
-    with _quiet():  # (torchao reports its optional CUDA kernels as it loads)
+    with quiet():  # (torchao reports its optional CUDA kernels as it loads)
         from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (
             XNNPACKQuantizer,
             get_symmetric_quantization_config,
@@ -97,7 +98,7 @@ def quantize_pt2e(model: torch.nn.Module, inputs: Any, *, calibration: Iterable[
     quantizer.set_global(get_symmetric_quantization_config(is_per_channel=True))
     flat = _FlatOutputs(model.eval())  # (a cache object among the outputs: export takes tensors only)
     original = flat.record(tuple(args))  # (what the float model returns, whose structure the int8 graph keeps)
-    with torch.no_grad(), _quiet():
+    with torch.no_grad(), quiet():
         prepared = prepare_pt2e(torch.export.export(flat, tuple(args), strict=False).module(), quantizer)
         for batch in [args] if calibration is None else [normalize_inputs(c)[0] for c in calibration]:
             prepared(*batch)

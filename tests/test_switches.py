@@ -82,6 +82,15 @@ def test_an_interrupt_raised_inside_a_backend_propagates(kind, timeout_s, x):
     assert torch.backends.mkldnn.enabled
 
 
+@pytest.fixture(autouse=True)
+def _ctrl_c_as_in_a_terminal():
+    # SIGINT raises KeyboardInterrupt here, as in a terminal, even where whoever started the suite ignores it (a job
+    # in the background of a shell, whose children start with SIGINT ignored).
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, before)
+
+
 def _interrupt_when(event: threading.Event) -> threading.Thread:
     # A real Ctrl-C: SIGINT to this process once ``event`` is set (the backend is inside its slow part).
     def fire():
@@ -170,6 +179,7 @@ def test_ctrl_c_during_an_onnx_export_keeps_what_finished_and_the_process_exits_
     script = tmp_path / "interrupt.py"
     script.write_text(
         "import os, signal, torch, rlx_nb\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)  # (Ctrl-C as in a terminal, whoever started us)\n"
         "real = torch.onnx.export\n"
         "def export(*args, **kwargs):\n"
         "    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C, once the export has begun\n"
@@ -264,3 +274,63 @@ def test_an_interrupt_before_any_backend_finished_keeps_nothing_of_an_earlier_ca
     assert "rlx_nb: interrupted while cpu-f64 ran, before any backend had finished: nothing was kept" in (
         caught.value.__notes__
     )
+
+
+def test_a_second_ctrl_c_while_the_run_waits_for_an_abandoned_backend_leaves_it_waited_for_at_exit(tmp_path):
+    # #46: a second Ctrl-C landed inside abandon()'s wait, before the thread was registered to be waited for at
+    # exit: the interpreter then finalized while the backend was inside C++ code ("Fatal Python error: Aborted").
+    # Here the backend's thread sits in a C call (time.sleep: the Stopped raised into it lands only after it).
+    script = tmp_path / "twice.py"
+    script.write_text(
+        "import os, signal, threading, time\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)  # (Ctrl-C as in a terminal, whoever started us)\n"
+        "from rlx_nb._support import switches\n"
+        "entered = threading.Event()\n"
+        "def backend():\n"
+        "    entered.set()\n"
+        "    time.sleep(2.0)  # one long C call\n"
+        "thread = switches.worker(backend, 'rlx_nb:long-call')\n"
+        "thread.start()\n"
+        "entered.wait()\n"
+        "threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGINT)).start()  # the second Ctrl-C, during the wait\n"
+        "try:\n"
+        "    switches.abandon(thread, {}, wait_s=10.0)\n"
+        "except KeyboardInterrupt:\n"
+        "    print('INTERRUPTED', thread.is_alive(), thread in switches._LEFT_RUNNING, flush=True)\n"
+    )
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "Fatal Python error" not in done.stderr, (done.returncode, done.stderr[-2000:])
+    assert "INTERRUPTED True True" in done.stdout, done.stdout
+    assert "waiting for the abandoned backend thread 'rlx_nb:long-call' to stop before exiting" in done.stderr
+
+
+@pytest.mark.slow
+def test_two_ctrl_c_while_a_backend_is_inside_a_long_cpp_call_keep_what_finished_and_exit_cleanly(tmp_path):
+    script = tmp_path / "twice.py"
+    script.write_text(
+        "import os, signal, threading, torch, rlx_nb\n"
+        "signal.signal(signal.SIGINT, signal.default_int_handler)  # (Ctrl-C as in a terminal, whoever started us)\n"
+        "def long_cpp(model, inputs):\n"
+        "    a = torch.randn(2000, 2000)\n"
+        "    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C as the backend enters a long C++ call\n"
+        "    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()  # and again while the run waits\n"
+        "    torch.linalg.matrix_power(a, 64)\n"
+        "    return model(*inputs)\n"
+        "rlx_nb.register_backend('long-cpp', long_cpp)\n"
+        "try:\n"
+        "    rlx_nb.backend_divergence(torch.nn.Linear(8, 4), torch.randn(2, 8), backends=['cpu-nomkldnn', 'long-cpp'],\n"
+        "                              progress=False)\n"
+        "except KeyboardInterrupt:\n"
+        "    print('KEPT', list(rlx_nb.interrupted_report().results.candidates), flush=True)\n"
+        "print('AFTER', flush=True)\n"
+    )
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, RLX_NB_PROGRESS="0"))  # fmt: skip
+    assert done.returncode == 0 and "Fatal Python error" not in done.stderr, (done.returncode, done.stderr[-2000:])
+    assert "KEPT ['cpu-nomkldnn']" in done.stdout and "AFTER" in done.stdout

@@ -36,6 +36,8 @@ from typing import Any
 
 import torch
 
+from rlx_nb._support import quiet
+
 
 def _dynamo_get(name: str) -> Callable[[], Any]:
     # A torch._dynamo config value, read only when dynamo is imported already (importing it costs 2.6 s).
@@ -290,21 +292,27 @@ EXIT_WAIT_S = 60.0
 
 
 def abandon(thread: threading.Thread, saved: dict[str, Any], *, wait_s: float = 0.0) -> bool:
-    """Give up on ``thread`` (still running a backend): put every switch back to ``saved`` at once, raise
-    :class:`Stopped` in it (it lands at its next Python step) and wait up to ``wait_s`` seconds for it to unwind.
-    Returns whether it has stopped."""
+    """Give up on ``thread`` (still running a backend): put every switch back to ``saved`` at once, end its part in
+    any output capture (:func:`rlx_nb._support.quiet.release`), raise :class:`Stopped` in it (it lands at its next
+    Python step) and wait up to ``wait_s`` seconds for it to unwind.  Returns whether it has stopped.
+
+    The thread is registered to be waited for at exit *before* the wait: a second Ctrl-C that lands inside the
+    wait still leaves it registered (else the interpreter finalizes while it is inside C++ code, and aborts)."""
     with _FLIP_LOCK:
         setattr(thread, _ABANDONED_ATTR, True)
         restore(saved)
+        if not _finished(thread, 0.0):
+            if not _LEFT_RUNNING:
+                atexit.register(_wait_at_exit)
+            _LEFT_RUNNING.add(thread)
+    quiet.release(thread)
     if _finished(thread, 0.0):
+        _LEFT_RUNNING.discard(thread)
         return True
     raise_in(thread.ident, Stopped)
     if _finished(thread, wait_s):
+        _LEFT_RUNNING.discard(thread)
         return True
-    with _FLIP_LOCK:
-        if not _LEFT_RUNNING:
-            atexit.register(_wait_at_exit)
-        _LEFT_RUNNING.add(thread)
     return False
 
 
@@ -318,13 +326,20 @@ def _wait_at_exit() -> None:
     # A daemon thread still inside torch's C++ code when the interpreter finalizes aborts the process (SIGABRT,
     # the finished work and the exit code lost): give abandoned backends, stopped at their next Python step,
     # the time to get there.
+    # A Ctrl-C during this wait does not cut it short: the process would abort instead of exiting.
     deadline = time.monotonic() + EXIT_WAIT_S
     for thread in list(_LEFT_RUNNING):
         if not _finished(thread, 0.0):
             print(f"rlx_nb: waiting for the abandoned backend thread {thread.name!r} to stop before exiting",
                   file=sys.stderr, flush=True)  # fmt: skip
             raise_in(thread.ident, Stopped)
-            _finished(thread, max(0.0, deadline - time.monotonic()))
+            while time.monotonic() < deadline:
+                try:
+                    if _finished(thread, max(0.0, deadline - time.monotonic())):
+                        break
+                except KeyboardInterrupt:
+                    print("rlx_nb: still waiting (up to a minute): exiting now would abort the process",
+                          file=sys.stderr, flush=True)  # fmt: skip
     _LEFT_RUNNING.clear()
 
 

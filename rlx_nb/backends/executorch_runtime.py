@@ -16,9 +16,10 @@ from typing import Any
 import torch
 
 from rlx_nb._support import meter as phases
+from rlx_nb._support.quiet import quiet, quiet_first
 from rlx_nb.backends.base import Backend
 from rlx_nb.backends.notes import add_note
-from rlx_nb.backends.onnx import _FlatOutputs, _quiet, attempt, quiet_first
+from rlx_nb.backends.onnx import _FlatOutputs, attempt
 from rlx_nb.errors import with_root_cause
 
 PIP = "pip install 'rlx_nb[executorch]'"
@@ -33,7 +34,7 @@ def executorch_reason() -> str | None:
     if missing:
         return f"not installed: {' '.join(missing)} ({PIP})"
     try:
-        with _quiet():  # torchao reports its optional CUDA kernels as it loads
+        with quiet():  # torchao reports its optional CUDA kernels as it loads
             import executorch.runtime  # noqa: F401
     except Exception as exc:
         return f"ExecuTorch's runtime does not load: {with_root_cause(exc)} ({PIP})"
@@ -109,17 +110,17 @@ def _prepare(model: Any, inputs: tuple, *, delegate: bool) -> Any:
     for i, x in enumerate(inputs):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"ExecuTorch export needs tensor inputs; input {i} is {type(x).__name__}")
-    with _quiet():
+    with quiet():
         from executorch.runtime import Runtime
     wrapper = _FlatOutputs(model)
     wrapper.record(tuple(inputs))
     try:
-        with _quiet(), torch.no_grad():
+        with quiet(), torch.no_grad():
             buffer, ops, delegated, outputs = _lower(wrapper, tuple(inputs), delegate)
     except Exception as exc:
         raise RuntimeError(f"{label}: export or lowering failed: {with_root_cause(exc)}") from None
     _say_fallbacks(label, ops, delegated)
-    with _quiet(), phases.step("executorch: load"):  # (its CPU probe writes to stderr from C++)
+    with quiet(), phases.step("executorch: load"):  # (its CPU probe writes to stderr from C++)
         # The method reads its program, and the program the buffer: both kept alive by the runner (a method
         # whose program was collected crashes the process).
         program = Runtime.get().load_program(buffer)

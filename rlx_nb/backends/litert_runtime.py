@@ -18,9 +18,10 @@ import numpy as np
 import torch
 
 from rlx_nb._support import meter as phases
+from rlx_nb._support.quiet import quiet, quiet_first
 from rlx_nb.backends.base import Backend
 from rlx_nb.backends.notes import add_note
-from rlx_nb.backends.onnx import _FlatOutputs, _quiet, _weights_key, attempt, quiet_first
+from rlx_nb.backends.onnx import _FlatOutputs, _weights_key, attempt
 from rlx_nb.errors import with_root_cause
 
 PIP = "pip install 'rlx_nb[litert]'"
@@ -57,12 +58,12 @@ def converted(wrapper: _FlatOutputs, inputs: tuple) -> Converted:
     key = _weights_key(wrapper.model, inputs)
     if key in _CONVERTED:
         return _CONVERTED[key]
-    with _quiet():  # (its import loads jax and TensorFlow's kernels, which log from C++)
+    with quiet():  # (its import loads jax and TensorFlow's kernels, which log from C++)
         import litert_torch
 
     directory = tempfile.TemporaryDirectory(prefix="rlx_nb-litert-")
     try:
-        with _quiet(), torch.no_grad(), phases.step("litert: conversion"):
+        with quiet(), torch.no_grad(), phases.step("litert: conversion"):
             model = attempt(wrapper, lambda w: litert_torch.convert(w.eval(), inputs))
             model.export(str(Path(directory.name) / "model.tflite"))
     except Exception as exc:
@@ -78,13 +79,13 @@ def _prepare(model: Any, inputs: tuple, *, reference: bool) -> Any:
     for i, x in enumerate(inputs):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"LiteRT conversion needs tensor inputs; input {i} is {type(x).__name__}")
-    with _quiet():
+    with quiet():
         from ai_edge_litert.interpreter import Interpreter, OpResolverType
     wrapper = _FlatOutputs(model)
     wrapper.record(tuple(inputs))
     found = converted(wrapper, tuple(inputs))
     kind = OpResolverType.BUILTIN_REF if reference else OpResolverType.AUTO
-    with _quiet(), phases.step("litert: interpreter"):
+    with quiet(), phases.step("litert: interpreter"):
         interpreter = Interpreter(model_path=str(found.path), experimental_op_resolver_type=kind, num_threads=None)
         signature = interpreter.get_signature_runner()
     names = list(signature.get_input_details())

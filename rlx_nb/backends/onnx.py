@@ -2,16 +2,11 @@
 
 from __future__ import annotations
 
-import contextlib
 import gc
 import importlib.util
-import io
-import logging
-import os
 import sys
 import tempfile
-import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +14,7 @@ import torch
 
 from rlx_nb._support import meter as phases
 from rlx_nb._support.copies import shared_copy
+from rlx_nb._support.quiet import quiet
 from rlx_nb._support.tree import Opaque, flatten
 from rlx_nb.backends.base import Backend
 from rlx_nb.backends.notes import add_note
@@ -108,46 +104,6 @@ class _Shared(list):
         return self
 
 
-@contextlib.contextmanager
-def _quiet() -> Iterator[None]:
-    # The exporters and runtimes print graphs, progress and warnings from Python and C++: send file descriptors
-    # 1 and 2 to a scratch file while they run, and Python's own streams and log records (in a notebook kernel
-    # sys.stdout is not file descriptor 1) nowhere.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    saved = [os.dup(1), os.dup(2)]
-    with tempfile.TemporaryFile() as sink:
-        try:
-            os.dup2(sink.fileno(), 1)
-            os.dup2(sink.fileno(), 2)
-            logging.disable(logging.WARNING)
-            with warnings.catch_warnings(), contextlib.redirect_stdout(io.StringIO()):
-                warnings.simplefilter("ignore")
-                with contextlib.redirect_stderr(io.StringIO()):
-                    yield
-        finally:
-            logging.disable(logging.NOTSET)
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-            for fd in saved:
-                os.close(fd)
-
-
-def quiet_first(call: Callable[..., Any]) -> Callable[..., Any]:
-    """``call`` with its first run :func:`_quiet` (a runtime that announces itself from C++ when it first runs)."""
-    first = [True]
-
-    def run(*args: Any, **kwargs: Any) -> Any:
-        with _quiet() if first[0] else contextlib.nullcontext():
-            out = call(*args, **kwargs)
-        first[0] = False
-        return out
-
-    return run
-
-
 DYNAMO_FIRST_PARAMS = 20_000_000
 """From this many parameters the dynamo exporter is tried first: it has a fixed cost of ~0.5 s, but at real
 sizes it is the faster one (GPT-2 small: 4.2 s against the TorchScript exporter's 9.5 s, measured here)."""
@@ -202,7 +158,7 @@ def exported(wrapper: _FlatOutputs, inputs: tuple, names: list[str]) -> Exported
         torch.onnx.export(w, inputs, path, dynamo=dynamo, input_names=names, output_names=outputs, **extra)
 
     errors = {}
-    with _quiet(), phases.step("ONNX export"):
+    with quiet(), phases.step("ONNX export"):
         for dynamo in routes:
             try:
                 wrapper.dropped.clear()

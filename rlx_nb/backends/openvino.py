@@ -13,9 +13,10 @@ import torch
 
 from rlx_nb._support import meter as phases
 from rlx_nb._support.copies import release_private_weights
+from rlx_nb._support.quiet import quiet
 from rlx_nb.backends.base import Backend
 from rlx_nb.backends.notes import add_note
-from rlx_nb.backends.onnx import _FlatOutputs, _quiet, attempt, exported
+from rlx_nb.backends.onnx import _FlatOutputs, attempt, exported
 from rlx_nb.errors import InputError
 from rlx_nb.numerics import formats
 
@@ -63,7 +64,7 @@ def _convert(ov: Any, wrapper: _FlatOutputs, inputs: tuple) -> Any:
         # From here OpenVINO works from the file: the weights in torch are not needed while it converts and
         # compiles (at 1.1B parameters that is 4.4 GB of the peak); the run rebuilds them if it needs them again.
         release_private_weights(wrapper.model)
-        with _quiet(), phases.step("openvino: conversion of the ONNX export"):
+        with quiet(), phases.step("openvino: conversion of the ONNX export"):
             # read_model maps the weights from the file rather than copying them (convert_model held two
             # copies of a 1.1B model's weights here): the same ONNX frontend, the weights' pages shared.
             converted = ov.Core().read_model(str(onnx_file.path))
@@ -84,7 +85,7 @@ def _direct(ov: Any, wrapper: _FlatOutputs, inputs: tuple) -> tuple[Any, str]:
     from rlx_nb.errors import describe_error
 
     try:
-        with _quiet(), phases.step("openvino: direct conversion"):
+        with quiet(), phases.step("openvino: direct conversion"):
             return attempt(wrapper, lambda w: ov.convert_model(w, example_input=tuple(inputs))), ""
     except Exception as exc:
         return None, describe_error(exc)
@@ -138,7 +139,7 @@ def openvino_default_precision() -> str:
     import openvino as ov
 
     model = torch.nn.Linear(4, 4).eval()
-    with _quiet():
+    with quiet():
         converted = ov.convert_model(model, example_input=(torch.zeros(1, 4),))
     compiled = ov.Core().compile_model(converted, "CPU", {})
     name = str(compiled.get_property("INFERENCE_PRECISION_HINT")).lower().replace("<type: '", "").rstrip("'>")

@@ -79,22 +79,12 @@ class _Step(torch.nn.Module):
 
 
 def _export(module: torch.nn.Module, args: tuple, path: Path, dynamic: Any, names: list[str]) -> None:
-    import logging
-    import warnings
+    from rlx_nb._support.quiet import quiet
 
-    from rlx_nb.backends.onnx import _quiet
-
-    logger = logging.getLogger("torch.onnx")  # (its records reach a notebook's stderr, past _quiet's descriptors)
-    level = logger.level
-    logger.setLevel(logging.ERROR)
-    try:
-        with _quiet(), warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            program = torch.onnx.export(module, args, dynamo=True, dynamic_shapes=dynamic, input_names=names,
-                                        optimize=True, verbose=False)  # fmt: skip
-        program.save(str(path), external_data=True)
-    finally:
-        logger.setLevel(level)
+    with quiet():  # (its progress, warnings and log records: this thread's only)
+        program = torch.onnx.export(module, args, dynamo=True, dynamic_shapes=dynamic, input_names=names,
+                                    optimize=True, verbose=False)  # fmt: skip
+    program.save(str(path), external_data=True)
 
 
 def export_decode(decode: Any, prompt: torch.Tensor, directory: Path) -> tuple[Path, Path, int]:
