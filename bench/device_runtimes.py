@@ -8,7 +8,7 @@ against fp64 is past 10x the oracle's own must be caught (the real-architecture 
 *inert*: its outputs equal, bit for bit, those of the runtime it went through (the model has no op the fault
 changes, or the converter folded it away), so there is nothing to catch.
 
-int8 (``--part int8``): each model PT2E-quantized for XNNPACK (:func:`rlx_nb.quantized.quantize_pt2e`), judged by
+int8 (``--part int8``): each model PT2E-quantized for XNNPACK (:func:`rlx_nb.quantize.quantize_pt2e`), judged by
 :func:`rlx_nb.quantized_divergence` on ``executorch-xnnpack`` and ``executorch-portable`` (legitimate) and with
 the output layer's channel 1 weight scale off by 1.5x (:func:`rlx_nb.quantized.channel_scale_fault`): the fault
 must be caught where it is past 10x a legitimate int8 computation's error on the same output (XNNPACK's, or the
@@ -33,7 +33,7 @@ import numpy as np
 import pandas as pd
 
 import rlx_nb
-from rlx_nb import quantized, requantization
+from rlx_nb import quantize, quantized, requantization
 from rlx_nb.backends.exported_faults import fault_through
 from rlx_nb.backends.faults import CATALOGUE, HITS
 from rlx_nb.backends.registry import get_backend
@@ -116,7 +116,7 @@ def int8_rows(name: str, batch: int) -> list[dict]:
     # (a demo model -- mlp, conv, transformer -- runs at its own batch)
     model, inputs = zoo.build(name, batch=batch) if name in zoo.MODELS else getattr(demo, name)()
     try:
-        converted = quantized.quantize_pt2e(model, inputs)
+        converted = quantize.quantize_pt2e(model, inputs)
     except Exception as exc:
         return [{"part": "int8", "model": name, "batch": batch, "backend": "(quantize)", "legit": True,
                  "verdict": VERDICT_ERROR, "why": f"PT2E could not quantize it: {type(exc).__name__}: {exc}"[:200]}]  # fmt: skip

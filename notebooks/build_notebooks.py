@@ -710,11 +710,11 @@ The model is the demo MLP (512 → 2048 → 512, GELU), quantized by PT2E with E
         """import warnings
 warnings.filterwarnings("ignore")
 import rlx_nb
-from rlx_nb import quantized
+from rlx_nb import quantize, quantized
 from rlx_nb.models import demo
 
 model, inputs = demo.mlp()
-converted = quantized.quantize_pt2e(model, inputs)   # calibrated on these inputs
+converted = quantize.quantize_pt2e(model, inputs)   # calibrated on these inputs
 fp32_budget = rlx_nb.backend_divergence(converted, inputs, backends=["executorch-xnnpack"], progress=False)
 fp32_budget.summary""",
     ),

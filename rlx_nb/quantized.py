@@ -38,18 +38,15 @@ import numpy as np
 import torch
 
 from rlx_nb._support.progress import bar
-from rlx_nb._support.quiet import quiet
 from rlx_nb._support.tree import flatten
 from rlx_nb.backends.base import Backend
-from rlx_nb.backends.executorch_runtime import executorch_reason
-from rlx_nb.backends.onnx import _FlatOutputs
 from rlx_nb.backends.registry import get_backend, resolve_backends
 from rlx_nb.comparison.tables import Table
-from rlx_nb.errors import BackendError, InputError, describe_error
-from rlx_nb.execution.prepare import KeywordModule, normalize_inputs
+from rlx_nb.errors import BackendError, InputError, RlxError, describe_error
+from rlx_nb.execution.prepare import normalize_inputs
+from rlx_nb.quantize import calibration_batches, check_quantized, quantize_pt2e
 from rlx_nb.requantization import (
     _QUANTIZE,
-    _WRAPPERS,
     _computed,
     _module_of,
     _op,
@@ -76,96 +73,6 @@ _DEQUANTIZE_CHANNEL = "dequantize_per_channel"
 def is_quantized(model: Any) -> bool:
     """Whether ``model`` is a PT2E-converted graph (it holds quantize/dequantize ops)."""
     return isinstance(model, torch.fx.GraphModule) and bool(_ops(model, _QUANTIZE))
-
-
-def quantize_pt2e(model: torch.nn.Module, inputs: Any, *, calibration: Iterable[Any] | None = None) -> Any:
-    """``model`` quantized to int8 by PT2E with ExecuTorch's XNNPACK quantizer (per-channel symmetric weights,
-    per-tensor activations), calibrated on ``calibration`` (a list of input tuples; default: ``inputs``)."""
-    reason = executorch_reason()
-    if reason is not None:
-        raise BackendError(f"int8 quantization needs ExecuTorch's XNNPACK quantizer: {reason}")
-    with quiet():  # (torchao reports its optional CUDA kernels as it loads)
-        from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (
-            XNNPACKQuantizer,
-            get_symmetric_quantization_config,
-        )
-        from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
-
-    args, keys = normalize_inputs(inputs)
-    if keys:  # keyword inputs (a Hugging Face model's): positional from here on, as every backend takes them
-        model = KeywordModule(model, keys)
-    quantizer = _integer_scalars_kept(XNNPACKQuantizer)()
-    quantizer.set_global(get_symmetric_quantization_config(is_per_channel=True))
-    flat = _FlatOutputs(model.eval())  # (a cache object among the outputs: export takes tensors only)
-    original = flat.record(tuple(args))  # (what the float model returns, whose structure the int8 graph keeps)
-    with torch.no_grad(), quiet():
-        prepared = prepare_pt2e(torch.export.export(flat, tuple(args), strict=False).module(), quantizer)
-        for batch in [args] if calibration is None else [normalize_inputs(c)[0] for c in calibration]:
-            prepared(*batch)
-        converted = _named_outputs(convert_pt2e(prepared), flat, original)
-    converted.meta[_WRAPPERS] = 2 if keys else 1  # (module paths start with them: model.[model.]fc1)
-    return converted
-
-
-def _named_outputs(converted: torch.fx.GraphModule, flat: _FlatOutputs, original: Any) -> torch.fx.GraphModule:
-    # The converted graph returns what the float model returned: the same structure when that is a tree of tensors
-    # only (a tensor, a tuple, a dict), otherwise (a Hugging Face output holding a cache object) a dict of the
-    # tensors by their names (``logits``, ``cache.layers[0].keys``), in order -- never the wrapper's bare tuple.
-    names = flat.kept()
-    codegen = converted.graph._codegen
-    info = getattr(codegen, "pytree_info", None)
-    if info is None or info.out_spec is None or info.out_spec.num_leaves != len(names):
-        return converted
-    leaves, spec = torch.utils._pytree.tree_flatten(original)
-    if len(leaves) != len(names) or not all(isinstance(v, torch.Tensor) for v in leaves):
-        if len(set(names)) != len(names):
-            return converted
-        spec = torch.utils._pytree.tree_structure(dict.fromkeys(names))
-    codegen.pytree_info = info._replace(out_spec=spec)
-    converted.recompile()
-    return converted
-
-
-def _integer_scalars_kept(base: type) -> type:
-    """``base`` (ExecuTorch's XNNPACK quantizer) with its scalar pass kept to float arithmetic.
-
-    Before annotating, the quantizer turns every scalar operand of an ``add``/``mul`` into a float32 tensor
-    constant (``_convert_scalars_to_attrs``, ExecuTorch 1.5.1), integer ones too: a Hugging Face model's position
-    ids (``arange + past_length``) come out float and its embedding lookup fails.  Here that pass sees only the
-    nodes whose result is floating point; the integer ones keep their scalars."""
-
-    class IntegerScalarsKept(base):
-        def transform_for_annotation(self, model: torch.fx.GraphModule) -> torch.fx.GraphModule:
-            scalar_ops = (torch.ops.aten.add.Tensor, torch.ops.aten.mul.Tensor)
-            hidden = []
-            for node in model.graph.nodes:
-                val = node.meta.get("val")
-                if (
-                    node.op == "call_function"
-                    and node.target in scalar_ops
-                    and not (isinstance(val, torch.Tensor) and val.is_floating_point())
-                ):
-                    hidden.append((node, node.target))
-                    node.target = _Hidden(node.target)  # (not one of the pass's targets while it runs)
-            try:
-                model = super().transform_for_annotation(model)
-            finally:
-                for node, target in hidden:
-                    node.target = target
-                model.recompile()
-            return model
-
-    return IntegerScalarsKept
-
-
-class _Hidden:
-    # A stand-in target for an integer add/mul while the scalar pass runs (it calls the op it stands for).
-    def __init__(self, target: Any) -> None:
-        self.target = target
-        self.__name__ = f"hidden_{getattr(target, '__name__', 'op')}".replace(".", "_")
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self.target(*args, **kwargs)
 
 
 def channel_scale_fault(*, layer: int = 0, channel: int = 0, factor: float = 1.25, runtime: str = "executorch-xnnpack"):
@@ -235,6 +142,9 @@ def judge(oracle: np.ndarray, got: np.ndarray, trials: Sequence[np.ndarray], qua
     """The int8 verdict of one output (module docstring): the figures, the verdict and its reading."""
     d = got - oracle
     legit = [t - oracle for t in trials]
+    # NaN/Inf the simulation does not have: no rounding explains them, and they would make every figure NaN.
+    broken = int(np.count_nonzero(~np.isfinite(got) & np.isfinite(oracle)))
+    d = np.where(np.isfinite(d), d, 0.0)
     rms = float(np.sqrt(np.mean(d * d))) if d.size else 0.0
     worst = float(np.abs(d).max(initial=0.0))
     floor = quantum if quantum == quantum else 1e-30
@@ -251,6 +161,8 @@ def judge(oracle: np.ndarray, got: np.ndarray, trials: Sequence[np.ndarray], qua
         if ratios[k] > ratio_slice:
             ratio_slice, slice_at = float(ratios[k]), (axis, k)
     line = max(rms / budget_rmse / RMSE_LIMIT, worst / budget_max / MAX_LIMIT, ratio_slice / RMSE_LIMIT)
+    if broken:
+        line = math.inf
     verdict = SUSPECT if line > 1.0 else ROUNDOFF
     q = quantum  # (NaN for an output computed in float: its figures in quanta are NaN too)
     return {
@@ -266,7 +178,8 @@ def judge(oracle: np.ndarray, got: np.ndarray, trials: Sequence[np.ndarray], qua
         "slice_ratio": ratio_slice,
         "slice_axis": slice_at[0] if slice_at else None,
         "slice_index": slice_at[1] if slice_at else None,
-        "mismatched": int(np.count_nonzero(d)),
+        "mismatched": int(np.count_nonzero(d)) + broken,
+        "nonfinite": broken,
         "quantum": q,
     }
 
@@ -275,6 +188,9 @@ def _why(row: dict[str, Any]) -> str:
     where = f"axis {row['slice_axis']} index {row['slice_index']}" if row["slice_axis"] is not None else "it"
     quanta = f" ({row['max_quanta']:.3g} quanta)" if row["quantum"] == row["quantum"] else ""
     if row["verdict"] == SUSPECT:
+        if row.get("nonfinite"):
+            return (f"{BUG}: {row['nonfinite']} NaN/Inf element(s) where the Q/DQ simulation is finite (no rounding "
+                    "explains them)")  # fmt: skip
         if row["slice_ratio"] / RMSE_LIMIT >= row["line"] - 1e-12:
             return (f"{BUG}, {row['line']:.3g}x the line: the slice at {where} is {row['slice_ratio']:.3g}x what "
                     "requantization rounding leaves there")  # fmt: skip
@@ -392,6 +308,33 @@ class QuantizedReport:
         return f"<QuantizedReport {self.label!r}: {len(self.notes)} backend(s) vs the Q/DQ simulation, suspects={self.suspects}>"
 
 
+def _checked_call(model: Any, inputs: Any, backends: Any, calibration: Any, *, trials: Any, width: Any) -> tuple:
+    # The call's options, inputs and model checked, and the model quantized: (args, backends, converted graph).
+    if not isinstance(trials, int) or isinstance(trials, bool) or trials < 2:
+        raise InputError(f"trials must be an int of at least 2 (the budget's runs); got {trials!r}")
+    if width is not None and (not isinstance(width, (int, float)) or isinstance(width, bool) or not 0 < width <= 0.5):
+        raise InputError(
+            f"width must be None (measured) or a number of quanta in (0, 0.5] (0.5: any rounding); got {width!r}"
+        )
+    args = tuple(normalize_inputs(inputs)[0])
+    # (the inputs as given: keyword inputs make the quantized graph take them positionally, as ``args`` are)
+    given = CANDIDATES if backends is None else [backends] if isinstance(backends, Backend) else backends
+    chosen = resolve_backends(given)  # (the registry's parsing and errors: names, a comma string, Backend objects)
+    if not chosen:
+        raise InputError(f"backends={backends!r} leaves no int8 runtime to judge (cpu is the float oracle, run "
+                         f"here as the Q/DQ simulation); name one: {', '.join(CANDIDATES)}, or your own")  # fmt: skip
+    if is_quantized(model):
+        if calibration is not None:
+            raise InputError("calibration= is for a float model; this one is already converted (its quantization "
+                             "parameters are fixed): drop calibration=, or pass the float model")  # fmt: skip
+        calibration_batches(args, None)  # (the inputs' values: finite)
+        check_quantized(model)
+        converted = model
+    else:
+        converted = quantize_pt2e(model, inputs, calibration=calibration)
+    return args, chosen, converted
+
+
 def quantized_divergence(
     model: Any,
     inputs: Any,
@@ -412,18 +355,11 @@ def quantized_divergence(
     default: measured for each requantization (:func:`~rlx_nb.requantization.requantizations`, shown by
     ``report.widths``).
     """
-    if not isinstance(trials, int) or isinstance(trials, bool) or trials < 2:
-        raise InputError(f"trials must be an int of at least 2 (the budget's runs); got {trials!r}")
-    if width is not None and (not isinstance(width, (int, float)) or isinstance(width, bool) or not 0 < width <= 0.5):
-        raise InputError(
-            f"width must be None (measured) or a number of quanta in (0, 0.5] (0.5: any rounding); got {width!r}"
-        )
-    args = tuple(normalize_inputs(inputs)[0])
-    # (the inputs as given: keyword inputs make the quantized graph take them positionally, as ``args`` are)
-    converted = model if is_quantized(model) else quantize_pt2e(model, inputs, calibration=calibration)
     label = label or type(getattr(model, "_orig_mod", model)).__name__
-    given = CANDIDATES if backends is None else [backends] if isinstance(backends, Backend) else backends
-    chosen = resolve_backends(given)  # (the registry's parsing and errors: names, a comma string, Backend objects)
+    try:
+        args, chosen, converted = _checked_call(model, inputs, backends, calibration, trials=trials, width=width)
+    except RlxError as exc:  # (the caller's context first, no traceback through rlx_nb's internals)
+        raise type(exc)(f"quantized_divergence({label}): {exc}") from None
     names = [b.name for b in chosen]
     shown = bar(f"int8 {label}", total=2 + trials + len(chosen), enabled=progress)
     with torch.no_grad():
@@ -480,6 +416,6 @@ def quantized_divergence(
 __all__ = [
     "QuantizedReport",
     "channel_scale_fault",
-    "quantize_pt2e",
+    "quantize_pt2e",  # (defined in rlx_nb.quantize; here too, where it was first)
     "quantized_divergence",
 ]

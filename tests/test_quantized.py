@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import rlx_nb
-from rlx_nb import quantized, requantization
+from rlx_nb import quantize, quantized, requantization
+from rlx_nb.backends.base import Backend
 from rlx_nb.backends.executorch_runtime import executorch_reason
 from rlx_nb.backends.registry import get_backend
 from rlx_nb.errors import InputError
@@ -26,7 +27,7 @@ FAULT = dict(layer=-1, channel=1, factor=1.5)  # the output layer's channel 1 we
 @pytest.fixture(scope="module", params=["mlp", "conv"])
 def case(request):
     model, inputs = getattr(demo, request.param)()
-    converted = quantized.quantize_pt2e(model, inputs)
+    converted = quantize.quantize_pt2e(model, inputs)
     fault = quantized.channel_scale_fault(**FAULT)
     report = quantized.quantized_divergence(
         converted, inputs, backends=["executorch-xnnpack", "executorch-portable", fault], progress=False
@@ -77,7 +78,7 @@ def test_bad_settings_are_named():
     with pytest.raises(InputError, match=r"width must be None \(measured\) or a number of quanta in \(0, 0.5\]"):
         quantized.quantized_divergence(model, inputs, width=0.0, progress=False)
     with pytest.raises(InputError, match="past the model's 2 per-channel weights"):
-        converted = quantized.quantize_pt2e(model, inputs)
+        converted = quantize.quantize_pt2e(model, inputs)
         quantized.channel_scale_fault(layer=5).fn(converted, (torch.randn(64, 512),))
 
 
@@ -88,7 +89,7 @@ def _attr(module: torch.nn.Module, target: str) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def mlp_requantizations():
     model, inputs = demo.mlp()
-    converted = quantized.quantize_pt2e(model, inputs)
+    converted = quantize.quantize_pt2e(model, inputs)
     return converted, inputs, requantization.requantizations(converted, inputs)
 
 
@@ -128,7 +129,7 @@ def test_each_requantization_width_is_one_accumulator_step_or_the_measured_fp32_
 def test_a_mean_accumulates_on_its_input_quantum_over_the_count_it_averages():
     # The CNN's global average pool: 32x32 positions per channel, on its input's quantum, in its output's quanta.
     model, inputs = demo.conv()
-    converted = quantized.quantize_pt2e(model, inputs)
+    converted = quantize.quantize_pt2e(model, inputs)
     (mean,) = [r for r in requantization.requantizations(converted, inputs) if r["op"] == "mean"]
     node = next(n for n in requantization._ops(converted, "quantize_per_tensor") if n.name == mean["node"])
     source = node.args[0].args[0]  # (mean's input: a dequantized activation)
@@ -255,10 +256,10 @@ def test_a_language_model_shape_quantizes_keeps_its_output_names_and_is_judged()
             return {"logits": self.mlp(hidden), "hidden": hidden}
 
     ids = torch.randint(0, 50, (2, 12), generator=torch.Generator().manual_seed(0))
-    converted = quantized.quantize_pt2e(Tiny().eval(), {"input_ids": ids})
+    converted = quantize.quantize_pt2e(Tiny().eval(), {"input_ids": ids})
     assert set(converted(ids)) == {"logits", "hidden"}  # by name, as the float model returns them
     model, inputs = demo.mlp()
-    assert isinstance(quantized.quantize_pt2e(model, inputs)(*inputs), torch.Tensor)  # a tensor stays a tensor
+    assert isinstance(quantize.quantize_pt2e(model, inputs)(*inputs), torch.Tensor)  # a tensor stays a tensor
     fault = quantized.channel_scale_fault(**FAULT)
     report = quantized.quantized_divergence(converted, (ids,), backends=["executorch-xnnpack", fault], progress=False)
     assert report.record("executorch-xnnpack", "logits")["verdict"] == ROUNDOFF
@@ -266,3 +267,86 @@ def test_a_language_model_shape_quantizes_keeps_its_output_names_and_is_judged()
     # localize cuts a graph that returns a dict by name (a cut returns one tensor), past the quantized constants
     found = report.localize()
     assert (found["op"], found["module"]) == ("linear", "mlp.2 (Linear)"), found
+
+
+class _DataDependent(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = torch.nn.Linear(512, 8)
+
+    def forward(self, x):
+        return self.fc(x) if x.sum() > 0 else self.fc(-x)  # (a branch on a value: torch.export cannot trace it)
+
+
+def test_bad_int8_input_is_named_before_anything_runs():
+    # #46: each of these was a raw exception from deep inside torch, torchao or a runtime, or (calibration=[]) a
+    # process killed by ExecuTorch's assertion with nothing said.
+    model, (x,) = demo.mlp()
+    call = functools.partial(quantized.quantized_divergence, progress=False)
+    cases = [
+        (dict(calibration=5), r"^quantized_divergence\(MLP\): calibration must be a list of input batches, each what "
+                              r"the model takes; got int 5"),
+        (dict(calibration=x), r"got Tensor .*\(one batch: calibration=\[x\]\)"),
+        (dict(calibration=[]), r"calibration is empty: give at least one batch"),
+        (dict(calibration=[torch.randn(3, 512)]), r"calibration batch 0 is 1 argument\(s\): \[3, 512\] float32; the "
+                                                  r"model is exported for the inputs' 1 argument\(s\): \[64, 512\] float32"),
+        (dict(calibration=[x, torch.full((64, 512), float("inf"))]), r"calibration batch 1 hold 32768 NaN/Inf"),
+        (dict(backends=["cpu"]), r"backends=\['cpu'\] leaves no int8 runtime to judge"),
+    ]  # fmt: skip
+    for kwargs, message in cases:
+        with pytest.raises(InputError, match=message):
+            call(model, x, **kwargs)
+    nan = x.clone()
+    nan[3, 7] = float("nan")
+    with pytest.raises(InputError, match=r"the inputs hold 1 NaN/Inf value\(s\) in argument 0"):
+        call(model, nan)
+    with pytest.raises(InputError, match=r"needs a torch.nn.Module .*got a function 'relu'"):
+        call(torch.relu, x)
+    with pytest.raises(InputError, match=r"\(PT2E\) needs a model torch.export can trace; it cannot trace this one: "
+                                         r"GuardOnDataDependentSymNode"):  # fmt: skip
+        call(_DataDependent(), x)
+    converted = quantize.quantize_pt2e(model, x)
+    with pytest.raises(InputError, match=r"calibration= is for a float model; this one is already converted"):
+        call(converted, x, calibration=[x])
+    from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (
+        XNNPACKQuantizer,
+        get_symmetric_quantization_config,
+    )
+    from torchao.quantization.pt2e.quantize_pt2e import prepare_pt2e
+
+    quantizer = XNNPACKQuantizer()
+    quantizer.set_global(get_symmetric_quantization_config(is_per_channel=True))
+    prepared = prepare_pt2e(torch.export.export(model.eval(), (x,)).module(), quantizer)
+    with pytest.raises(InputError, match=r"prepared for quantization but not converted \(it holds observers\)"):
+        call(prepared, x)
+
+
+def test_a_graph_a_runtime_would_abort_on_is_refused_with_the_node_named():
+    # What an uncalibrated per-channel observer leaves: one scale for a weight of many channels.  ExecuTorch's
+    # portable dequantize_per_channel asserts on it and takes the process down.
+    model, (x,) = demo.mlp()
+    converted = quantize.quantize_pt2e(model, x)
+    weight = requantization._ops(converted, "dequantize_per_channel")[0]
+    setattr(converted, weight.args[1].target, torch.ones(1))
+    with pytest.raises(InputError, match=r"has 1 scale\(s\) and \d+ zero point\(s\) for 2048 channels along axis 0: "
+                                         r"was the model calibrated\?"):  # fmt: skip
+        quantized.quantized_divergence(converted, x, backends=["executorch-portable"], progress=False)
+
+
+def test_quantizing_leaves_the_users_model_as_it_was():
+    model, (x,) = demo.mlp()
+    model.train()
+    model.fc2.eval()  # (a mixed state: each module's flag is kept, not the top one's)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    quantize.quantize_pt2e(model, x)
+    assert model.training and model.fc1.training and not model.fc2.training
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+
+
+def test_a_runtime_that_returns_nan_is_a_kernel_bug_not_quantization_noise():
+    model, (x,) = demo.mlp()
+    nan = Backend("test-int8-nan", lambda m, inputs: m(*inputs) * float("nan"), default=False)
+    report = quantized.quantized_divergence(model, x, backends=[nan], progress=False)
+    row = report.record("test-int8-nan")
+    assert row["verdict"] == SUSPECT and row["reading"] == quantized.BUG, row
+    assert "NaN/Inf element(s) where the Q/DQ simulation is finite" in row["why"]

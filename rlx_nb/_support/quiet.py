@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import faulthandler
 import logging
 import os
 import subprocess
@@ -140,11 +141,18 @@ class _Capture:
         self.filtered = [h for h in _handlers() if _DROP not in h.filters]
         for handler in self.filtered:
             handler.addFilter(_DROP)
+        # A native abort inside the capture: Python's traceback of every thread to the real stderr (unless the user
+        # has faulthandler on already), beside what the keeper says the runtime printed.
+        self.faulthandler = not faulthandler.is_enabled()
+        if self.faulthandler:
+            faulthandler.enable(file=self.saved[1], all_threads=True)
 
     def end(self) -> None:
         for stream in (sys.stdout, sys.stderr):
             with contextlib.suppress(Exception):
                 stream.flush()
+        if self.faulthandler:
+            faulthandler.disable()
         if self.scratch is None:  # (the keeper drops what this capture printed)
             with contextlib.suppress(OSError):
                 os.write(self.sink, END)
