@@ -333,14 +333,19 @@ class PrivateModel:
         self.model = build()
         self._crc = tensors_crc(self.model)
         self.whole = False  # every run gets a whole copy (the model itself writes its tensors)
+        self.written: list[str] = []  # the tensors the model writes when it runs (the oracle's run found them)
         self.released = False  # the weights were freed while a backend worked from a file (release)
 
     def copy_for(self, name: str) -> torch.nn.Module:
-        """The model a run of backend ``name`` gets."""
+        """The model a run of backend ``name`` gets: a copy sharing the private model's weights; a whole copy for
+        a backend that writes them, and, where the model itself writes its tensors, a whole copy each of whose
+        calls starts from the state the oracle started from (:func:`starting_from`)."""
         if self.released:
             self.model, self.released = self._build(), False
             self._crc = tensors_crc(self.model)
-        if self.whole or name in self.WRITERS:
+        if self.whole:
+            return starting_from(copy.deepcopy(self.model), self.written)
+        if name in self.WRITERS:
             return copy.deepcopy(self.model)
         return shared_copy(self.model)
 
@@ -348,13 +353,17 @@ class PrivateModel:
         """Check the storage after a run of ``name``; a note ("" when nothing was written)."""
         if self.released or tensors_crc(self.model) == self._crc:
             return ""
-        self.model = self._build()
+        written, self.model = self.model, self._build()
         self._crc = tensors_crc(self.model)
         if oracle:
             self.whole = True
+            fresh = dict(_named_tensors(self.model))
+            self.written = [n for n, t in _named_tensors(written) if n in fresh and not torch.equal(t, fresh[n])]
+            names = ", ".join(self.written[:4]) + (", ..." if len(self.written) > 4 else "")
             return (
-                "the model writes to its own parameters or buffers when it runs: every run gets a whole copy of it "
-                "(a private model rebuilt from yours for each)"
+                f"the model writes to its own state when it runs ({names or 'its parameters or buffers'}): every run "
+                "gets a whole copy of it, each call of which starts from the state the oracle started from (a "
+                "converted graph too: an exporter's own runs of the model no longer step it)"
             )
         self.WRITERS.add(name)
         return (
@@ -437,6 +446,52 @@ def _libc() -> Any:
         return libc if libc is not None and hasattr(libc, "malloc_trim") else None
     except OSError:
         return None
+
+
+def starting_from(model: torch.nn.Module, names: list[str]) -> torch.nn.Module:
+    """``model``, each call of which first puts the tensors ``names`` (parameters or buffers it writes when it runs:
+    a step counter, a running statistic) back to their values now.
+
+    A model that steps its own state gave each backend another state: a converted backend's exporter runs the
+    model once or twice while it traces (its copy stepped before the graph captured it), and a kept ExecuTorch
+    program stepped its state at every run.  The restore is a forward pre-hook, so a tracer records it too: the
+    converted graph starts from the same state on every run.
+
+    Examples
+    --------
+    >>> class Count(torch.nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__()
+    ...         self.register_buffer("n", torch.zeros(()))
+    ...     def forward(self, x):
+    ...         self.n += 1
+    ...         return x * self.n
+    >>> m = starting_from(Count(), ["n"])
+    >>> [float(m(torch.ones(()))) for _ in range(3)]
+    [1.0, 1.0, 1.0]
+    """
+    if not names:
+        return model
+    tensors = dict(_named_tensors(model))
+    start = [(n, tensors[n].detach().clone()) for n in names if n in tensors]
+
+    def restore(module: torch.nn.Module, args: Any) -> None:
+        # (each tensor looked up by its name on the module: a tracer puts its own in their place while it traces)
+        for name, value in start:
+            owner, _, leaf = name.rpartition(".")
+            t = getattr(module.get_submodule(owner) if owner else module, leaf)
+            if t.requires_grad:
+                with torch.no_grad():
+                    t.copy_(value)
+            else:
+                t.copy_(value)
+
+    model.register_forward_pre_hook(restore)
+    return model
+
+
+def _named_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [*model.named_parameters(), *model.named_buffers()]
 
 
 def _own_tensors(model: torch.nn.Module) -> list[torch.Tensor]:
