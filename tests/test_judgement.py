@@ -29,11 +29,21 @@ def wide():
     rlx_nb.unregister_backend("test-in-float64")
 
 
+def _exactly_zero_in_float64(a, b, c, d):
+    # 1 / ((a * b - c) - d): a * b - c - d is exactly 0 in float64, and -2**-24 in float32, where a * b rounds.
+    return 1.0 / ((a * b - c) - d)
+
+
 def test_an_inf_that_fp64_also_gives_is_not_a_nan_inf_mismatch_the_oracle_is_the_outlier(wide):
-    # pytorch/pytorch#150114: linalg.cond of a singular matrix; the backend's inf is fp64's, the oracle's
-    # finite 1.3e8 is the outlier.  The NaN/Inf clause compared with the oracle alone and called it SUSPECT.
-    a = torch.tensor([[3.0, 6.0], [1.0, 2.0]])
-    report = rlx_nb.backend_divergence(lambda m: torch.linalg.cond(m), a, backends=[wide], progress=False)
+    # pytorch/pytorch#150114 (linalg.cond of a singular matrix: the backend's inf is fp64's, the oracle's finite
+    # 1.3e8 is the outlier).  The NaN/Inf clause compared with the oracle alone and called it SUSPECT.  Here a
+    # division by a difference that is exactly 0 in float64 only, in plain IEEE arithmetic: linalg.cond's float64 SVD
+    # left 9.7e16, not inf, where MKL takes its AVX-512 path, and the test failed there (#46).
+    e = 2.0**-12
+    args = tuple(torch.tensor([v]) for v in (1 + e, 1 + e, 1 + 2 * e, 2.0**-24))
+    assert math.isinf(float(_exactly_zero_in_float64(*(x.double() for x in args))))
+    assert float(_exactly_zero_in_float64(*args)) == -(2.0**24)
+    report = rlx_nb.backend_divergence(_exactly_zero_in_float64, args, backends=[wide], progress=False)
     rec = report.record(wide)
     assert rec.pair.nonfinite_mismatch == 1  # against the oracle: a mismatch ...
     assert rec.verdict == ROUNDOFF and rec.cause == Cause.ORACLE_OFF  # ... against fp64: none
