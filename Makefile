@@ -20,13 +20,15 @@ $(STAMP): pyproject.toml requirements/runtimes.txt
 demo: $(STAMP)
 	$(BIN)/rlx-nb demo
 
+LINTED := rlx_nb rlx_nb_cli.py rlx_nb_pytest.py tests bench
+
 lint: $(STAMP)
-	$(BIN)/ruff check rlx_nb tests bench
-	$(BIN)/ruff format --check rlx_nb tests bench
+	$(BIN)/ruff check $(LINTED)
+	$(BIN)/ruff format --check $(LINTED)
 
 format: $(STAMP)
-	$(BIN)/ruff format rlx_nb tests bench
-	$(BIN)/ruff check --fix rlx_nb tests bench
+	$(BIN)/ruff format $(LINTED)
+	$(BIN)/ruff check --fix $(LINTED)
 
 # numpy's bundled OpenBLAS can hang in a threaded call after the process forked
 # (OpenMathLib/OpenBLAS#5520); rlx_nb makes no BLAS call, and the suite keeps it single-threaded.

@@ -38,7 +38,7 @@ REPORT_DIR: Path | None = None
 
 
 def _plugin_state(key: str) -> Any:
-    plugin = sys.modules.get("rlx_nb.pytest_plugin")
+    plugin = sys.modules.get("rlx_nb_pytest")  # (the plugin, a module beside the package)
     return plugin.STATE.get(key) if plugin is not None else None
 
 

@@ -150,3 +150,39 @@ def test_a_gate_that_judged_nothing_exits_3(tmp_path, capsys):
     ):
         assert cli.main(["show", str(report.save(tmp_path / name))]) == 3
         assert f"rlx-nb: judged nothing, so this cannot pass: {why}" in capsys.readouterr().err
+
+
+@pytest.fixture
+def old_torch(tmp_path):
+    # A process in which torch reports a release older than rlx_nb's range (a sitecustomize runs first).
+    site = tmp_path / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text("import torch\ntorch.__version__ = '2.5.1'\n")
+    import os
+
+    return dict(os.environ, PYTHONPATH=str(site))
+
+
+def test_under_a_torch_older_than_the_range_the_command_is_a_usage_error_with_the_message(old_torch):
+    # #46: `rlx-nb backends` / `check` printed a traceback and exited 1, which a gate reads as "SUSPECT".
+    import shutil
+    from pathlib import Path
+
+    command = shutil.which("rlx-nb", path=str(Path(sys.executable).parent)) or "rlx-nb"
+    for args in (["backends"], ["check", "x.py:f"]):
+        p = subprocess.run([command, *args], capture_output=True, text=True, timeout=300, env=old_torch)
+        assert p.returncode == 2, (p.returncode, p.stderr)
+        assert "Traceback" not in p.stderr
+        assert p.stderr.startswith("rlx-nb: error: rlx_nb cannot start: rlx_nb needs torch>=2.13"), p.stderr
+        assert "torch 2.5.1 is installed" in p.stderr
+
+
+def test_under_a_torch_older_than_the_range_the_pytest_plugin_stops_no_unrelated_test(tmp_path, old_torch):
+    # The plugin loads with every pytest run in an environment that has rlx_nb: it imported the package (and so
+    # torch's range check), which stopped every test of the project, rlx_nb's or not.
+    (tmp_path / "test_unrelated.py").write_text(
+        "import sys\n\ndef test_unrelated():\n    assert 'rlx_nb' not in sys.modules\n"
+    )
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_unrelated.py"],
+                       capture_output=True, text=True, timeout=300, cwd=tmp_path, env=old_torch)  # fmt: skip
+    assert p.returncode == 0 and "1 passed" in p.stdout, (p.stdout[-2000:], p.stderr[-2000:])

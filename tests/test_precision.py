@@ -290,3 +290,35 @@ def test_a_backend_that_computes_the_positions_the_oracle_zeroes_is_told_apart_f
     rec = faulty.record("test:slow-path-fault")
     assert rec.verdict == SUSPECT and rec.judgement.zero_mismatch == 160 and rec.judgement.excess_elsewhere > 1.0
     assert "writes zeros" not in rec.reason
+
+
+def test_an_error_on_one_position_is_like_no_number_format():
+    # #46: the README's my-runtime (layer norm off by 0.1% at one sequence position) read closest_format
+    # "tf32/fp16": its RMS error comes to ~11 bits, but a bug on one position is like no format.
+    from torch.overrides import TorchFunctionMode
+
+    class OffAtPosition3(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.nn.functional.layer_norm and out.shape[-2] > 3:
+                out = out.clone()
+                out[..., 3, :] *= 1.001
+            return out
+
+    def off_at_position_3(model, inputs):
+        with OffAtPosition3():
+            return model(*inputs)
+
+    model, inputs = demo.transformer()
+    rlx_nb.register_backend("test-off-at-3", off_at_position_3, default=False, replace=True)
+    try:
+        report = rlx_nb.backend_divergence(
+            model, inputs, backends=["test-off-at-3", "cpu-tf32-emulated"], progress=False
+        )
+    finally:
+        rlx_nb.unregister_backend("test-off-at-3")
+    rec = report.record("test-off-at-3")
+    assert rec.verdict == SUSPECT and rec.judgement.effective_bits < 20
+    assert rec.judgement.closest_format == "", rec.judgement.closest_format
+    assert "like tf32" not in rec.reason and "like bf16" not in rec.reason
+    assert report.record("cpu-tf32-emulated", "out").judgement.closest_format == "tf32/fp16"  # spread: a format's

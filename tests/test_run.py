@@ -416,6 +416,10 @@ def test_a_phase_that_would_not_fit_in_memory_is_a_row_that_says_so():
     assert unlimited.record("cpu-nomkldnn").verdict == "round-off"  # no limit (it raised OverflowError)
     with pytest.raises(rlx_nb.InputError, match="memory_budget must be a positive number of bytes"):
         rlx_nb.backend_divergence(model, x, backends=["cpu-nomkldnn"], memory_budget=-1)
+    # An int past any float (#46: a raw OverflowError), through the call and through rlx_nb.run.
+    for call in (rlx_nb.backend_divergence, rlx_nb.run):
+        with pytest.raises(rlx_nb.InputError, match=r"got an int of 401 digits, past any float: use float\('inf'\)"):
+            call(model, x, backends=["cpu-nomkldnn"], memory_budget=10**400, progress=False)
 
 
 def test_on_a_large_model_the_anchors_run_only_where_a_verdict_needs_them(monkeypatch):

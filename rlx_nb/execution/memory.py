@@ -17,7 +17,35 @@ import torch
 from rlx_nb._support import meter as phases
 from rlx_nb._support.meter import available_bytes, rss_bytes
 from rlx_nb.backends.base import REFERENCE, Backend
+from rlx_nb.errors import InputError
 from rlx_nb.execution import cache as preparations
+
+
+def check_budget(budget: Any) -> float | None:
+    """``memory_budget`` as a number of bytes (``inf``: no phase is skipped; None: what the kernel says is free),
+    or an :class:`~rlx_nb.InputError` naming the value and what is allowed.
+
+    >>> check_budget(4e9), check_budget(None)
+    (4000000000.0, None)
+    >>> check_budget(10**400)
+    Traceback (most recent call last):
+    rlx_nb.errors.InputError: memory_budget must be a positive number of bytes (inf: no phase is skipped) or None; got an int of 401 digits, past any float: use float('inf') for no budget
+    """
+    if budget is None:
+        return None
+    if not isinstance(budget, (int, float)) or isinstance(budget, bool):
+        raise InputError(f"{_ALLOWED}; got {type(budget).__name__} {budget!r}")
+    try:
+        value = float(budget)
+    except OverflowError:
+        raise InputError(f"{_ALLOWED}; got an int of {len(str(budget))} digits, past any float: use float('inf') "
+                         "for no budget") from None  # fmt: skip
+    if not value > 0:
+        raise InputError(f"{_ALLOWED}; got {budget!r}")
+    return value
+
+
+_ALLOWED = "memory_budget must be a positive number of bytes (inf: no phase is skipped) or None"
 
 
 def _size(n: float) -> str:
@@ -43,7 +71,7 @@ class Memory:
         own = {id(t): t for t in model.parameters()}.values()
         self.weights = sum(t.numel() * t.element_size() for t in own)
         self.largest = max((t.numel() * t.element_size() for t in own), default=0)
-        self.budget = budget
+        self.budget = budget = check_budget(budget)
         self.unlimited = budget is not None and math.isinf(budget)  # (memory_budget=inf: no phase is skipped)
         self.start_rss = rss_bytes()
         self.activations = 0

@@ -20,6 +20,7 @@ from rlx_nb.comparison.compare import compare
 from rlx_nb.comparison.context import OutputContext, contexts
 from rlx_nb.errors import InputError, RlxError
 from rlx_nb.execution import interrupted
+from rlx_nb.execution.memory import check_budget
 from rlx_nb.execution.results import RunResults
 from rlx_nb.execution.run import default_label, run
 from rlx_nb.execution.source import WeakSource
@@ -51,10 +52,7 @@ class CallOptions:
             raise InputError(f"tol_rel must be a positive number, got {tol!r}")
         if timeout is not None and not (isinstance(timeout, (int, float)) and timeout > 0):
             raise InputError(f"timeout_s must be a positive number of seconds or None, got {timeout!r}")
-        if budget is not None and not (
-            isinstance(budget, (int, float)) and not isinstance(budget, bool) and budget > 0
-        ):
-            raise InputError(f"memory_budget must be a positive number of bytes or None, got {budget!r}")
+        check_budget(budget)
         if self.loss is not None and not callable(self.loss):
             raise InputError(f"loss must be a callable loss(outputs) -> scalar tensor, got {type(self.loss).__name__}")
 

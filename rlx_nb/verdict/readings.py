@@ -87,14 +87,21 @@ def looks_like_reduced_precision(j: Judgement, compute_dtype: str, kind: str) ->
     coarser unit, which averages out over a row -- and not :func:`localized` on one), at about a standard
     narrower format's bits.
     """
-    spread = (
+    narrower = (formats.label_bits(label) for label in formats.LABELS[1:])
+    near = min(abs(j.reading.effective_bits - b) for b in narrower) <= 1.0
+    return compute_dtype == "float32" and kind == "forward" and spread_like_a_format(j) and near
+
+
+def spread_like_a_format(j: Judgement) -> bool:
+    """Whether an error is spread as a number format's round-off is: its largest element within 8x its RMS's
+    share of the budget, leaning on no slice more than on the whole output, not :func:`localized` on one.  Only
+    such an error has a format to be like (``closest_format``): a bug on one row or position has none, however
+    many bits its RMS error happens to come to."""
+    return (
         j.budget.ratio_max <= 8 * max(j.budget.ratio_rmse, 1e-300)
         and not j.where.slice_ratio >= j.budget.ratio_rmse
         and not localized(j)
     )
-    narrower = (formats.label_bits(label) for label in formats.LABELS[1:])
-    near = min(abs(j.reading.effective_bits - b) for b in narrower) <= 1.0
-    return compute_dtype == "float32" and kind == "forward" and spread and near
 
 
 NOISE_LIMIT = 0.25

@@ -31,6 +31,7 @@ from rlx_nb.verdict.chance import isolation, peak_mean, sample_allowance, slice_
 from rlx_nb.verdict.readings import (
     effective_bits,
     looks_like_reduced_precision,
+    spread_like_a_format,
 )
 from rlx_nb.verdict.types import (
     MAX_LIMIT,
@@ -178,7 +179,7 @@ def judge(e: Evidence) -> Judgement:
     else:
         cause = Cause.WORST if ratio_max / MAX_LIMIT > ratio_rmse / RMSE_LIMIT else Cause.WHOLE
     bits, closest = effective_bits(sb.rmse, so.rmse, e.anchors_rmse)
-    return Judgement.of(
+    j = Judgement.of(
         verdict,
         cause,
         line,
@@ -208,6 +209,8 @@ def judge(e: Evidence) -> Judgement:
         oracle_outliers=e.oracle_outliers,
         notes=tuple(notes),
     )
+    # (a narrower format only where the error is spread as a format's is: a one-position bug is like none)
+    return j if closest == formats.LABELS[0] or spread_like_a_format(j) else j.but(closest_format="")
 
 
 def _oracle_is_the_outlier(e: Evidence, units: float) -> bool:

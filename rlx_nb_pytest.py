@@ -1,7 +1,9 @@
-"""The pytest plugin: ``--rlx-nb-report-dir DIR`` keeps the report of every failing backend check.
+"""rlx_nb's pytest plugin: ``--rlx-nb-report-dir DIR`` keeps the report of every failing backend check.
 
 Installed with rlx_nb (the ``pytest11`` entry point ``rlx_nb``); it does nothing unless the option
-is given, and imports neither rlx_nb nor torch (a project's other tests do not pay for them).  Each
+is given, and imports neither rlx_nb nor torch: a module of its own beside the package, so that loading it
+imports nothing of rlx_nb's (a project's other tests do not pay for torch, and a torch older than rlx_nb's range
+stops only the tests that use rlx_nb, not the whole run).  Each
 test's failing :func:`rlx_nb.testing.assert_backends_agree` saves its report as
 ``DIR/<test id>--<label>.rlxnb`` (``-2``, ``-3``, ... for further failing checks of the same test and
 label: a report is never overwritten).  A ``DIR`` that cannot be made or written is a usage error at
