@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import matplotlib
 
 matplotlib.use("Agg")
@@ -269,3 +271,64 @@ def test_the_localization_plot_cuts_off_no_text():
     loc = rlx_nb.localize(model, torch.randn(16, 16), backend="fault:layernorm-eps")
     assert loc.culprit.startswith("1")
     assert not _clipped_text(loc.plot().figure)
+
+
+@pytest.mark.parametrize("name", ["executorch-xnnpack", "a-vendor-runtime-with-a-rather-long-name-v2", "x"])
+def test_a_heatmap_title_is_broken_between_words_never_inside_one_and_stays_in_the_figure(name):
+    # #46: titles were cut in their middle, inside a word ("|back… fp64|"), in notebooks, the explorer and the HTML.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.Softmax(-1))
+    faulty = rlx_nb.backends.registry.get_backend("fault:softmax-row").fn
+    rlx_nb.register_backend(name, faulty, default=False, replace=True)
+    try:
+        report = rlx_nb.backend_divergence(model, torch.randn(32, 16), backends=[name], progress=False)
+    finally:
+        rlx_nb.unregister_backend(name)
+    ex = rlx_nb.explore(report)  # (the explorer's figure: 5 x 4 inches, the narrowest)
+    for fig in (ex._heatmap_ax.figure, report.plot.heatmap().figure):
+        (title,) = [a.get_title() for a in fig.axes if a.get_title()]
+        full = f"{name} · out · |backend - fp64|, x of the SUSPECT line".split()
+        shown = title.replace("\n", " ").removesuffix(" …").split()
+        assert shown == full[: len(shown)], title  # whole words, in order: cut, if at all, after a word
+        assert len(title.splitlines()) <= 2 and not _clipped_text(fig), title
+
+
+@pytest.mark.parametrize("shape", [(1, 50257), (4, 250_000), (3, 7)])
+def test_a_heatmaps_column_ticks_never_run_together(shape, rng):
+    # #46: the generation explorer's logits heatmap (a vocabulary's columns, pooled) had x tick labels running
+    # into each other.
+    from matplotlib.figure import Figure
+
+    from rlx_nb.plot.heatmap import draw_heatmap
+    from rlx_nb.plot.style import HEATMAP_MARGINS
+
+    o = rng.standard_normal(shape).astype(np.float32)
+    b = o + rng.standard_normal(shape).astype(np.float32) * 1e-3
+    fig = Figure(figsize=(5, 4))
+    fig.subplots_adjust(**HEATMAP_MARGINS)
+    ax = draw_heatmap(o, b, o.astype(np.float64), ax=fig.add_subplot(), metric="abs").ax
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+
+    renderer = FigureCanvasAgg(fig).get_renderer()
+    fig.draw(renderer)
+    lo, hi = sorted(ax.get_xlim())
+    boxes = [
+        t.get_window_extent(renderer) for t in ax.get_xticklabels() if lo <= t.get_position()[0] <= hi and t.get_text()
+    ]
+    assert len(boxes) >= 2
+    assert all(a.x1 + 2 <= b.x0 for a, b in itertools.pairwise(boxes)), [(b.x0, b.x1) for b in boxes]
+
+
+def test_a_backend_identical_to_the_oracle_has_no_worst_element_marked(rng):
+    # #46: a module identical to the oracle was marked "worst (0, 0, 0)" (its map, on fp64's scale, shows the
+    # oracle's own round-off; the first element of an all-zero difference was called its worst).
+    from rlx_nb.plot.heatmap import heatmap
+
+    r = rng.standard_normal((3, 4, 5))
+    o = r.astype(np.float32)
+    same = heatmap(o, o.copy(), r, metric="line", budget=1e-7)
+    assert same.worst is None and not [t for t in same.ax.texts if t.get_text().startswith("worst")]
+    b = o.copy()
+    b[1, 2, 3] += 1e-3
+    off = heatmap(o, b, r, metric="line", budget=1e-7)
+    assert off.worst == (1, 2, 3)

@@ -176,6 +176,9 @@ def draw_heatmap(
     shown = np.where(np.isinf(data), vmax, np.where(data > 0, data, norm.vmin * 1e-3))
     image = ax.imshow(np.ma.masked_invalid(shown), norm=norm, cmap=colours, interpolation="nearest", aspect="auto")
     exact = float(np.mean(data == 0)) if data.size else 0.0
+    heading = _fit(plot_text(title) if title else f"{METRIC_LABELS[metric]}  [{folded.describe()}]", ax,
+                   profiles=view.profiles)  # fmt: skip
+    _room_for(heading, ax)
     top, side, cax = _margins(ax, view.profiles)
     colorbar = ax.figure.colorbar(image, cax=cax, extend="min" if exact else "neither")
     log_ticks(colorbar, norm)
@@ -186,8 +189,10 @@ def draw_heatmap(
     from matplotlib.ticker import FixedLocator, FuncFormatter, MaxNLocator
 
     for axis, factor, n in ((ax.yaxis, factors[0], data.shape[0]), (ax.xaxis, factors[1], data.shape[1])):
-        # Rows and columns are whole; one row (a batch of one's logits) is row 0, not -0.5 .. 0.5.
-        axis.set_major_locator(FixedLocator([0]) if n == 1 else MaxNLocator(integer=True))
+        # Rows and columns are whole; one row (a batch of one's logits) is row 0, not -0.5 .. 0.5.  Columns get as
+        # many ticks as their widest label leaves room for (a vocabulary's 50257 columns: labels ran together).
+        bins = _tick_bins(ax, len(str(n * factor))) if axis is ax.xaxis else "auto"
+        axis.set_major_locator(FixedLocator([0]) if n == 1 else MaxNLocator(nbins=bins, integer=True))
         if factor > 1:  # a pooled cell's tick reads the first element it holds: the index a user looks up
             axis.set_major_formatter(FuncFormatter(lambda v, _, f=factor: f"{round(v) * f:d}"))
     ax.set_xlabel(f"cols: {folded.side_label('cols')}" + (f", pooled x{factors[1]}" if factors[1] > 1 else ""))
@@ -201,7 +206,9 @@ def draw_heatmap(
     _outline(ax, data.shape, standout)
     worst, index = view.worst, None
     cell = folded.cell(worst) if worst is not None else None
-    if view.mark_worst and data.size and np.nanmax(data) > 0:
+    # (a backend that gives the oracle's output bit for bit has no worst element, whatever fp64 says of both)
+    differs = cell is not None or not np.array_equal(oracle, backend, equal_nan=True)
+    if view.mark_worst and data.size and np.nanmax(data) > 0 and differs:
         if cell is not None:
             index = tuple(int(i) for i in worst)
             by, bx = cell[0] // factors[0], cell[1] // factors[1]
@@ -240,14 +247,7 @@ def draw_heatmap(
         words = view.band[2] + (f"; worst {index}" if index is not None else "")
         _band(ax, data.shape, band, words, label_right=index is not None and bx <= data.shape[1] / 2)
     where = top if top is not None else ax
-    where.set_title(
-        _fit(
-            plot_text(title) if title else f"{METRIC_LABELS[metric]}  [{folded.describe()}]",
-            ax,
-            profiles=top is not None,
-        ),
-        fontsize=9,
-    )
+    where.set_title(heading, fontsize=9)
     return Heatmap(ax, data, factors, folded, index)
 
 
@@ -403,8 +403,10 @@ def _band(ax: Axes, shape: tuple[int, int], cell: tuple[str, int], label: str, *
 
 
 def _fit(text: str, ax: Axes, *, profiles: bool = False) -> str:
-    # A title that fits inside the figure, centred over the map (about 7 pixels per character at size 9),
-    # cut in the middle.  The map's axes lose ~22% of their width to the row profile and the colour bar.
+    # A title that fits inside the figure, centred over the map (about 7 pixels per character at size 9): on one
+    # line, else on two broken between its parts (``backend · output · metric``) or words, else the second line
+    # shortened after a whole word.  Never cut inside a word (``|back… fp64|``), but a word longer than a line.
+    # The map's axes lose ~22% of their width to the row profile and the colour bar.
     width = ax.figure.get_figwidth() * ax.figure.dpi
     pos = ax.get_position()
     left, right = pos.x0 * width, pos.x1 * width
@@ -412,4 +414,62 @@ def _fit(text: str, ax: Axes, *, profiles: bool = False) -> str:
         right = left + (right - left) * 0.78
     centre = (left + right) / 2
     room = max(24, int((2 * min(centre, width - centre) - 8) / 7))
-    return text if len(text) <= room else text[: room // 2 - 1] + "…" + text[-(room - room // 2) :]
+    return fit_lines(text, room)
+
+
+def _tick_bins(ax: Axes, chars: int) -> int:
+    # How many tick intervals the map's width holds for labels of ``chars`` digits (size-10 digits ~6.5 px each,
+    # 1.5 labels' room apart), at least 2.  (The row profile and colour bar carved out later take ~22% of it.)
+    width = ax.get_position().width * ax.figure.get_figwidth() * ax.figure.dpi * 0.78
+    return max(2, min(9, int(width / (1.5 * (chars * 6.5 + 6)))))
+
+
+def _room_for(heading: str, ax: Axes) -> None:
+    # A title of more than one line: the map's axes lowered by each further line (9 pt text, 1.2 line spacing),
+    # so that it stays inside the figure.
+    extra = heading.count("\n") * 9 * 1.2 / 72 / ax.figure.get_figheight()
+    if extra:
+        pos = ax.get_position()
+        ax.set_position([pos.x0, pos.y0, pos.width, pos.height - extra])
+
+
+def fit_lines(text: str, room: int, lines: int = 2) -> str:
+    """``text`` in at most ``lines`` lines of ``room`` characters, broken between its `` · `` parts where it can,
+    else between words; what does not fit ends the last line after a whole word, with an ellipsis.
+
+    >>> print(fit_lines("executorch-xnnpack · logits · |backend - fp64|, x of the SUSPECT line", 40))
+    executorch-xnnpack · logits ·
+    |backend - fp64|, x of the SUSPECT line
+    >>> print(fit_lines("a b c d e f g h i j k l m n o p", 8, lines=2))
+    a b c d
+    e f g …
+    """
+    if len(text) <= room:
+        return text
+    words = [w for part in text.split(" · ") for w in [*part.split(" "), "·"]][:-1]
+    out: list[str] = [""]
+    for k, word in enumerate(words):
+        joined = f"{out[-1]} {word}" if out[-1] else word
+        at_part = word != "·" and k > 0 and words[k - 1] == "·"  # (a part's first word: a good place to break)
+        if len(joined) <= room and not (at_part and len(out[-1]) > room // 2 and _part_fits(words, k, room)):
+            out[-1] = joined
+        else:
+            out.append(word)
+    if len(out) > lines:
+        rest = " ".join(out[lines - 1 :])
+        out = [*out[: lines - 1], _shorten(rest, room)]
+    return "\n".join(line if len(line) <= room else line[: room - 1] + "…" for line in out)
+
+
+def _part_fits(words: list[str], k: int, room: int) -> bool:
+    # Whether the part that starts at words[k] fits on a line of its own.
+    end = next((i for i in range(k, len(words)) if words[i] == "·"), len(words))
+    return len(" ".join(words[k:end])) <= room
+
+
+def _shorten(text: str, room: int) -> str:
+    # ``text`` cut after a whole word to fit ``room`` with " …".
+    if len(text) <= room:
+        return text
+    cut = text[: room - 2].rsplit(" ", 1)[0] if " " in text[: room - 2] else text[: room - 2]
+    return cut.rstrip(" ·") + " …"
