@@ -416,6 +416,5 @@ def quantized_divergence(
 __all__ = [
     "QuantizedReport",
     "channel_scale_fault",
-    "quantize_pt2e",  # (defined in rlx_nb.quantize; here too, where it was first)
     "quantized_divergence",
 ]

@@ -38,16 +38,27 @@ def test_the_html_holds_every_suspect_heatmap_and_nothing_external(report, tmp_p
     for line in report.lines():
         assert line.split(" — ")[0].replace(">", "&gt;") in text
     assert "torch" in text  # the environment's versions
+    environment = text.split("<h2>Environment</h2>")[1]
     for key in ("cpu_simd", "aten_cpu_capability", "settings", "backends"):
-        assert f"<td>{key}</td>" in text  # CPU flags, the global settings, each backend's settings
+        assert f"<th>{key}</th>" in environment  # CPU flags, the global settings, each backend's settings
     assert "float32_matmul_precision" in text and "torch eager with oneDNN and NNPACK disabled" in text
+    # Read as a reader takes it in, not raw JSON (#46): a mapping as a small table, a list of flags as one line.
+    assert '{"' not in environment and "[&quot;" not in environment and '["' not in environment
+    assert "<th>float32_matmul_precision</th><td class='value'>highest</td>" in environment
     summary = text.split("<h2>Summary: one row per backend and output</h2>")[1].split("</table>")[0]
+    assert summary.startswith("<div class='wide'>")  # (wider than the page: it scrolls in its box)
     for column in ("line", "ratio_rmse", "cosine", "pcc", "sqnr_db", "nmse"):
-        assert f"<th>{column}</th>" in summary
-    rows = re.findall(r"<tr>\s*<td>([^<]*)</td>\s*<td>([^<]*)</td>\s*<td>([^<]*)</td>", summary)
+        assert re.search(rf"<th[^>]*>{column}</th>", summary)
+    cell = r"<td[^>]*>([^<]*)</td>"
+    rows = re.findall(rf"<tr>{cell}{cell}{cell}", summary)
     assert len(rows) == len(report.summary)  # under the row cap: every (backend, output)
     assert {(b, o) for b, o, v in rows if v == "SUSPECT"} == set(_suspect_outputs(report))
     assert [v for _, _, v in rows][: len(_suspect_outputs(report))] == ["SUSPECT"] * len(_suspect_outputs(report))
+    # Each verdict in its colour, in every table, as the notebook shows it (#46: the page's were uncoloured).
+    red, green = "color:#b00020", "color:#1b5e20"
+    for verdict, colour in (("SUSPECT", red), ("round-off", green)):
+        shown = re.findall(rf'<td style="([^"]*)">{verdict}</td>', text)
+        assert shown and all(colour in style for style in shown), (verdict, shown[:3])
 
 
 def test_cli_check_and_show_write_the_html(report, tmp_path):
@@ -86,6 +97,9 @@ def test_it_opens_in_chromium_with_no_network(report, tmp_path):
                 assert width > 100, f"image {i} did not load"
             assert page.locator(".suspect").first.is_visible()
             assert all(u.startswith(("file:", "data:")) for u in asked), asked
+            # No table makes the page wider than the window (#46: the summary was): a wide one scrolls in its box.
+            page.set_viewport_size({"width": 1000, "height": 800})
+            assert page.evaluate("document.documentElement.scrollWidth") <= 1000
             if shots := __import__("os").environ.get("RLX_NB_SCREENSHOT_DIR"):
                 page.screenshot(path=f"{shots}/html-report.png", full_page=True)
         finally:

@@ -327,3 +327,11 @@ def test_each_layer_is_replayed_with_the_cache_as_it_saw_it():
     assert loc.culprit is not None and loc.culprit.startswith("layers.0")
     assert set(backward.frame.name) >= {"layers.0", "layers.1", "layers.2"}
     assert not (backward.frame.verdict == "error").any(), backward.frame.reason.tolist()
+
+
+def test_with_no_suspect_localize_names_a_backend_the_report_ran():
+    # #46: it suggested report.localize('cpu-inductor'), which this report never ran.
+    model, inputs = demo.mlp()
+    report = rlx_nb.backend_divergence(model, inputs, backends=["cpu-nomkldnn"], progress=False)
+    with pytest.raises(rlx_nb.InputError, match=r"no SUSPECT backend to localize .*report\.localize\('cpu-nomkldnn'\)"):
+        report.localize()

@@ -176,3 +176,14 @@ def test_every_short_why_is_a_whole_sentence():
     report = rlx_nb.backend_divergence(model, inputs, backends=["cpu-nomkldnn", *faults], progress=False)
     for why in (*report.backends.why, *report.summary.why):
         assert why.endswith((".", "identical")) or why.startswith(("round-off", "error:", "skipped:")), why
+
+
+def test_a_float_column_no_format_names_shows_four_significant_digits_not_seventeen():
+    # #46: notebook 07's first_divergence showed 0.18157668617571687 and 1.0535135361978731e-05.
+    from rlx_nb.comparison.tables import Table
+
+    html = Table(
+        {"gap_fp64": [0.18157668617571687], "allowance": [1.0535135361978731e-05], "line": [2.5]}
+    )._repr_html_()
+    assert ">0.1816<" in html and ">1.054e-05<" in html and ">2.5<" in html
+    assert "0.18157668617571687" not in html

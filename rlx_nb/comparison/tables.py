@@ -155,6 +155,8 @@ FORMATS: dict[str, str] = {
 """How a notebook shows each numeric column: enough digits to tell the oracle from the reference, and
 scientific numbers that never wrap inside a cell."""
 PROSE = ("reason", "note", "notes")
+DEFAULT_FORMAT = "{:.4g}"
+"""A float column :data:`FORMATS` does not name (a generation's ``gap_fp64``, a user's own)."""
 
 
 class Table(pd.DataFrame):
@@ -166,28 +168,32 @@ class Table(pd.DataFrame):
         return Table
 
     def _repr_html_(self) -> str:
-        # Styles inline on each cell, never in a <style> block: JupyterLab strips those from an untrusted notebook
-        # (every notebook a user did not run), and the verdicts' colours went with them.
-        frame = _escaped(pd.DataFrame(self))
-        if len(frame) > 200 or frame.columns.duplicated().any():
-            return frame.to_html(escape=False, max_rows=60)  # (escaped above, once)
-        formats = {c: f for c, f in FORMATS.items() if c in frame.columns and frame[c].dtype.kind == "f"}
-        plain, prose = "white-space:nowrap;text-align:right", "white-space:normal;min-width:24em;text-align:left"
-        head = "".join(f'<th style="{plain}">{c}</th>' for c in frame.columns)
-        body = []
-        for index, row in frame.iterrows():
-            cells = [f'<th style="{plain}">{index}</th>']
-            for column, value in row.items():
-                style = prose if column in PROSE else plain
-                colour = verdict_css(str(value)) if VERDICT in str(column) else ""  # (verdict_fixed, old_verdict ...)
-                if colour:
-                    style += ";" + colour.replace(": ", ":").replace("; ", ";")
-                cells.append(f'<td style="{style}">{_cell_text(value, formats.get(column))}</td>')
-            body.append("<tr>" + "".join(cells) + "</tr>")
-        return (
-            f'<table class="dataframe" border="1"><thead><tr><th></th>{head}</tr></thead>'
-            f"<tbody>{''.join(body)}</tbody></table>"
-        )
+        return table_html(self)
+
+
+def table_html(frame: pd.DataFrame, *, index: bool = True) -> str:
+    """A frame as an HTML table, the same in a notebook and on a page (:func:`rlx_nb.report.html.write_html`): each
+    float column in its format (:data:`FORMATS`, else :data:`DEFAULT_FORMAT`), verdicts in their colours, prose
+    wrapped, numbers never.  Styles inline on each cell, never in a ``<style>`` block: JupyterLab strips those from
+    an untrusted notebook (every notebook a user did not run), and the verdicts' colours went with them."""
+    frame = _escaped(pd.DataFrame(frame))
+    if len(frame) > 200 or frame.columns.duplicated().any():
+        return frame.to_html(escape=False, max_rows=60, index=index)  # (escaped above, once)
+    # (a float column no format names: 4 significant digits, never a float's 17 -- 0.18157668617571687)
+    formats = {c: FORMATS.get(c, DEFAULT_FORMAT) for c in frame.columns if frame[c].dtype.kind == "f"}
+    plain, prose = "white-space:nowrap;text-align:right", "white-space:normal;min-width:24em;text-align:left"
+    head = ("<th></th>" if index else "") + "".join(f'<th style="{plain}">{c}</th>' for c in frame.columns)
+    body = []
+    for key, row in frame.iterrows():
+        cells = [f'<th style="{plain}">{key}</th>'] if index else []
+        for column, value in row.items():
+            style = prose if column in PROSE else plain
+            colour = verdict_css(str(value)) if VERDICT in str(column) else ""  # (verdict_fixed, old_verdict ...)
+            if colour:
+                style += ";" + colour.replace(": ", ":").replace("; ", ";")
+            cells.append(f'<td style="{style}">{_cell_text(value, formats.get(column))}</td>')
+        body.append("<tr>" + "".join(cells) + "</tr>")
+    return f'<table class="dataframe" border="1"><thead><tr>{head}</tr></thead><tbody>{"".join(body)}</tbody></table>'
 
 
 def _cell_text(value: Any, fmt: str | None) -> str:

@@ -168,7 +168,10 @@ def localize_report(
         model, inputs, params = held if params is None else (*held[:2], params)
     if backend is None:
         if not report.suspects:
-            raise InputError("no SUSPECT backend to localize; name one: report.localize('cpu-inductor')")
+            ran = report.worst  # (the backends that produced outputs, worst first)
+            example = f"report.localize({ran[0]!r})" if ran else "report.localize(backend), a backend that ran"
+            raise InputError(f"no SUSPECT backend to localize (every backend that ran is round-off); name one to "
+                             f"localize anyway: {example}")  # fmt: skip
         backend = report.suspects[0]
     if backward is None:
         backward = (report.record(backend).output or "").startswith("grad:")

@@ -12,7 +12,6 @@ import base64
 import datetime
 import html
 import io
-import json
 from pathlib import Path
 from typing import Any
 
@@ -34,10 +33,15 @@ SUMMARY_COLUMNS = (
 _STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em; color: #222; max-width: 1200px; }
 pre { background: #f6f6f6; padding: 0.8em; white-space: pre-wrap; font-size: 12px; }
+.wide { max-width: 100%; overflow-x: auto; }
 table { border-collapse: collapse; font-size: 12px; margin: 0.5em 0; }
 td, th { border: 1px solid #ddd; padding: 3px 6px; text-align: right; white-space: nowrap; }
 th { background: #f0f0f0; }
 td:first-child, th:first-child { text-align: left; }
+table.environment th, table.inner th { text-align: left; vertical-align: top; font-weight: normal; }
+td.value { text-align: left; white-space: normal; }
+table.inner { margin: 0; font-size: 11px; }
+td.value ul { margin: 0; padding-left: 1.2em; }
 .suspect { color: #b00020; font-weight: bold; }
 .figs img { max-width: 100%; margin-right: 1em; vertical-align: top; }
 section { border-top: 1px solid #ccc; margin-top: 1.5em; }
@@ -59,29 +63,54 @@ def page_figure(width: float, height: float) -> Any:
 
 
 def table_html(frame: Any) -> str:
-    """A frame as a page's table."""
-    # Numbers as the notebook shows them (frames.FORMATS: enough digits to tell the oracle from the
-    # backend and the reference, a cosine of 0.999999998 not rounded to 1); other floats in 4 digits.
-    from rlx_nb.comparison.tables import FORMATS
+    """A frame as a page's table: as the notebook shows it (:func:`rlx_nb.comparison.tables.table_html`: each number
+    in its column's format, verdicts in their colours), in a box that scrolls sideways where it is wider than the
+    page (the page itself never is)."""
+    from rlx_nb.comparison.tables import table_html as html_of
 
-    def fmt(spec: str):
-        return lambda v: "" if v != v else spec.format(v)
-
-    floats = [c for c in frame.columns if frame[c].dtype.kind == "f"]
-    formatters = {c: fmt(FORMATS.get(c, "{:.4g}")) for c in floats}
-    return frame.to_html(index=False, escape=True, border=0, na_rep="", formatters=formatters)
+    return f"<div class='wide'>{html_of(frame, index=False)}</div>"
 
 
 def _environment(env: dict[str, Any]) -> str:
-    rows = []
-    for key, value in env.items():
-        text = value if isinstance(value, str) else json.dumps(value, default=str, sort_keys=True)
-        if len(text) > 600:
-            text = text[:600] + " …"
-        rows.append(
-            f"<tr><td>{html.escape(str(key))}</td><td style='text-align:left; white-space:normal'>{html.escape(text)}</td></tr>"
-        )
-    return "<table><tr><th>key</th><th>value</th></tr>" + "".join(rows) + "</table>"
+    rows = "".join(
+        f"<tr><th>{html.escape(str(key))}</th><td class='value'>{_value(value)}</td></tr>" for key, value in env.items()
+    )
+    return f"<div class='wide'><table class='environment'>{rows}</table></div>"
+
+
+def _value(value: Any, depth: int = 0) -> str:
+    # A value of the environment as a reader takes it in: a mapping as its own small table of keys and values, a list
+    # of words as one line, a number as it is; never raw JSON.
+    if isinstance(value, dict):
+        if not value:
+            return "<i>none</i>"
+        rows = list(value.values())
+        if all(isinstance(v, dict) and v and v.keys() == rows[0].keys() for v in rows):  # (records: one table)
+            head = "".join(f"<th>{html.escape(str(k))}</th>" for k in rows[0])
+            body = "".join(f"<tr><th>{html.escape(str(name))}</th>" + "".join(f"<td>{_value(v, 2)}</td>" for v in
+                           record.values()) + "</tr>" for name, record in value.items())  # fmt: skip
+            return f"<table class='inner'><tr><th></th>{head}</tr>{body}</table>"
+        if depth >= 2:
+            return html.escape(", ".join(f"{k}: {v}" for k, v in value.items()))
+        rows = "".join(f"<tr><th>{html.escape(str(k))}</th><td class='value'>{_value(v, depth + 1)}</td></tr>"
+                       for k, v in value.items())  # fmt: skip
+        return f"<table class='inner'>{rows}</table>"
+    if isinstance(value, (list, tuple)):
+        if not value:
+            return "<i>none</i>"
+        if all(isinstance(v, (str, int, float)) for v in value) and sum(len(str(v)) for v in value) <= 400:
+            joined = ", ".join(str(v) for v in value) if all(len(str(v)) <= 40 for v in value) else None
+            if joined is not None:
+                return html.escape(joined)
+        return "<ul>" + "".join(f"<li>{_value(v, depth + 1)}</li>" for v in value) + "</ul>"
+    if value is None:
+        return "<i>none</i>"
+    if isinstance(value, float):
+        return html.escape(f"{value:.4g}")
+    if isinstance(value, int) and not isinstance(value, bool):
+        return f"{value:,}"
+    text = str(value)
+    return html.escape(text if len(text) <= 600 else text[:600] + " …")
 
 
 def _summary(report: Any) -> str:
