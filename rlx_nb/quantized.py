@@ -29,7 +29,6 @@ symmetric weights, per-tensor activations) and its runtimes are the candidates.
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Iterable, Sequence
 from typing import Any
@@ -37,6 +36,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rlx_nb._support.copies import module_copy
 from rlx_nb._support.progress import bar
 from rlx_nb._support.tree import flatten
 from rlx_nb.backends.base import Backend
@@ -82,7 +82,7 @@ def channel_scale_fault(*, layer: int = 0, channel: int = 0, factor: float = 1.2
     inner = get_backend(runtime)
 
     def fn(model: Any, inputs: tuple) -> Any:
-        faulty = copy.deepcopy(model)
+        faulty = module_copy(model, {})
         weights = _ops(faulty, _DEQUANTIZE_CHANNEL)
         if not -len(weights) <= layer < len(weights):
             raise InputError(f"layer {layer} is past the model's {len(weights)} per-channel weights")
@@ -217,7 +217,7 @@ def localize_int8(
                 (sim,) = _arrays(cut(*args)).values()
                 legit = [next(iter(_arrays(stochastic_copy(cut, seed=t, width=width)(*args)).values()))
                          for t in range(trials)]  # fmt: skip
-            got = next(iter(_arrays(backend.fn(copy.deepcopy(cut), args)).values()))
+            got = next(iter(_arrays(backend.fn(module_copy(cut, {}), args)).values()))
             scale = points[k].args[1]
             checked[k] = judge(sim, got, legit, float(scale) if isinstance(scale, float) else math.nan)
         return checked[k]
@@ -384,7 +384,7 @@ def quantized_divergence(
             try:
                 if reason is not None:
                     raise BackendError(f"not available here: {reason}")
-                got = _arrays(backend.fn(copy.deepcopy(converted), args))
+                got = _arrays(backend.fn(module_copy(converted, {}), args))
                 error = None
             except Exception as exc:
                 got, error = {}, describe_error(exc)

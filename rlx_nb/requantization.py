@@ -11,11 +11,12 @@ quantized model computes with exact arithmetic.
 
 from __future__ import annotations
 
-import copy
 import math
 from typing import Any
 
 import torch
+
+from rlx_nb._support.copies import module_copy
 
 ACCUMULATOR_QUANTA = 2.0
 """A requantization's width, in quanta of the accumulator that feeds it.  An int8 kernel accumulates on an integer
@@ -240,7 +241,7 @@ def stochastic_copy(
     """A copy of ``converted`` whose activation requantizations round stochastically (seeded), each element within
     ``width`` quanta of a boundary either way: one width, or one per requantization by node name
     (:func:`requantizations`)."""
-    trial = copy.deepcopy(converted)
+    trial = module_copy(converted, {})
     generator = torch.Generator().manual_seed(seed)
     for node in _ops(trial, _QUANTIZE):
         node.target = _stochastic_quantize(generator, width[node.name] if isinstance(width, dict) else width)
@@ -270,7 +271,7 @@ def _module_of(node: torch.fx.Node) -> str:
 
 def _truncated(converted: torch.fx.GraphModule, point: int) -> torch.fx.GraphModule:
     # The graph up to its ``point``-th requantization point (an activation's dequantize), which it returns.
-    cut = copy.deepcopy(converted)
+    cut = module_copy(converted, {})
     node = _ops(cut, "dequantize_per_tensor")[point]
     (output,) = [n for n in cut.graph.nodes if n.op == "output"]
     output.args = ((node,),)

@@ -350,3 +350,25 @@ def test_a_runtime_that_returns_nan_is_a_kernel_bug_not_quantization_noise():
     row = report.record("test-int8-nan")
     assert row["verdict"] == SUSPECT and row["reading"] == quantized.BUG, row
     assert "NaN/Inf element(s) where the Q/DQ simulation is finite" in row["why"]
+
+
+def test_the_int8_path_prints_nothing_of_torchaos_or_torchs_into_the_users_output():
+    # #46: torchao's "Failed to load ....so" and torch's FutureWarnings (deep copies of the converted graph warned
+    # "isinstance(treespec, LeafSpec) is deprecated") landed in red in the user's first cell.
+    import subprocess
+    import sys
+
+    code = (
+        "import rlx_nb\n"
+        "from rlx_nb import quantize\n"
+        "from rlx_nb.models import demo\n"
+        "model, inputs = demo.mlp()\n"
+        "converted = quantize.quantize_pt2e(model, inputs)\n"
+        "rlx_nb.backend_divergence(converted, inputs, backends=['executorch-xnnpack'], progress=False)\n"
+        "report = rlx_nb.quantized_divergence(converted, inputs, backends=['executorch-portable'], progress=False)\n"
+        "print('SUSPECTS', report.suspects)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().endswith("SUSPECTS []")
+    assert done.stderr == "", done.stderr[-3000:]

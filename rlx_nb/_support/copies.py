@@ -25,6 +25,8 @@ from typing import Any
 
 import torch
 
+from rlx_nb._support.quiet import quiet
+
 _AS_IS = (type(None), bool, int, float, complex, str, bytes, type)
 """What ``copy.deepcopy`` returns unchanged."""
 
@@ -52,6 +54,11 @@ def module_copy(module: torch.nn.Module, memo: dict[int, Any]) -> torch.nn.Modul
         return found
     cls = type(module)
     if not copies_plainly(cls) or "__deepcopy__" in module.__dict__:  # (deepcopy finds an instance's own too)
+        if any(isinstance(m, torch.fx.GraphModule) for m in module.modules()):
+            # (torch deep-copies an fx graph's pytree specs itself, and each LeafSpec warns "isinstance(treespec,
+            # LeafSpec) is deprecated" from inside torch: noise a notebook cell showed in red; this thread's only)
+            with quiet():
+                return copy.deepcopy(module, memo)
         return copy.deepcopy(module, memo)
     new = cls.__new__(cls)
     memo[id(module)] = new

@@ -45,7 +45,8 @@ KEEP_BYTES = 1 << 16
 """How much of a capture the keeper holds (the last bytes: an abort's message is the last thing printed)."""
 
 _KEEPER = r"""
-import os
+import os, signal
+signal.signal(signal.SIGINT, signal.SIG_IGN)  # (a Ctrl-C meant for the process it keeps for)
 end, keep, most = %r, b"", %d
 while True:
     chunk = os.read(0, 1 << 16)
@@ -188,6 +189,7 @@ def _sink() -> tuple[int, Any]:
                 stdin=subprocess.PIPE,
                 stdout=subprocess.DEVNULL,
                 stderr=err if isinstance(err, int) else None,
+                start_new_session=True,  # (a terminal's Ctrl-C or a kernel's shutdown reaches its process only)
             )
     if proc is not None and proc.stdin is not None:
         if not _STOP_REGISTERED:

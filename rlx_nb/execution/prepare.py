@@ -6,7 +6,6 @@ and names parameters as the user's model does.
 
 from __future__ import annotations
 
-import copy
 import functools
 import gc
 import re
@@ -344,9 +343,9 @@ class PrivateModel:
             self.model, self.released = self._build(), False
             self._crc = tensors_crc(self.model)
         if self.whole:
-            return starting_from(copy.deepcopy(self.model), self.written)
+            return starting_from(module_copy(self.model, {}), self.written)
         if name in self.WRITERS:
-            return copy.deepcopy(self.model)
+            return module_copy(self.model, {})
         return shared_copy(self.model)
 
     def after(self, name: str, *, oracle: bool = False) -> str:
@@ -373,7 +372,7 @@ class PrivateModel:
 
     def lend(self) -> tuple[torch.nn.Module, list[tuple[torch.Tensor, torch.Tensor]]]:
         """A shared copy that holds the storage alone (the private model's tensors emptied meanwhile)."""
-        lent = shared_copy(self.model) if not self.whole else copy.deepcopy(self.model)
+        lent = shared_copy(self.model) if not self.whole else module_copy(self.model, {})
         pairs = list(zip(_own_tensors(self.model), _own_tensors(lent), strict=True))
         if not self.whole:
             for mine, _ in pairs:
