@@ -790,9 +790,18 @@ NOTEBOOKS = {
 }
 
 
+def kernelspec() -> dict[str, str]:
+    """The python3 kernel's spec as JupyterLab writes it into a notebook it opens: a notebook that says otherwise
+    ("Python 3" where the kernel is "Python 3 (ipykernel)") opens marked modified."""
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    spec = KernelSpecManager().get_kernel_spec("python3")
+    return {"name": "python3", "display_name": spec.display_name, "language": spec.language}
+
+
 def build(name: str, cells: list[tuple[str, str]]) -> Path:
     nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata["kernelspec"] = kernelspec()
     nb.cells = [
         nbformat.v4.new_markdown_cell(src) if kind == "md" else nbformat.v4.new_code_cell(src) for kind, src in cells
     ]

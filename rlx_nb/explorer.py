@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from rlx_nb.comparison.tables import element_html
 from rlx_nb.errors import InputError
 from rlx_nb.generation.decode import step_of
 from rlx_nb.generation.report import GenerationReport
@@ -141,7 +142,7 @@ class Explorer(W.VBox if W is not None else object):
         self.histogram_out = W.Output()
         self.element_picker = W.Select(description="worst", rows=10, layout=W.Layout(width="340px"))
         self.index_box = W.Text(description="index", placeholder="e.g. 0, 3, 17", continuous_update=False)
-        self.table = W.HTML()
+        self.table = W.HTML(layout=W.Layout(overflow="auto", max_width="100%"))  # (scrolls in a narrow notebook)
         self.inspector = W.HTML()
         self.status = W.HTML()
         self._canvas_box = W.Box(layout=W.Layout(flex="0 0 auto"))  # the live canvas keeps its size
@@ -153,7 +154,10 @@ class Explorer(W.VBox if W is not None else object):
                 self.status,
                 # Side by side where the notebook is wide enough, the histogram below the heatmap where not.
                 W.HBox([heat, self.histogram_out], layout=W.Layout(flex_flow="row wrap")),
-                W.HBox([W.VBox([self.element_picker, self.index_box]), self.inspector]),
+                W.HBox(
+                    [W.VBox([self.element_picker, self.index_box]), self.inspector],
+                    layout=W.Layout(flex_flow="row wrap"),
+                ),
                 self.table,
             ]
         )
@@ -197,9 +201,13 @@ class Explorer(W.VBox if W is not None else object):
             "<p style='color:#555;font-size:smaller'>rlx_nb explorer — a static copy of its view, for readers "
             "without a running kernel (the live explorer, when a kernel runs, is below)</p>"
         )
+        # The table and the inspector side by side where they fit, one below the other where not; neither squeezed
+        # (a squeezed table wrapped its indices and numbers and cut its last column).
+        box = "flex:0 0 auto;max-width:100%;overflow-x:auto"
         body = (
             f"<div class='rlx-snapshot'>{caption}<p>{self.status.value}</p><div>{shown}</div>"
-            f"<div style='display:flex;gap:2em'><div>{self.table.value}</div><div>{self.inspector.value}</div></div></div>"
+            f"<div style='display:flex;flex-wrap:wrap;gap:1em 2em'><div style='{box}'>{self.table.value}</div>"
+            f"<div style='{box}'>{self.inspector.value}</div></div>{self._localization_snapshot()}</div>"
         )
         bundle = {
             "text/html": body,
@@ -208,6 +216,16 @@ class Explorer(W.VBox if W is not None else object):
         if images[0]:
             bundle["image/png"] = images[0]
         return bundle
+
+    def _localization_snapshot(self) -> str:
+        # The localization view as the static copy shows it: its heading, the per-module bars, the module picked and
+        # its heatmap ("" without a localization).
+        if getattr(self, "localization", None) is None:
+            return ""
+        pictures = "".join(f"<img src='data:image/png;base64,{png}' style='max-width:100%;vertical-align:top'/>"
+                           for png in (self._image(self.localization_bars), self._image(self.module_heatmap)) if png)  # fmt: skip
+        picked = html.escape(str(self.module_picker.value or ""))
+        return f"<div>{self._localization_head.value}<p>module: <code>{picked}</code></p>{pictures}</div>"
 
     @staticmethod
     def _image(out: Any) -> str:
@@ -410,17 +428,18 @@ class Explorer(W.VBox if W is not None else object):
         loc.plot(ax=ax)
         _show_png(self.localization_bars, _png(ax.figure))
         names = loc.checked
-        self.module_picker = W.Dropdown(
-            options=[
-                (f"⚠ {n}" if n in loc.frame.query("verdict == 'SUSPECT'")["name"].tolist() else n, n) for n in names
-            ],
+        options = [(f"⚠ {n}" if n in loc.frame.query("verdict == 'SUSPECT'")["name"].tolist() else n, n) for n in names]
+        longest = max((len(label) for label, _ in options), default=20)
+        self.module_picker = W.Dropdown(  # (as wide as its longest name, which it cut; up to the notebook's width)
+            options=options,
             description="module",
+            layout=W.Layout(width=f"calc({longest + 4}ch + 8em)", max_width="100%"),
         )
         self.module_heatmap = W.Output()
         self.module_heatmap_data: np.ndarray | None = None
         self.module_picker.observe(lambda _: self._draw_module(), names="value")
         culprit = loc.culprit
-        head = W.HTML(
+        self._localization_head = head = W.HTML(
             f"<h4>Localization on {html.escape(loc.backend)}: culprit "
             f"<code>{html.escape(culprit or 'none')}</code> ({loc.preparations} preparations)</h4>"
         )
@@ -479,22 +498,3 @@ class Explorer(W.VBox if W is not None else object):
         self.inspector.value = f"<table>{body}</table>{hood}"
         if redraw:
             self._mark(index)
-
-
-ELEMENT_DIGITS = {"oracle": 9, "backend": 9, "reference": 12}
-"""Significant digits of the element table's values: float32's 9 tell the oracle and the backend apart where
-they differ in the last bit; the fp64 reference shows the digits that the float32 values round away."""
-
-
-def element_html(frame: Any) -> str:
-    """The worst elements as an HTML table whose numbers show the digits that differ (never wrapped)."""
-    shown = frame.copy()
-    for column in shown.columns:
-        digits = ELEMENT_DIGITS.get(column)
-        if digits is not None:
-            shown[column] = [f"{float(v):.{digits}g}" for v in shown[column]]
-        elif shown[column].dtype.kind == "f":
-            shown[column] = [f"{float(v):.3e}" for v in shown[column]]
-    shown["index"] = [str(tuple(v)) for v in shown["index"]]
-    body = shown.to_html(index=False, escape=True, classes="rlx-elements")
-    return f"<div style='white-space:nowrap;overflow-x:auto'>{body}</div>"

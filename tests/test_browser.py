@@ -295,6 +295,11 @@ def test_every_notebook_shows_every_figure_whole(lab, executed_notebook, noteboo
         playwright_api.expect(page.locator(".jp-OutputArea-output img").first).to_be_visible(timeout=TIMEOUT_MS)
         assert _check_figures(page, notebook) >= 1
         assert not page.locator(".jp-OutputArea-output", has_text=re.compile(r"^<Axes: ")).count()  # no stray reprs
+        # Every explorer picker shows its choice whole (#46: the module picker cut long module names).
+        for select in page.locator(".rlx-explorer .widget-dropdown select").all():
+            if select.is_visible():
+                shown = select.evaluate(WHOLE_OPTION)
+                assert shown["needed"] + 16 <= shown["width"], f"{notebook}: a picker cuts its choice: {shown}"
     finally:
         _close(page, base, token)
 
@@ -348,8 +353,33 @@ def test_the_explorer_follows_every_interaction(lab):
         print(f"explorer update times (s): {times}")
         expect = playwright_api.expect
         expect(page.locator(".widget-html", has_text="(1, 2, 3)").first).to_be_visible()
+        # With the file browser open the notebook is narrower: the worst-elements table scrolls in its box, no
+        # column cut off at the explorer's edge (#46).
+        page.locator(".jp-SideBar .lm-TabBar-tab[data-id='filebrowser']").first.click()
+        time.sleep(1)
+        table = explorer.locator("table.rlx-elements").last
+        table.scroll_into_view_if_needed()
+        holder = table.evaluate(SCROLLS)
+        _keep(explorer.screenshot(), "explorer-with-the-file-browser.png")
+        assert holder["right"] <= holder["outer_right"] + 1, f"the worst-elements table is cut off: {holder}"
+        assert holder["width"] >= holder["needed"] or holder["overflow"] in ("auto", "scroll"), holder
     finally:
         _close(page, base, token)
+
+
+SCROLLS = """e => {
+    const box = e.closest('.widget-html'), outer = e.closest('.rlx-explorer');
+    const b = box.getBoundingClientRect(), o = outer.getBoundingClientRect();
+    return {right: b.right, outer_right: o.right, width: box.clientWidth, needed: box.scrollWidth,
+            overflow: getComputedStyle(box).overflowX};
+}"""
+
+WHOLE_OPTION = """e => {
+    const c = document.createElement('canvas').getContext('2d');
+    c.font = getComputedStyle(e).font;
+    return {text: e.options[e.selectedIndex].text, needed: c.measureText(e.options[e.selectedIndex].text).width,
+            width: e.clientWidth};
+}"""
 
 
 def test_the_live_canvas_fits_its_box(lab):
@@ -413,6 +443,18 @@ def test_committed_notebooks_show_pictures_without_running(lab, notebook):
             shot = snapshots.first.screenshot()
             assert _pixels(shot).std() > 8
             _keep(shot, f"committed-{notebook.removesuffix('.ipynb')}-snapshot.png")
+            # Its worst-elements table whole: no index or number wrapped onto two lines (#46).
+            for table in page.locator(".rlx-snapshot table.rlx-elements").all():
+                rows = table.evaluate("t => [...t.rows].map(r => r.getBoundingClientRect().height)")
+                assert max(rows) <= 1.6 * min(rows), f"{notebook}: a snapshot row wraps: {rows}"
+        if any(c.cell_type == "code" and "localization=" in c.source and "explore(" in c.source for c in cells):
+            shown = page.locator(".rlx-snapshot", has_text="Localization on").first  # (#46: 02's had none)
+            assert shown.count() and shown.locator("img").count() >= 3, f"{notebook}: no localization view"
+            _keep(shown.screenshot(), f"committed-{notebook.removesuffix('.ipynb')}-localization-snapshot.png")
+        # Opened as committed, nothing changed: not marked modified (#46: the kernelspec's name made it so).
+        time.sleep(2)
+        tab = page.locator(".lm-TabBar-tab.jp-mod-current").first
+        assert "jp-mod-dirty" not in (tab.get_attribute("class") or ""), f"{notebook} opens marked modified"
         _keep(page.screenshot(full_page=True), f"committed-{notebook.removesuffix('.ipynb')}.png")
     finally:
         _close(page, base, token)

@@ -47,3 +47,17 @@ def test_committed_notebooks_keep_their_colours_untrusted(path):
                 assert f"<style>{block}</style>" == SNAPSHOT_HIDES or "color" not in block, (path.name, block[:200])
             if "SUSPECT</td>" in html:
                 assert "color:#b00020" in html, path.name
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_committed_notebooks_name_the_kernel_as_jupyterlab_does(path):
+    # #46: notebooks 01, 02 and 07 opened marked modified in Lab: they said "Python 3" where the python3 kernel is
+    # "Python 3 (ipykernel)", and Lab rewrote the name as it opened them (the browser test checks the tab too).
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    spec = KernelSpecManager().get_kernel_spec("python3")
+    assert nbformat.read(path, as_version=4).metadata["kernelspec"] == {
+        "name": "python3",
+        "display_name": spec.display_name,
+        "language": spec.language,
+    }

@@ -126,3 +126,10 @@ def test_localization_view_picks_modules_and_draws_their_heatmaps():
     assert drawn.ax.images[0].get_cmap().name.startswith("coolwarm")
     assert "SUSPECT line" in drawn.ax.images[0].colorbar.ax.get_ylabel()
     assert drawn.ax.figure.axes[1].get_title().endswith("F.softmax (alone)")  # (over the profile above the map)
+    # The module picker is as wide as its longest name (#46: it cut them), and the static copy a reader without a
+    # kernel sees holds the localization view: its heading, bars, the module picked and its heatmap (#46: none).
+    longest = max(len(label) for label, _ in ex.module_picker.options)
+    assert ex.module_picker.layout.width == f"calc({longest + 4}ch + 8em)"
+    snapshot = ex.snapshot()["text/html"]
+    assert "Localization on fault:softmax-row: culprit <code>blocks.1.attn :: F.softmax</code>" in snapshot
+    assert "module: <code>blocks.0</code>" in snapshot and snapshot.count("<img") >= 4

@@ -223,6 +223,27 @@ def _escaped(frame: pd.DataFrame) -> pd.DataFrame:
     return out
 
 
+ELEMENT_DIGITS = {"oracle": 9, "backend": 9, "reference": 12}
+"""Significant digits of the element table's values: float32's 9 tell the oracle and the backend apart where
+they differ in the last bit; the fp64 reference shows the digits that the float32 values round away."""
+
+
+def element_html(frame: Any) -> str:
+    """The worst elements as an HTML table whose numbers show the digits that differ (never wrapped)."""
+    shown = frame.copy()
+    for column in shown.columns:
+        digits = ELEMENT_DIGITS.get(column)
+        if digits is not None:
+            shown[column] = [f"{float(v):.{digits}g}" for v in shown[column]]
+        elif shown[column].dtype.kind == "f":
+            shown[column] = [f"{float(v):.3e}" for v in shown[column]]
+    shown["index"] = [str(tuple(v)) for v in shown["index"]]
+    body = shown.to_html(index=False, escape=True, classes="rlx-elements")
+    # (never wrapped, an index or a number on two lines; wider than its box, it scrolls there, no column cut)
+    body = body.replace("<td>", "<td style='white-space:nowrap'>").replace("<th>", "<th style='white-space:nowrap'>")
+    return f"<div style='white-space:nowrap;overflow-x:auto;max-width:100%'>{body}</div>"
+
+
 def verdict_css(v: str) -> str:
     """The colour of a verdict in tables: red for SUSPECT only."""
     if v == SUSPECT:
