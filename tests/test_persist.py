@@ -367,3 +367,12 @@ def test_reports_saved_before_the_packages_moved_still_load():
     assert isinstance(generation, rlx_nb.GenerationReport)
     assert generation.tokens.shape == (1, 3) and not generation.any_suspect
     assert set(generation.steps["backend"]) == {"cpu-bf16"} and len(generation.steps) == 3
+
+
+def test_an_environment_value_the_verdicts_read_of_another_type_is_a_format_error(report, tmp_path):
+    # Found by the fuzz test (tests/test_properties.py): environment.matmul_ops as a bool made load_report raise a
+    # raw AttributeError from inside the comparison ('bool' object has no attribute 'get').
+    path = report.save(tmp_path / "r.rlxnb")
+    _edit_meta(path, lambda meta: meta["environment"].__setitem__("matmul_ops", True))
+    with pytest.raises(ReportFormatError, match=r"environment.matmul_ops must be an object of counts, got True"):
+        rlx_nb.load_report(path)

@@ -273,7 +273,7 @@ def test_the_localization_plot_cuts_off_no_text():
     assert not _clipped_text(loc.plot().figure)
 
 
-@pytest.mark.parametrize("name", ["executorch-xnnpack", "a-vendor-runtime-with-a-rather-long-name-v2", "x"])
+@pytest.mark.parametrize("name", ["vendor-xnnpack-int8", "a-vendor-runtime-with-a-rather-long-name-v2", "x"])
 def test_a_heatmap_title_is_broken_between_words_never_inside_one_and_stays_in_the_figure(name):
     # #46: titles were cut in their middle, inside a word ("|back… fp64|"), in notebooks, the explorer and the HTML.
     torch.manual_seed(0)

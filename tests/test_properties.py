@@ -120,12 +120,17 @@ ODD_VALUES = [
 ]  # fmt: skip
 
 
-def _paths(node, prefix=()):
-    # Every (container, key) pair inside a JSON document.
-    items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
-    for key, value in items:
-        yield node, key
-        yield from _paths(value, (*prefix, key))
+def _paths(node) -> list:
+    # Every (container, key) pair inside a JSON document (a stack, not nested generators: 10,000 documents).
+    found, stack = [], [node]
+    while stack:
+        node = stack.pop()
+        items = node.items() if isinstance(node, dict) else enumerate(node) if isinstance(node, list) else ()
+        for key, value in items:
+            found.append((node, key))
+            if isinstance(value, (dict, list)):
+                stack.append(value)
+    return found
 
 
 def _mutate_json(meta: dict, rng: random.Random) -> dict:

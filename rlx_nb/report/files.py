@@ -75,6 +75,15 @@ def _unstable(value: Any, where: str) -> dict[str, float]:
         raise _fail(where, f"environment.nondeterministic has a value that is not a number: {value!r:.80}") from None
 
 
+def _counts(value: Any, where: str) -> dict[str, int]:
+    # environment["matmul_ops"] as saved: a JSON object of counts of the model's matmul and convolution calls.
+    if not isinstance(value, dict) or not all(
+        isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in value.values()
+    ):
+        raise _fail(where, f"environment.matmul_ops must be an object of counts, got {value!r:.80}")
+    return {str(k): v for k, v in value.items()}
+
+
 def save_results(
     results: RunResults,
     path: str | Path | io.BufferedIOBase,
@@ -253,6 +262,8 @@ def _results(zf: zipfile.ZipFile, meta: dict, where: Any) -> RunResults:
     )
     if "nondeterministic" in results.environment:  # the verdicts need it as numbers
         results.environment["nondeterministic"] = _unstable(results.environment["nondeterministic"], where)
+    if "matmul_ops" in results.environment:  # and this as counts (a uniformly less accurate convolution's reading)
+        results.environment["matmul_ops"] = _counts(results.environment["matmul_ops"], where)
     return results
 
 

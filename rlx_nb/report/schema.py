@@ -198,7 +198,7 @@ def record(raw: Any, where: str, fields: list[_Field]) -> dict[str, Any]:
 
 
 def records(
-    raw: Any, columns: list[tuple[str, Any, bool]], outputs: dict[str, set[str]], oracle: dict[str, Any]
+    raw: Any, columns: tuple[tuple[str, Any, bool], ...], outputs: dict[str, set[str]], oracle: dict[str, Any]
 ) -> list[dict]:
     """Every saved record, checked against the runs: its backend is a candidate, its output one that run or
     the oracle has, its shape the oracle's.  ``columns``: ``(name, type, required)`` of a record's flat row
