@@ -431,8 +431,9 @@ def test_committed_notebooks_show_pictures_without_running(lab, notebook):
     try:
         page.goto(_url(base, token, f"notebooks/{notebook}"))
         playwright_api.expect(page.locator(".jp-OutputArea-output img").first).to_be_visible(timeout=TIMEOUT_MS)
-        time.sleep(3)  # what Lab shows for a widget whose kernel is gone takes a moment to replace the bundle
         assert _check_figures(page, f"committed-{notebook}") >= 1
+        # (what Lab shows for a widget whose kernel is gone takes a moment to replace the bundle: read once the
+        # figures have settled, seconds after the page opened)
         texts = page.locator(".jp-OutputArea-output").all_inner_texts()
         raw = [t[:120] for t in texts if RAW_WIDGET.search(t)]
         assert not raw, f"{notebook}: raw widget reprs where a picture belongs: {raw}"
@@ -451,8 +452,10 @@ def test_committed_notebooks_show_pictures_without_running(lab, notebook):
             shown = page.locator(".rlx-snapshot", has_text="Localization on").first  # (#46: 02's had none)
             assert shown.count() and shown.locator("img").count() >= 3, f"{notebook}: no localization view"
             _keep(shown.screenshot(), f"committed-{notebook.removesuffix('.ipynb')}-localization-snapshot.png")
-        # Opened as committed, nothing changed: not marked modified (#46: the kernelspec's name made it so).
-        time.sleep(2)
+        # Opened as committed, nothing changed: not marked modified (#46: the kernelspec's name made it so, once the
+        # kernel Lab starts for it had connected).
+        playwright_api.expect(page.locator(".jp-Toolbar-kernelName").first).to_contain_text("Python")
+        playwright_api.expect(page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").first).to_be_visible()
         tab = page.locator(".lm-TabBar-tab.jp-mod-current").first
         assert "jp-mod-dirty" not in (tab.get_attribute("class") or ""), f"{notebook} opens marked modified"
         _keep(page.screenshot(full_page=True), f"committed-{notebook.removesuffix('.ipynb')}.png")
