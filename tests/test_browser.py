@@ -11,6 +11,7 @@ keeps the screenshots.
 
 from __future__ import annotations
 
+import base64
 import io
 import json
 import os
@@ -254,33 +255,34 @@ def _settle(images) -> None:
         stable, last = (stable + 1, n) if n == last else (0, n)
 
 
-GEOMETRY = """e => {
+FIGURES = """images => images.map(e => {
     const area = e.closest('.jp-OutputArea-output, .widget-output');
-    const b = e.getBoundingClientRect(), o = area.getBoundingClientRect();
-    return {x: b.x, width: b.width, ox: o.x, owidth: o.width, natural: e.naturalWidth, complete: e.complete};
-}"""
+    const b = e.getBoundingClientRect(), o = area.getBoundingClientRect(), style = getComputedStyle(e);
+    const shown = b.width > 0 && b.height > 0 && style.visibility !== 'hidden' && e.offsetParent !== null;
+    return {x: b.x, width: b.width, ox: o.x, owidth: o.width, natural: e.naturalWidth, complete: e.complete,
+            shown: shown, src: e.src.startsWith('data:') ? e.src : ''};
+})"""
 
 
 def _check_figures(page, notebook: str) -> int:
-    # Every figure: drawn (not blank), whole (inside its output area, not squeezed past its natural size).
+    # Every figure on screen: loaded, drawn (not blank: the very PNG Lab shows, decoded), whole (inside its output
+    # area).  One pass over the page's images (a screenshot of each cost a second a figure); the figures are kept
+    # with RLX_NB_SCREENSHOT_DIR.
     images = page.locator(".jp-OutputArea-output img, .widget-output img")
     _settle(images)
     count = 0
-    for i in range(images.count()):
-        img = images.nth(i)
-        if not img.is_visible():  # a widget view the notebook keeps folded (an unopened tab), not on screen
+    for i, g in enumerate(images.evaluate_all(FIGURES)):
+        if not g["shown"]:  # a widget view the notebook keeps folded (an unopened tab), not on screen
             continue
         count += 1
-        img.scroll_into_view_if_needed()
-        g = img.evaluate(GEOMETRY)
         assert g["complete"] and g["natural"] > 0, f"{notebook} figure {i} did not load"
         assert g["x"] >= g["ox"] - 1 and g["x"] + g["width"] <= g["ox"] + g["owidth"] + 1, (
-            f"{notebook} figure {i} is cut off at the side: {g}"
+            f"{notebook} figure {i} is cut off at the side: { {k: v for k, v in g.items() if k != 'src'} }"
         )
-        shot = img.screenshot()
-        pixels = _pixels(shot)
+        png = base64.b64decode(g["src"].partition(",")[2]) if g["src"] else images.nth(i).screenshot()
+        pixels = _pixels(png)
         assert pixels.std() > 8, f"{notebook} figure {i} is blank (pixel spread {pixels.std():.1f})"
-        _keep(shot, f"{notebook.removesuffix('.ipynb')}-figure{i}.png")
+        _keep(png, f"{notebook.removesuffix('.ipynb')}-figure{i}.png")
     return count
 
 

@@ -19,7 +19,10 @@ from rlx_nb.models import demo, zoo
 from rlx_nb.verdict.types import DISAGREEMENT, NEAR_TIE
 from tests.conftest import require_live
 
-pytestmark = pytest.mark.filterwarnings("ignore::FutureWarning")
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+    pytest.mark.xdist_group("generation"),
+]  # (one xdist worker for this file: its module-scoped fixtures are built once, not once per worker)
 
 
 @pytest.fixture(scope="module")

@@ -13,6 +13,9 @@ import rlx_nb
 from rlx_nb.cli import main
 from rlx_nb.models import demo
 
+# (one xdist worker for this file: its module-scoped fixtures are built once, not once per worker)
+pytestmark = pytest.mark.xdist_group("html-report")
+
 
 @pytest.fixture(scope="module")
 def report():

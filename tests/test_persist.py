@@ -20,6 +20,9 @@ from rlx_nb.distributed import local_torchrun
 from rlx_nb.errors import ReportFormatError
 from rlx_nb.models import demo
 
+# (one xdist worker for this file: its module-scoped fixtures are built once, not once per worker)
+pytestmark = pytest.mark.xdist_group("persist")
+
 
 @pytest.fixture(scope="module")
 def report():

@@ -15,6 +15,9 @@ import rlx_nb
 from rlx_nb.plot.heatmap import heatmap
 from tests.pixels import near, rgba, top_colour
 
+# (one xdist worker for this file: its module-scoped fixtures are built once, not once per worker)
+pytestmark = pytest.mark.xdist_group("picture")
+
 matplotlib.use("Agg")
 
 SHAPES = {  # ~n elements: a 2-D output, and a 4-D one (batch, channels, height, width) for the channel fault

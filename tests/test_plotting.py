@@ -18,6 +18,9 @@ from rlx_nb.plot.charts import plot_histogram, plot_scatter, plot_tolerance_curv
 from rlx_nb.plot.fold import error_map, make_fold
 from rlx_nb.plot.heatmap import heatmap, plot_heatmap
 
+# (one xdist worker for this file: its module-scoped fixtures are built once, not once per worker)
+pytestmark = pytest.mark.xdist_group("plotting")
+
 
 @pytest.fixture(autouse=True)
 def _close_figures():

@@ -17,6 +17,7 @@ from rlx_nb.models import demo
 from rlx_nb.verdict.types import ROUNDOFF, SUSPECT
 
 pytestmark = [
+    pytest.mark.xdist_group("int8"),  # (one worker: module fixtures built once)
     pytest.mark.filterwarnings("ignore"),
     pytest.mark.skipif(executorch_reason() is not None, reason="no ExecuTorch"),
 ]

@@ -74,9 +74,11 @@ def test_a_backend_left_running_past_its_timeout_inside_a_capture_holds_no_outpu
     left = threading.Event()
 
     def stuck(model, inputs):
-        with quiet():
-            time.sleep(1.5)  # (one C call: the run's Stopped lands only after it)
-        left.set()
+        try:
+            with quiet():
+                time.sleep(1.5)  # (one C call: the run's Stopped lands only after it)
+        finally:
+            left.set()  # (the Stopped unwinds it from here: it never returns)
         return model(*inputs)
 
     rlx_nb.register_backend("test-stuck-quiet", stuck, default=False, replace=True)
@@ -89,7 +91,7 @@ def test_a_backend_left_running_past_its_timeout_inside_a_capture_holds_no_outpu
         assert (sys.stdout, sys.stderr, os.fstat(1).st_ino, os.fstat(2).st_ino) == before
         assert not capturing()
         print("right after the call", flush=True)
-        left.wait(10)
+        assert left.wait(10)
         time.sleep(0.1)
         print("after the backend left", flush=True)
         assert (sys.stdout, sys.stderr, os.fstat(1).st_ino, os.fstat(2).st_ino) == before

@@ -12,6 +12,9 @@ import torch
 import rlx_nb
 from rlx_nb.models import demo
 
+# (one xdist worker for this file: its module-scoped fixtures are built once, not once per worker)
+pytestmark = pytest.mark.xdist_group("widgets")
+
 
 @pytest.fixture(scope="module")
 def report():
