@@ -34,9 +34,12 @@ format: $(STAMP)
 # (OpenMathLib/OpenBLAS#5520); rlx_nb makes no BLAS call, and the suite keeps it single-threaded.
 # The suite runs in one pytest-xdist worker per core (TEST_WORKERS=0 for one process); a notebook's
 # tests share a worker, so each notebook executes once.
+# Each worker runs torch on one thread (TEST_THREADS): two workers of two OpenMP threads each on two cores made
+# libgomp's spinning threads wait on each other (a test's one-second matmul took a minute under load).
 TEST_WORKERS ?= auto
+TEST_THREADS ?= 1
 test: lint
-	OPENBLAS_NUM_THREADS=1 $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+	OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=$(TEST_THREADS) $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 # A quick set of the ratio benchmarks against the committed results (a few minutes; not part of `make test`):
 # fails when a ratio is more than 25% worse than committed or misses its target.  Run it before resolving an

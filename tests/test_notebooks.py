@@ -23,6 +23,19 @@ def test_notebook_executes(path, executed_notebook):
     assert not errors
     images = [o for c in nb.cells if c.cell_type == "code" for o in c.outputs if "image/png" in o.get("data", {})]
     assert images, f"{path.name} shows no figure"
+    # Every figure drawn, as the browser test checks those it opens in Lab: the PNG decodes and is not blank; and no
+    # cell shows a raw ``<Axes: ...>`` line where a plot returned its axes.
+    import base64
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    for k, out in enumerate(images):
+        pixels = np.asarray(Image.open(io.BytesIO(base64.b64decode(out["data"]["image/png"]))).convert("L"), float)
+        assert pixels.std() > 8, f"{path.name}: figure {k} is blank (pixel spread {pixels.std():.1f})"
+    texts = [o.get("data", {}).get("text/plain", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs]
+    assert not [t for t in texts if str(t).startswith("<Axes: ")], f"{path.name}: a raw Axes repr"
     if path.name.startswith("01_"):
         assert len(images) >= 3
         # The explorer drew into its Output widgets: the PNGs live in the widget state.

@@ -25,15 +25,22 @@ pytestmark = [
 FAULT = dict(layer=-1, channel=1, factor=1.5)  # the output layer's channel 1 weight scale 1.5x
 
 
-@pytest.fixture(scope="module", params=["mlp", "conv"])
-def case(request):
-    model, inputs = getattr(demo, request.param)()
+@functools.cache
+def _case(family: str) -> tuple:
+    # One quantized model and report per family per process, whatever order the tests run in (a module-scoped
+    # parametrized fixture was built twice when the tests of its two params interleaved).
+    model, inputs = getattr(demo, family)()
     converted = quantize.quantize_pt2e(model, inputs)
     fault = quantized.channel_scale_fault(**FAULT)
     report = quantized.quantized_divergence(
         converted, inputs, backends=["executorch-xnnpack", "executorch-portable", fault], progress=False
     )
     return converted, inputs, fault, report
+
+
+@pytest.fixture(params=["mlp", "conv"])
+def case(request):
+    return _case(request.param)
 
 
 def test_legitimate_int8_runtimes_are_quantization_noise(case):
