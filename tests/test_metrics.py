@@ -167,6 +167,26 @@ def test_slice_stats_match_a_sum_over_every_other_axis(rng, shape):
     assert whole.ref_rms == pytest.approx(want.ref_rms, rel=1e-9) and whole.ref_max == want.ref_max
 
 
+def test_slice_sums_of_rows_whose_finite_errors_overflow_count_every_element(rng):
+    # The compiled pass sums a row without a finiteness test per element and sums it again with one where the
+    # row's sums are not finite: a row of finite values whose squares overflow takes that path too, and must
+    # still count each of its elements (a NaN there is left out).
+    ref = rng.standard_normal((6, 300))
+    x = ref.copy()
+    x[1, :2] = 1e200  # finite errors whose squares overflow
+    ref[2, 5] = 1e300  # a finite reference whose square overflows
+    x[3, 7] = np.nan
+    st = slice_stats(x, ref)
+    rows = st.axes.index(0)
+    np.testing.assert_array_equal(st.counts[rows], [300, 300, 300, 299, 300, 300])
+    s, _, n = _slice_sums(x, ref, 1)
+    cols = st.axes.index(1)
+    np.testing.assert_allclose(st.sums[cols], s, rtol=1e-9, atol=1e-12)
+    np.testing.assert_array_equal(st.counts[cols], n)
+    whole = error_stats(x, ref)[0]
+    assert whole.count == x.size - 1 and whole.max_err == pytest.approx(1e300)  # (x there is the old reference)
+
+
 def _pattern(x: np.ndarray, ref: np.ndarray) -> tuple[float, float]:
     # The error's bias over its RMS and its correlation with fp64, in two passes over float64 copies.
     e, v = (x.astype(np.float64) - ref).ravel(), ref.astype(np.float64).ravel()
