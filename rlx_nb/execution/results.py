@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from rlx_nb._support.tree import Opaque
+from rlx_nb.numerics.pairs import same_bits
 
 OK, ERROR, SKIPPED = "ok", "error", "skipped"
 
@@ -225,7 +226,7 @@ def _largest_difference(a: np.ndarray, b: np.ndarray, *, first_only: bool) -> fl
     largest = None
     for s in range(0, x.size, _CHUNK):
         xc, yc = x[s : s + _CHUNK], y[s : s + _CHUNK]
-        if bitwise and _same_bits(xc, yc):
+        if bitwise and same_bits(xc, yc):
             continue
         same = (xc == yc) | ((xc != xc) & (yc != yc)) if xc.dtype.kind in "fc" or yc.dtype.kind in "fc" else xc == yc
         if np.all(same):
@@ -242,12 +243,3 @@ def _largest_difference(a: np.ndarray, b: np.ndarray, *, first_only: bool) -> fl
         if first_only:
             break
     return largest
-
-
-def _same_bits(a: np.ndarray, b: np.ndarray) -> bool:
-    # Byte-wise equality without copies (Leaf arrays are C-contiguous), in 4 MB slices so the
-    # temporary comparison stays small.
-    x = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
-    y = np.ascontiguousarray(b).reshape(-1).view(np.uint8)
-    step = 1 << 22
-    return all(np.array_equal(x[s : s + step], y[s : s + step]) for s in range(0, x.size, step))

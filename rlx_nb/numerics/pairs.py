@@ -229,6 +229,22 @@ def _pair_range(
     return part
 
 
+def same_bits(a: np.ndarray, b: np.ndarray) -> bool:
+    """Whether two arrays hold the same bytes (shape and dtype included): compared in 4 MB slices, without
+    copies of contiguous arrays, stopping at the first slice that differs (a pair that differs anywhere near the
+    start costs one slice, not a pass).
+
+    >>> same_bits(np.float32([0.0, 1.0]), np.float32([-0.0, 1.0]))
+    False
+    """
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    x = np.ascontiguousarray(a).reshape(-1).view(np.uint8)
+    y = np.ascontiguousarray(b).reshape(-1).view(np.uint8)
+    step = 1 << 22
+    return all(np.array_equal(x[s : s + step], y[s : s + step]) for s in range(0, x.size, step))
+
+
 def dot(u: np.ndarray, v: np.ndarray) -> float:
     """``sum(u * v)`` of two 1-D arrays in their dtype, without the BLAS: numpy's bundled OpenBLAS can
     hang in a threaded dot after the process has forked (OpenMathLib/OpenBLAS#5520, numpy/numpy#30092),

@@ -15,6 +15,7 @@ import numpy as np
 
 from rlx_nb._support.safe import plot_text
 from rlx_nb.errors import InputError
+from rlx_nb.numerics.pairs import same_bits
 from rlx_nb.plot.fold import METRICS, block_argmax, error_map, make_fold
 from rlx_nb.plot.style import (
     COLORBAR_LABELS,
@@ -207,7 +208,7 @@ def draw_heatmap(
     worst, index = view.worst, None
     cell = folded.cell(worst) if worst is not None else None
     # (a backend that gives the oracle's output bit for bit has no worst element, whatever fp64 says of both)
-    differs = cell is not None or not np.array_equal(oracle, backend, equal_nan=True)
+    differs = cell is not None or not same_bits(np.asarray(oracle), np.asarray(backend))
     if view.mark_worst and data.size and np.nanmax(data) > 0 and differs:
         if cell is not None:
             index = tuple(int(i) for i in worst)
