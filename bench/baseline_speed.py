@@ -29,7 +29,8 @@ def main() -> None:
     backends = ["cpu-nomkldnn", "fault:softmax-row"]
     with tempfile.TemporaryDirectory() as tmp:
         old = rlx_nb.backend_divergence(model, x, backends=backends, progress=False).save(Path(tmp) / "old")
-        new = rlx_nb.backend_divergence(model, x + 1e-3, backends=backends, progress=False).save(Path(tmp) / "new")
+        # (the same model and inputs: what a baseline compares, across versions of the stack)
+        new = rlx_nb.backend_divergence(model, x, backends=backends, progress=False).save(Path(tmp) / "new")
         best, load = math.inf, math.inf
         for _ in range(5):
             t0 = time.perf_counter()
