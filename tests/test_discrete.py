@@ -92,8 +92,10 @@ def test_the_fit_takes_flips_only_where_they_explain_the_difference():
 
 def test_a_uniformly_less_accurate_backend_is_named_so_not_a_kernel_bug():
     # NNPACK's fast convolutions carry several times the oracle's round-off, uniformly: "likely a kernel bug"
-    # before.  Here: convolution operands at 19 bits, a legitimate but less accurate arithmetic.
-    rlx_nb.register_backend("test-19-bits", emulate(19), replace=True, hookable=True)
+    # before.  Here: convolution operands at 18 bits, a legitimate but less accurate arithmetic.  (At 19 bits it was
+    # past the line where oneDNN takes its AVX-512 path and 0.96 of it on an AVX2 host, whose oracle convolutions
+    # carry more round-off: 18 bits is past it on both.)
+    rlx_nb.register_backend("test-18-bits", emulate(18), replace=True, hookable=True)
     try:
         torch.manual_seed(0)
         model = torch.nn.Sequential(
@@ -101,14 +103,14 @@ def test_a_uniformly_less_accurate_backend_is_named_so_not_a_kernel_bug():
             torch.nn.GELU(), torch.nn.Conv2d(32, 8, 3, padding=1),
         )  # fmt: skip
         x = torch.randn(4, 3, 32, 32)
-        report = rlx_nb.backend_divergence(model, x, backends=["test-19-bits", "fault:gelu-approx"], progress=False)
+        report = rlx_nb.backend_divergence(model, x, backends=["test-18-bits", "fault:gelu-approx"], progress=False)
     finally:
-        rlx_nb.unregister_backend("test-19-bits")
-    less = report.record("test-19-bits")
+        rlx_nb.unregister_backend("test-18-bits")
+    less = report.record("test-18-bits")
     assert less.verdict == SUSPECT  # the documented policy: it claims fp32 and is beyond its budget
     assert "uniformly less accurate" in less.reason and "likely a kernel bug" not in less.reason
-    assert "convolution call(s)" in less.reason and 19 < less.judgement.effective_bits < 23
-    assert "x the line: uniformly less accurate, ~" in report.backends.set_index("backend").loc["test-19-bits", "why"]
+    assert "convolution call(s)" in less.reason and 18 < less.judgement.effective_bits < 23
+    assert "x the line: uniformly less accurate, ~" in report.backends.set_index("backend").loc["test-18-bits", "why"]
     bug = report.record("fault:gelu-approx")
     assert bug.verdict == SUSPECT and "likely a kernel bug" in bug.reason  # systematic: follows the values
 
