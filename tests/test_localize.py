@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import subprocess
-import sys
 import warnings
 
 import matplotlib
@@ -107,19 +105,11 @@ def test_from_a_report_and_the_plot():
     plt.close("all")
 
 
-def test_repro_script_runs_and_shows_suspect(tmp_path):
+def test_model_explorer_data_to_a_path_that_cannot_be_written_is_named(tmp_path):
+    # (the standalone repro's own tests: tests/test_repro.py)
     model, inputs = demo.layered(fault_layer=1)
     loc = rlx_nb.localize(model, inputs, backend="fault:softmax-row")
-    script = loc.repro(tmp_path / "repro")
-    assert {p.name for p in (tmp_path / "repro").iterdir()} == {"repro.py", "case.json", "inputs.npz"}
-    assert b"pickle" not in (tmp_path / "repro" / "case.json").read_bytes()
-    p = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
-    assert p.returncode == 1, p.stderr
-    assert "fault:softmax-row vs cpu" in p.stdout and "SUSPECT" in p.stdout
-    # A path that cannot be written is named, with why (they raised a raw OSError from inside the writer).
     (tmp_path / "a_file").write_text("")
-    with pytest.raises(FileWriteError, match=r"cannot write the repro to '.*a_file/r': '.*a_file' is not a directory"):
-        loc.repro(tmp_path / "a_file" / "r")
     with pytest.raises(FileWriteError, match=r"cannot write the Model Explorer node data to '.*a_file/n.json'"):
         loc.to_model_explorer(tmp_path / "a_file" / "n")
 

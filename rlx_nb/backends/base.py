@@ -61,6 +61,9 @@ class Backend:
         helper runs; Inductor's compiled CPU code): in a worker thread they ran 25-40% slower, because a
         second OpenMP team makes libgomp count more threads than cores and wake them from sleep at every
         parallel region.  Exported runtimes, devices and registered backends keep the worker thread.
+    carries : Backend, optional
+        A catalogue fault carried into a runtime (:func:`rlx_nb.backends.exported_faults.fault_through`): the fault's
+        backend, whose computation the runtime is given (a repro traces it; a runtime's other path is given it too).
     """
 
     name: str
@@ -76,6 +79,7 @@ class Backend:
     compare_on_device: bool | None = None
     prepare: Callable[[Any, tuple], Callable[[tuple], Any]] | None = None
     on_caller: bool = False
+    carries: Backend | None = None
 
     def __repr__(self) -> str:
         # Short: a notebook shows it when register_backend ends a cell.

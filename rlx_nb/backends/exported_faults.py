@@ -56,4 +56,5 @@ def fault_through(kind: str | Fault, runtime: Backend, severity: float | None = 
         differentiable=False,
         probe=runtime.probe,
         description=f"{inner.description}, exported through {runtime.name}",
+        carries=inner,
     )

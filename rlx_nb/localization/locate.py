@@ -119,7 +119,7 @@ def localize(
         user_name(culprit, keys) if culprit is not None else None,
         culprit_op,
         state.preparations,
-        repro,
+        culprit=repro,
         checks=state.checks,
         full_run=state.full_run,
         everywhere=everywhere,

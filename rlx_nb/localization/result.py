@@ -12,7 +12,6 @@ import numpy as np
 from rlx_nb.comparison.compare import compare
 from rlx_nb.comparison.tables import localization_frame
 from rlx_nb.errors import InputError
-from rlx_nb.localization.repro import write_repro
 from rlx_nb.localization.search import KEEP_ARRAYS_BYTES
 from rlx_nb.verdict.records import OutputRecord
 from rlx_nb.verdict.types import SUSPECT, VERDICT_ERROR
@@ -26,7 +25,8 @@ class Found:
     culprit_module: str | None
     culprit_op: str | None
     preparations: int
-    repro_case: dict | None = None
+    culprit: Any = None
+    """The culprit alone (:class:`rlx_nb.localization.culprit.Culprit`), what a repro reproduces; None if none."""
     checks: dict[str, tuple[Any, str | None]] = dataclasses.field(default_factory=dict)
     """Each checked name's runs (None where they were not kept: a large module within round-off) and output."""
     full_run: str = ""
@@ -59,7 +59,7 @@ class Localization:
         self.culprit_module = found.culprit_module
         self.culprit_op = found.culprit_op
         self.preparations = found.preparations
-        self._repro_case = found.repro_case
+        self._culprit = found.culprit
         self._checks = dict(found.checks)
         self._records: dict[str, OutputRecord] = {}
         self.full_run = found.full_run
@@ -218,22 +218,53 @@ class Localization:
             raise InputError(f"torch.export could not trace the model for Model Explorer: {exc}") from None
         return program, "model." if keys is not None else ""
 
-    def repro(self, path: str | Path) -> Path:
-        """Write a standalone reproduction of the culprit op to ``path`` (a directory).
+    def repro(
+        self,
+        path: str | Path,
+        *,
+        shrink: bool = True,
+        attribute: bool = True,
+        check: bool = True,
+        progress: bool | None = None,
+    ) -> Any:
+        """Write a standalone repro of the culprit: one Python file that imports only torch, numpy and the runtime
+        under test (plus an ``.npz`` beside it where the inputs do not fit inline).
 
-        Files: ``inputs.npz`` (numpy, loaded with ``allow_pickle=False``),
-        ``case.json`` (the function, the argument structure, the backend) and
-        ``repro.py``, which rebuilds the call, runs it on the CPU oracle and on
-        the backend with :func:`rlx_nb.backend_divergence`, and prints the
-        verdict lines.  Returns the script's path.
+        It runs the culprit (the op as the model called it, or the module as ``torch.export`` traced it) in
+        float32 eager, in float64 and on the backend, prints each one's largest and RMS error against float64 and
+        the backend's as a multiple of eager's, and exits 1 when the backend is past the line rlx_nb measured
+        (written in the file, with how it was measured).
+
+        Parameters
+        ----------
+        path : str or Path
+            A ``.py`` file, or a directory (the file is then ``repro_<backend>.py`` in it).
+        shrink : bool
+            First cut the culprit's inputs down (halving one size at a time) to the smallest case that still
+            crosses the line, each step judged by the verdict; the file says what was shrunk.
+        attribute : bool
+            For an Inductor backend, bisect ``torch.compile`` to the stage and pass (and a checked workaround);
+            for a runtime with two paths, tell the export, the converter and the fast path apart.  In the file.
+        check : bool
+            Run the written file once in a fresh interpreter and keep what it printed (``Repro.reproduces``).
+
+        Returns
+        -------
+        rlx_nb.localization.reproduce.Repro
+            The path, what was shrunk, the attribution and the check run's output.
         """
-        if self._repro_case is None:
+        from rlx_nb.localization.reproduce import reproduce
+
+        if self._culprit is None:
             raise InputError(
-                "no culprit op to reproduce: "
+                "no culprit to reproduce: "
                 + (
-                    "nothing is beyond round-off"
-                    if self.culprit_module is None
-                    else f"the culprit {self.culprit!r} was not narrowed to a torch function"
+                    "nothing is beyond round-off (every module checked is within it)"
+                    if self.culprit_module is None and not self.everywhere
+                    else "every module is beyond round-off on its own, so no one module is the culprit"
+                    if self.everywhere
+                    else "the search watched full runs (the backend cannot run a module alone)"
                 )
             )
-        return write_repro(Path(path), **self._repro_case)
+        return reproduce(self._culprit, path, shrink_inputs=shrink, attribute=attribute, check=check,
+                         progress=progress)  # fmt: skip

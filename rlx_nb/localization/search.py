@@ -19,13 +19,13 @@ from rlx_nb._support.progress import bar
 from rlx_nb._support.tree import flatten
 from rlx_nb.backends.base import ORACLE, REFERENCE
 from rlx_nb.backends.registry import get_backend
-from rlx_nb.comparison.compare import compare, failed, judge_leaf
+from rlx_nb.comparison.compare import failed, judge_leaf
 from rlx_nb.errors import InputError
 from rlx_nb.execution.prepare import KeywordModule
-from rlx_nb.execution.results import GRAD_PREFIX, to_leaf
-from rlx_nb.execution.run import run
-from rlx_nb.localization.capture import Call, CallModule, OpModule, RecordOps, inputs_requiring_grad
-from rlx_nb.verdict.records import OutputRecord, worst_record
+from rlx_nb.execution.results import to_leaf
+from rlx_nb.localization.capture import Call, CallModule, OpModule, RecordOps
+from rlx_nb.localization.culprit import Culprit, judge_alone
+from rlx_nb.verdict.records import OutputRecord
 from rlx_nb.verdict.types import SUSPECT, VERDICT_ERROR
 
 
@@ -57,6 +57,10 @@ def descend(
     if culprit is not None and ops:
         state.shown.set_postfix_str(f"ops of {culprit}")
         culprit_op, repro = state.ops(culprit)
+    if culprit is not None and repro is None:  # (not narrowed to one torch function: the module is the culprit)
+        call = state.calls[culprit]
+        module = CallModule(copy.deepcopy(state.named[culprit]), call.template)
+        repro = state.culprit(state._label(culprit), module, call.tensors)
     return culprit, culprit_op, repro
 
 
@@ -88,18 +92,17 @@ class State:
         self.full_run = ""  # why the search watched full runs instead of modules alone ("" when it did not)
 
     def _judge(self, adapter: torch.nn.Module, tensors: list[torch.Tensor]) -> Check:
-        inputs = tuple(inputs_requiring_grad(tensors)) if self.backward else tuple(tensors)
         self.preparations += 1
         self.shown.update()
         # progress=False: the localize bar counts these checks; no bar per check inside it.
-        results = run(adapter, inputs, backends=[self.backend], backward=self.backward, progress=False)
-        records = compare(results, progress=False)
-        if self.backward:
-            # Judge the module's backward; keep the forward records only if it produced no gradients.
-            grads = [r for r in records if (r.output or "").startswith(GRAD_PREFIX) or r.output is None]
-            records = grads or records
-        worst = worst_record(records)
+        worst, results = judge_alone(adapter, tensors, self.backend, self.backward)
         return Check(worst, worst.verdict == SUSPECT, results)
+
+    def culprit(self, label: str, adapter: torch.nn.Module, tensors: list[torch.Tensor], **op: Any) -> Culprit:
+        """The culprit found, alone, for what comes after (a repro, a bisection); the backend object is kept, so
+        one the registry lends only for the search (a report's own backend object) still runs it after."""
+        return Culprit(label, self.backend, self.backward, adapter, tuple(t.detach() for t in tensors),
+                       lent=get_backend(self.backend), **op)  # fmt: skip
 
     def _row(self, name: str, kind: str, order: int, depth: int, check: Check) -> None:
         r = check.record
@@ -180,14 +183,8 @@ class State:
             self._row(f"{self._label(name)} :: {label}", "op", i, call.depth + 1, check)
             if check.suspect and culprit is None:
                 culprit = label
-                repro = {
-                    "func": func,
-                    "label": label,
-                    "template": template,
-                    "tensors": tensors,
-                    "backend": self.backend,
-                    "backward": self.backward,
-                }
+                repro = self.culprit(f"{self._label(name)} :: {label}", OpModule(func, template), tensors,
+                                     func=func, template=template)  # fmt: skip
                 break
         return culprit, repro
 

@@ -64,6 +64,8 @@ class DivergenceReport:
         """The model, inputs and params it was made from, held weakly (None for a loaded or merged report)."""
         self.backend_objects: dict[str, Any] = {}
         """The :class:`~rlx_nb.backends.base.Backend` objects passed in ``backends=[...]`` unregistered, by name."""
+        self.repros: dict[str, Any] = {}
+        """The standalone repros written for this report's backends (:meth:`repro`), by backend."""
 
     def localize(self, backend: str | None = None, **kwargs: Any):
         """:func:`rlx_nb.localize` this report's model on ``backend`` (default: the first suspect).
@@ -76,6 +78,25 @@ class DivergenceReport:
         from rlx_nb.localization.locate import localize_report
 
         return localize_report(self, backend, **kwargs)
+
+    def repro(self, backend: str, path: str | Path, **kwargs: Any):
+        """Localize ``backend`` and write its culprit's standalone repro to ``path`` (see
+        :meth:`rlx_nb.Localization.repro`: one file that imports only torch, numpy and the runtime, shrunk, with
+        where the error is born): a :class:`~rlx_nb.localization.reproduce.Repro`.  ``model``/``inputs``/``params``
+        as for :meth:`localize`; the other options go to ``Localization.repro``.  A backend within round-off gets
+        none, and an error saying so."""
+        from rlx_nb.report.issue import repro_for
+
+        return repro_for(self, backend, path, **kwargs)
+
+    def issue(self, backend: str, path: str | Path, **kwargs: Any) -> Path:
+        """Write markdown ready to file for ``backend``'s divergence (a ``.md`` path, or a directory): a title, the
+        environment, what diverges and by how much against float64 (float32 eager's own error for scale), where it
+        is born (the compiler pass, the runtime's layer), and the standalone repro inline (written beside it).
+        Reuses the repro :meth:`repro` wrote, or writes one (options as for :meth:`repro`).  Returns the path."""
+        from rlx_nb.report.issue import issue_for
+
+        return issue_for(self, backend, path, **kwargs)
 
     @classmethod
     def from_results(
