@@ -77,6 +77,12 @@ def _parser() -> argparse.ArgumentParser:
     check.add_argument("--node", help="node name for --save (default: this host's name)")
     check.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report to FILE")
     check.add_argument(
+        "--repro",
+        metavar="DIR",
+        help="for each SUSPECT backend, write to DIR a standalone repro of its culprit (shrunk; torch + numpy + the "
+        "runtime only) and an issue ready to file (issue_<backend>.md)",
+    )
+    check.add_argument(
         "--baseline",
         metavar="OLD.rlxnb",
         help="compare with a report saved before (another torch/ORT/OpenVINO/driver); exit 1 only when some "
@@ -153,6 +159,8 @@ def _check(args: argparse.Namespace) -> int:
         _check_writable(args.save, "--save", directory=True)
     if args.html:
         _check_writable(args.html, "--html", directory=False)
+    if args.repro:
+        _check_writable(args.repro, "--repro", directory=True)
     model, inputs = load_target(args.target)
     report = backend_divergence(
         model,
@@ -168,6 +176,8 @@ def _check(args: argparse.Namespace) -> int:
     if args.save:
         path = report.save(Path(args.save) / f"{node}.rlxnb")
         print(f"saved {path}")
+    if args.repro:
+        _repros(report, Path(args.repro), model, inputs)
     if args.html:
         print(f"wrote {report.to_html(args.html)}")
     if args.baseline:
@@ -178,6 +188,22 @@ def _check(args: argparse.Namespace) -> int:
             print(term_text(line))
         return EXIT_SUSPECT if moved.any_worse else _unjudged_code([report])
     return _exit_code([report])
+
+
+def _repros(report: Any, where: Path, model: Any, inputs: Any) -> None:
+    # Each SUSPECT backend's repro and issue; one that cannot be written says why and the others go on.
+    from rlx_nb.errors import RlxError
+
+    for backend in report.suspects:
+        try:
+            report.repro(backend, where, model=model, inputs=inputs)
+            path = report.issue(backend, where)
+        except RlxError as exc:
+            print(term_text(f"rlx-nb: no repro for {backend}: {exc}"), file=sys.stderr)
+            continue
+        repro = report.repros[backend]
+        state = "reproduces" if repro.reproduces else "did NOT cross the line when run"
+        print(term_text(f"wrote {repro.path} ({repro.lines} lines; {state}) and {path}"))
 
 
 def _check_node(node: str) -> None:

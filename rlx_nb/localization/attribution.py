@@ -202,8 +202,11 @@ def _candidates(stage: str, subsystem: str, names: str) -> list[tuple[str, Calla
     if subsystem == "lowerings" and op is not None:
         out.append((f"torch._inductor.lowering.make_fallback(torch.ops.aten.{op.__name__})", lambda: _fallback(op)))
     if subsystem == "decomposition" and op is not None:
-        out.append((f"del torch._inductor.decomposition.decompositions[torch.ops.aten.{op.__name__}.default]",
+        out.append((f"del torch._inductor.decomposition.decompositions[torch.ops.aten.{op.__name__}.default]; "
+                    "torch._inductor.decomposition.fast_random_decomps.cache_clear()",
                     lambda: _undecomposed(op)))  # fmt: skip
+    if names and getattr(inductor_config, names, None) is not None:  # (a pass the user's config added: off)
+        out.append((f"torch._inductor.config.{names} = None", lambda: inductor_config.patch(**{names: None})))
     if subsystem in ("pre_grad_passes", "joint_graph_passes", "post_grad_passes"):
         out.append(
             ("torch._inductor.config.pattern_matcher = False", lambda: inductor_config.patch(pattern_matcher=False))
@@ -238,9 +241,20 @@ def _undecomposed(op: Any) -> Iterator[None]:
     try:
         for k in saved:
             del decomposition.decompositions[k]
+        _table_changed()
         yield
     finally:
         decomposition.decompositions.update(saved)
+        _table_changed()
+
+
+def _table_changed() -> None:
+    # The table Inductor reads is a cached copy of its decompositions (fast_random_decomps, where torch has it).
+    from torch._inductor import decomposition
+
+    cached = getattr(decomposition, "fast_random_decomps", None)
+    if cached is not None and hasattr(cached, "cache_clear"):
+        cached.cache_clear()
 
 
 # -- runtimes ----------------------------------------------------------------------------------------------------
