@@ -1,9 +1,8 @@
 """The ipywidgets explorer: from a suspect backend down to the offending element.
 
-It composes the report's frames and :mod:`rlx_nb.plot.charts`; it computes no
-metric itself.  Without ipympl the plots are static PNG images; under
-``%matplotlib widget`` (ipympl) the heatmap is a live canvas and a click on it
-selects the worst element of the clicked block.
+It composes the report's frames and :mod:`rlx_nb.plot.charts`; it computes no metric itself.  Without ipympl the
+plots are static PNG images; under ``%matplotlib widget`` (ipympl) the heatmap is a live canvas and a click on it
+selects the worst element of the clicked block.  Where a repro was written, the status says where the error is born.
 """
 
 from __future__ import annotations
@@ -22,6 +21,7 @@ from rlx_nb.generation.report import GenerationReport
 from rlx_nb.plot.charts import localization_figsize
 from rlx_nb.plot.style import HEATMAP_MARGINS, HISTOGRAM_MARGINS, SNAPSHOT_HIDES
 from rlx_nb.report import elements as lookups
+from rlx_nb.report.issue import where_born
 from rlx_nb.verdict.records import worst_first
 from rlx_nb.verdict.types import SUSPECT, VERDICT_ERROR, VERDICT_SKIPPED
 
@@ -61,8 +61,7 @@ def _png(fig) -> bytes:
 
 
 def _show_png(out, png: bytes) -> None:
-    # One assignment, so the page gets one message and redraws once (clearing first would be two).
-    # Works with and without a kernel (``with out:`` captures nothing headless).
+    # One assignment: one message, one redraw (clearing first is two); with or without a kernel (``with out:`` is not).
     image = {"image/png": base64.b64encode(png).decode("ascii"), "text/plain": "<explorer figure>"}
     out.outputs = ({"output_type": "display_data", "data": image, "metadata": {}},)
 
@@ -272,7 +271,8 @@ class Explorer(W.VBox if W is not None else object):
         self.status.value = (
             f"<b>{html.escape(backend)}</b> · <code>{html.escape(output)}</code>: "
             f"<span style='color:{'#b00020' if rec.verdict == SUSPECT else '#1b5e20'}'><b>{html.escape(rec.verdict)}</b></span> — "
-            f"{html.escape(rec.reason)}"
+            f"{html.escape(rec.reason)}{'<br>' if where_born(self.report, backend) else ''}"
+            f"{html.escape(where_born(self.report, backend))}"
         )
         has_ref = rec.judgement.budget.budget_rmse == rec.judgement.budget.budget_rmse
         self._busy = True

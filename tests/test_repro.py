@@ -84,6 +84,14 @@ def test_a_fault_through_onnx_runtime_reproduces_and_is_born_in_what_is_exported
     assert "import onnxruntime" in repro.text and "torch.onnx.export" in repro.text
     assert "onnxruntime+softmax-row" in done.stdout
     assert "Born in the export" in repro.attribution  # (the fault is in the graph the runtime is given)
+    # Where it is born, shown where the report is read: the HTML page, the explorer, the localization's finding.
+    page = report.to_html(tmp_path / "page.html").read_text()
+    assert "Standalone repros" in page and "Born in the export" in page and "PAST the line" in page
+    explorer = rlx_nb.explore(report)
+    assert "blocks.1.attn :: F.softmax: Born in the export" in explorer.status.value
+    loc = report.localize(backend.name)
+    loc.repro(tmp_path / "again", shrink=False, check=False, progress=False)
+    assert loc.finding.startswith("the error is born in blocks.1.attn :: F.softmax. Born in the export")
 
 
 @pytest.mark.slow

@@ -65,6 +65,8 @@ class Localization:
         self.full_run = found.full_run
         self.everywhere = found.everywhere
         self._source = found.source
+        self.attribution = ""
+        """Where in the backend the error is born (its compiler pass, its runtime's layer), once :meth:`repro` ran."""
 
     @property
     def checked(self) -> list[str]:
@@ -135,7 +137,7 @@ class Localization:
             )
         if self.culprit is None:
             return "every module within round-off"
-        return f"the error is born in {self.culprit}"
+        return f"the error is born in {self.culprit}" + (f". {self.attribution}" if self.attribution else "")
 
     @property
     def culprit(self) -> str | None:
@@ -266,5 +268,7 @@ class Localization:
                     else "the search watched full runs (the backend cannot run a module alone)"
                 )
             )
-        return reproduce(self._culprit, path, shrink_inputs=shrink, attribute=attribute, check=check,
-                         progress=progress)  # fmt: skip
+        repro = reproduce(self._culprit, path, shrink_inputs=shrink, attribute=attribute, check=check,
+                          progress=progress)  # fmt: skip
+        self.attribution = repro.attribution
+        return repro

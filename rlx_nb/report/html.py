@@ -150,8 +150,9 @@ def _localization(loc: Any) -> str:
     loc.plot(ax=fig.add_subplot())
     culprit = html.escape(loc.culprit or "none — every module within round-off")
     repro = (
-        "<p>Standalone repro: <code>loc.repro('repro/')</code> writes <code>inputs.npz</code>, "
-        "<code>case.json</code> and <code>repro.py</code> (run <code>python repro/repro.py</code>).</p>"
+        "<p>Standalone repro: <code>loc.repro('repro/')</code> writes one script that needs only torch, numpy and "
+        "the runtime, shrunk, with where the error is born; <code>report.issue(backend, 'repro/')</code> writes an "
+        "issue ready to file around it.</p>"
         if loc.culprit
         else ""
     )
@@ -161,6 +162,23 @@ def _localization(loc: Any) -> str:
         f"{html.escape(', '.join(loc.suspects) or 'none')}</p><img src='{png_uri(fig)}' alt='localization'>"
         f"{repro}{table_html(loc.frame[cols])}</section>"
     )
+
+
+def _repros(report: Any) -> str:
+    # Each standalone repro written for this report (report.repro / report.issue): where the error is born, what
+    # was shrunk, the script and what it printed when run without rlx_nb.
+    parts = ["<h2>Standalone repros</h2>"]
+    for backend, repro in report.repros.items():
+        state = {True: "reproduces the divergence", False: "did NOT cross the line", None: "not run"}[repro.reproduces]
+        parts.append(
+            f"<section><h3>{html.escape(backend)} · <code>{html.escape(repro.label)}</code></h3>"
+            f"<p><b>{html.escape(repro.attribution or 'Where in the backend: not attributed.')}</b></p>"
+            f"<p>{html.escape(str(repro.shrunk) if repro.shrunk is not None else '')}</p>"
+            f"<p><code>{html.escape(repro.path.name)}</code>, {repro.lines} lines; run without rlx_nb it {state}:</p>"
+            f"<pre>{html.escape(repro.ran.rstrip())}</pre><details><summary>The script</summary>"
+            f"<pre>{html.escape(repro.text)}</pre></details></section>"
+        )
+    return "".join(parts)
 
 
 def report_html(report: Any, *, localization: Any = None, title: str | None = None, prelude: str = "") -> str:
@@ -194,6 +212,8 @@ def report_html(report: Any, *, localization: Any = None, title: str | None = No
         parts.append(f"<p>{len(rest)} more SUSPECT outputs, without figures: {html.escape(listed)}</p>")
     if localization is not None:
         parts.append(_localization(localization))
+    if getattr(report, "repros", None):
+        parts.append(_repros(report))
     parts += [
         "<h2>Environment</h2>",
         _environment(dict(report.results.environment)),

@@ -59,6 +59,15 @@ def issue_for(report: Any, backend: str, path: str | Path, **kwargs: Any) -> Pat
     return path
 
 
+def where_born(report: Any, backend: str) -> str:
+    """Where ``backend``'s error is born, once a repro was written for it (``report.repro``, ``report.issue``): the
+    culprit and its attribution in one line; "" before."""
+    repro = getattr(report, "repros", {}).get(backend)
+    if repro is None or not repro.attribution:
+        return ""
+    return f"{repro.label}: {repro.attribution}"
+
+
 def _versions(backend: str) -> list[str]:
     family = next((k for k in RUNTIME_PACKAGES if backend.startswith(k)), None)
     out = []
@@ -132,4 +141,4 @@ def issue_text(report: Any, record: Any, repro: Any) -> str:
     return "\n".join(lines)
 
 
-__all__ = ["issue_for", "issue_text", "repro_for"]
+__all__ = ["issue_for", "issue_text", "repro_for", "where_born"]
