@@ -179,18 +179,18 @@ ax = loc.plot_heatmap(name, metric="budget", fold=((0, 1, 2), (3,)))""",
         "md",
         """## A standalone reproduction
 
-`loc.repro(path)` writes the culprit's inputs (`inputs.npz`, loaded without pickle), the call (`case.json`) and a short script that runs it on the oracle and the backend and prints the verdict.""",
+`loc.repro(path)` writes **one Python file that needs only torch, numpy and the runtime under test** — what a maintainer of the backend will run, without installing rlx_nb. Before writing, it cuts the culprit's inputs down to the smallest case the verdict still calls SUSPECT (halving one size at a time, each step judged by rlx_nb's verdict, never a fixed tolerance). The script runs the culprit in float32 eager, in float64 and on the backend, prints their errors against float64, and exits 1 past the line rlx_nb measured (written in the file, with how it was measured). rlx_nb runs it once to check it.
+
+For an Inductor backend the file also names the compiler stage and pass (PyTorch's `CompilerBisector`, rlx_nb's verdict its oracle) and a config switch that avoids it, checked; for ExecuTorch, LiteRT or ONNX Runtime, whether the export, the converter or the delegate gives the error.""",
     ),
     (
         "code",
-        """import subprocess, sys, tempfile, pathlib
+        """import tempfile, pathlib
 
-where = pathlib.Path(tempfile.mkdtemp()) / "repro"
-script = loc.repro(where)
-print(script.read_text())
-run = subprocess.run([sys.executable, str(script)], capture_output=True, text=True)
-print("exit", run.returncode)
-print(run.stdout)""",
+where = pathlib.Path(tempfile.mkdtemp())
+repro = loc.repro(where / "repro")
+print(repro)            # what was shrunk, and what the script printed when run without rlx_nb
+print(repro.text)       # the file itself""",
     ),
     (
         "md",
@@ -226,6 +226,17 @@ legit.frame[["name", "verdict", "local_line"]]""",
 `rlx_nb.explore(report, localization=loc)` adds the per-module bars and a module picker that shows the picked module's output heatmap.""",
     ),
     ("code", """rlx_nb.explore(report, localization=loc)"""),
+    (
+        "md",
+        """## An issue ready to file
+
+`report.issue(backend, path)` writes markdown for the backend's tracker: a title, the environment (torch, the runtime, the CPU), what diverges and by how much against float64 (float32 eager's own error for scale), where it is born, and the standalone repro inline. From the command line: `rlx-nb check models.py:factory --repro DIR` writes one repro and one issue per SUSPECT backend.""",
+    ),
+    (
+        "code",
+        """issue = report.issue("fault:softmax-row", where / "issue.md")
+print(issue.read_text()[:1500])""",
+    ),
 ]
 
 ROUNDOFF_OR_BUG = [

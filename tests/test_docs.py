@@ -75,6 +75,9 @@ def test_the_readme_quickstart_runs_cell_by_cell_and_each_cell_shows_what_the_pr
         "rlx_nb.explore(report)": lambda o: "application/vnd.jupyter.widget-view+json" in o,
         "loc.culprit": lambda o: o["result"] == "'transformer.h.0.ln_1 :: F.layer_norm'",
         "loc.plot()": lambda o: "image/png" in o,
+        'report.issue("my-runtime", "repro/")': lambda o: (
+            o["result"].endswith("issue_my-runtime.md')") and "reproduces" in o["stream"]
+        ),
     }
     seen = []
     for code, cell in zip(cells, nb.cells, strict=True):

@@ -75,7 +75,7 @@ def test_a_localization_goes_in_too(tmp_path):
     report = rlx_nb.backend_divergence(model, inputs, backends=["fault:softmax-row"], progress=False)
     loc = report.localize()
     text = report.to_html(tmp_path / "loc.html", localization=loc).read_text()
-    assert "Localization: fault:softmax-row" in text and "blocks.1.attn" in text and "repro.py" in text
+    assert "Localization: fault:softmax-row" in text and "blocks.1.attn" in text and "loc.repro('repro/')" in text
 
 
 @pytest.mark.slow

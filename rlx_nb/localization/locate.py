@@ -24,7 +24,9 @@ How
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+import weakref
 from typing import Any
 
 import torch
@@ -176,10 +178,10 @@ def localize_report(
     if backward is None:
         backward = (report.record(backend).output or "").startswith("grad:")
     given = getattr(report, "backend_objects", {}).get(backend)
-    if given is None:
-        return localize(model, inputs, backend=backend, params=params, backward=backward, **kwargs)
-    with lent(given):  # (a Backend object passed in backends=[...], not registered)
-        return localize(model, inputs, backend=backend, params=params, backward=backward, **kwargs)
+    with lent(given) if given is not None else contextlib.nullcontext():  # (a Backend object passed unregistered)
+        loc = localize(model, inputs, backend=backend, params=params, backward=backward, **kwargs)
+    loc.report = weakref.ref(report)  # (its repro is kept on the report too: report.issue reuses it)
+    return loc
 
 
 __all__ = ["localize", "localize_report"]

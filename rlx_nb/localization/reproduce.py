@@ -87,6 +87,7 @@ def script_path(path: str | Path, backend: str) -> Path:
 def run_script(script: Path) -> tuple[int, str]:
     """Run a written repro in a fresh interpreter (its own directory as the working one): exit code and output."""
     try:
+        script = script.resolve()  # (run from its own directory: a relative path would not be found there)
         done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
                               timeout=CHECK_TIMEOUT_S, cwd=script.parent, check=False)  # fmt: skip
     except subprocess.TimeoutExpired:

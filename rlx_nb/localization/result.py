@@ -66,6 +66,8 @@ class Localization:
         self.everywhere = found.everywhere
         self._source = found.source
         self.attribution = ""
+        self.report: Any = None
+        """A weak reference to the report it localizes (``report.localize``), which keeps its repro too."""
         """Where in the backend the error is born (its compiler pass, its runtime's layer), once :meth:`repro` ran."""
 
     @property
@@ -271,4 +273,7 @@ class Localization:
         repro = reproduce(self._culprit, path, shrink_inputs=shrink, attribute=attribute, check=check,
                           progress=progress)  # fmt: skip
         self.attribution = repro.attribution
+        report = self.report() if self.report is not None else None
+        if report is not None:
+            report.repros[self.backend] = repro
         return repro
