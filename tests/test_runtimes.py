@@ -14,6 +14,7 @@ from rlx_nb.backends.exported_faults import fault_through
 from rlx_nb.backends.registry import get_backend
 from rlx_nb.models import demo
 from rlx_nb.verdict.types import ROUNDOFF, VERDICT_SKIPPED
+from tests.conftest import require_live
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -82,6 +83,25 @@ def test_litert_attention_over_a_row_that_masks_every_key_is_caught():
     kept = (q, torch.tril(torch.ones(4, 4, dtype=torch.bool)))  # every row keeps a key: round-off
     again = rlx_nb.backend_divergence(Attention(), kept, backends=["litert", "litert-reference"], progress=False)
     assert again.suspects == []
+
+
+@pytest.mark.parametrize("runtime", ["executorch-xnnpack", "executorch-portable", "litert", "onnxruntime"])
+def test_inputs_laid_out_otherwise_are_round_off_on_every_runtime(runtime):
+    # A channels-last image and a transposed operand: the private copies keep the user's layout, and ExecuTorch's
+    # program kept the dim order it was exported with while the runner fed contiguous memory (SUSPECT at 3e6x the
+    # line on a plain convolution; a localization's op check of attention's q @ k^T met it too).
+    require_live(runtime)
+
+    class MatMul(torch.nn.Module):
+        def forward(self, a, b):
+            return a.matmul(b)
+
+    torch.manual_seed(0)
+    image = torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)
+    operands = (torch.randn(2, 3, 4), torch.randn(2, 5, 4).transpose(-2, -1))
+    for model, inputs in ((torch.nn.Conv2d(3, 4, 3), image), (MatMul(), operands)):
+        report = rlx_nb.backend_divergence(model, inputs, backends=[runtime], progress=False)
+        assert report.record(runtime).verdict == ROUNDOFF, report.record(runtime).reason
 
 
 @pytest.mark.parametrize("runtime", ["executorch-xnnpack", "litert", "onnxruntime-noopt"])

@@ -112,11 +112,15 @@ def _prepare(model: Any, inputs: tuple, *, delegate: bool) -> Any:
             raise TypeError(f"ExecuTorch export needs tensor inputs; input {i} is {type(x).__name__}")
     with quiet():
         from executorch.runtime import Runtime
+    # Exported from contiguous examples, as the runner feeds them: an ExecuTorch program keeps the dim order of the
+    # inputs it was exported with, and reads memory laid out otherwise as if it were (a channels-last image or a
+    # transposed operand, fed contiguous, came out wrong: SUSPECT at 3e6x the line on a plain convolution).
+    inputs = tuple(x.contiguous() for x in inputs)
     wrapper = _FlatOutputs(model)
-    wrapper.record(tuple(inputs))
+    wrapper.record(inputs)
     try:
         with quiet(), torch.no_grad():
-            buffer, ops, delegated, outputs = _lower(wrapper, tuple(inputs), delegate)
+            buffer, ops, delegated, outputs = _lower(wrapper, inputs, delegate)
     except Exception as exc:
         raise RuntimeError(f"{label}: export or lowering failed: {with_root_cause(exc)}") from None
     _say_fallbacks(label, ops, delegated)

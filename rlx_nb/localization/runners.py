@@ -31,12 +31,12 @@ _PROGRAM = """\
 class Program(torch.nn.Module):  # the program, its weights the module's own (as they were in the model)
     def __init__(self, fn, weights):
         super().__init__()
-        self.fn, self.n = fn, len(weights)
-        for i, w in enumerate(weights):
-            self.register_buffer(f"w{i}", w)
+        self.fn, self.names = fn, [f"w{i}" for i in range(len(weights))]
+        for name, w in zip(self.names, weights):
+            self.register_buffer(name, w)
 
     def forward(self, *inputs):
-        return self.fn(*(getattr(self, f"w{i}") for i in range(self.n)), *inputs)
+        return self.fn(*(getattr(self, n) for n in self.names), *inputs)
 
 """
 
@@ -70,7 +70,8 @@ _ONNX = """\
 def on_backend(fn, weights, inputs):  # torch.onnx.export, then ONNX Runtime on the CPU{what}
     path, program = os.path.join(tempfile.mkdtemp(), "program.onnx"), Program(fn, weights).eval()
     try:  # (the TorchScript exporter first, as rlx_nb did, then the dynamo one)
-        torch.onnx.export(program, tuple(inputs), path, dynamo=False)
+        with contextlib.redirect_stdout(io.StringIO()):  # (a graph it cannot export, printed whole)
+            torch.onnx.export(program, tuple(inputs), path, dynamo=False)
     except Exception:
         torch.onnx.export(program, tuple(inputs), path, dynamo=True, external_data=False, verbose=False)
     options = onnxruntime.SessionOptions()
@@ -123,9 +124,9 @@ RUNNERS: dict[str, Runner] = {
     "cuda": _cuda("CUDA, TF32 off", False),
     "cuda-tf32": _cuda("CUDA, TF32 on", True),
     "cuda-bf16": _cuda("CUDA, autocast to bfloat16", False, "bfloat16"),
-    "onnxruntime": Runner("import os\nimport tempfile\nimport onnxruntime\n",
+    "onnxruntime": Runner("import contextlib\nimport io\nimport os\nimport tempfile\nimport onnxruntime\n",
                           _ONNX.format(what=", every graph optimization on", level="ORT_ENABLE_ALL"), module=True),
-    "onnxruntime-noopt": Runner("import os\nimport tempfile\nimport onnxruntime\n",
+    "onnxruntime-noopt": Runner("import contextlib\nimport io\nimport os\nimport tempfile\nimport onnxruntime\n",
                                 _ONNX.format(what=", graph optimizations off", level="ORT_DISABLE_ALL"), module=True),
     "openvino": Runner("import openvino\n", _OPENVINO.format(what="float32 (INFERENCE_PRECISION_HINT=f32)",
                                                             config='{"INFERENCE_PRECISION_HINT": "f32"}'), module=True),

@@ -30,7 +30,7 @@ from rlx_nb.localization.runners import RUNNERS, runner_source, runtime_of
 from rlx_nb.verdict.records import OutputRecord
 from rlx_nb.verdict.types import MAX_LIMIT, RMSE_LIMIT
 
-_STD = ("import os", "import tempfile")
+_STD = ("import contextlib", "import io", "import os", "import tempfile")
 """The standard-library imports a runner may need, written with the script's own."""
 
 INLINE_ELEMENTS = 256
@@ -122,7 +122,19 @@ def _traced(module: torch.nn.Module, tensors: tuple, name: str, what: str) -> tu
     code = ep.graph_module.code.strip()
     code = re.sub(r";  (?:\w+ = )+None$", "", code, flags=re.M)  # (the graph's own frees)
     code = code.replace("def forward(self, ", f"def {name}(", 1).replace("def forward(self)", f"def {name}()", 1)
-    return code + "\n", weights
+    return _names_for(code) + code + "\n", weights
+
+
+def _names_for(code: str) -> str:
+    # What torch.fx's generated code reads from its module's globals, defined for the script.
+    needs = [
+        ("device(", "device", "torch.device"),
+        (r"\binf\b", "inf", "float('inf')"),
+        (r"\bnan\b", "nan", "float('nan')"),
+    ]
+    found = [(name, value) for pattern, name, value in needs if re.search(pattern.replace("(", r"\("), code)]
+    defined = f"{', '.join(n for n, _ in found)} = {', '.join(v for _, v in found)}\n" if found else ""
+    return ("import operator\n" if "operator." in code else "") + defined
 
 
 _VIEWS = ("view.default", "reshape.default", "_unsafe_view.default")
@@ -210,7 +222,7 @@ _HEAD = """\
 \"\"\"{backend} diverges from float64 on {label} ({direction}): a bug, not round-off.
 
 {how}
-{shrunk}{attribution}Needs only torch, numpy{needs}. Written by rlx_nb {version} (torch {torch}). Exits 1 past the line.
+{shrunk}{attribution}Needs only torch{needs}; written by rlx_nb {version} (torch {torch}). Exits 1 past the line.
 \"\"\"
 """
 
@@ -233,7 +245,7 @@ print(f"{backend}: largest |error| {{mx:.3g}}, RMS {{rms:.3g}}" + (f", {{bad}} n
       + (f"; {{mx / eager[0]:.3g}}x and {{rms / eager[1]:.3g}}x eager's" if eager[0] and eager[1] else "; eager is exact"))
 past = mx > LINE_MAX or rms > LINE_RMS or bad > 0
 print(("PAST" if past else "within") + f" the line (largest {{LINE_MAX:.3g}}, RMS {{LINE_RMS:.3g}}): " + ("a bug" if past else "round-off"))
-sys.exit(1 if past else 0)
+raise SystemExit(1 if past else 0)
 """
 
 _LEAVES = "[o for o in torch.utils._pytree.tree_leaves(fn(*tensors)) if isinstance(o, torch.Tensor)]"
@@ -281,19 +293,18 @@ def write_standalone(
             data[f"c{i}"] = torch.from_numpy(np.array(loss_weight(name, tuple(o.shape))))
     path = Path(path)
     source, on_disk = _data(data, path.with_suffix(".npz"))
-    source += f"WEIGHTS, INPUTS = [{', '.join(f'w{i}' for i in range(len(weights)))}], [{', '.join(inputs)}]\n"
+    lists = {"WEIGHTS": [f"w{i}" for i in range(len(weights))], "INPUTS": list(inputs)}
     if carries:
-        source += f"BACKEND_WEIGHTS = [{', '.join(refs)}]\n"
+        lists["BACKEND_WEIGHTS"] = refs
     if culprit.backward:
-        source += f"COTANGENTS = [{', '.join(f'c{i}' for i in range(len(names)))}]\n"
+        lists["COTANGENTS"] = [f"c{i}" for i in range(len(names))]
+    source += f"{', '.join(lists)} = {', '.join('[' + ', '.join(v) + ']' for v in lists.values())}\n"
     imports, runner = runner_source(runtime)
-    text = _head(culprit, record, imports, shrunk, attribution)
-    std = {"sys", *(["pathlib"] if on_disk else []), *(m.split()[1] for m in imports.splitlines() if m in _STD)}
+    text = _head(culprit, record, imports + ("import numpy\n" if on_disk else ""), shrunk, attribution)
+    std = {*(["pathlib"] if on_disk else []), *(m.split()[1] for m in imports.splitlines() if m in _STD)}
     third = [m for m in imports.splitlines() if m and m not in _STD]
-    text += (
-        "".join(f"import {m}\n" for m in sorted(std)) + ("\nimport numpy as np" if on_disk else "") + "\nimport torch\n"
-    )
-    text += "".join(f"{m}\n" for m in third)
+    text += "".join(f"import {m}\n" for m in sorted(std)) + ("\n" if std else "")
+    text += ("import numpy as np\n" if on_disk else "") + "import torch\n" + "".join(f"{m}\n" for m in third)
     text += f"\nLINE_MAX, LINE_RMS = {float(f'{line_max:.6g}')!r}, {float(f'{line_rms:.6g}')!r}  # (see above)\n"
     text += source + "\n" + program + "\n" + runner + "\n"
     what = f"the gradient rlx_nb judged: of tensor {k}" if culprit.backward else f"output {k}, the one rlx_nb judged"
@@ -312,7 +323,7 @@ def write_standalone(
 
 def _head(culprit: Culprit, record: OutputRecord, imports: str, shrunk: str, attribution: str) -> str:
     needs = sorted({m.split()[1].split(".")[0] for m in imports.splitlines() if m.startswith(("import ", "from "))}
-                   - {"os", "tempfile"})  # fmt: skip
+                   - {"contextlib", "io", "os", "tempfile"})  # fmt: skip
     return _HEAD.format(
         backend=culprit.backend,
         label=culprit.label,
@@ -327,12 +338,11 @@ def _head(culprit: Culprit, record: OutputRecord, imports: str, shrunk: str, att
 
 
 def _how(record: OutputRecord) -> str:
-    # One sentence: how the line was measured.
-    j = record.judgement
+    # Two lines: how the line was measured.
     return (
-        f"The line: a largest error of {MAX_LIMIT:g}x, or an RMS error of {RMSE_LIMIT:g}x, the round-off budget rlx_nb\n"
-        f"measured for this output: how far float32 eager itself is from float64 here, with room for chance and\n"
-        f"summation order. rlx_nb read {record.backend} at {j.line:.3g}x that line."
+        f"The line (LINE_MAX, LINE_RMS): {MAX_LIMIT:g}x / {RMSE_LIMIT:g}x the round-off budget rlx_nb measured for this "
+        f"output's largest / RMS error\n(float32 eager's own error against float64 here, with room for chance); "
+        f"rlx_nb read {record.backend} at {record.judgement.line:.3g}x the line."
     )
 
 
