@@ -259,3 +259,24 @@ def test_the_command_line_writes_a_repro_and_an_issue_per_suspect(tmp_path):
     written = sorted(x.name for x in (tmp_path / "out").iterdir())
     assert written == ["issue_fault_softmax-row.md", "repro_fault_softmax-row.py"], written
     assert "lines; reproduces) and" in p.stdout
+
+
+@pytest.mark.slow
+def test_the_real_litert_fully_masked_row_bug_is_born_in_its_converter(tmp_path, without_rlx_nb):
+    # LiteRT's conversion of attention over a row that masks every key: NaN with its delegate, the values' mean on
+    # its reference kernels, where PyTorch gives zeros. Both paths diverge: the converter.
+    require_live("litert")
+
+    class Attention(torch.nn.Module):
+        def forward(self, q, keep):
+            return torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=keep)
+
+    q = torch.randn(1, 2, 4, 8, generator=torch.Generator().manual_seed(0))
+    keep = torch.tril(torch.ones(4, 4, dtype=torch.bool))
+    keep[3] = False
+    model = Attention()
+    report = rlx_nb.backend_divergence(model, (q, keep), backends=["litert"], progress=False)
+    repro = report.repro("litert", tmp_path, progress=False)
+    done = _check(repro, without_rlx_nb, shrunk_at_least=2)
+    assert "non-finite" in done.stdout and "LiteRT-Torch" not in done.stdout  # (the converter's chatter kept out)
+    assert repro.attribution.startswith("Born in the converter")

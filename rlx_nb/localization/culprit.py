@@ -37,10 +37,11 @@ def judge_alone(
 
 
 def crosses(record: OutputRecord) -> bool:
-    """Whether the whole output's error is past the line on its own (its largest element or its RMS), not only
-    a slice's: what a standalone repro, which checks the whole output, can show."""
-    b = record.judgement.budget
-    return b.ratio_max > MAX_LIMIT or b.ratio_rmse > RMSE_LIMIT
+    """Whether the whole output's error is past the line on its own (its largest element or its RMS, or a NaN/Inf
+    where fp64 has none), not only a slice's: what a standalone repro, which checks the whole output, can show."""
+    j = record.judgement
+    b = j.budget
+    return b.ratio_max > MAX_LIMIT or b.ratio_rmse > RMSE_LIMIT or j.events.nonfinite_unexplained > 0
 
 
 @dataclasses.dataclass(frozen=True)

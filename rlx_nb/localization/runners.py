@@ -100,7 +100,8 @@ def on_backend(fn, weights, inputs):  # torch.export, ExecuTorch lowering{what},
 _LITERT = """\
 def on_backend(fn, weights, inputs):  # litert_torch.convert, then LiteRT's interpreter ({what})
     path = os.path.join(tempfile.mkdtemp(), "program.tflite")
-    litert_torch.convert(Program(fn, weights).eval(), tuple(inputs)).export(path)
+    with contextlib.redirect_stdout(io.StringIO()):  # (the converter's progress lines)
+        litert_torch.convert(Program(fn, weights).eval(), tuple(inputs)).export(path)
     interpreter = Interpreter(model_path=path, experimental_op_resolver_type=OpResolverType.{resolver})
     run = interpreter.get_signature_runner()
     feed = {{n: x.numpy().astype(d["dtype"]) for (n, d), x in zip(run.get_input_details().items(), inputs)}}
@@ -138,10 +139,10 @@ RUNNERS: dict[str, Runner] = {
     "executorch-portable": Runner(_EXECUTORCH_IMPORTS, _EXECUTORCH.format(what=" (portable kernels)", partitioner=""),
                                   module=True),
     "litert": Runner(
-        "import os\nimport tempfile\nimport litert_torch\nfrom ai_edge_litert.interpreter import Interpreter, OpResolverType\n",
+        "import contextlib\nimport io\nimport os\nimport tempfile\nimport numpy as np\nimport litert_torch\nfrom ai_edge_litert.interpreter import Interpreter, OpResolverType\n",
         _LITERT.format(what="XNNPACK delegate", resolver="AUTO"), module=True),
     "litert-reference": Runner(
-        "import os\nimport tempfile\nimport litert_torch\nfrom ai_edge_litert.interpreter import Interpreter, OpResolverType\n",
+        "import contextlib\nimport io\nimport os\nimport tempfile\nimport numpy as np\nimport litert_torch\nfrom ai_edge_litert.interpreter import Interpreter, OpResolverType\n",
         _LITERT.format(what="reference kernels", resolver="BUILTIN_REF"), module=True),
 }  # fmt: skip
 """The runners by backend name; ``eager`` runs a program that carries the backend's own computation (a fault, a

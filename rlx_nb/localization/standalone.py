@@ -304,7 +304,8 @@ def write_standalone(
     std = {*(["pathlib"] if on_disk else []), *(m.split()[1] for m in imports.splitlines() if m in _STD)}
     third = [m for m in imports.splitlines() if m and m not in _STD]
     text += "".join(f"import {m}\n" for m in sorted(std)) + ("\n" if std else "")
-    text += ("import numpy as np\n" if on_disk else "") + "import torch\n" + "".join(f"{m}\n" for m in third)
+    numpy = on_disk and "import numpy as np" not in third
+    text += ("import numpy as np\n" if numpy else "") + "import torch\n" + "".join(f"{m}\n" for m in third)
     text += f"\nLINE_MAX, LINE_RMS = {float(f'{line_max:.6g}')!r}, {float(f'{line_rms:.6g}')!r}  # (see above)\n"
     text += source + "\n" + program + "\n" + runner + "\n"
     what = f"the gradient rlx_nb judged: of tensor {k}" if culprit.backward else f"output {k}, the one rlx_nb judged"
