@@ -22,9 +22,6 @@ from rlx_nb.models import demo
 from rlx_nb.verdict.types import SUSPECT
 from tests.conftest import require_live
 
-pytestmark = pytest.mark.xdist_group("repro")
-
-
 BLOCKED = "import runpy, sys; sys.modules['rlx_nb'] = None; runpy.run_path(sys.argv[1], run_name='__main__')"
 """Run a script (``sys.argv[1]``) in an interpreter where ``import rlx_nb`` fails: what a maintainer has.  (An
 editable install's finder comes before PYTHONPATH, so a shadow package would not hide it; a None in sys.modules
