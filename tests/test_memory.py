@@ -224,8 +224,11 @@ def test_a_model_whose_float64_weights_do_not_fit_gets_a_streamed_reference_bit_
     assert ref.status == "ok" and "streamed, one op's weights in float64 at a time" in ref.notes[0]
     # (what it needs: the weights in float64 plus twice the activations, which are measured from the oracle's
     # resident memory and move by a megabyte from run to run)
-    need = re.search(r"needs ~(\d+) MB, 110 MB free \(weights 134 MB, activations ~(\d+) MB\)", ref.notes[0])
-    assert need and 134 <= int(need.group(1)) <= 134 + 2 * int(need.group(2)) + 1, ref.notes[0]
+    # (and what is free: the budget less what the process grew by since the call began, a few MB that move from run
+    # to run: it read 108 MB under load where it had read 110)
+    need = re.search(r"needs ~(\d+) MB, (\d+) MB free \(weights 134 MB, activations ~(\d+) MB\)", ref.notes[0])
+    assert need and 134 <= int(need.group(1)) <= 134 + 2 * int(need.group(3)) + 1, ref.notes[0]
+    assert 100 <= int(need.group(2)) <= 110, ref.notes[0]
     assert any(e.startswith("fp64 reference streamed") for e in report.results.environment["extra_runs"])
     got, expected = ref.outputs["out"].value, whole.results.reference.outputs["out"].value
     assert got.dtype == np.float64 and np.array_equal(got, expected)

@@ -21,6 +21,7 @@ import torch
 from rlx_nb._support.quiet import quiet
 from rlx_nb._support.tree import flatten
 from rlx_nb._version import __version__
+from rlx_nb.backends.exported_faults import Faulty
 from rlx_nb.errors import InputError
 from rlx_nb.execution.execute import loss_weight
 from rlx_nb.execution.results import GRAD_PREFIX
@@ -87,17 +88,6 @@ def _op_source(culprit: Culprit) -> str | None:
         return None
     names = ", ".join(f"t{i}" for i in range(len(culprit.tensors)))
     return f"def program({names}):  # {culprit.label}\n    return {where}({call})\n"
-
-
-class _Through(torch.nn.Module):
-    """The culprit as a backend computes it (a fault, a registered function): what ``torch.export`` traces."""
-
-    def __init__(self, adapter: torch.nn.Module, fn: Any) -> None:
-        super().__init__()
-        self.adapter, self.fn = adapter, fn
-
-    def forward(self, *tensors: torch.Tensor) -> Any:
-        return self.fn(self.adapter, tensors)
 
 
 def _traced(module: torch.nn.Module, tensors: tuple, name: str, what: str) -> tuple[str, dict[str, torch.Tensor]]:
@@ -277,8 +267,8 @@ def write_standalone(
         carried = getattr(culprit.lent, "carries", None) or culprit.lent
         if carried is None:
             raise InputError(f"backend {culprit.backend!r} is not known here")
-        traced, theirs = _traced(_Through(culprit.adapter, carried.fn), culprit.tensors, "backend_program",
-                                 f"{culprit.backend}'s computation")  # fmt: skip
+        traced, theirs = _traced(Faulty(culprit.adapter, carried.fn, carried.name), culprit.tensors,
+                                 "backend_program", f"{culprit.backend}'s computation")  # fmt: skip
         program += "\n" + traced
         backend_fn, backend_weights = "backend_program", "BACKEND_WEIGHTS"
         refs = [_stored(data, w, f"v{i}") for i, w in enumerate(theirs.values())]
