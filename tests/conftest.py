@@ -12,6 +12,7 @@ import os
 
 import numpy as np
 import pytest
+import torch
 
 import rlx_nb
 from rlx_nb.models import demo
@@ -75,6 +76,21 @@ def per_notebook(paths, ids: bool = True) -> list:
 collect_ignore = ["_torchrun_job.py"]  # run by torchrun, not imported by pytest
 
 _REPORTS: dict[tuple, rlx_nb.DivergenceReport] = {}
+
+
+class SelfAttention(torch.nn.Module):
+    """Attention of ``q`` over itself under a boolean mask: what LiteRT converts wrong where a row keeps no key."""
+
+    def forward(self, q, keep):
+        return torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=keep)
+
+
+def fully_masked_row(heads: int = 2) -> tuple[torch.nn.Module, tuple]:
+    """:class:`SelfAttention` with a causal mask whose last row keeps no key (PyTorch gives zeros there)."""
+    q = torch.randn(1, heads, 4, 8, generator=torch.Generator().manual_seed(0))
+    keep = torch.tril(torch.ones(4, 4, dtype=torch.bool))
+    keep[3] = False
+    return SelfAttention(), (q, keep)
 
 
 def demo_report(family: str, backends: tuple[str, ...], *, backward: bool = True) -> rlx_nb.DivergenceReport:

@@ -20,7 +20,7 @@ from rlx_nb.localization.capture import OpModule, Slot
 from rlx_nb.localization.culprit import Culprit
 from rlx_nb.models import demo
 from rlx_nb.verdict.types import SUSPECT
-from tests.conftest import require_live
+from tests.conftest import fully_masked_row, require_live
 
 BLOCKED = "import runpy, sys; sys.modules['rlx_nb'] = None; runpy.run_path(sys.argv[1], run_name='__main__')"
 """Run a script (``sys.argv[1]``) in an interpreter where ``import rlx_nb`` fails: what a maintainer has.  (An
@@ -264,16 +264,8 @@ def test_the_real_litert_fully_masked_row_bug_is_born_in_its_converter(tmp_path,
     # LiteRT's conversion of attention over a row that masks every key: NaN with its delegate, the values' mean on
     # its reference kernels, where PyTorch gives zeros. Both paths diverge: the converter.
     require_live("litert")
-
-    class Attention(torch.nn.Module):
-        def forward(self, q, keep):
-            return torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=keep)
-
-    q = torch.randn(1, 1, 4, 8, generator=torch.Generator().manual_seed(0))
-    keep = torch.tril(torch.ones(4, 4, dtype=torch.bool))
-    keep[3] = False
-    model = Attention()
-    report = rlx_nb.backend_divergence(model, (q, keep), backends=["litert"], progress=False)
+    model, inputs = fully_masked_row(heads=1)
+    report = rlx_nb.backend_divergence(model, inputs, backends=["litert"], progress=False)
     repro = report.repro("litert", tmp_path, progress=False)
     done = _check(repro, without_rlx_nb, shrunk_at_least=2)
     assert "non-finite" in done.stdout and "LiteRT-Torch" not in done.stdout  # (the converter's chatter kept out)

@@ -14,7 +14,7 @@ from rlx_nb.backends.exported_faults import fault_through
 from rlx_nb.backends.registry import get_backend
 from rlx_nb.models import demo
 from rlx_nb.verdict.types import ROUNDOFF, VERDICT_SKIPPED
-from tests.conftest import require_live
+from tests.conftest import fully_masked_row, require_live
 
 pytestmark = pytest.mark.filterwarnings("ignore")
 
@@ -70,18 +70,12 @@ def test_litert_attention_over_a_row_that_masks_every_key_is_caught():
     # conversion (litert-torch 0.10) does not: its XNNPACK delegate returns NaN there, its reference kernels the
     # mean of the values.  Hugging Face's Mistral meets it on padded positions whose sliding window holds only
     # padding (bench/device_runtimes.py, batch 16): a real difference, caught, never called round-off.
-    class Attention(torch.nn.Module):
-        def forward(self, q, keep):
-            return torch.nn.functional.scaled_dot_product_attention(q, q, q, attn_mask=keep)
-
-    q = torch.randn(1, 2, 4, 8, generator=torch.Generator().manual_seed(0))
-    keep = torch.tril(torch.ones(4, 4, dtype=torch.bool))
-    keep[3] = False
-    report = rlx_nb.backend_divergence(Attention(), (q, keep), backends=["litert", "litert-reference"], progress=False)
+    model, (q, keep) = fully_masked_row()
+    report = rlx_nb.backend_divergence(model, (q, keep), backends=["litert", "litert-reference"], progress=False)
     assert report.suspects == ["litert", "litert-reference"]
     assert "NaN" in report.record("litert").reason
     kept = (q, torch.tril(torch.ones(4, 4, dtype=torch.bool)))  # every row keeps a key: round-off
-    again = rlx_nb.backend_divergence(Attention(), kept, backends=["litert", "litert-reference"], progress=False)
+    again = rlx_nb.backend_divergence(model, kept, backends=["litert", "litert-reference"], progress=False)
     assert again.suspects == []
 
 
