@@ -270,3 +270,35 @@ def test_the_real_litert_fully_masked_row_bug_is_born_in_its_converter(tmp_path,
     done = _check(repro, without_rlx_nb, shrunk_at_least=2)
     assert "non-finite" in done.stdout and "LiteRT-Torch" not in done.stdout  # (the converter's chatter kept out)
     assert repro.attribution.startswith("Born in the converter")
+
+
+class _MultiQuery(torch.nn.Module):
+    # Multi-query attention: one key/value head expanded to every query head.
+    def __init__(self, d: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        self.heads, self.dh = heads, d // heads
+        self.q, self.kv = torch.nn.Linear(d, d), torch.nn.Linear(d, 2 * self.dh)
+
+    def forward(self, x):
+        b, t, d = x.shape
+        q = self.q(x).view(b, t, self.heads, self.dh).transpose(1, 2)
+        k, v = (
+            u.transpose(1, 2).expand(b, self.heads, t, self.dh) for u in self.kv(x).view(b, t, 2, 1, self.dh).unbind(2)
+        )
+        return (
+            torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, d)
+        )
+
+
+@pytest.mark.slow
+def test_the_real_litert_multi_query_attention_bug_reproduces_from_the_module(tmp_path, without_rlx_nb):
+    # LiteRT's conversion of attention whose one key/value head is expanded to every query head (seen on models
+    # outside the zoo): both kernel sets wrong. No op alone diverges, so the module is the culprit, traced.
+    require_live("litert")
+    torch.manual_seed(0)
+    model = _MultiQuery()
+    report = rlx_nb.backend_divergence(model, torch.randn(2, 8, 32), backends=["litert"], progress=False)
+    repro = report.repro("litert", tmp_path, progress=False)
+    _check(repro, without_rlx_nb, shrunk_at_least=2)
+    assert repro.path.with_suffix(".npz").exists() and "torch.ops.aten.expand" in repro.text
+    assert repro.attribution.startswith("Born in the converter")

@@ -133,8 +133,9 @@ _VIEWS = ("view.default", "reshape.default", "_unsafe_view.default")
 def _tidy(gm: torch.fx.GraphModule) -> None:
     # Drop what changes no value, so the program reads short: permutes to the same order, views of views (one view
     # of the first input does), views to the shape the tensor has; then what no output uses.
-    def val(n: Any) -> Any:
-        return n.meta.get("val") if isinstance(n, torch.fx.Node) else None
+    def val(n: Any) -> Any:  # (the tensor a node gives; None for a list of them, an unbind's)
+        v = n.meta.get("val") if isinstance(n, torch.fx.Node) else None
+        return v if isinstance(v, torch.Tensor) else None
 
     for node in list(gm.graph.nodes):
         if node.op != "call_function":
@@ -164,9 +165,10 @@ def _data(named: dict[str, torch.Tensor], npz: Path) -> tuple[str, bool]:
         odd = any(t.is_floating_point() and not bool(t.isfinite().all()) for t in named.values())
         return ("nan, inf = float('nan'), float('inf')\n" if odd else "") + "\n".join(lines) + "\n", False
     np.savez(npz, **{name: t.detach().cpu().numpy() for name, t in named.items()})
-    lines = [f"data = np.load(pathlib.Path(__file__).with_name({npz.name!r}))"]
-    lines += [f"{name} = torch.from_numpy(data[{name!r}])" for name in named]
-    return "\n".join(lines) + "\n", True
+    return (
+        f"T = {{k: torch.from_numpy(v) for k, v in np.load(pathlib.Path(__file__).with_name({npz.name!r})).items()}}\n",
+        True,
+    )
 
 
 def _stored(data: dict[str, torch.Tensor], w: torch.Tensor, name: str) -> str:
@@ -212,7 +214,8 @@ _HEAD = """\
 \"\"\"{backend} diverges from float64 on {label} ({direction}): a bug, not round-off.
 
 {how}
-{shrunk}{attribution}Needs only torch{needs}; written by rlx_nb {version} (torch {torch}). Exits 1 past the line.
+{shrunk}{attribution}
+Needs only torch{needs}; written by rlx_nb {version} (torch {torch}). Exits 1 past the line.
 \"\"\"
 """
 
@@ -287,7 +290,8 @@ def write_standalone(
         lists["BACKEND_WEIGHTS"] = refs
     if culprit.backward:
         lists["COTANGENTS"] = [f"c{i}" for i in range(len(names))]
-    source += f"{', '.join(lists)} = {', '.join('[' + ', '.join(v) + ']' for v in lists.values())}\n"
+    named = (lambda k: f"T[{k!r}]") if on_disk else (lambda k: k)  # (the tensors by name, or from T)
+    source += f"{', '.join(lists)} = {', '.join('[' + ', '.join(map(named, v)) + ']' for v in lists.values())}\n"
     imports, runner = runner_source(runtime)
     text = _head(culprit, record, imports + ("import numpy\n" if on_disk else ""), shrunk, attribution)
     std = {*(["pathlib"] if on_disk else []), *(m.split()[1] for m in imports.splitlines() if m in _STD)}
@@ -319,8 +323,8 @@ def _head(culprit: Culprit, record: OutputRecord, imports: str, shrunk: str, att
         label=culprit.label,
         direction="its gradient" if culprit.backward else "forward",
         how=_how(record),
-        shrunk=f"{shrunk}\n" if shrunk else "",
-        attribution=f"{attribution}\n" if attribution else "",
+        shrunk=f"{shrunk} " if shrunk else "",
+        attribution=f"{attribution}" if attribution else "",
         needs="".join(f", {n}" for n in needs),
         version=__version__,
         torch=torch.__version__,
