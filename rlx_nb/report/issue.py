@@ -128,8 +128,8 @@ def issue_text(report: Any, record: Any, repro: Any) -> str:
     lines += [
         "## Repro",
         "",
-        f"`python {repro.path.name}`{extra}: it needs only torch, numpy and the runtime, prints each error against "
-        "float64, and exits 1 past the line.",
+        f"`python {repro.path.name}`{extra}: it imports only torch and the runtime under test (numpy where an `.npz` "
+        "holds the inputs), prints each error against float64, and exits 1 past the line.",
         "",
         "```python",
         repro.text.rstrip(),
