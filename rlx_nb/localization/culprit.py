@@ -50,8 +50,7 @@ class Culprit:
 
     ``adapter`` runs it with ``tensors`` as positional inputs (:class:`~rlx_nb.localization.capture.OpModule`,
     :class:`~rlx_nb.localization.capture.CallModule`); an op culprit also keeps its torch function and call
-    template, so a repro can write the call as the model made it.  ``weights`` counts the leading tensors that are
-    the module's own (none for an op: all its tensors were inputs of its check).
+    template, so a repro can write the call as the model made it.
     """
 
     label: str
@@ -62,7 +61,7 @@ class Culprit:
     func: Callable | None = None
     template: Any = None
     lent: Backend | None = None
-    """A backend object the report was given but the registry does not hold (judged through it)."""
+    """The backend object the search judged through, kept: one a report was given unregistered runs it after."""
 
     @property
     def kind(self) -> str:
@@ -80,13 +79,14 @@ class Culprit:
         ts = list(self.tensors if tensors is None else tensors)
         return judge_alone(self.adapter, ts, backend or self.runs_on, self.backward, check_determinism=False)[0]
 
-    def suspect(self, tensors: list[torch.Tensor] | None = None, backend: str | Backend | None = None) -> bool:
-        """Whether it is SUSPECT, the whole output past the line (what a repro shows), on these inputs."""
+    def crossing(self, tensors: list[torch.Tensor] | None = None) -> OutputRecord | None:
+        """Its record where it is SUSPECT with the whole output past the line (what a repro shows) on these inputs,
+        else None."""
         try:
-            record = self.judge(tensors, backend)
+            record = self.judge(tensors)
         except Exception:  # (a shape the op refuses, a backend that cannot run this size: not a reproduction)
-            return False
-        return record.verdict == SUSPECT and crosses(record)
+            return None
+        return record if record.verdict == SUSPECT and crosses(record) else None
 
 
 __all__ = ["Culprit", "crosses", "judge_alone"]

@@ -124,9 +124,8 @@ def reproduce(
         shrunk = None
         if shrink_inputs:
             shrunk = shrink(culprit, told=told)
-            if shrunk.after != shrunk.before:
-                culprit = shrunk.culprit
-                record = culprit.judge()
+            if shrunk.record is not None:  # (its last accepted step's verdict: the smallest case, judged once)
+                culprit, record = shrunk.culprit, shrunk.record
         attribution = ""
         if attribute:
             from rlx_nb.localization.attribution import attribute as attribute_culprit

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from rlx_nb.localization.culprit import Culprit
+from rlx_nb.verdict.records import OutputRecord
 
 MAX_TRIES = 48
 """At most this many trial runs (each one run of the culprit on the backend, a compile or an export where the
@@ -29,6 +30,8 @@ class Shrunk:
     before: tuple[tuple[int, ...], ...]
     after: tuple[tuple[int, ...], ...]
     tries: int
+    record: OutputRecord | None = None
+    """The verdict on the smallest inputs (None where nothing was cut: the culprit's own)."""
 
     @property
     def elements(self) -> tuple[int, int]:
@@ -61,13 +64,16 @@ def shrink(culprit: Culprit, *, told: Callable[[str], None] | None = None) -> Sh
     told = told or (lambda _: None)
     tensors = [t.detach() for t in culprit.tensors]
     before = tuple(tuple(t.shape) for t in tensors)
-    tries = 0
+    tries, record = 0, None
 
     def attempt(candidate: list[torch.Tensor]) -> bool:
-        nonlocal tries
+        nonlocal tries, record
         tries += 1
         told(f"shrink: try {tries}, {sum(t.numel() for t in candidate)} elements")
-        return culprit.suspect(candidate)
+        found = culprit.crossing(candidate)
+        if found is not None:  # (kept: the candidate is taken)
+            record = found
+        return found is not None
 
     changed = True
     while changed and tries < MAX_TRIES:
@@ -93,7 +99,7 @@ def shrink(culprit: Culprit, *, told: Callable[[str], None] | None = None) -> Sh
                 candidate = [*tensors[:i], _cut(t, d, t.shape[d] // 2), *tensors[i + 1 :]]
                 if attempt(candidate):
                     tensors, changed = candidate, True
-    return Shrunk(culprit.but(tensors=tuple(tensors)), before, tuple(tuple(t.shape) for t in tensors), tries)
+    return Shrunk(culprit.but(tensors=tuple(tensors)), before, tuple(tuple(t.shape) for t in tensors), tries, record)
 
 
 __all__ = ["MAX_TRIES", "Shrunk", "shrink"]

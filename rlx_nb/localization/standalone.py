@@ -25,7 +25,7 @@ from rlx_nb.backends.exported_faults import Faulty
 from rlx_nb.errors import InputError
 from rlx_nb.execution.execute import loss_weight
 from rlx_nb.execution.results import GRAD_PREFIX
-from rlx_nb.localization.capture import Held, Slot
+from rlx_nb.localization.capture import Slot
 from rlx_nb.localization.culprit import Culprit
 from rlx_nb.localization.runners import RUNNERS, runner_source, runtime_of
 from rlx_nb.verdict.records import OutputRecord
@@ -74,14 +74,13 @@ def _value(v: Any) -> str:
 
 
 def _op_source(culprit: Culprit) -> str | None:
-    # ``def program(t0, ...)`` calling the op as the model did; None where an argument has no source (a held object).
+    # ``def program(t0, ...)`` calling the op as the model did; None where an argument has no source (a held
+    # object, at any depth: _value refuses it).
     args, kwargs = culprit.template
     try:
         kw = {k: v for k, v in kwargs.items() if k != "_stacklevel"}  # (where a warning points: not the numbers)
         call = ", ".join([*(_value(a) for a in args), *(f"{k}={_value(v)}" for k, v in kw.items())])
     except TypeError:
-        return None
-    if any(isinstance(x, Held) for x in (*args, *kwargs.values())):
         return None
     where = _function_path(culprit.func)
     if where is None:
@@ -180,22 +179,23 @@ def _stored(data: dict[str, torch.Tensor], w: torch.Tensor, name: str) -> str:
     return name
 
 
-def _judged_index(culprit: Culprit, record: OutputRecord, weights: list[str]) -> tuple[int, list[str]]:
+def _judged_index(culprit: Culprit, record: OutputRecord, weights: list[str]) -> tuple[int, dict[str, torch.Tensor]]:
     # Which output (forward) or which tensor's gradient (backward) the record judged, in the script's order; and
-    # each output's name as rlx_nb named it (its loss weights are seeded by it).
+    # each output by its name as rlx_nb named it (its loss weights are seeded by the name and the shape).
     with torch.no_grad():
         out = culprit.adapter(*culprit.tensors)
-    names = [name for name, leaf in flatten(out) if isinstance(leaf, torch.Tensor)]
+    leaves = {name: leaf for name, leaf in flatten(out) if isinstance(leaf, torch.Tensor)}
+    names = list(leaves)
     name = record.output or ""
     if not culprit.backward:
         if name not in names:
             raise InputError(f"the judged output {name!r} is not among the culprit's outputs {names}")
-        return names.index(name), names
+        return names.index(name), leaves
     grads = [*weights, *(f"input[{i}]" for i in range(len(culprit.tensors)))]
     wanted = name.removeprefix(GRAD_PREFIX)
     if wanted not in grads:
         raise InputError(f"the judged gradient {name!r} is not one the repro computes ({', '.join(grads)})")
-    return grads.index(wanted), names
+    return grads.index(wanted), leaves
 
 
 def line_of(record: OutputRecord) -> tuple[float, float]:
@@ -275,13 +275,11 @@ def write_standalone(
         program += "\n" + traced
         backend_fn, backend_weights = "backend_program", "BACKEND_WEIGHTS"
         refs = [_stored(data, w, f"v{i}") for i, w in enumerate(theirs.values())]
-    k, names = _judged_index(culprit, record, list(weights))
+    k, outs = _judged_index(culprit, record, list(weights))
     inputs = {f"x{i}": x for i, x in enumerate(culprit.tensors)}
     data.update(inputs)
     if culprit.backward:
-        with torch.no_grad():
-            outs = [leaf for _, leaf in flatten(culprit.adapter(*culprit.tensors)) if isinstance(leaf, torch.Tensor)]
-        for i, (name, o) in enumerate(zip(names, outs, strict=True)):
+        for i, (name, o) in enumerate(outs.items()):
             data[f"c{i}"] = torch.from_numpy(np.array(loss_weight(name, tuple(o.shape))))
     path = Path(path)
     source, on_disk = _data(data, path.with_suffix(".npz"))
@@ -289,7 +287,7 @@ def write_standalone(
     if carries:
         lists["BACKEND_WEIGHTS"] = refs
     if culprit.backward:
-        lists["COTANGENTS"] = [f"c{i}" for i in range(len(names))]
+        lists["COTANGENTS"] = [f"c{i}" for i in range(len(outs))]
     named = (lambda k: f"T[{k!r}]") if on_disk else (lambda k: k)  # (the tensors by name, or from T)
     source += f"{', '.join(lists)} = {', '.join('[' + ', '.join(map(named, v)) + ']' for v in lists.values())}\n"
     imports, runner = runner_source(runtime)
