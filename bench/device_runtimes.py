@@ -8,9 +8,9 @@ against fp64 is past 10x the oracle's own must be caught (the real-architecture 
 *inert*: its outputs equal, bit for bit, those of the runtime it went through (the model has no op the fault
 changes, or the converter folded it away), so there is nothing to catch.
 
-int8 (``--part int8``): each model PT2E-quantized for XNNPACK (:func:`rlx_nb.quantize.quantize_pt2e`), judged by
+int8 (``--part int8``): each model PT2E-quantized for XNNPACK (:func:`rlx_nb.int8.quantize.quantize_pt2e`), judged by
 :func:`rlx_nb.quantized_divergence` on ``executorch-xnnpack`` and ``executorch-portable`` (legitimate) and with
-the output layer's channel 1 weight scale off by 1.5x (:func:`rlx_nb.quantized.channel_scale_fault`): the fault
+the output layer's channel 1 weight scale off by 1.5x (:func:`rlx_nb.int8.faults.channel_scale_fault`): the fault
 must be caught where it is past 10x a legitimate int8 computation's error on the same output (XNNPACK's, or the
 fp32 simulation's own against the exact one, at least one quantum).
 
@@ -29,20 +29,20 @@ import time
 import warnings
 from pathlib import Path
 
-import numpy as np
 import pandas as pd
 
 import rlx_nb
-from rlx_nb import quantize, quantized, requantization
 from rlx_nb.backends.exported_faults import fault_through
 from rlx_nb.backends.faults import CATALOGUE, HITS
 from rlx_nb.backends.registry import get_backend
-from rlx_nb.execution.prepare import normalize_inputs
 from rlx_nb.execution.results import nondeterministic
+from rlx_nb.int8 import faults
+from rlx_nb.int8.quantize import quantize_pt2e
 from rlx_nb.models import demo, zoo
 from rlx_nb.verdict.types import SUSPECT, VERDICT_ERROR
 
 sys.path.insert(0, str(Path(__file__).parent))
+from int8_detection import raw_ratio as int8_ratio
 from real_models import DETECTABLE, _legit_errors, _raw_ratios, _units
 
 RESULTS = Path(__file__).parent / "results"
@@ -116,50 +116,27 @@ def int8_rows(name: str, batch: int) -> list[dict]:
     # (a demo model -- mlp, conv, transformer -- runs at its own batch)
     model, inputs = zoo.build(name, batch=batch) if name in zoo.MODELS else getattr(demo, name)()
     try:
-        converted = quantize.quantize_pt2e(model, inputs)
+        converted = quantize_pt2e(model, inputs)
     except Exception as exc:
         return [{"part": "int8", "model": name, "batch": batch, "backend": "(quantize)", "legit": True,
                  "verdict": VERDICT_ERROR, "why": f"PT2E could not quantize it: {type(exc).__name__}: {exc}"[:200]}]  # fmt: skip
-    fault = quantized.channel_scale_fault(layer=-1, channel=1, factor=1.5)
+    fault = faults.channel_scale_fault(layer=-1, channel=1, factor=1.5)
     start = time.perf_counter()
-    report = quantized.quantized_divergence(
+    report = rlx_nb.quantized_divergence(
         converted, inputs, backends=["executorch-xnnpack", "executorch-portable", fault], label=name, progress=False
     )
     seconds = time.perf_counter() - start
-    exact = quantized._arrays(requantization.exact_simulation(converted, tuple(normalize_inputs(inputs)[0])))
     rows = []
-    outputs = [r["output"] for r in report.rows if r["backend"] == "executorch-xnnpack" and "rmse" in r]
     for backend in ("executorch-xnnpack", "executorch-portable", fault.name):
         row = report.record(backend)
-        raw = max((_int8_ratio(report, backend, out, exact[out]) for out in outputs), default=float("nan"))
+        raw = int8_ratio(report, backend)
         rows.append({
             "part": "int8", "model": name, "batch": batch, "backend": backend, "legit": backend != fault.name,
-            "verdict": row["verdict"], "line": row["line"], "suspect": row["verdict"] == SUSPECT,
-            "detectable": backend == fault.name and raw > DETECTABLE, "raw_ratio": raw, "why": row["why"][:160],
+            "verdict": row.verdict, "line": row.judgement.line, "suspect": row.verdict == SUSPECT,
+            "detectable": backend == fault.name and raw > DETECTABLE, "raw_ratio": raw, "why": row.reason[:160],
             "seconds": seconds,
         })  # fmt: skip
     return rows
-
-
-def _int8_ratio(report: quantized.QuantizedReport, backend: str, output: str, exact: np.ndarray) -> float:
-    # How far past a legitimate int8 computation's error on ``output`` the backend is (RMS or largest, the larger),
-    # independent of the budget, as the fp32 faults are measured against the oracle's own error.  The legitimate
-    # error is the larger of XNNPACK's and the simulation's own (the fp32 simulation against the ``exact`` one:
-    # float64 arithmetic, each requantization rounding the float64 value), and at least one quantum of the output
-    # (both can be exactly 0), or, for an output computed in float (no quantum), what the trials leave.  NaN where
-    # either did not run.
-    try:
-        row, legit = report.record(backend, output), report.record("executorch-xnnpack", output)
-    except rlx_nb.InputError:
-        return float("nan")
-    if "rmse" not in row or "rmse" not in legit:
-        return float("nan")
-    q, (oracle, _) = legit["quantum"], report.arrays("executorch-xnnpack", output)
-    own = np.abs(exact - oracle)
-    floors = (q / np.sqrt(max(oracle.size, 1)), q) if q == q else (legit["budget_rmse"], legit["budget_max"])
-    rms_floor = max(legit["rmse"], float(np.sqrt(np.mean(own * own))), floors[0], 1e-30)
-    max_floor = max(legit["max_abs"], float(own.max(initial=0.0)), floors[1], 1e-30)
-    return max(row["rmse"] / rms_floor, row["max_abs"] / max_floor)
 
 
 def _no_paths(text: object) -> object:

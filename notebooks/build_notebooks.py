@@ -710,9 +710,9 @@ free.free[["parts_at", "oracle_text", "backend_text"]]""",
 INT8 = [
     (
         "md",
-        """# 08 · int8: quantization noise, or a kernel bug?
+        """# 08 · int8: requantization rounding, or a kernel bug?
 
-An int8 model on a device runtime never matches the float model: quantization moves every output by whole quanta. Judged on an fp32 round-off budget, every correct int8 kernel reads as a bug. `rlx_nb.quantized_divergence` judges an int8 runtime against the quantized model's own **Q/DQ simulation** (PT2E's quantize/dequantize ops run in float32 on the CPU), on a budget measured by rounding each requantization the other way where a correct kernel could, and walks a real suspect down to the layer whose kernel is off.
+An int8 model on a device runtime never matches the float model: quantization moves every output by whole quanta, so on a float model's round-off budget every correct int8 kernel reads as a bug. `rlx_nb.quantized_divergence` judges an int8 runtime against what it is meant to compute instead, the quantized model's own **Q/DQ simulation** (PT2E's quantize/dequantize ops run on the CPU: the oracle), with the same graph in float64 as the reference. Its **round-off** is requantization rounding: where a value sits within a correct kernel's arithmetic of a rounding boundary, the kernel may land one quantum away, and that quantum travels on. Everything else is notebook 01's: the same report, lines, tables, plots, explorer and `localize()`.
 
 The model is the demo MLP (512 → 2048 → 512, GELU), quantized by PT2E with ExecuTorch's XNNPACK quantizer (per-channel weights, per-tensor activations).""",
     ),
@@ -721,71 +721,71 @@ The model is the demo MLP (512 → 2048 → 512, GELU), quantized by PT2E with E
         """import warnings
 warnings.filterwarnings("ignore")
 import rlx_nb
-from rlx_nb import quantize, quantized
+from rlx_nb.int8 import faults
+from rlx_nb.int8.quantize import quantize_pt2e
 from rlx_nb.models import demo
 
 model, inputs = demo.mlp()
-converted = quantize.quantize_pt2e(model, inputs)   # calibrated on these inputs
-fp32_budget = rlx_nb.backend_divergence(converted, inputs, backends=["executorch-xnnpack"], progress=False)
-fp32_budget.summary""",
+converted = quantize_pt2e(model, inputs)   # calibrated on these inputs
+as_fp32 = rlx_nb.backend_divergence(converted, inputs, backends=["executorch-xnnpack"], progress=False)
+as_fp32.backends[["backend", "verdict", "line", "why"]]""",
     ),
     (
         "md",
-        """On the fp32 budget, XNNPACK's int8 kernels are SUSPECT by orders of magnitude: a false alarm. Against the Q/DQ simulation, with a planted kernel bug beside them (the output projection's channel 1 weight scale off by 1.5x):""",
+        """Judged as an fp32 backend, XNNPACK's correct int8 kernels are far past the line: a false alarm. Judged as int8, beside ExecuTorch's portable kernels and a planted kernel bug (one weight of the output layer's channel 1 with its sign flipped, through XNNPACK):""",
     ),
     (
         "code",
-        """fault = quantized.channel_scale_fault(layer=-1, channel=1, factor=1.5)
-report = rlx_nb.quantized_divergence(converted, inputs, progress=False,
+        """fault = faults.weight_sign_fault(layer=-1, channel=1)
+report = rlx_nb.quantized_divergence(converted, inputs, label="MLP", progress=False,
                                      backends=["executorch-xnnpack", "executorch-portable", fault])
-report.summary[["backend", "verdict", "reading", "line", "why", "max_quanta", "budget_max_quanta"]]""",
+report.backends""",
     ),
     (
         "md",
-        """XNNPACK lands whole quanta off the simulation here and there, within what requantization rounding leaves; the portable kernels match the simulation. The planted fault is past the line, and its error sits in one slice.
-
-What requantization rounding leaves is measured: the simulation runs 4 more times, each requantization rounding the other way at random wherever the value sits within a **width** of a rounding boundary. A correct kernel can round the other way only that close to a boundary, and the width is measured for each requantization: one step of the integer accumulator that feeds it (a kernel rounds its bias to that grid), or 100x the fp32 simulation's own error there against float64 from the same quantized inputs, whichever is larger (at least 0.001 quanta):""",
+        """One scale, as for a float model: `line` is each backend's place on the SUSPECT line (1.0 is the line), and `max_quanta` its largest error in quanta of the output. XNNPACK lands a quantum off the simulation here and there, within the int8 round-off budget; the portable kernels match the simulation bit for bit. The planted bug is past the line, the same lines as any report:""",
     ),
-    ("code", """report.widths"""),
+    ("code", """for line in report.lines():
+    print(line)"""),
     (
         "md",
-        """The planted fault's error, element by element, in units of the int8 budget:""",
+        """The int8 round-off budget is measured, not assumed: the simulation runs 4 more times, each requantization rounding an element the other way at random wherever its value sits within a **width** of a rounding boundary, and what those trials leave is the budget, never less than one element one quantum off. The width is measured for each requantization: half a step of the integer accumulator that feeds a linear (a kernel rounds its bias to that grid), a whole step for a mean, or 8x the fp32 simulation's own error there against float64, whichever is larger:""",
     ),
-    ("code", """report.plot_heatmap(fault.name);"""),
+    ("code", """report.requantizations"""),
     (
         "md",
-        """The summary names the slice: axis 1 (the output channels), index 1. Channels 0-15 of every row, unpooled:""",
+        """The planted bug's error, element by element, on the line's scale:""",
     ),
-    (
-        "code",
-        """from rlx_nb.plot.heatmap import plot_heatmap
-
-oracle, got = report.arrays(fault.name)
-budget = report.record(fault.name)["budget_max"]
-plot_heatmap(oracle[:, :16], got[:, :16], oracle[:, :16], metric="budget", budget=budget,
-             title=f"{fault.name} · channels 0-15 · x int8 budget");""",
-    ),
+    ("code", """report.plot.heatmap(fault.name);"""),
+    ("code", """report.elements(fault.name, top=5)"""),
     (
         "md",
         """## From the verdict to the module
 
-`report.localize()` cuts the graph at its requantization points, lowers each cut to the runtime, judges it on its own measured budget, and bisects to the first point past the line; the op and module that computed that point are where the bug is born.""",
+`report.localize()` cuts the graph after each requantization, lowers each cut to the runtime, judges it on its own trials, and bisects to the first cut past the line: the op that computed the value it rounds, in its module. It is the `Localization` notebook 02 walks:""",
     ),
     (
         "code",
         """found = report.localize()
-print(f"first past the line at requantization point {found['point']}: {found['op']} in {found['module']}  "
-      f"({found['checked']} cuts lowered and judged)")
-{k: round(row["line"], 3) for k, row in sorted(found["rows"].items())}""",
+print(found.finding)
+found.frame[["name", "verdict", "local_line", "reason"]]""",
     ),
     (
         "md",
-        """A legitimate runtime is never past the line at any point:""",
+        """A legitimate runtime is past the line at no point:""",
+    ),
+    ("code", """report.localize("executorch-xnnpack").finding"""),
+    (
+        "md",
+        """## In CI
+
+The same gates as a float model's: `assert_backends_agree(model, inputs, int8=True)` in a test, `rlx-nb check model.py:build --int8` on the command line (exit 1 on a SUSPECT), and `report.save` / `rlx_nb.load_report`, `merge_reports` and `compare_reports` as in notebook 06.""",
     ),
     (
         "code",
-        """legit = report.localize("executorch-xnnpack")
-legit["point"], legit["module"]""",
+        """from rlx_nb.testing import assert_backends_agree
+
+assert_backends_agree(converted, inputs, int8=True, backends=["executorch-portable"]).backends[["backend", "verdict", "line"]]""",
     ),
 ]
 

@@ -16,11 +16,11 @@ from rlx_nb.execution.results import RunResults
 from rlx_nb.execution.run import run
 from rlx_nb.generation.divergence import generation_divergence
 from rlx_nb.generation.report import GenerationReport
+from rlx_nb.int8.divergence import quantized_divergence
 from rlx_nb.localization.locate import localize
 from rlx_nb.localization.result import Localization
 from rlx_nb.numerics import warmup as _warmup
 from rlx_nb.precision import precision_sweep
-from rlx_nb.quantized import QuantizedReport, quantized_divergence
 from rlx_nb.report.baseline import compare_reports
 from rlx_nb.report.merge import merge_reports
 from rlx_nb.report.report import DivergenceReport
@@ -44,7 +44,6 @@ __all__ = [
     "InputError",
     "Localization",
     "OutputRecord",
-    "QuantizedReport",
     "ReportFormatError",
     "RlxError",
     "RunResults",

@@ -73,6 +73,12 @@ def _parser() -> argparse.ArgumentParser:
     check = sub.add_parser("check", help="run TARGET's model on the backends and gate on the verdict")
     check.add_argument("target", help="path/to/file.py:factory or package.module:factory; factory() -> (model, inputs)")
     _common(check)
+    check.add_argument(
+        "--int8",
+        action="store_true",
+        help="quantize the model to int8 (PT2E, XNNPACK's quantizer) and judge its int8 runtimes against its Q/DQ "
+        "simulation (rlx_nb.quantized_divergence; default backends executorch-xnnpack, executorch-portable)",
+    )
     check.add_argument("--save", metavar="DIR", help="also save the report to DIR/<node>.rlxnb (for rlx-nb merge)")
     check.add_argument("--node", help="node name for --save (default: this host's name)")
     check.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report to FILE")
@@ -161,16 +167,24 @@ def _check(args: argparse.Namespace) -> int:
         _check_writable(args.html, "--html", directory=False)
     if args.repro:
         _check_writable(args.repro, "--repro", directory=True)
+    if args.int8 and (args.backward or args.rule != "budget" or args.tol_rel is not None):
+        raise InputError("--int8 judges int8 runtimes on their own budget, forward only: drop --backward, --rule "
+                         "and --tol-rel")  # fmt: skip
     model, inputs = load_target(args.target)
-    report = backend_divergence(
-        model,
-        inputs,
-        backends=args.backends,
-        tol_rel=args.tol_rel,
-        backward=args.backward,
-        label=args.label,
-        rule=args.rule,
-    )
+    if args.int8:
+        from rlx_nb.int8.divergence import quantized_divergence
+
+        report = quantized_divergence(model, inputs, backends=args.backends, label=args.label)
+    else:
+        report = backend_divergence(
+            model,
+            inputs,
+            backends=args.backends,
+            tol_rel=args.tol_rel,
+            backward=args.backward,
+            label=args.label,
+            rule=args.rule,
+        )
     for line in report.lines():
         print(term_text(line))
     if args.save:

@@ -70,6 +70,7 @@ def assert_backends_agree(
     *,
     backends: Any = None,
     backward: bool = False,
+    int8: bool = False,
     allow_errors: bool = False,
     report_dir: str | Path | None = None,
     msg: str | None = None,
@@ -81,6 +82,9 @@ def assert_backends_agree(
     ----------
     model, inputs, backends, backward
         As for :func:`rlx_nb.backend_divergence`; other keyword arguments go there too.
+    int8 : bool
+        Judge int8 runtimes of the model against its Q/DQ simulation instead (:func:`rlx_nb.quantized_divergence`,
+        which the other keyword arguments then go to; ``backward`` does not apply).
     allow_errors : bool
         Pass even when a backend could not run (an ``error`` or ``skipped`` row).  By default a backend named in
         ``backends`` that did not run is a failure; with ``backends=None`` (every live default backend)
@@ -99,8 +103,17 @@ def assert_backends_agree(
     """
     if not isinstance(allow_errors, bool):
         raise InputError(f"allow_errors must be True or False, got {allow_errors!r}")
+    if not isinstance(int8, bool):
+        raise InputError(f"int8 must be True or False, got {int8!r}")
     kwargs.setdefault("progress", False)
-    report = backend_divergence(model, inputs, backends=backends, backward=backward, **kwargs)
+    if int8:
+        if backward:
+            raise InputError("backward=True does not apply to int8=True: int8 runtimes are judged on the forward")
+        from rlx_nb.int8.divergence import quantized_divergence
+
+        report = quantized_divergence(model, inputs, backends=backends, **kwargs)
+    else:
+        report = backend_divergence(model, inputs, backends=backends, backward=backward, **kwargs)
     suspects = report.suspects
     errors = [] if (allow_errors or backends is None) else report.not_run
     nothing = report.judged_nothing()

@@ -159,7 +159,8 @@ WIDE_SIGNATURES = {
     "rlx_nb.backends.registry.register_backend": "public: a backend's description, every field a keyword",
     "rlx_nb.plot.heatmap.plot_heatmap": "public: a plot's keywords, as matplotlib's are",
     "rlx_nb.backends.faults.attention": "torch.nn.functional.scaled_dot_product_attention's own signature",
-    "rlx_nb.requantization.quantize": "quantized_decomposed.quantize_per_tensor's own signature (it takes that op's place)",
+    "rlx_nb.int8.requantization.quantize": "quantized_decomposed.quantize_per_tensor's own signature (it takes that op's place)",
+    "rlx_nb.int8.faults.quantize": "the same signature, rounding ties half up",
 }
 
 

@@ -1,4 +1,5 @@
-"""int8: runtimes judged against the PT2E Q/DQ simulation, on a budget that requantization rounding measures."""
+"""int8: runtimes judged against the PT2E Q/DQ simulation, on a budget that requantization rounding measures, into the
+report a float model gets."""
 
 from __future__ import annotations
 
@@ -8,11 +9,12 @@ import pytest
 import torch
 
 import rlx_nb
-from rlx_nb import quantize, quantized, requantization
 from rlx_nb.backends.base import Backend
 from rlx_nb.backends.executorch_runtime import executorch_reason
 from rlx_nb.backends.registry import get_backend
 from rlx_nb.errors import InputError
+from rlx_nb.int8 import faults, quantize, requantization
+from rlx_nb.int8.run import INT8
 from rlx_nb.models import demo
 from rlx_nb.verdict.types import ROUNDOFF, SUSPECT
 
@@ -31,9 +33,12 @@ def _case(family: str) -> tuple:
     # parametrized fixture was built twice when the tests of its two params interleaved).
     model, inputs = getattr(demo, family)()
     converted = quantize.quantize_pt2e(model, inputs)
-    fault = quantized.channel_scale_fault(**FAULT)
-    report = quantized.quantized_divergence(
-        converted, inputs, backends=["executorch-xnnpack", "executorch-portable", fault], progress=False
+    fault = faults.channel_scale_fault(**FAULT)
+    report = rlx_nb.quantized_divergence(
+        converted,
+        inputs,
+        backends=["executorch-xnnpack", "executorch-portable", faults.half_up_runtime(), fault],
+        progress=False,
     )
     return converted, inputs, fault, report
 
@@ -43,18 +48,21 @@ def case(request):
     return _case(request.param)
 
 
-def test_legitimate_int8_runtimes_are_quantization_noise(case):
+def test_legitimate_int8_runtimes_are_round_off(case):
+    # XNNPACK, ExecuTorch's portable Q/DQ kernels, and a correct runtime that rounds ties half up.
     _, _, _, report = case
-    for backend in ("executorch-xnnpack", "executorch-portable"):
-        row = report.record(backend)
-        assert row["verdict"] == ROUNDOFF and row["reading"] == quantized.NOISE, row["why"]
-        assert row["why"].startswith("quantization noise")
+    for backend in ("executorch-xnnpack", "executorch-portable", "int8-half-up"):
+        r = report.record(backend)
+        assert r.verdict == ROUNDOFF and r.compute_dtype == INT8, r.reason
+        identical = r.judgement.cause == "identical"
+        assert r.reason == "bit for bit identical to the oracle" if identical else "int8 round-off budget" in r.reason
     # XNNPACK's int8 kernels land whole quanta off the simulation in places (never more than the trials allow)
-    assert report.record("executorch-xnnpack")["max_quanta"] >= 1.0
+    quantum = report.int8["quanta"]["out"]
+    assert report.record("executorch-xnnpack").pair.max_abs >= quantum * 0.999
 
 
 def test_the_fp32_budget_called_the_same_int8_run_a_kernel_bug(case):
-    # What the quantized verdict replaces: judged as an fp32 backend, correct int8 reads SUSPECT.
+    # What the int8 budget replaces: judged as an fp32 backend, correct int8 reads SUSPECT.
     converted, inputs, _, _ = case
     report = rlx_nb.backend_divergence(converted, inputs, backends=["executorch-xnnpack"], progress=False)
     assert report.suspects == ["executorch-xnnpack"]
@@ -62,9 +70,11 @@ def test_the_fp32_budget_called_the_same_int8_run_a_kernel_bug(case):
 
 def test_one_channel_scale_off_is_a_kernel_bug_in_that_channel(case):
     _, _, fault, report = case
-    row = report.record(fault.name)
-    assert row["verdict"] == SUSPECT and row["reading"] == quantized.BUG, row["why"]
-    assert (row["slice_axis"], row["slice_index"]) == (1, FAULT["channel"]), row
+    r = report.record(fault.name)
+    assert r.verdict == SUSPECT and "int8 round-off budget" in r.reason, r.reason
+    assert r.judgement.where.slice_share_at == f"[:, {FAULT['channel']}]" or r.judgement.where.slice_at == (
+        f"[:, {FAULT['channel']}]"
+    ), r.judgement.where
     assert report.suspects == [fault.name]
 
 
@@ -73,21 +83,25 @@ def test_the_error_heatmap_is_drawn_on_the_budget_scale(case):
 
     matplotlib.use("Agg")
     _, _, fault, report = case
-    ax = report.plot_heatmap(fault.name)
-    assert any(a.get_title().endswith("x int8 budget") for a in ax.figure.axes)
-    oracle, got = report.arrays(fault.name)
-    assert oracle.shape == got.shape and (oracle != got).any()
+    ax = report.plot.heatmap(fault.name)
+    assert any("SUSPECT line" in (a.get_title() + a.get_ylabel()) for a in ax.figure.axes), [
+        (a.get_title(), a.get_ylabel()) for a in ax.figure.axes
+    ]
+    oracle, got, exact = report.arrays(fault.name)
+    assert oracle.shape == got.shape == exact.shape and (oracle != got).any() and exact.dtype == "float64"
 
 
 def test_bad_settings_are_named():
     model, inputs = demo.mlp()
     with pytest.raises(InputError, match="trials must be an int of at least 2"):
-        quantized.quantized_divergence(model, inputs, trials=1, progress=False)
+        rlx_nb.quantized_divergence(model, inputs, trials=1, progress=False)
     with pytest.raises(InputError, match=r"width must be None \(measured\) or a number of quanta in \(0, 0.5\]"):
-        quantized.quantized_divergence(model, inputs, width=0.0, progress=False)
-    with pytest.raises(InputError, match="past the model's 2 per-channel weights"):
-        converted = quantize.quantize_pt2e(model, inputs)
-        quantized.channel_scale_fault(layer=5).fn(converted, (torch.randn(64, 512),))
+        rlx_nb.quantized_divergence(model, inputs, width=0.0, progress=False)
+    converted = quantize.quantize_pt2e(model, inputs)
+    with pytest.raises(InputError, match="past the model's 2 per-channel-quantized weights"):
+        faults.channel_scale_fault(layer=5).fn(converted, (torch.randn(64, 512),))
+    with pytest.raises(InputError, match="point 9 is past the model's 3 requantizations of computed values"):
+        faults.truncation_fault(point=9).fn(converted, (torch.randn(64, 512),))
 
 
 def _attr(module: torch.nn.Module, target: str) -> torch.Tensor:
@@ -117,15 +131,13 @@ def test_each_requantization_width_is_one_accumulator_step_or_the_measured_fp32_
     assert rows[0]["accumulator_quantum"] == rows[2]["accumulator_quantum"] == 0.0  # the input, and a float op
     for r in rows:
         assert 0 < r["fp32_error"] < 1e-3  # fp32 arithmetic, against float64 from the same quantized inputs
-        expected = max(requantization.ACCUMULATOR_QUANTA * r["accumulator_quantum"],
+        expected = max(requantization.CONTRACTION_STEPS * r["accumulator_quantum"],
                        requantization.ARITHMETIC_MARGIN * r["fp32_error"], requantization.WIDTH_FLOOR)  # fmt: skip
         assert r["width"] == pytest.approx(min(expected, 0.5))
-    report = quantized.quantized_divergence(converted, inputs, backends=["executorch-portable"], progress=False)
-    assert list(report.widths["width"]) == pytest.approx([r["width"] for r in rows])
-    given = quantized.quantized_divergence(
-        converted, inputs, backends=["executorch-portable"], width=0.1, progress=False
-    )
-    assert set(given.widths["width"]) == {0.1}
+    report = rlx_nb.quantized_divergence(converted, inputs, backends=["executorch-portable"], progress=False)
+    assert list(report.requantizations["width"]) == pytest.approx([r["width"] for r in rows])
+    given = rlx_nb.quantized_divergence(converted, inputs, backends=["executorch-portable"], width=0.1, progress=False)
+    assert set(given.requantizations["width"]) == {0.1}
     # the exact simulation (float64 between the quantize/dequantize ops) is what the fp32 one approximates
     exact, sim = requantization.exact_simulation(converted, inputs), converted(*inputs)
     assert exact.dtype == torch.float64 and exact.shape == sim.shape
@@ -144,20 +156,21 @@ def test_a_mean_accumulates_on_its_input_quantum_over_the_count_it_averages():
     with torch.no_grad():
         positions = requantization._truncated(converted, 2)(*inputs)[0, 0].numel()  # the activation the mean averages
     assert mean["accumulator_quantum"] == pytest.approx(float(source.args[1]) / positions / float(node.args[1]))
-    assert mean["width"] == pytest.approx(requantization.ACCUMULATOR_QUANTA * mean["accumulator_quantum"])
+    assert mean["width"] == pytest.approx(requantization.AVERAGE_STEPS * mean["accumulator_quantum"])
 
 
 def test_xnnpack_rounds_the_other_way_only_within_the_measured_width(mlp_requantizations):
     # The principle the widths stand on, checked against a real kernel: where XNNPACK's int8 fc1 lands a quantum
-    # off the simulation, the exact value it rounded (float64, from the same quantized input) lies within one
-    # accumulator step of a rounding boundary, and so within that requantization's width.
+    # off the simulation, the exact value it rounded (float64, from the same quantized input) lies within half an
+    # accumulator step of a rounding boundary (its bias rounded to int32), and so within that requantization's width.
     converted, inputs, rows = mlp_requantizations
     (x,) = inputs
     with torch.no_grad():
         cut = requantization._truncated(converted, 1)  # the graph up to fc1's output
         sim = cut(x).double()
         x_q = requantization._truncated(converted, 0)(x).double()  # the simulation's quantized input, dequantized
-    got = torch.as_tensor(next(iter(quantized._arrays(get_backend("executorch-xnnpack").fn(cut, (x,))).values())))
+    (got,) = get_backend("executorch-xnnpack").fn(cut, (x,)).values()
+    got = got.double()
     q_x, q_fc1 = requantization._ops(converted, "quantize_per_tensor")[:2]
     s_x, s_out = float(q_x.args[1]), float(q_fc1.args[1])
     x_q = torch.round(x_q / s_x) * s_x  # (its integers, times its quantum, in float64)
@@ -168,23 +181,29 @@ def test_xnnpack_rounds_the_other_way_only_within_the_measured_width(mlp_requant
     flipped = (got - sim).abs() > s_out / 2
     assert flipped.any()  # XNNPACK does round some elements the other way
     distance = float(((exact - exact.floor()) - 0.5).abs()[flipped].max())
-    # within one step of the accumulator (its bias rounded to int32), and so within the width the trials use
+    # within half a step of the accumulator (its bias rounded to int32), and so within the width the trials use
     step = rows[1]["accumulator_quantum"]
-    assert distance <= step <= requantization.ACCUMULATOR_QUANTA * step <= rows[1]["width"], (distance, rows[1])
+    assert distance <= requantization.CONTRACTION_STEPS * step <= rows[1]["width"], (distance, rows[1])
 
 
 def test_localize_finds_the_layer_whose_scale_is_off():
     # The MLP's first Linear (fc1) with channel 1's weight scale 4x: the bisection over the graph's requantization
-    # points stops at fc1's output, and names it; a legitimate runtime is never past the budget at any point.
+    # points stops at fc1's output and names it, in a Localization as a float model's search gives.
     model, inputs = demo.mlp()
-    fault = quantized.channel_scale_fault(layer=0, channel=1, factor=4.0)
-    report = quantized.quantized_divergence(model, inputs, backends=["executorch-xnnpack", fault], progress=False)
+    fault = faults.channel_scale_fault(layer=0, channel=1, factor=4.0)
+    report = rlx_nb.quantized_divergence(model, inputs, backends=["executorch-xnnpack", fault], progress=False)
     assert report.suspects == [fault.name]
     found = report.localize()
-    assert (found["op"], found["module"], found["point"]) == ("linear", "fc1 (Linear)", 1)
-    assert found["checked"] <= 3  # bisection over the 4 points
-    with pytest.raises(InputError, match="did not run here"):
+    assert isinstance(found, rlx_nb.Localization)
+    assert (found.culprit_module, found.culprit_op, found.culprit) == ("fc1", "linear", "fc1 :: linear")
+    assert found.preparations <= 3  # bisection over the 4 points
+    assert found.suspects[0] == "fc1 :: linear" and found.finding == "the error is born in fc1 :: linear"
+    oracle, got, exact = found.arrays("fc1 :: linear")
+    assert oracle.shape == got.shape == exact.shape == (64, 2048)
+    with pytest.raises(InputError, match="did not run in this report"):
         report.localize("litert")
+    # legitimate XNNPACK is past the budget at no point
+    assert report.localize("executorch-xnnpack").culprit is None
 
 
 class _QuietRowNorm(torch.nn.Module):
@@ -219,14 +238,14 @@ def test_executorch_portable_quantizes_positive_infinity_to_the_lowest_integer_a
     torch.manual_seed(0)
     x = torch.randn(8, 16, generator=torch.Generator().manual_seed(0)) * 10
     x[0] *= 0.02
-    report = quantized.quantized_divergence(
+    report = rlx_nb.quantized_divergence(
         _QuietRowNorm().eval(), (x,), backends=["executorch-portable", "executorch-xnnpack"], progress=False
     )
     assert report.suspects == ["executorch-portable"]
-    row = report.record("executorch-portable")
-    assert (row["slice_axis"], row["slice_index"]) == (0, 0), row  # the quiet row
+    r = report.record("executorch-portable")
+    assert r.pair.worst_index[0] == 0, r  # the quiet row
     found = report.localize()
-    assert (found["op"], found["module"]) == ("rsqrt", "(top level)"), found
+    assert (found.culprit_op, found.culprit_module) == ("rsqrt", "(top level)"), found.frame
 
 
 def test_a_model_with_keyword_inputs_is_quantized_and_judged_as_it_is_called():
@@ -241,9 +260,9 @@ def test_a_model_with_keyword_inputs_is_quantized_and_judged_as_it_is_called():
 
     gen = torch.Generator().manual_seed(0)
     inputs = {"scale": torch.full((1,), 2.0), "x": torch.randn(32, 16, generator=gen)}  # not in forward's order
-    report = quantized.quantized_divergence(Keyword(), inputs, backends=["executorch-portable"], progress=False)
-    assert report.record("executorch-portable")["verdict"] == ROUNDOFF
-    oracle, _ = report.arrays("executorch-portable")
+    report = rlx_nb.quantized_divergence(Keyword(), inputs, backends=["executorch-portable"], progress=False)
+    assert report.record("executorch-portable").verdict == ROUNDOFF
+    oracle, _, _ = report.arrays("executorch-portable")
     assert oracle.shape == (32, 8)
 
 
@@ -268,13 +287,13 @@ def test_a_language_model_shape_quantizes_keeps_its_output_names_and_is_judged()
     assert set(converted(ids)) == {"logits", "hidden"}  # by name, as the float model returns them
     model, inputs = demo.mlp()
     assert isinstance(quantize.quantize_pt2e(model, inputs)(*inputs), torch.Tensor)  # a tensor stays a tensor
-    fault = quantized.channel_scale_fault(**FAULT)
-    report = quantized.quantized_divergence(converted, (ids,), backends=["executorch-xnnpack", fault], progress=False)
-    assert report.record("executorch-xnnpack", "logits")["verdict"] == ROUNDOFF
+    fault = faults.channel_scale_fault(**FAULT)
+    report = rlx_nb.quantized_divergence(converted, (ids,), backends=["executorch-xnnpack", fault], progress=False)
+    assert report.record("executorch-xnnpack", "logits").verdict == ROUNDOFF
     assert report.suspects == [fault.name]
     # localize cuts a graph that returns a dict by name (a cut returns one tensor), past the quantized constants
     found = report.localize()
-    assert (found["op"], found["module"]) == ("linear", "mlp.2 (Linear)"), found
+    assert (found.culprit_op, found.culprit_module) == ("linear", "mlp.2"), found.frame
 
 
 class _DataDependent(torch.nn.Module):
@@ -290,7 +309,7 @@ def test_bad_int8_input_is_named_before_anything_runs():
     # #46: each of these was a raw exception from deep inside torch, torchao or a runtime, or (calibration=[]) a
     # process killed by ExecuTorch's assertion with nothing said.
     model, (x,) = demo.mlp()
-    call = functools.partial(quantized.quantized_divergence, progress=False)
+    call = functools.partial(rlx_nb.quantized_divergence, progress=False)
     cases = [
         (dict(calibration=5), r"^quantized_divergence\(MLP\): calibration must be a list of input batches, each what "
                               r"the model takes; got int 5"),
@@ -338,7 +357,7 @@ def test_a_graph_a_runtime_would_abort_on_is_refused_with_the_node_named():
     setattr(converted, weight.args[1].target, torch.ones(1))
     with pytest.raises(InputError, match=r"has 1 scale\(s\) and \d+ zero point\(s\) for 2048 channels along axis 0: "
                                          r"was the model calibrated\?"):  # fmt: skip
-        quantized.quantized_divergence(converted, x, backends=["executorch-portable"], progress=False)
+        rlx_nb.quantized_divergence(converted, x, backends=["executorch-portable"], progress=False)
 
 
 def test_quantizing_leaves_the_users_model_as_it_was():
@@ -354,10 +373,10 @@ def test_quantizing_leaves_the_users_model_as_it_was():
 def test_a_runtime_that_returns_nan_is_a_kernel_bug_not_quantization_noise():
     model, (x,) = demo.mlp()
     nan = Backend("test-int8-nan", lambda m, inputs: m(*inputs) * float("nan"), default=False)
-    report = quantized.quantized_divergence(model, x, backends=[nan], progress=False)
-    row = report.record("test-int8-nan")
-    assert row["verdict"] == SUSPECT and row["reading"] == quantized.BUG, row
-    assert "NaN/Inf element(s) where the Q/DQ simulation is finite" in row["why"]
+    report = rlx_nb.quantized_divergence(model, x, backends=[nan], progress=False)
+    r = report.record("test-int8-nan")
+    assert r.verdict == SUSPECT and r.judgement.line == float("inf"), r
+    assert "NaN/Inf elements where the oracle has none" in r.reason
 
 
 def test_the_int8_path_prints_nothing_of_torchaos_or_torchs_into_the_users_output():
@@ -368,7 +387,7 @@ def test_the_int8_path_prints_nothing_of_torchaos_or_torchs_into_the_users_outpu
 
     code = (
         "import rlx_nb\n"
-        "from rlx_nb import quantize\n"
+        "from rlx_nb.int8 import quantize\n"
         "from rlx_nb.models import demo\n"
         "model, inputs = demo.mlp()\n"
         "converted = quantize.quantize_pt2e(model, inputs)\n"
@@ -380,3 +399,81 @@ def test_the_int8_path_prints_nothing_of_torchaos_or_torchs_into_the_users_outpu
     assert done.returncode == 0, done.stderr[-3000:]
     assert done.stdout.strip().endswith("SUSPECTS []")
     assert done.stderr == "", done.stderr[-3000:]
+
+
+def test_every_public_verb_of_a_forward_report_works_on_an_int8_report(tmp_path):
+    # #48: one report type.  Every public name of a forward report (DivergenceReport) is called on an int8 report;
+    # a new verb fails this test until it is exercised here.
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from rlx_nb.testing import assert_backends_agree
+
+    converted, inputs, fault, report = _case("mlp")
+    assert type(report) is rlx_nb.DivergenceReport and report.int8 is not None
+    path = report.save(tmp_path / "int8.rlxnb")
+    loaded = rlx_nb.load_report(path)
+    checks = {
+        "any_suspect": lambda: report.any_suspect is True,
+        "arrays": lambda: report.arrays(fault.name)[2].dtype == "float64",
+        "backend_objects": lambda: fault.name in report.backend_objects,
+        "backends": lambda: "max_quanta" in report.backends and "effective_bits" not in report.backends,
+        "backends_detail": lambda: set(report.backends_detail.backend) >= {fault.name},
+        "element": lambda: len(report.element(fault.name, "out", (0, 1))) == 1,
+        "element_frame": lambda: len(report.element_frame(fault.name)) == 64 * 512,
+        "elements": lambda: report.elements(fault.name, top=3)["index"].iloc[0][1] == FAULT["channel"],
+        "error_detail": lambda: report.error_detail("executorch-xnnpack") == "",
+        "errors": lambda: report.errors == [],
+        "from_results": lambda: (
+            [r.verdict for r in rlx_nb.DivergenceReport.from_results(report.results, progress=False).records]
+            == [r.verdict for r in report.records]
+        ),
+        "incomplete": lambda: report.incomplete == "",
+        "int8": lambda: report.int8["trials"] == 4 and report.int8["quanta"]["out"] > 0,
+        "issue": lambda: _refused(lambda: report.issue(fault.name, tmp_path / "issue.md"), "no standalone repro"),
+        "judged_nothing": lambda: report.judged_nothing() == "",
+        "label": lambda: report.label == "GraphModule",
+        "lines": lambda: any("SUSPECT" in line and "int8 round-off budget" in line for line in report.lines()),
+        "localize": lambda: report.localize().culprit == "fc2 :: linear",
+        "localizer": lambda: callable(report.localizer),
+        "not_run": lambda: report.not_run == [],
+        "plot": lambda: report.plot.heatmap(fault.name) is not None and report.plot.histogram() is not None,
+        "records": lambda: {r.compute_dtype for r in report.records} == {INT8},
+        "record": lambda: report.record(fault.name).verdict == SUSPECT,
+        "repro": lambda: _refused(lambda: report.repro(fault.name, tmp_path / "r.py"), "no standalone repro"),
+        "repros": lambda: report.repros == {},
+        "requantizations": lambda: list(report.requantizations["op"]) == ["input", "linear", "gelu", "linear"],
+        "results": lambda: len(report.results.trials) == 4,
+        "rule": lambda: report.rule == "budget",
+        "save": lambda: (
+            [r.verdict for r in loaded.records] == [r.verdict for r in report.records]
+            and loaded.int8 == report.int8
+            and len(loaded.results.trials) == 4
+        ),
+        "source": lambda: report.source is not None,
+        "summary": lambda: "max_quanta" in report.summary,
+        "summary_detail": lambda: len(report.summary_detail) == len(report.records),
+        "suspects": lambda: report.suspects == [fault.name],
+        "timings": lambda: report.timings is not None,
+        "to_html": lambda: "SUSPECT" in report.to_html(tmp_path / "int8.html").read_text(),
+        "tol_rel": lambda: report.tol_rel is None,
+        "worst": lambda: report.worst[0] == fault.name,
+    }
+    public = {n for n in [*dir(report), *vars(report)] if not n.startswith("_")}
+    assert public == set(checks), f"not exercised: {sorted(public - set(checks))}; gone: {sorted(set(checks) - public)}"
+    failed = [name for name, check in checks.items() if not check()]
+    assert not failed, failed
+    # what takes a report beside it: the explorer, merge, baseline, the gate and the command line
+    assert rlx_nb.explore(report) is not None
+    merged = rlx_nb.merge_reports([path, path], names=["a", "b"])
+    assert merged.suspects == [f"a/{fault.name}", f"b/{fault.name}"]
+    assert not rlx_nb.compare_reports(path, report).any_worse
+    assert assert_backends_agree(converted, inputs, int8=True, backends=["executorch-portable"]).int8 is not None
+    with pytest.raises(AssertionError, match=r"SUSPECT: int8-fault"):
+        assert_backends_agree(converted, inputs, int8=True, backends=[fault])
+
+
+def _refused(call, message: str) -> bool:
+    with pytest.raises(InputError, match=message):
+        call()
+    return True

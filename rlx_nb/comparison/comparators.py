@@ -239,7 +239,9 @@ class Floating(Comparator):
         # What the verdict reads: the backend's and the legitimate runs' errors against fp64.
         ctx, cand = self.ctx, self.cand
         oracle, seq = ctx.budget_oracle, ctx.sequential_errors
-        legit_slices = [oracle.slices] + ([seq.slices] if seq is not None else [])
+        legit_slices = (
+            [oracle.slices] + ([seq.slices] if seq is not None else []) + [t.slices for t in ctx.trial_errors]
+        )
         own_anchor = at_precision = None
         bits = formats.anchor_of(cand.compute_dtype)
         if bits is not None and bits in ctx.read_anchors and (ae := ctx.anchor_errors(bits)) is not None:
@@ -269,13 +271,17 @@ class Floating(Comparator):
             oracle_outliers=outliers,
             max_abs=max_abs,
             discrete_events=events,
+            legit=tuple(t.stats for t in ctx.trial_errors),
+            quantum=ctx.quantum,
         )
 
     def read(self, j: Judgement, got: Leaf, errors: ReferenceStats, r: np.ndarray, device: bool) -> Judgement:
         """What a SUSPECT output's error shows: positions the model zeroes, a precision likeness, its pattern
         (its bias and its correlation with the fp64 values, from the sums of the pass that measured ``errors``)."""
         o, readings = self.ctx.oracle.value, {}
-        if j.rules.verdict_budget == SUSPECT and not device:
+        # (an int8 output's exact zeros are its zero point, every value within half a quantum of 0: not positions the
+        # model sets)
+        if j.rules.verdict_budget == SUSPECT and not device and self.cand.compute_dtype != "int8":
             split = zero_split(o, got.value, r) if _real_alike(o, got.value, r) else None
             if split is not None:
                 e = split.elsewhere

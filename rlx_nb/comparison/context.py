@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 from collections.abc import Iterator
 from typing import Any
 
@@ -57,6 +58,12 @@ class OutputContext:
     anchors: dict[int, Leaf]
     reduction_length: int = 1
     flips: Flips | None = None
+    trials: tuple[Leaf, ...] = ()
+    """int8: the requantization trials' outputs (:attr:`~rlx_nb.execution.results.RunResults.trials`), legitimate
+    runs beside the oracle; empty for a float model."""
+    quantum: float = float("nan")
+    """int8: the output's quantum (the scale of the dequantize that gives it; NaN for an output computed in float,
+    and for a float model)."""
     _uploads: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @property
@@ -97,6 +104,11 @@ class OutputContext:
         if self.flips is None or self.flips.oracle is None or self._anchors_checked:
             return self.oracle_errors
         return errors_of(less(self.flat_oracle, self.flips.oracle), self.r)
+
+    @functools.cached_property
+    def trial_errors(self) -> tuple[Errors, ...]:
+        """Each int8 trial's errors against the reference (the exact simulation), as the oracle's are measured."""
+        return tuple(errors_of(t, self.r) for t in map(self.comparable, self.trials) if t is not None)
 
     # -- the sequential run and the anchors ------------------------------------------------------------
 
@@ -199,6 +211,7 @@ def contexts(results: RunResults) -> Iterator[OutputContext]:
     """One :class:`OutputContext` per output of the oracle, in the oracle's order."""
     reference = results.reference.outputs if results.reference.status == OK else {}
     sequential = results.sequential.outputs if results.sequential is not None else {}
+    quanta = (results.environment.get("int8") or {}).get("quanta") or {}
     for index, (name, leaf) in enumerate(results.oracle.outputs.items()):
         anchors = {b: a.outputs[name] for b, a in results.anchors.items() if name in a.outputs}
         yield OutputContext(
@@ -210,7 +223,14 @@ def contexts(results: RunResults) -> Iterator[OutputContext]:
             anchors,
             results.oracle.reduction_lengths.get(name, 1),
             flips=flips_of(results, ORACLE, name) if results.discrete else None,
+            trials=tuple(t.outputs[name] for t in results.trials.values() if name in t.outputs),
+            quantum=_quantum(quanta.get(name)),
         )
+
+
+def _quantum(value: Any) -> float:
+    # An output's quantum as saved (a number, or None for an output computed in float).
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) and value > 0 else math.nan
 
 
 def _is_float(x: np.ndarray) -> bool:

@@ -164,6 +164,10 @@ class RunResults:
     """Per run (a candidate, ``cpu`` for the oracle, ``sequential``): the part of its gradients that ReLU inputs
     within round-off of their thresholds, flipped in that run, explain (:mod:`rlx_nb.execution.discrete`), taken out
     before the budget judges them; the run's notes say which units."""
+    trials: dict[str, BackendRun] = dataclasses.field(default_factory=dict)
+    """int8 (:mod:`rlx_nb.int8`): the Q/DQ simulation run again with its requantizations rounded as a correct int8
+    kernel may round them, by name (``trial0`` ...): legitimate runs the budget is measured from, beside the oracle.
+    Empty for a float model."""
 
     @property
     def output_names(self) -> list[str]:

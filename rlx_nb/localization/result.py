@@ -35,6 +35,8 @@ class Found:
     """Every module checked is beyond round-off on its own: no one module is the culprit."""
     source: Any = None
     """The model, inputs and params searched, held weakly (:class:`rlx_nb.execution.source.WeakSource`), for the graph."""
+    no_repro: str = ""
+    """Why a culprit found has no standalone repro ("" where it has one, or where none was found)."""
 
 
 class Localization:
@@ -65,6 +67,7 @@ class Localization:
         self.full_run = found.full_run
         self.everywhere = found.everywhere
         self._source = found.source
+        self._no_repro = found.no_repro
         self.attribution = ""
         self.report: Any = None
         """A weak reference to the report it localizes (``report.localize``), which keeps its repro too."""
@@ -265,6 +268,8 @@ class Localization:
                 + (
                     "nothing is beyond round-off (every module checked is within it)"
                     if self.culprit_module is None and not self.everywhere
+                    else self._no_repro
+                    if self._no_repro
                     else "every module is beyond round-off on its own, so no one module is the culprit"
                     if self.everywhere
                     else "the search watched full runs (the backend cannot run a module alone)"

@@ -182,6 +182,9 @@ class ReportPlotter:
             ) and rec.judgement.reading.effective_bits == rec.judgement.reading.effective_bits:
                 bits[rec.backend] = min(bits.get(rec.backend, 99.0), rec.judgement.reading.effective_bits)
         if not bits:
+            if getattr(self._report, "int8", None) is not None:
+                raise InputError("no effective-precision readings in an int8 report: its errors are quanta of the "
+                                 "output, not a float format's bits (report.plot.heatmap shows them on the line's scale)")  # fmt: skip
             raise InputError("no effective-precision readings in this report (no fp64 reference?)")
         verdicts = {name: self._report.record(name, output).verdict for name in bits}
         return plot_effective_bits(bits, verdicts=verdicts, **kwargs)

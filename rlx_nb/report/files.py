@@ -155,6 +155,7 @@ def _write_zip(target: Any, results: RunResults, *, rule: str, tol_rel: float | 
                 "candidates": {name: write_run(run) for name, run in results.candidates.items()},
                 "anchors": {str(bits): write_run(run) for bits, run in results.anchors.items()},
                 "sequential": write_run(results.sequential) if results.sequential is not None else None,
+                "trials": {name: write_run(run) for name, run in results.trials.items()},
                 "discrete": {name: write_run(run) for name, run in results.discrete.items()},
             },
         }
@@ -234,6 +235,7 @@ def _results(zf: zipfile.ZipFile, meta: dict, where: Any) -> RunResults:
     runs = schema.mapping(meta.get("runs"), "runs")
     candidates = schema.mapping(runs.get("candidates"), "runs.candidates")
     anchors = schema.mapping(runs.get("anchors") or {}, "runs.anchors")
+    trials = schema.mapping(runs.get("trials") or {}, "runs.trials")
     if any(not k.isdigit() or not 1 <= int(k) <= 53 for k in anchors):
         raise schema.fail("runs.anchors", "keyed by mantissa bits (1-53)", list(anchors))
     environment = schema.mapping(meta.get("environment") or {}, "environment")
@@ -255,6 +257,7 @@ def _results(zf: zipfile.ZipFile, meta: dict, where: Any) -> RunResults:
         fingerprints=schema.fingerprints(meta.get("fingerprints")),
         anchors={int(k): reader.run(v, f"runs.anchors[{k!r}]") for k, v in anchors.items()},
         sequential=reader.run(runs["sequential"], "runs.sequential") if runs.get("sequential") else None,
+        trials={str(k): reader.run(v, f"runs.trials[{k!r}]") for k, v in trials.items()},
         discrete={
             k: reader.run(v, f"runs.discrete[{k!r}]")
             for k, v in schema.mapping(runs.get("discrete") or {}, "runs.discrete").items()

@@ -63,6 +63,7 @@ def merge_results(nodes: Sequence[tuple[str, RunResults | str]], *, oracle: str 
         fingerprints=dict(base.fingerprints),
         sequential=base.sequential,
         anchors=dict(base.anchors),  # the oracle node's, like its sequential run
+        trials=dict(base.trials),  # (an int8 report's: the oracle node's budget runs)
     )
 
 

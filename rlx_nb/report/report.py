@@ -66,6 +66,29 @@ class DivergenceReport:
         """The :class:`~rlx_nb.backends.base.Backend` objects passed in ``backends=[...]`` unregistered, by name."""
         self.repros: dict[str, Any] = {}
         """The standalone repros written for this report's backends (:meth:`repro`), by backend."""
+        self.localizer: Any = None
+        """What :meth:`localize` calls instead of the module search, where the call that made the report gave one
+        (:func:`rlx_nb.quantized_divergence`'s: the requantization points of its converted graph)."""
+
+    @property
+    def int8(self) -> dict[str, Any] | None:
+        """For an int8 model's report (:func:`rlx_nb.quantized_divergence`), what its budget was measured from:
+        ``oracle`` (what the oracle and reference are), ``trials``, each output's ``quanta`` and the
+        ``requantizations``; None for a float model's."""
+        return self.results.environment.get("int8")
+
+    @property
+    def requantizations(self) -> pd.DataFrame:
+        """An int8 report's requantizations in graph order: the op and module that computed each, its
+        accumulator's step and the fp32 simulation's error there (in its quanta), and the width its trials round
+        within (:func:`rlx_nb.int8.requantization.requantizations`)."""
+        from rlx_nb.comparison.tables import Table
+
+        if self.int8 is None:
+            raise InputError("requantizations are an int8 report's (rlx_nb.quantized_divergence); this is a float "
+                             "model's")  # fmt: skip
+        columns = ["node", "op", "module", "accumulator_quantum", "fp32_error", "width"]
+        return Table(self.int8.get("requantizations") or [], columns=columns)
 
     def localize(self, backend: str | None = None, **kwargs: Any):
         """:func:`rlx_nb.localize` this report's model on ``backend`` (default: the first suspect).
@@ -75,6 +98,11 @@ class DivergenceReport:
         report.  ``backward=None`` localizes the backward when the backend's worst output is a
         ``grad:`` output.  See :func:`rlx_nb.localization.localize_report`.
         """
+        if self.localizer is not None:
+            return self.localizer(backend, **kwargs)
+        if self.int8 is not None:
+            raise InputError("this int8 report was loaded or merged: it holds no converted graph to localize on; run "
+                             "rlx_nb.quantized_divergence(model, inputs) again and localize its report")  # fmt: skip
         from rlx_nb.localization.locate import localize_report
 
         return localize_report(self, backend, **kwargs)
@@ -140,7 +168,7 @@ class DivergenceReport:
         """One row per (backend, output), the columns read first: the verdict, ``line`` (its place on the SUSPECT
         line: 1.0 is the line), a few words why, the largest difference and where; every other figure and the
         whole reason: :attr:`summary_detail`."""
-        return summary_frame(self.records, short=True)
+        return self._in_quanta(summary_frame(self.records, short=True))
 
     @functools.cached_property
     def summary_detail(self) -> pd.DataFrame:
@@ -160,7 +188,21 @@ class DivergenceReport:
     def backends(self) -> pd.DataFrame:
         """One row per backend at a glance: verdict, worst output, how far over the limits, effective bits
         and a few words why (the whole reason and the rest: :attr:`backends_detail`)."""
-        return compact_backends_frame(self.backends_detail, self.records)
+        return self._in_quanta(compact_backends_frame(self.backends_detail, self.records))
+
+    def _in_quanta(self, frame: pd.DataFrame) -> pd.DataFrame:
+        # An int8 report's frames read its largest error in quanta of the output where a float report's read
+        # effective bits (a float format's measure: none here).
+        if self.int8 is None or "effective_bits" not in frame:
+            return frame
+        quanta = self.int8.get("quanta") or {}
+        worst = {r.backend: r.output for r in (self.record(b) for b in self.results.candidates)}
+        outputs = frame["output"] if "output" in frame else frame["backend"].map(worst)
+        q = outputs.map(lambda o: quanta.get(o) or np.nan).astype(float)
+        at = list(frame.columns).index("effective_bits")
+        frame = frame.drop(columns="effective_bits")
+        frame.insert(at, "max_quanta", frame["max_abs"] / q)
+        return frame
 
     @property
     def suspects(self) -> list[str]:

@@ -21,6 +21,8 @@ from rlx_nb.numerics import formats
 STATUSES = ("ok", "error", "skipped")
 VERDICTS = ("round-off", "SUSPECT", "error", "skipped", "nondeterministic")
 KINDS = ("forward", "grad")
+COMPUTE_DTYPES = (*formats.FORMATS, "int8")
+"""What a run computes in: a float format, or int8 (an int8 runtime, :mod:`rlx_nb.int8`)."""
 DTYPES = (
     "float64", "float32", "float16", "bfloat16", "complex64", "complex128", "complex32", "bool",
     "int8", "int16", "int32", "int64", "uint8", "uint16", "uint32", "uint64",
@@ -114,7 +116,7 @@ def run(spec: Any, where: str) -> dict:
         "seconds": number(spec.get("seconds", 0.0), f"{where}.seconds", low=0.0),
         "grad_status": None if grad_status is None else one_of(grad_status, STATUSES, f"{where}.grad_status"),
         "grad_message": string(spec.get("grad_message", ""), f"{where}.grad_message"),
-        "compute_dtype": one_of(spec.get("compute_dtype", "float32"), tuple(formats.FORMATS), f"{where}.compute_dtype"),
+        "compute_dtype": one_of(spec.get("compute_dtype", "float32"), COMPUTE_DTYPES, f"{where}.compute_dtype"),
         "reduction_lengths": {
             k: integer(v, f"{where}.reduction_lengths[{k!r}]", low=1)
             for k, v in mapping(spec.get("reduction_lengths") or {}, f"{where}.reduction_lengths").items()
@@ -188,7 +190,7 @@ def record(raw: Any, where: str, fields: list[_Field]) -> dict[str, Any]:
     if "kind" in out:
         one_of(out["kind"], KINDS, f"{where}.kind")
     if "compute_dtype" in out:
-        one_of(out["compute_dtype"], tuple(formats.FORMATS), f"{where}.compute_dtype")
+        one_of(out["compute_dtype"], COMPUTE_DTYPES, f"{where}.compute_dtype")
     dims, worst = out.get("shape"), out.get("worst_index")
     if worst is not None and (
         dims is None or len(worst) != len(dims) or any(i >= n for i, n in zip(worst, dims, strict=True))

@@ -53,6 +53,10 @@ GRAD_FLOOR_UNITS = 4.0
 BETTER_THAN_ORACLE = 0.5
 CONCENTRATION_LIMIT = 3.0
 CONCENTRATED_OVER_ORACLE = 10.0
+BIAS_SHARE = 0.25
+"""int8: an output's mean error is held to this share of its RMS budget (or the legitimate runs' largest mean):
+rounding to nearest, and the trials' rounding, leave no bias (their mean error is their RMS over the root of the
+elements), where a kernel that truncates, or applies a zero point off, moves every element one way."""
 SEQUENTIAL_FAR = 8.0  # a sequential-sums run this many times the oracle's error (or the floor) is said in the notes
 FP32_U = formats.unit_roundoff("float32")
 
@@ -98,7 +102,7 @@ def judge(e: Evidence) -> Judgement:
     notes: list[str] = []
     scale = scale_of(e.compute_dtype)
     so, sb, ss = e.oracle, e.errors, e.sequential
-    legit = [so] if ss is None else [so, ss]
+    legit = [so, *([ss] if ss is not None else []), *e.legit]  # (e.legit: an int8 model's requantization trials)
     if ss is None and e.kind == "grad":  # no sequential run to measure reordering: the length guess
         units = GRAD_FLOOR_UNITS * math.sqrt(max(1, e.reduction_length))
         notes.append("no sequential run for this output: the gradient floor is guessed from the sum's length")
@@ -118,6 +122,8 @@ def judge(e: Evidence) -> Judgement:
         notes.append(f"{e.numel} element(s): the measured round-off is widened {short:.2g}x for chance")
     budget_rmse = scale * max(short * legit_rmse, floor * so.ref_rms)
     budget_max = scale * max(short * legit_max, floor * so.ref_max)
+    if e.quantum == e.quantum:  # int8: never less than one element one quantum off
+        budget_rmse, budget_max = max(budget_rmse, e.quantum / math.sqrt(max(e.numel, 1))), max(budget_max, e.quantum)
     anchor = e.anchor[1] if e.anchor is not None else None
     if anchor is not None and (anchor.rmse > budget_rmse or anchor.max_err > budget_max):
         budget_rmse, budget_max = max(budget_rmse, anchor.rmse), max(budget_max, anchor.max_err)
@@ -134,11 +140,13 @@ def judge(e: Evidence) -> Judgement:
             e.slices.backend,
             e.slices.legit,
             scale,
-            floor * so.ref_rms,
+            budget_rmse if e.legit else floor * so.ref_rms,  # (int8: a slice is held to the whole output's budget)
             at_precision=e.slices.at_precision,
             pooled_rmse=legit_rmse,
             pooled_at_precision=anchor.rmse if anchor is not None and e.slices.at_precision else 0.0,
             profiles=e.slices.profiles,
+            by_rms=bool(e.legit),
+            quantum=e.quantum,
         )
         excess = max(excess, ratio_slice / RMSE_LIMIT)
         share, over, share_at = slice_share(e.slices.backend, e.slices.legit)
@@ -146,6 +154,9 @@ def judge(e: Evidence) -> Judgement:
             share, over, share_at = math.nan, math.nan, ""
     else:
         share, over, share_at = math.nan, math.nan, ""
+    ratio_bias = _bias_ratio(sb, legit, budget_rmse) if e.legit else math.nan
+    if ratio_bias == ratio_bias:
+        excess = max(excess, ratio_bias / RMSE_LIMIT)
     if so.rmse > floor * so.ref_rms and sb.rmse < BETTER_THAN_ORACLE * so.rmse:
         notes.append(
             f"the fp32 oracle is further from fp64 than {e.backend} (RMSE {so.rmse:.2e} vs {sb.rmse:.2e}): "
@@ -172,13 +183,16 @@ def judge(e: Evidence) -> Judgement:
             cause = Cause.ORACLE_OFF
         else:
             cause = Cause.WITHIN
+    elif ratio_bias > RMSE_LIMIT and ratio_bias >= ratio_slice and whole_excess(ratio_rmse, ratio_max) <= 1.0:
+        cause = Cause.BIAS
     elif ratio_slice > RMSE_LIMIT and whole_excess(ratio_rmse, ratio_max) <= 1.0:
         cause = Cause.SLICE
     elif concentrated and excess <= 1.0:
         cause = Cause.CONCENTRATED
     else:
         cause = Cause.WORST if ratio_max / MAX_LIMIT > ratio_rmse / RMSE_LIMIT else Cause.WHOLE
-    bits, closest = effective_bits(sb.rmse, so.rmse, e.anchors_rmse)
+    # (an int8 model's error is in quanta, not in a float format's bits)
+    bits, closest = effective_bits(sb.rmse, so.rmse, e.anchors_rmse) if not e.legit else (math.nan, "")
     j = Judgement.of(
         verdict,
         cause,
@@ -194,6 +208,7 @@ def judge(e: Evidence) -> Judgement:
         slice_share=share,
         slice_share_over=over,
         slice_share_at=share_at,
+        bias_ratio=ratio_bias,
         concentration=concentration,
         concentrated=concentrated,
         oracle_rmse=so.rmse,
@@ -211,6 +226,14 @@ def judge(e: Evidence) -> Judgement:
     )
     # (a narrower format only where the error is spread as a format's is: a one-position bug is like none)
     return j if closest == formats.LABELS[0] or spread_like_a_format(j) else j.but(closest_format="")
+
+
+def _bias_ratio(sb: Any, legit: list, budget_rmse: float) -> float:
+    # An int8 output's mean error over what unbiased rounding leaves (:data:`BIAS_SHARE`); NaN without the sums.
+    if not sb.count or not math.isfinite(sb.sum_err):
+        return math.nan
+    means = [abs(s.sum_err) / s.count for s in legit if s.count and math.isfinite(s.sum_err)]
+    return _ratio(abs(sb.sum_err) / sb.count, max([*means, BIAS_SHARE * budget_rmse]))
 
 
 def _oracle_is_the_outlier(e: Evidence, units: float) -> bool:
@@ -277,18 +300,25 @@ def slice_ratio(
     pooled_rmse: float = 0.0,
     pooled_at_precision: float = 0.0,
     profiles: Sequence[tuple[float, SliceStats]] = (),
+    by_rms: bool = False,
+    quantum: float = math.nan,
 ) -> tuple[float, str]:
     # The largest mean error of a slice over what round-off allows there (see "Systematic error on a
     # slice" in the module docstring): the legitimate error scale of the slice -- the legitimate runs' RMS
     # error on it, or the whole output's (``pooled_rmse``) shared out over the slices as the precision
     # anchors' error is (``profiles``), whichever is larger -- the fp32 runs' scaled to the backend's unit
     # round-off and ``at_precision`` runs' as they are, times :func:`slice_allowance` for the slice's size,
-    # the number of slices and the lean; never below the largest slice mean of a legitimate run.
+    # the number of slices and the lean; never below the largest slice mean of a legitimate run.  ``by_rms``: each
+    # slice's RMS error instead of its mean (an int8 model's: its trials measure each slice's RMS directly, and a
+    # wrong weight moves a channel both ways).  ``quantum`` (an int8 output's): no slice is held to less than one
+    # element one quantum off.
     worst, at = 0.0, ""
     total = sum(len(c) for c in b.counts)
     for i, axis in enumerate(b.axes):
         with np.errstate(invalid="ignore", divide="ignore"):
             mean = np.abs(b.sums[i]) / np.maximum(b.counts[i], 1)
+            if by_rms:
+                mean = np.sqrt(b.squares[i] / np.maximum(b.counts[i], 1))
             rms = np.sqrt(np.maximum.reduce([s.squares[i] / np.maximum(s.counts[i], 1) for s in legit]))
             shape = np.ones_like(rms)
             for whole, st in profiles:  # how much more than the output as a whole each slice amplifies
@@ -297,6 +327,8 @@ def slice_ratio(
             for s in at_precision:
                 own = np.sqrt(s.squares[i] / np.maximum(s.counts[i], 1))
                 budget = np.maximum(budget, np.maximum(own, pooled_at_precision))
+            if quantum == quantum:
+                budget = np.maximum(budget, quantum / np.sqrt(np.maximum(b.counts[i], 1)))
             budget = budget * slice_allowance(b.counts[i], total, slice_lean([*legit, *at_precision], i))
             # ... and never below the largest slice mean a legitimate run itself shows on this axis: round-off
             # with rare large events (an activation that flips at reduced precision moves a whole channel)

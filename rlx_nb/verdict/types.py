@@ -123,6 +123,11 @@ class Evidence:
     """The backend's largest difference from the oracle (0: bit for bit the oracle's)."""
     discrete_events: int = 0
     """Flipped ReLU inputs taken out of the backend's error before it was measured (:mod:`rlx_nb.execution.discrete`)."""
+    legit: tuple[ReferenceStats, ...] = ()
+    """Further legitimate runs' errors against the reference, beside the oracle's and the sequential run's: an int8
+    model's requantization trials (:mod:`rlx_nb.int8`)."""
+    quantum: float = math.nan
+    """An int8 output's quantum: no correct int8 kernel's error is held to less than one element one quantum off."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -177,6 +182,9 @@ class Where:
     """... and which slice (``[:, :, 3]``).  Past :data:`rlx_nb.verdict.readings.LOCALIZED_OVER` with at least
     :data:`rlx_nb.verdict.readings.LOCALIZED_SHARE` of the error, the error is localized: a bug on one row, position or
     channel, never read as a precision mode or a less accurate arithmetic."""
+    bias_ratio: float = math.nan
+    """An int8 output's mean error over what unbiased rounding leaves (the legitimate runs' largest mean, or
+    :data:`rlx_nb.verdict.rule.BIAS_SHARE` of the RMS budget); NaN for a float output."""
 
 
 @dataclasses.dataclass(frozen=True)

@@ -47,6 +47,8 @@ class Cause:
     """SUSPECT: the largest error over the budget past its limit (further past than the RMSE)."""
     SLICE = "slice"
     """SUSPECT: one slice's mean error past what round-off allows there, the whole output within."""
+    BIAS = "bias"
+    """SUSPECT (int8): the error's mean past what rounding, which is unbiased, leaves; the whole output within."""
     CONCENTRATED = "concentration"
     """SUSPECT: the worst element stands out as round-off never does, the whole output within."""
     NONFINITE = "NaN/Inf pattern"
@@ -211,10 +213,20 @@ def _precision_short(s: Said) -> str:
 def _slice(s: Said) -> str:
     j = s.j
     return (
-        f"{s.at} on one slice: the mean error of {s.r.output}{j.where.slice_at} is {j.where.slice_ratio:.3g}x what round-off "
+        f"{s.at} on one slice: the {'RMS' if s.r.compute_dtype == 'int8' else 'mean'} error of {s.r.output}{j.where.slice_at} is {j.where.slice_ratio:.3g}x what round-off "
         f"allows there (the line is at {RMSE_LIMIT:g}x), while the output as a whole is at "
         f"{whole_excess(j.budget.ratio_rmse, j.budget.ratio_max):.2g} of the line — round-off averages out over a slice, a bug on one "
         "row or channel does not"
+    )
+
+
+def _bias(s: Said) -> str:
+    j = s.j
+    return (
+        f"{s.at} by its bias: the mean error of {s.r.output} is {j.where.bias_ratio:.3g}x what rounding leaves (the "
+        f"line is at {RMSE_LIMIT:g}x), while the output as a whole is at {whole_excess(j.budget.ratio_rmse, j.budget.ratio_max):.2g} "
+        "of the line — rounding to nearest moves elements both ways; a kernel that truncates, or applies a zero point "
+        "off, moves them one way"
     )
 
 
@@ -262,6 +274,7 @@ WORDS: dict[str, Words] = {
                        lambda s: f"its largest error is {s.j.budget.ratio_max:.3g}x round-off."),
     Cause.SLICE: Words(_slice, lambda s: f"the slice {s.j.where.slice_at} is off by more than round-off."),
     Cause.CONCENTRATED: Words(_concentrated, lambda s: "a few elements are far off."),
+    Cause.BIAS: Words(_bias, lambda s: "its mean error leans one way: not rounding."),
     Cause.NONFINITE: Words(_nonfinite),
     Cause.ZEROS: Words(_zeros, lambda s: f"{s.j.reading.zero_mismatch} positions the model zeroes are computed."),
     Cause.PRECISION: Words(lambda s: f"{s.at}: {_precision_reason(s.j, s.worst)}", _precision_short),

@@ -23,7 +23,7 @@ from rlx_nb.backends.executorch_runtime import executorch_reason
 from rlx_nb.backends.onnx import _FlatOutputs
 from rlx_nb.errors import BackendError, InputError, describe_error
 from rlx_nb.execution.prepare import KeywordModule, normalize_inputs
-from rlx_nb.requantization import _WRAPPERS, _module_of, _op
+from rlx_nb.int8.requantization import _WRAPPERS, _module_of, _op
 
 
 def quantize_pt2e(model: torch.nn.Module, inputs: Any, *, calibration: Iterable[Any] | None = None) -> Any:

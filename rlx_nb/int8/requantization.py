@@ -18,25 +18,28 @@ import torch
 
 from rlx_nb._support.copies import module_copy
 
-ACCUMULATOR_QUANTA = 2.0
-"""A requantization's width, in quanta of the accumulator that feeds it.  An int8 kernel accumulates on an integer
-grid -- a matmul or convolution on the grid of its two inputs' scales' product, a mean on its input's quantum over
-the count it averages -- and rounds what it adds to that grid (its bias, quantized to int32) or divides on it, so it
-may be a grid step from the exact value before it rounds.  Measured (ExecuTorch 1.5.1's XNNPACK int8, the demo MLP,
-CNN and transformer): at the first requantization where it differs from the simulation, every element it rounds the
-other way lies within 0.41 (linears, convolutions) and 1.0 (a global mean) of that step from the rounding boundary."""
+CONTRACTION_STEPS = 0.5
+"""A matmul's or convolution's requantization width, in steps of the accumulator that feeds it.  An int8 kernel
+accumulates exactly on the grid of its two inputs' scales' product and rounds its bias to that grid (int32), so the
+value it requantizes is at most half a step from the exact one.  Measured (ExecuTorch 1.5.1's XNNPACK int8, the demo
+MLP, CNN and transformer): at the first requantization where it differs from the simulation, every element it
+rounds the other way lies within 0.41 of that step from the rounding boundary."""
 
-ARITHMETIC_MARGIN = 100.0
+AVERAGE_STEPS = 1.0
+"""A mean's (an average pool's) width, in steps of its grid (its input's quantum over the count it averages): the
+kernel divides on that grid.  Measured: within 1.0 step (the demo CNN's global mean)."""
+
+ARITHMETIC_MARGIN = 8.0
 """A requantization's width, in multiples of the fp32 simulation's own error there: a float op between quantized
 ones (a norm, a softmax, an activation) computed in another order or with another approximation.  Measured: XNNPACK's
 first flips after a linear lie within 4x the simulation's error (which is at most 2e-4 quanta on the zoo)."""
 
-WIDTH_FLOOR = 1e-3
-"""The narrowest width, in quanta: an exact tie (a value on the boundary), which kernels round either way."""
+WIDTH_FLOOR = 1e-5
+"""The narrowest width, in quanta: a value within a float32 step of a rounding boundary (7.6e-6 quanta at the
+int8 range's end) is a tie for the simulation's own arithmetic, which kernels may round either way."""
 
 FALLBACK_WIDTH = 0.02
 """The width of a requantization whose fp32 error could not be measured (an op that would not run in float64)."""
-
 
 _QUANTIZE = "quantize_per_tensor"
 _DEQUANTIZE = ("dequantize_per_tensor", "dequantize_per_channel")
@@ -192,8 +195,8 @@ class _Lockstep(torch.fx.Interpreter):
 
 def requantizations(converted: torch.fx.GraphModule, args: tuple) -> list[dict[str, Any]]:
     """Each activation requantization of ``converted``, in graph order, with how far from a rounding boundary (in
-    quanta) a correct int8 kernel's value may sit and still round the other way (``width``): the largest of one
-    step of the accumulator that feeds it (``accumulator_quantum`` x :data:`ACCUMULATOR_QUANTA`), the fp32
+    quanta) a correct int8 kernel's value may sit and still round the other way (``width``): the largest of the
+    accumulator's reach (``accumulator_quantum`` x :data:`CONTRACTION_STEPS`, or :data:`AVERAGE_STEPS` for a mean), the fp32
     simulation's own error there, measured against float64 from the same quantized inputs (``fp32_error`` x
     :data:`ARITHMETIC_MARGIN`), and :data:`WIDTH_FLOOR`; at most 0.5."""
     lockstep = _Lockstep(converted)
@@ -204,7 +207,8 @@ def requantizations(converted: torch.fx.GraphModule, args: tuple) -> list[dict[s
         error = lockstep.errors.get(node.name, math.nan)
         accumulator = accumulator_quantum(node, converted, lockstep.sizes)
         arithmetic = FALLBACK_WIDTH if error != error else ARITHMETIC_MARGIN * error
-        width = min(0.5, max(arithmetic, ACCUMULATOR_QUANTA * accumulator, WIDTH_FLOOR))
+        steps = AVERAGE_STEPS if _op(_behind_moves(node.args[0])) in _AVERAGES else CONTRACTION_STEPS
+        width = min(0.5, max(arithmetic, steps * accumulator, WIDTH_FLOOR))
         rows.append({"node": node.name, "op": _op_name(node), "module": _module_of(node),
                      "accumulator_quantum": accumulator, "fp32_error": error, "width": width})  # fmt: skip
     return rows
@@ -288,4 +292,11 @@ def _computed(dequantize: torch.fx.Node) -> bool:
     return isinstance(quantize, torch.fx.Node) and quantize.op == "call_function"
 
 
-__all__ = ["accumulator_quantum", "exact_simulation", "requantizations", "stochastic_copy"]
+__all__ = [
+    "AVERAGE_STEPS",
+    "CONTRACTION_STEPS",
+    "accumulator_quantum",
+    "exact_simulation",
+    "requantizations",
+    "stochastic_copy",
+]

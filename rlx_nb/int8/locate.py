@@ -1,0 +1,102 @@
+"""Where an int8 runtime's error is born: the first requantization of the converted graph past the budget.
+
+The converted graph cut after one requantization (an activation's dequantize, which it then returns) is an int8
+model of its own: its oracle, reference and trials run, the backend is given it, and the shared comparison judges
+it (:func:`~rlx_nb.int8.run.int8_results`), as a module is judged alone in a float model's search.  The points that
+hold a computed value are bisected (a divergence is taken to persist downstream, as Polygraphy's reduction does; a
+quantized constant -- a bias, an epsilon folded by PT2E -- matches everywhere and would break the order), and the
+first one past the line is the culprit: the op that computed the value it rounds, and that op's module.  The
+result is a :class:`~rlx_nb.Localization`, a float search's: its frame, culprit, arrays and heatmaps.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+
+from rlx_nb.errors import InputError
+from rlx_nb.int8.requantization import _computed, _module_of, _op_name, _ops, _truncated
+from rlx_nb.int8.run import int8_results
+from rlx_nb.localization.result import Found, Localization
+from rlx_nb.verdict.records import worst_record
+from rlx_nb.verdict.types import SUSPECT
+
+NO_REPRO = (
+    "an int8 culprit is a cut of the converted graph, lowered by the runtime whole, and rlx_nb writes no standalone "
+    "repro of one yet: save the report (report.save) and the converted graph (torch.export.save of "
+    "torch.export.export(graph, inputs)) to share it"
+)
+
+
+def _place(point: torch.fx.Node) -> tuple[str, str]:
+    # (module path, op) of the value a requantization point holds: ``("fc2", "linear")``.
+    module = _module_of(point)
+    path = module.rsplit(" (", 1)[0] if module.endswith(")") and " (" in module else module
+    return path, _op_name(point.args[0])
+
+
+def localize_int8(
+    report: Any,
+    converted: torch.fx.GraphModule,
+    args: tuple,
+    backend: str | None = None,
+    *,
+    trials: int,
+    widths: dict[str, float],
+    progress: bool = False,
+) -> Localization:
+    """Where ``backend``'s int8 error is born (default: the report's first suspect), by bisection over the
+    requantization points of ``converted`` (module docstring)."""
+    backend = backend or (report.suspects[0] if report.suspects else None)
+    if backend is None:
+        raise InputError("no SUSPECT backend to localize; name one: report.localize('executorch-xnnpack')")
+    chosen = report.backend_objects.get(backend)
+    if chosen is None:
+        raise InputError(f"backend {backend!r} did not run in this report; it ran: {', '.join(report.backend_objects)}")
+    points = _ops(converted, "dequantize_per_tensor")
+    computed = [k for k, p in enumerate(points) if _computed(p)]
+    checked: dict[int, tuple[Any, Any]] = {}
+
+    def check(k: int) -> bool:
+        if k not in checked:
+            results = int8_results(_truncated(converted, k), args, [chosen], trials=trials, widths=widths,
+                                   requantizations=[], label=f"{report.results.label} to point {k}",
+                                   progress=progress)  # fmt: skip
+            from rlx_nb.comparison.compare import compare
+
+            checked[k] = (results, worst_record(compare(results, progress=False)))
+        return checked[k][1].verdict == SUSPECT
+
+    culprit = None
+    if computed and check(computed[-1]):
+        lo, hi = 0, len(computed) - 1
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if check(computed[mid]):
+                hi = mid
+            else:
+                lo = mid + 1
+        culprit = computed[lo]
+    rows, checks, names = [], {}, set()
+    for k in sorted(checked):
+        results, r = checked[k]
+        path, op = _place(points[k])
+        name = f"{path} :: {op}" + (f" #{k}" if f"{path} :: {op}" in names else "")
+        names.add(name)
+        checks[name] = (results, r.output)
+        rows.append({
+            "order": k, "name": name, "kind": "op", "depth": path.count(".") + 1 if path != "(top level)" else 0,
+            "verdict": r.verdict, "output": r.output, "local_ratio_rmse": r.judgement.budget.ratio_rmse,
+            "local_ratio_max": r.judgement.budget.ratio_max, "local_line": r.judgement.line, "reason": r.reason,
+            "notes": f"the graph cut after requantization point {k} (of {len(points)}), judged on its own trials",
+        })  # fmt: skip
+    module, op = _place(points[culprit]) if culprit is not None else (None, None)
+    found = Found(rows, module, op, len(checked), checks=checks, source=report.source, no_repro=NO_REPRO)
+    loc = Localization(backend, False, found)
+    loc.report = weakref.ref(report)
+    return loc
+
+
+__all__ = ["localize_int8"]

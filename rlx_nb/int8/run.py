@@ -1,0 +1,132 @@
+"""An int8 model's run, as a float model's: the oracle, the reference, the legitimate runs and each candidate, in one
+:class:`~rlx_nb.execution.results.RunResults` that the shared comparison judges (:mod:`rlx_nb.comparison`).
+
+- the **oracle** (``cpu``) is the PT2E Q/DQ simulation: the converted graph on the CPU in float32, each
+  quantize/dequantize pair simulated (what a correct int8 kernel computes, up to each requantization's rounding);
+- the **reference** (``fp64``) is the exact simulation: float64 between the quantize/dequantize ops, each
+  requantization rounding the float64 value (:func:`~rlx_nb.int8.requantization.exact_simulation`) -- what fp64 is
+  to a float model;
+- the **trials** are the Q/DQ simulation again with every activation requantization rounding an element the other
+  way where a correct kernel could (:func:`~rlx_nb.int8.requantization.stochastic_copy`, within each
+  requantization's measured width): the legitimate runs the budget is measured from, as the oracle and the
+  sequential-sums run are a float model's;
+- each **candidate** is an int8 runtime given the converted graph (``compute_dtype`` ``int8``).
+
+The environment says so (``environment["int8"]``: the trials, each output's quantum, each requantization's width).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from typing import Any
+
+import torch
+
+from rlx_nb._support.copies import module_copy
+from rlx_nb._support.progress import bar
+from rlx_nb._support.tree import flatten
+from rlx_nb.backends.base import ORACLE, Backend
+from rlx_nb.backends.notes import collecting
+from rlx_nb.errors import BackendError, describe_error, error_detail
+from rlx_nb.execution.environment import environment
+from rlx_nb.execution.fingerprints import later
+from rlx_nb.execution.results import ERROR, OK, BackendRun, Fingerprints, RunResults, to_leaf
+from rlx_nb.int8.requantization import _op, exact_simulation, stochastic_copy
+
+INT8 = "int8"
+"""The compute dtype of an int8 runtime's run, and the key of ``environment`` that says a run is an int8 model's."""
+
+
+def output_quanta(converted: torch.fx.GraphModule, names: list[str]) -> dict[str, float | None]:
+    """Each output's quantum: the scale of the dequantize that gives it (None for an output computed in float)."""
+    (output,) = [n for n in converted.graph.nodes if n.op == "output"]
+    found = output.args[0]
+    flat = (
+        list(found.values())
+        if isinstance(found, dict)
+        else list(found)
+        if isinstance(found, (tuple, list))
+        else [found]
+    )
+    quanta: dict[str, float | None] = {}
+    for name, node in zip(names, [n for n in flat if isinstance(n, torch.fx.Node)], strict=False):
+        is_dq = _op(node) == "dequantize_per_tensor" and isinstance(node.args[1], float)
+        quanta[name] = float(node.args[1]) if is_dq else None
+    return quanta
+
+
+def _leaves(outputs: Any) -> dict[str, Any]:
+    return {name: to_leaf(v, copy=True) for name, v in flatten(outputs)}
+
+
+def _run(name: str, fn: Any, *, compute_dtype: str = "float32") -> BackendRun:
+    # One run of the converted graph, timed; a failure is an error row with its gist and whole text.
+    start = time.perf_counter()
+    with collecting() as said:
+        try:
+            with torch.no_grad():
+                outputs = _leaves(fn())
+            status, message, detail = OK, "", ""
+        except Exception as exc:
+            outputs, status, message, detail = {}, ERROR, describe_error(exc), error_detail(exc)
+    return BackendRun(name, status, outputs, message, time.perf_counter() - start, compute_dtype=compute_dtype,
+                      notes=list(said), detail=detail)  # fmt: skip
+
+
+def int8_results(
+    converted: torch.fx.GraphModule,
+    args: tuple,
+    backends: list[Backend],
+    *,
+    trials: int,
+    widths: dict[str, float],
+    requantizations: list[dict[str, Any]],
+    label: str,
+    progress: bool = True,
+) -> RunResults:
+    """The oracle, reference, trials and candidates of ``converted`` on ``args`` (module docstring)."""
+    with bar(f"int8 {label}", total=2 + trials + len(backends), enabled=progress) as shown:
+        oracle = _run(ORACLE, lambda: converted(*args))
+        if oracle.status != OK:
+            raise BackendError(f"the Q/DQ simulation (the oracle) failed on the CPU: {oracle.message}")
+        shown.update()
+        reference = _run("fp64", lambda: exact_simulation(converted, args), compute_dtype="float64")
+        shown.update()
+        runs = {}
+        for k in range(trials):
+            runs[f"trial{k}"] = _run(f"trial{k}", lambda k=k: stochastic_copy(converted, seed=k, width=widths)(*args))
+            shown.update()
+        candidates = {}
+        for b in backends:
+            reason = b.unavailable_reason()
+
+            def call(b: Backend = b, reason: str | None = reason) -> Any:
+                if reason is not None:
+                    raise BackendError(f"not available here: {reason}")
+                return b.fn(module_copy(converted, {}), args)
+
+            candidates[b.name] = _run(b.name, call, compute_dtype=INT8)
+            shown.update()
+    quanta = output_quanta(converted, list(oracle.outputs))
+    env = environment()
+    env[INT8] = {
+        "oracle": "the PT2E Q/DQ simulation on the CPU (float32); the reference is the exact simulation (float64 "
+        "between quantize/dequantize ops)",
+        "trials": trials,
+        "quanta": {k: (v if v is not None and math.isfinite(v) else None) for k, v in quanta.items()},
+        "requantizations": requantizations,
+    }
+    return RunResults(
+        label=label,
+        oracle=oracle,
+        reference=reference,
+        candidates=candidates,
+        backward=False,
+        environment=env,
+        fingerprints=Fingerprints(later(args, converted, None)),
+        trials=runs,
+    )
+
+
+__all__ = ["INT8", "int8_results", "output_quanta"]
