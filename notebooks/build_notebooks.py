@@ -760,6 +760,11 @@ report.backends""",
     ("code", """report.elements(fault.name, top=5)"""),
     (
         "md",
+        """The explorer walks it as it walks a float model's report: pick a backend and an output, see its heatmap, histogram and worst elements (live in a running kernel; a static snapshot in the saved notebook):""",
+    ),
+    ("code", """rlx_nb.explore(report)"""),
+    (
+        "md",
         """## From the verdict to the module
 
 `report.localize()` cuts the graph after each requantization, lowers each cut to the runtime, judges it on its own trials, and bisects to the first cut past the line: the op that computed the value it rounds, in its module. It is the `Localization` notebook 02 walks:""",

@@ -10,11 +10,10 @@ from typing import Any
 
 import torch
 
-from rlx_nb._support.copies import module_copy
 from rlx_nb.backends.base import Backend
 from rlx_nb.backends.registry import get_backend
 from rlx_nb.errors import InputError
-from rlx_nb.int8.requantization import _QUANTIZE, _op, _ops
+from rlx_nb.int8.requantization import _QUANTIZE, _op, _ops, graph_copy
 
 _DEQUANTIZE_CHANNEL = "dequantize_per_channel"
 
@@ -46,7 +45,7 @@ def _planted(name: str, description: str, plant: Callable[[torch.fx.GraphModule]
     inner = get_backend(runtime)
 
     def fn(model: Any, inputs: tuple) -> Any:
-        faulty = module_copy(model, {})
+        faulty = graph_copy(model)
         plant(faulty)
         faulty.recompile()
         return inner.fn(faulty, inputs)
@@ -132,7 +131,7 @@ def half_up_runtime(name: str = "int8-half-up") -> Backend:
         return torch.clamp(torch.floor(x * (1.0 / scale) + 0.5) + zero_point, quant_min, quant_max).to(dtype)
 
     def fn(model: Any, inputs: tuple) -> Any:
-        g = module_copy(model, {})
+        g = graph_copy(model)
         for q in _ops(g, _QUANTIZE):
             q.target = quantize
         g.recompile()

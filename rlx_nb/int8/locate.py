@@ -37,6 +37,26 @@ def _place(point: torch.fx.Node) -> tuple[str, str]:
     return path, _op_name(point.args[0])
 
 
+def _feeding(converted: torch.fx.GraphModule, names: list[str], output: str | None) -> set[torch.fx.Node] | None:
+    # The nodes the judged output is computed from: a graph with several outputs (logits and a cache) has
+    # requantizations that feed only the others, whose divergence does not persist to this one.  ``names``: the
+    # outputs' names in the graph's order (the oracle's).  None where there is one output, or it cannot be found.
+    (out,) = [n for n in converted.graph.nodes if n.op == "output"]
+    found = out.args[0]
+    flat = list(found.values()) if isinstance(found, dict) else list(found) if isinstance(found, (tuple, list)) else [found]
+    leaves = [n for n in flat if isinstance(n, torch.fx.Node)]
+    if len(leaves) <= 1 or output not in names or len(names) != len(leaves):
+        return None
+    seen: set[torch.fx.Node] = set()
+    todo = [leaves[names.index(output)]]
+    while todo:
+        node = todo.pop()
+        if node not in seen:
+            seen.add(node)
+            todo.extend(node.all_input_nodes)
+    return seen
+
+
 def localize_int8(
     report: Any,
     converted: torch.fx.GraphModule,
@@ -56,7 +76,8 @@ def localize_int8(
     if chosen is None:
         raise InputError(f"backend {backend!r} did not run in this report; it ran: {', '.join(report.backend_objects)}")
     points = _ops(converted, "dequantize_per_tensor")
-    computed = [k for k, p in enumerate(points) if _computed(p)]
+    feeding = _feeding(converted, list(report.results.oracle.outputs), report.record(backend).output)
+    computed = [k for k, p in enumerate(points) if _computed(p) and (feeding is None or p in feeding)]
     checked: dict[int, tuple[Any, Any]] = {}
 
     def check(k: int) -> bool:

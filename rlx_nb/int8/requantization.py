@@ -19,11 +19,14 @@ import torch
 from rlx_nb._support.copies import module_copy
 
 CONTRACTION_STEPS = 0.5
-"""A matmul's or convolution's requantization width, in steps of the accumulator that feeds it.  An int8 kernel
-accumulates exactly on the grid of its two inputs' scales' product and rounds its bias to that grid (int32), so the
-value it requantizes is at most half a step from the exact one.  Measured (ExecuTorch 1.5.1's XNNPACK int8, the demo
-MLP, CNN and transformer): at the first requantization where it differs from the simulation, every element it
-rounds the other way lies within 0.41 of that step from the rounding boundary."""
+"""A matmul's or convolution's requantization width, in steps of the accumulator that feeds it, where it adds a
+bias.  An int8 kernel accumulates exactly on the grid of its two inputs' scales' product and rounds its bias to that
+grid (int32), so the value it requantizes is at most half a step from the exact one.  Measured (ExecuTorch 1.5.1's
+XNNPACK int8, the demo MLP, CNN and transformer): at the first requantization where it differs from the simulation,
+every element it rounds the other way lies within 0.41 of that step from the rounding boundary.  Without a bias the
+accumulator is exact, and only the arithmetic that scales it is left (:data:`ARITHMETIC_MARGIN`): XNNPACK gives the
+simulation bit for bit on Llama and GPT-2, whose projections have none, where half a step at each of their 15 linears
+made trials that left 1.6-1.8 quanta RMS at the logits."""
 
 AVERAGE_STEPS = 1.0
 """A mean's (an average pool's) width, in steps of its grid (its input's quantum over the count it averages): the
@@ -34,9 +37,21 @@ ARITHMETIC_MARGIN = 8.0
 ones (a norm, a softmax, an activation) computed in another order or with another approximation.  Measured: XNNPACK's
 first flips after a linear lie within 4x the simulation's error (which is at most 2e-4 quanta on the zoo)."""
 
-WIDTH_FLOOR = 1e-5
-"""The narrowest width, in quanta: a value within a float32 step of a rounding boundary (7.6e-6 quanta at the
-int8 range's end) is a tie for the simulation's own arithmetic, which kernels may round either way."""
+RELATIVE_REACH = 2.0**-22
+"""Every element's width is at least this much of its own value (in quanta): two float32 steps of it, as far as a
+correctly rounded float32 op computed another way (an FMA, another order of one rounding) can move it.  An exact
+tie (a value on the boundary) is within it, and kernels round ties either way."""
+
+CORRECTLY_ROUNDED = frozenset({
+    "input", "add", "sub", "rsub", "mul", "div", "neg", "abs", "cat", "stack", "to", "maximum", "minimum", "where",
+    "relu", "relu_", "hardtanh", "hardtanh_", "clamp", "view", "reshape", "_unsafe_view", "permute", "transpose", "t",
+    "expand", "clone", "contiguous", "squeeze", "unsqueeze", "flatten", "slice", "select", "_to_copy", "alias", "pad",
+    "constant_pad_nd",
+})  # fmt: skip
+"""Ops IEEE float32 computes to one correctly rounded result (or that only move values): any correct kernel gives
+their value bit for bit, so they add no width of their own beyond :data:`RELATIVE_REACH` (the fp32 error the lockstep
+run measures after them is the simulation's rounding of that one result, which a kernel shares).  A model input's
+quantization is one of them."""
 
 FALLBACK_WIDTH = 0.02
 """The width of a requantization whose fp32 error could not be measured (an op that would not run in float64)."""
@@ -118,6 +133,21 @@ def accumulator_quantum(quantize: torch.fx.Node, module: torch.fx.GraphModule, s
     return 0.0
 
 
+def _steps(op: Any) -> float:
+    # How many accumulator steps a correct kernel's value may be from the exact one before it requantizes (the
+    # width's accumulator part): half a step where a contraction adds a bias rounded to the grid, a whole one for a
+    # mean, none for a contraction without a bias (its integer accumulator is exact).
+    kind = _op(op)
+    if kind in _AVERAGES:
+        return AVERAGE_STEPS
+    if kind in ("addmm", "baddbmm"):  # (the bias is the first argument)
+        return CONTRACTION_STEPS
+    if kind in _CONTRACTIONS:
+        bias = op.args[2] if len(op.args) > 2 else op.kwargs.get("bias")
+        return CONTRACTION_STEPS if bias is not None else 0.0
+    return 0.0
+
+
 class _Pair:
     # A value of the lockstep run: as the fp32 simulation computes it, and in float64 from the same quantized inputs.
     __slots__ = ("double", "exact", "single")
@@ -196,9 +226,11 @@ class _Lockstep(torch.fx.Interpreter):
 def requantizations(converted: torch.fx.GraphModule, args: tuple) -> list[dict[str, Any]]:
     """Each activation requantization of ``converted``, in graph order, with how far from a rounding boundary (in
     quanta) a correct int8 kernel's value may sit and still round the other way (``width``): the largest of the
-    accumulator's reach (``accumulator_quantum`` x :data:`CONTRACTION_STEPS`, or :data:`AVERAGE_STEPS` for a mean), the fp32
+    accumulator's reach (``accumulator_quantum`` x :data:`CONTRACTION_STEPS` where a contraction adds a bias, x
+    :data:`AVERAGE_STEPS` for a mean), the fp32
     simulation's own error there, measured against float64 from the same quantized inputs (``fp32_error`` x
-    :data:`ARITHMETIC_MARGIN`), and :data:`WIDTH_FLOOR`; at most 0.5."""
+    :data:`ARITHMETIC_MARGIN`; none after an op any correct kernel computes bit for bit, :data:`CORRECTLY_ROUNDED`); at
+    most 0.5.  Each element's width is also at least :data:`RELATIVE_REACH` of its value (:func:`stochastic_copy`)."""
     lockstep = _Lockstep(converted)
     with torch.no_grad():
         lockstep.run(*args)
@@ -207,8 +239,10 @@ def requantizations(converted: torch.fx.GraphModule, args: tuple) -> list[dict[s
         error = lockstep.errors.get(node.name, math.nan)
         accumulator = accumulator_quantum(node, converted, lockstep.sizes)
         arithmetic = FALLBACK_WIDTH if error != error else ARITHMETIC_MARGIN * error
-        steps = AVERAGE_STEPS if _op(_behind_moves(node.args[0])) in _AVERAGES else CONTRACTION_STEPS
-        width = min(0.5, max(arithmetic, steps * accumulator, WIDTH_FLOOR))
+        if _op_name(node) in CORRECTLY_ROUNDED:
+            arithmetic = 0.0
+        steps = _steps(_behind_moves(node.args[0]))
+        width = min(0.5, max(arithmetic, steps * accumulator))
         rows.append({"node": node.name, "op": _op_name(node), "module": _module_of(node),
                      "accumulator_quantum": accumulator, "fp32_error": error, "width": width})  # fmt: skip
     return rows
@@ -233,10 +267,23 @@ def _stochastic_quantize(generator: torch.Generator, width: float):
     # quantize_per_tensor with each element rounded to the quantum below or above at random (probability by
     # distance): a rounding any int8 kernel could make, one quantum at most from round-to-nearest.
     def quantize(x, scale, zero_point, quant_min, quant_max, dtype):
-        jitter = (torch.rand(x.shape, generator=generator, dtype=torch.float32) - 0.5) * (2.0 * width)
-        return torch.clamp(torch.round(x * (1.0 / scale) + jitter) + zero_point, quant_min, quant_max).to(dtype)
+        v = x * (1.0 / scale)
+        reach = torch.clamp(v.abs() * RELATIVE_REACH, min=width, max=0.5)  # (each element's: RELATIVE_REACH)
+        jitter = (torch.rand(x.shape, generator=generator, dtype=torch.float32) - 0.5) * (2.0 * reach)
+        return torch.clamp(torch.round(v + jitter) + zero_point, quant_min, quant_max).to(dtype)
 
     return quantize
+
+
+def graph_copy(converted: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """A copy of ``converted`` (its modules and graph) holding the very tensors it holds -- its int8 weights, scales
+    and biases, no copy of them: a trial changes only its quantize ops, a runtime only reads the weights, and a
+    planted fault replaces a tensor, never writes into one."""
+    memo: dict[int, Any] = {}
+    for m in converted.modules():
+        held = (*m._parameters.values(), *m._buffers.values(), *vars(m).values())
+        memo.update((id(t), t) for t in held if isinstance(t, torch.Tensor))
+    return module_copy(converted, memo)
 
 
 def stochastic_copy(
@@ -245,7 +292,7 @@ def stochastic_copy(
     """A copy of ``converted`` whose activation requantizations round stochastically (seeded), each element within
     ``width`` quanta of a boundary either way: one width, or one per requantization by node name
     (:func:`requantizations`)."""
-    trial = module_copy(converted, {})
+    trial = graph_copy(converted)
     generator = torch.Generator().manual_seed(seed)
     for node in _ops(trial, _QUANTIZE):
         node.target = _stochastic_quantize(generator, width[node.name] if isinstance(width, dict) else width)
@@ -275,7 +322,7 @@ def _module_of(node: torch.fx.Node) -> str:
 
 def _truncated(converted: torch.fx.GraphModule, point: int) -> torch.fx.GraphModule:
     # The graph up to its ``point``-th requantization point (an activation's dequantize), which it returns.
-    cut = module_copy(converted, {})
+    cut = graph_copy(converted)
     node = _ops(cut, "dequantize_per_tensor")[point]
     (output,) = [n for n in cut.graph.nodes if n.op == "output"]
     output.args = ((node,),)

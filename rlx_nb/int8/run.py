@@ -23,7 +23,6 @@ from typing import Any
 
 import torch
 
-from rlx_nb._support.copies import module_copy
 from rlx_nb._support.progress import bar
 from rlx_nb._support.tree import flatten
 from rlx_nb.backends.base import ORACLE, Backend
@@ -32,7 +31,7 @@ from rlx_nb.errors import BackendError, describe_error, error_detail
 from rlx_nb.execution.environment import environment
 from rlx_nb.execution.fingerprints import later
 from rlx_nb.execution.results import ERROR, OK, BackendRun, Fingerprints, RunResults, to_leaf
-from rlx_nb.int8.requantization import _op, exact_simulation, stochastic_copy
+from rlx_nb.int8.requantization import _op, exact_simulation, graph_copy, stochastic_copy
 
 INT8 = "int8"
 """The compute dtype of an int8 runtime's run, and the key of ``environment`` that says a run is an int8 model's."""
@@ -104,7 +103,7 @@ def int8_results(
             def call(b: Backend = b, reason: str | None = reason) -> Any:
                 if reason is not None:
                     raise BackendError(f"not available here: {reason}")
-                return b.fn(module_copy(converted, {}), args)
+                return b.fn(graph_copy(converted), args)
 
             candidates[b.name] = _run(b.name, call, compute_dtype=INT8)
             shown.update()
