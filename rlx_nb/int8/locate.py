@@ -43,7 +43,13 @@ def _feeding(converted: torch.fx.GraphModule, names: list[str], output: str | No
     # outputs' names in the graph's order (the oracle's).  None where there is one output, or it cannot be found.
     (out,) = [n for n in converted.graph.nodes if n.op == "output"]
     found = out.args[0]
-    flat = list(found.values()) if isinstance(found, dict) else list(found) if isinstance(found, (tuple, list)) else [found]
+    flat = (
+        list(found.values())
+        if isinstance(found, dict)
+        else list(found)
+        if isinstance(found, (tuple, list))
+        else [found]
+    )
     leaves = [n for n in flat if isinstance(n, torch.fx.Node)]
     if len(leaves) <= 1 or output not in names or len(names) != len(leaves):
         return None
