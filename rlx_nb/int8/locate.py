@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from rlx_nb.errors import InputError
-from rlx_nb.int8.requantization import _computed, _module_of, _op_name, _ops, _truncated
+from rlx_nb.int8.requantization import _behind_moves, _computed, _module_of, _op, _op_name, _ops, _truncated
 from rlx_nb.int8.run import int8_results
 from rlx_nb.localization.result import Found, Localization
 from rlx_nb.verdict.records import worst_record
@@ -31,10 +31,17 @@ NO_REPRO = (
 
 
 def _place(point: torch.fx.Node) -> tuple[str, str]:
-    # (module path, op) of the value a requantization point holds: ``("fc2", "linear")``.
-    module = _module_of(point)
+    # (module path, op) of the op that computed the value a requantization point holds, past the ops that only move
+    # or clip it (a ReLU fused after a convolution, a reshape of a projection): ``("fc2", "linear")``.
+    producer = point.args[0].args[0] if point.args and point.args[0].args else None
+    if not isinstance(producer, torch.fx.Node) or producer.op == "placeholder":
+        return "(top level)", "input"
+    producer = _behind_moves(producer)
+    if not isinstance(producer, torch.fx.Node) or producer.op == "placeholder":
+        return "(top level)", _op_name(point.args[0])
+    module = _module_of(point, producer)
     path = module.rsplit(" (", 1)[0] if module.endswith(")") and " (" in module else module
-    return path, _op_name(point.args[0])
+    return path, _op(producer) or producer.op
 
 
 def _feeding(converted: torch.fx.GraphModule, names: list[str], output: str | None) -> set[torch.fx.Node] | None:

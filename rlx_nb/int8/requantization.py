@@ -300,11 +300,12 @@ def stochastic_copy(
     return trial
 
 
-def _module_of(node: torch.fx.Node) -> str:
+def _module_of(node: torch.fx.Node, producer: torch.fx.Node | None = None) -> str:
     # The module that computed the value a requantization (its quantize, or the dequantize after it) holds: its
-    # producing op's innermost module.
+    # producing op's innermost module (``producer``: another op to name the module of).
     quantize = node.args[0] if _op(node) in _DEQUANTIZE and node.args else node
-    producer = quantize.args[0] if isinstance(quantize, torch.fx.Node) and quantize.args else node
+    if producer is None:
+        producer = quantize.args[0] if isinstance(quantize, torch.fx.Node) and quantize.args else node
     producer = producer if isinstance(producer, torch.fx.Node) else node
     stack = producer.meta.get("nn_module_stack") or {}
     if not stack:
