@@ -521,3 +521,15 @@ def test_an_op_every_correct_kernel_rounds_alike_adds_no_width_and_a_linear_with
         tie, 0.1, 0, -128, 127, torch.int8
     )
     assert set(flipped.tolist()) == {2, 3}
+
+
+def test_the_command_line_gates_an_int8_model(tmp_path, capsys):
+    from rlx_nb.cli import main
+
+    target = tmp_path / "build.py"
+    target.write_text("from rlx_nb.models import demo\n\ndef build():\n    return demo.mlp()\n")
+    assert main(["check", f"{target}:build", "--int8", "--backends", "executorch-portable"]) == 0
+    out = capsys.readouterr().out
+    assert "executorch-portable vs cpu" in out and "round-off (explainable)" in out
+    assert main(["check", f"{target}:build", "--int8", "--backward"]) == 2
+    assert "--int8 judges int8 runtimes on their own budget, forward only" in capsys.readouterr().err
