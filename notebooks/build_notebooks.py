@@ -732,7 +732,7 @@ as_fp32.backends[["backend", "verdict", "line", "why"]]""",
     ),
     (
         "md",
-        """Judged as an fp32 backend, XNNPACK's correct int8 kernels are far past the line: a false alarm. Judged as int8, beside ExecuTorch's portable kernels and a planted kernel bug (one weight of the output layer's channel 1 with its sign flipped, through XNNPACK):""",
+        """Judged as an fp32 backend, XNNPACK's correct int8 kernels are far past the line: a false alarm. (No float64 reference runs through quantize ops, so the seed's fixed rule decides there: the row's "seed's line".) Judged as int8, beside ExecuTorch's portable kernels and a planted kernel bug (one weight of the output layer's channel 1 with its sign flipped, through XNNPACK):""",
     ),
     (
         "code",
