@@ -14,8 +14,8 @@ from rlx_nb.backends.executorch_runtime import executorch_reason
 from rlx_nb.backends.registry import get_backend
 from rlx_nb.errors import InputError
 from rlx_nb.int8 import faults, quantize, requantization
-from rlx_nb.int8.run import INT8
 from rlx_nb.models import demo
+from rlx_nb.numerics.formats import INT8
 from rlx_nb.verdict.types import ROUNDOFF, SUSPECT
 
 pytestmark = [
@@ -100,6 +100,8 @@ def test_bad_settings_are_named():
     converted = quantize.quantize_pt2e(model, inputs)
     with pytest.raises(InputError, match="past the model's 2 per-channel-quantized weights"):
         faults.channel_scale_fault(layer=5).fn(converted, (torch.randn(64, 512),))
+    with pytest.raises(InputError, match="channel 5000 is past weight 0's 2048 output channels"):
+        faults.weight_sign_fault(layer=0, channel=5000).fn(converted, (torch.randn(64, 512),))
     with pytest.raises(InputError, match="point 9 is past the model's 3 requantizations of computed values"):
         faults.truncation_fault(point=9).fn(converted, (torch.randn(64, 512),))
 

@@ -281,7 +281,7 @@ class Floating(Comparator):
         o, readings = self.ctx.oracle.value, {}
         # (an int8 output's exact zeros are its zero point, every value within half a quantum of 0: not positions the
         # model sets)
-        if j.rules.verdict_budget == SUSPECT and not device and self.cand.compute_dtype != "int8":
+        if j.rules.verdict_budget == SUSPECT and not device and self.cand.compute_dtype != formats.INT8:
             split = zero_split(o, got.value, r) if _real_alike(o, got.value, r) else None
             if split is not None:
                 e = split.elsewhere

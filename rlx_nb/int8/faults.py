@@ -13,15 +13,9 @@ import torch
 from rlx_nb.backends.base import Backend
 from rlx_nb.backends.registry import get_backend
 from rlx_nb.errors import InputError
-from rlx_nb.int8.requantization import _QUANTIZE, _op, _ops, graph_copy
+from rlx_nb.int8.requantization import _QUANTIZE, _op, _ops, attr, graph_copy
 
 _DEQUANTIZE_CHANNEL = "dequantize_per_channel"
-
-
-def _attr(module: torch.nn.Module, target: str) -> Any:
-    for part in target.split("."):
-        module = getattr(module, part)
-    return module
 
 
 def _set_attr(module: torch.nn.Module, target: str, value: torch.Tensor) -> None:
@@ -33,11 +27,14 @@ def _set_attr(module: torch.nn.Module, target: str, value: torch.Tensor) -> None
     setattr(module, last, value)
 
 
-def _weight(graph: torch.fx.GraphModule, layer: int) -> torch.fx.Node:
-    # The ``layer``-th per-channel-quantized weight's dequantize.
+def _weight(graph: torch.fx.GraphModule, layer: int, channel: int) -> torch.fx.Node:
+    # The ``layer``-th per-channel-quantized weight's dequantize, with ``channel`` one of its output channels.
     weights = _ops(graph, _DEQUANTIZE_CHANNEL)
     if not isinstance(layer, int) or not -len(weights) <= layer < len(weights):
         raise InputError(f"layer {layer!r} is past the model's {len(weights)} per-channel-quantized weights")
+    channels = len(attr(graph, weights[layer].args[1].target))
+    if not isinstance(channel, int) or not 0 <= channel < channels:
+        raise InputError(f"channel {channel!r} is past weight {layer}'s {channels} output channels")
     return weights[layer]
 
 
@@ -59,8 +56,8 @@ def channel_scale_fault(*, layer: int = 0, channel: int = 0, factor: float = 1.2
     by ``factor`` (``int8-fault:scale@<layer>.<channel>x<factor>``)."""
 
     def plant(g: torch.fx.GraphModule) -> None:
-        scale = _weight(g, layer).args[1]
-        values = _attr(g, scale.target).clone()
+        scale = _weight(g, layer, channel).args[1]
+        values = attr(g, scale.target).clone()
         values[channel] *= factor
         _set_attr(g, scale.target, values)
 
@@ -73,8 +70,8 @@ def weight_sign_fault(*, layer: int = 0, channel: int = 0, runtime: str = "execu
     (``int8-fault:sign@<layer>.<channel>``)."""
 
     def plant(g: torch.fx.GraphModule) -> None:
-        values = _weight(g, layer).args[0]
-        w = _attr(g, values.target).clone()
+        values = _weight(g, layer, channel).args[0]
+        w = attr(g, values.target).clone()
         row = w[channel].reshape(-1)
         k = int(row.abs().argmax())
         row[k] = -row[k]
@@ -90,14 +87,14 @@ def bias_fault(*, layer: int = 0, channel: int = 0, quanta: float = 3.0, runtime
     requantization after it (``int8-fault:bias@<layer>.<channel>+<quanta>q``)."""
 
     def plant(g: torch.fx.GraphModule) -> None:
-        op = next(iter(_weight(g, layer).users))
+        op = next(iter(_weight(g, layer, channel).users))
         bias = op.args[2] if len(op.args) > 2 else None
         if not isinstance(bias, torch.fx.Node) or bias.op != "get_attr":
             raise InputError(f"weight {layer}'s op ({_op(op)}) has no bias to move")
         after = op
         while _op(after) != _QUANTIZE and after.users:
             after = next(iter(after.users))
-        values = _attr(g, bias.target).detach().clone()
+        values = attr(g, bias.target).detach().clone()
         values[channel] += quanta * float(after.args[1])
         _set_attr(g, bias.target, values)
 

@@ -16,8 +16,18 @@ from typing import Any
 
 import torch
 
+from rlx_nb.comparison.compare import compare
 from rlx_nb.errors import InputError
-from rlx_nb.int8.requantization import _behind_moves, _computed, _module_of, _op, _op_name, _ops, _truncated
+from rlx_nb.int8.requantization import (
+    _behind_moves,
+    _computed,
+    _module_of,
+    _op,
+    _op_name,
+    _ops,
+    _truncated,
+    output_leaves,
+)
 from rlx_nb.int8.run import int8_results
 from rlx_nb.localization.result import Found, Localization
 from rlx_nb.verdict.records import worst_record
@@ -48,16 +58,7 @@ def _feeding(converted: torch.fx.GraphModule, names: list[str], output: str | No
     # The nodes the judged output is computed from: a graph with several outputs (logits and a cache) has
     # requantizations that feed only the others, whose divergence does not persist to this one.  ``names``: the
     # outputs' names in the graph's order (the oracle's).  None where there is one output, or it cannot be found.
-    (out,) = [n for n in converted.graph.nodes if n.op == "output"]
-    found = out.args[0]
-    flat = (
-        list(found.values())
-        if isinstance(found, dict)
-        else list(found)
-        if isinstance(found, (tuple, list))
-        else [found]
-    )
-    leaves = [n for n in flat if isinstance(n, torch.fx.Node)]
+    leaves = output_leaves(converted)
     if len(leaves) <= 1 or output not in names or len(names) != len(leaves):
         return None
     seen: set[torch.fx.Node] = set()
@@ -98,8 +99,6 @@ def localize_int8(
             results = int8_results(_truncated(converted, k), args, [chosen], trials=trials, widths=widths,
                                    requantizations=[], label=f"{report.results.label} to point {k}",
                                    progress=progress)  # fmt: skip
-            from rlx_nb.comparison.compare import compare
-
             checked[k] = (results, worst_record(compare(results, progress=False)))
         return checked[k][1].verdict == SUSPECT
 

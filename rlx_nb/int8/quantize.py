@@ -11,7 +11,6 @@ is a function, that ``torch.export`` cannot trace, or a PT2E graph prepared but 
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Iterable
 from typing import Any
@@ -23,7 +22,7 @@ from rlx_nb.backends.executorch_runtime import executorch_reason
 from rlx_nb.backends.onnx import _FlatOutputs
 from rlx_nb.errors import BackendError, InputError, describe_error
 from rlx_nb.execution.prepare import KeywordModule, normalize_inputs
-from rlx_nb.int8.requantization import _WRAPPERS, _module_of, _op
+from rlx_nb.int8.requantization import _WRAPPERS, _module_of, _op, attr
 
 
 def quantize_pt2e(model: torch.nn.Module, inputs: Any, *, calibration: Iterable[Any] | None = None) -> Any:
@@ -167,7 +166,7 @@ def _value(converted: torch.fx.GraphModule, arg: Any) -> Any:
     # A node argument's value where it is a constant: a get_attr's tensor, or the number itself (None otherwise).
     if isinstance(arg, torch.fx.Node):
         if arg.op == "get_attr":
-            return functools.reduce(getattr, arg.target.split("."), converted)
+            return attr(converted, arg.target)
         return None
     return arg
 

@@ -42,17 +42,6 @@ RELATIVE_REACH = 2.0**-22
 correctly rounded float32 op computed another way (an FMA, another order of one rounding) can move it.  An exact
 tie (a value on the boundary) is within it, and kernels round ties either way."""
 
-CORRECTLY_ROUNDED = frozenset({
-    "input", "add", "sub", "rsub", "mul", "div", "neg", "abs", "cat", "stack", "to", "maximum", "minimum", "where",
-    "relu", "relu_", "hardtanh", "hardtanh_", "clamp", "view", "reshape", "_unsafe_view", "permute", "transpose", "t",
-    "expand", "clone", "contiguous", "squeeze", "unsqueeze", "flatten", "slice", "select", "_to_copy", "alias", "pad",
-    "constant_pad_nd",
-})  # fmt: skip
-"""Ops IEEE float32 computes to one correctly rounded result (or that only move values): any correct kernel gives
-their value bit for bit, so they add no width of their own beyond :data:`RELATIVE_REACH` (the fp32 error the lockstep
-run measures after them is the simulation's rounding of that one result, which a kernel shares).  A model input's
-quantization is one of them."""
-
 FALLBACK_WIDTH = 0.02
 """The width of a requantization whose fp32 error could not be measured (an op that would not run in float64)."""
 
@@ -81,10 +70,39 @@ _THROUGH = frozenset({
 })  # fmt: skip
 """Ops that move or clip a value without computing a new one: a requantization's accumulator is the op before them."""
 
+CORRECTLY_ROUNDED = frozenset({
+    "input", "add", "sub", "rsub", "mul", "div", "neg", "abs", "cat", "stack", "to", "maximum", "minimum", "where",
+}) | _THROUGH  # fmt: skip
+"""Ops IEEE float32 computes to one correctly rounded result, and those that only move or clip values
+(:data:`_THROUGH`): any correct kernel gives their value bit for bit, so they add no width of their own beyond
+:data:`RELATIVE_REACH` (the fp32 error the lockstep run measures after them is the simulation's rounding of that one
+result, which a kernel shares).  A model input's quantization is one of them."""
+
 _CONTRACTIONS = frozenset({"linear", "conv1d", "conv2d", "conv3d", "convolution", "matmul", "mm", "bmm", "addmm",
                            "baddbmm", "einsum"})  # fmt: skip
 _AVERAGES = frozenset({"mean", "sum", "avg_pool1d", "avg_pool2d", "avg_pool3d", "adaptive_avg_pool1d",
                        "adaptive_avg_pool2d", "adaptive_avg_pool3d"})  # fmt: skip
+
+
+def attr(module: torch.nn.Module, target: str) -> Any:
+    """The tensor (or module) a ``get_attr`` node's dotted ``target`` names in ``module``."""
+    for part in target.split("."):
+        module = getattr(module, part)
+    return module
+
+
+def output_leaves(graph_module: torch.fx.GraphModule) -> list[torch.fx.Node]:
+    """The nodes a graph returns, in its outputs' order (a dict's values, a tuple's items, or the one node)."""
+    (output,) = [n for n in graph_module.graph.nodes if n.op == "output"]
+    found = output.args[0]
+    flat = (
+        list(found.values())
+        if isinstance(found, dict)
+        else list(found)
+        if isinstance(found, (tuple, list))
+        else [found]
+    )
+    return [n for n in flat if isinstance(n, torch.fx.Node)]
 
 
 def _behind_moves(node: Any) -> Any:
@@ -101,7 +119,7 @@ def _input_scale(node: Any, module: torch.fx.GraphModule) -> float | None:
         return None
     scale = node.args[1]
     if isinstance(scale, torch.fx.Node) and scale.op == "get_attr":
-        return float(torch.as_tensor(getattr(module, scale.target)).abs().max())
+        return float(torch.as_tensor(attr(module, scale.target)).abs().max())
     return float(scale) if isinstance(scale, (int, float)) else None
 
 

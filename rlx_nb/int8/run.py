@@ -31,25 +31,14 @@ from rlx_nb.errors import BackendError, describe_error, error_detail
 from rlx_nb.execution.environment import environment
 from rlx_nb.execution.fingerprints import later
 from rlx_nb.execution.results import ERROR, OK, BackendRun, Fingerprints, RunResults, to_leaf
-from rlx_nb.int8.requantization import _op, exact_simulation, graph_copy, stochastic_copy
-
-INT8 = "int8"
-"""The compute dtype of an int8 runtime's run, and the key of ``environment`` that says a run is an int8 model's."""
+from rlx_nb.int8.requantization import _op, exact_simulation, graph_copy, output_leaves, stochastic_copy
+from rlx_nb.numerics.formats import INT8  # (also the key of ``environment`` that says a run is an int8 model's)
 
 
 def output_quanta(converted: torch.fx.GraphModule, names: list[str]) -> dict[str, float | None]:
     """Each output's quantum: the scale of the dequantize that gives it (None for an output computed in float)."""
-    (output,) = [n for n in converted.graph.nodes if n.op == "output"]
-    found = output.args[0]
-    flat = (
-        list(found.values())
-        if isinstance(found, dict)
-        else list(found)
-        if isinstance(found, (tuple, list))
-        else [found]
-    )
     quanta: dict[str, float | None] = {}
-    for name, node in zip(names, [n for n in flat if isinstance(n, torch.fx.Node)], strict=False):
+    for name, node in zip(names, output_leaves(converted), strict=False):
         is_dq = _op(node) == "dequantize_per_tensor" and isinstance(node.args[1], float)
         quanta[name] = float(node.args[1]) if is_dq else None
     return quanta
@@ -128,4 +117,4 @@ def int8_results(
     )
 
 
-__all__ = ["INT8", "int8_results", "output_quanta"]
+__all__ = ["int8_results", "output_quanta"]

@@ -103,6 +103,10 @@ def closest_label(bits: float) -> str:
     return min(LABELS, key=lambda label: abs(label_bits(label) - bits))
 
 
+INT8 = "int8"
+"""The compute dtype of an int8 runtime's run (:mod:`rlx_nb.int8`): no float format; its errors are in quanta."""
+
+
 def short(name: str) -> str:
     """The short name people write (``float32`` -> ``fp32``); the name itself when it is no known format."""
     f = _BY_ALIAS.get(str(name).lower())

@@ -196,8 +196,7 @@ class DivergenceReport:
         if self.int8 is None or "effective_bits" not in frame:
             return frame
         quanta = self.int8.get("quanta") or {}
-        worst = {r.backend: r.output for r in (self.record(b) for b in self.results.candidates)}
-        outputs = frame["output"] if "output" in frame else frame["backend"].map(worst)
+        outputs = frame["output"] if "output" in frame else frame["worst_output"]  # (a backend's row: its worst)
         q = outputs.map(lambda o: quanta.get(o) or np.nan).astype(float)
         at = list(frame.columns).index("effective_bits")
         frame = frame.drop(columns="effective_bits")

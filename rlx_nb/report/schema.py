@@ -21,7 +21,7 @@ from rlx_nb.numerics import formats
 STATUSES = ("ok", "error", "skipped")
 VERDICTS = ("round-off", "SUSPECT", "error", "skipped", "nondeterministic")
 KINDS = ("forward", "grad")
-COMPUTE_DTYPES = (*formats.FORMATS, "int8")
+COMPUTE_DTYPES = (*formats.FORMATS, formats.INT8)
 """What a run computes in: a float format, or int8 (an int8 runtime, :mod:`rlx_nb.int8`)."""
 DTYPES = (
     "float64", "float32", "float16", "bfloat16", "complex64", "complex128", "complex32", "bool",

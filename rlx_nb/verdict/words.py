@@ -213,7 +213,7 @@ def _precision_short(s: Said) -> str:
 def _slice(s: Said) -> str:
     j = s.j
     return (
-        f"{s.at} on one slice: the {'RMS' if s.r.compute_dtype == 'int8' else 'mean'} error of {s.r.output}{j.where.slice_at} is {j.where.slice_ratio:.3g}x what round-off "
+        f"{s.at} on one slice: the {'RMS' if s.r.compute_dtype == formats.INT8 else 'mean'} error of {s.r.output}{j.where.slice_at} is {j.where.slice_ratio:.3g}x what round-off "
         f"allows there (the line is at {RMSE_LIMIT:g}x), while the output as a whole is at "
         f"{whole_excess(j.budget.ratio_rmse, j.budget.ratio_max):.2g} of the line — round-off averages out over a slice, a bug on one "
         "row or channel does not"
