@@ -309,14 +309,17 @@ def test_a_second_ctrl_c_while_the_run_waits_for_an_abandoned_backend_leaves_it_
 
 @pytest.mark.slow
 def test_two_ctrl_c_while_a_backend_is_inside_a_long_cpp_call_keep_what_finished_and_exit_cleanly(tmp_path):
+    # The timer starts before the first Ctrl-C: a thread started while the backend is being stopped can take the
+    # Stopped meant for the backend (CPython 3.11 gives a new thread's state its creator's id until it runs), and
+    # the backend then waits forever for that thread to start -- the exit's whole minute, on a loaded machine.
     script = tmp_path / "twice.py"
     script.write_text(
         "import os, signal, threading, torch, rlx_nb\n"
         "signal.signal(signal.SIGINT, signal.default_int_handler)  # (Ctrl-C as in a terminal, whoever started us)\n"
         "def long_cpp(model, inputs):\n"
         "    a = torch.randn(1500, 1500)\n"
+        "    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()  # again while the run waits, and\n"
         "    os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C as the backend enters a long C++ call\n"
-        "    threading.Timer(0.2, os.kill, (os.getpid(), signal.SIGINT)).start()  # and again while the run waits\n"
         "    torch.linalg.matrix_power(a, 16)  # (~1 s in one C++ call)\n"
         "    return model(*inputs)\n"
         "rlx_nb.register_backend('long-cpp', long_cpp)\n"
