@@ -98,8 +98,10 @@ def _calm_notebook(path: Path) -> None:
     nbformat.write(nb, path)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def lab(tmp_path_factory):
+    # One Lab and one browser per worker: module-scoped, they were started again each time a worker came back to
+    # this module from another test group (4 s a time, 8 times a suite).
     tmp_path = tmp_path_factory.mktemp("lab")
     root = tmp_path / "root"
     (root / "notebooks").mkdir(parents=True)
