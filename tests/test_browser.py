@@ -250,9 +250,10 @@ def _keep(shot: bytes, name: str) -> None:
 
 def _settle(images) -> None:
     # Lab re-renders outputs while it restores widget state: wait until the figures stop changing.
+    # (Polled every 0.25 s, settled once unchanged for a second: a one-second poll made every page wait 3 s.)
     last, stable, deadline = -1, 0, time.time() + 60
-    while stable < 2 and time.time() < deadline:
-        time.sleep(1)
+    while stable < 4 and time.time() < deadline:
+        time.sleep(0.25)
         n = images.count()
         stable, last = (stable + 1, n) if n == last else (0, n)
 
