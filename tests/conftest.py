@@ -73,6 +73,7 @@ def per_notebook(paths, ids: bool = True) -> list:
     ]
 
 
+@pytest.hookimpl(optionalhook=True)  # (a hook of pytest-xdist's: without it, as with -p no:xdist, it is never called)
 def pytest_xdist_node_collection_finished(node, ids):
     # Under ``--dist loadgroup`` a grouped test's id carries its group (``...@notebook-01_...``), or pytest-xdist
     # spreads the group over every worker, each executing the notebooks and building the shared fixtures again:
