@@ -78,7 +78,8 @@ def pytest_xdist_node_collection_finished(node, ids):
     # Under ``--dist loadgroup`` a grouped test's id carries its group (``...@notebook-01_...``), or pytest-xdist
     # spreads the group over every worker, each executing the notebooks and building the shared fixtures again:
     # pytest 9.2 with pytest-xdist 3.8 does that silently (pytest-dev/pytest-xdist#1386) and the suite took 1.5x
-    # its time.  Every module of tests/test_html_report.py is one group: say so if its ids came without it.
+    # its time.  Every test of tests/test_html_report.py is in one group (its pytestmark): say so if their ids came
+    # without it.
     if getattr(node.config.option, "dist", None) == "loadgroup":
         grouped = [i for i in ids if i.startswith("tests/test_html_report.py::")]
         if grouped and not any("@" in i for i in grouped):
