@@ -25,7 +25,8 @@ from tests.conftest import fully_masked_row, require_live
 BLOCKED = "import runpy, sys; sys.modules['rlx_nb'] = None; runpy.run_path(sys.argv[1], run_name='__main__')"
 """Run a script (``sys.argv[1]``) in an interpreter where ``import rlx_nb`` fails: what a maintainer has.  (An
 editable install's finder comes before PYTHONPATH, so a shadow package would not hide it; a None in sys.modules
-makes every import of rlx_nb and its modules raise ImportError.)"""
+makes every import of rlx_nb and its modules raise ImportError.)  Written here apart from rlx_nb's own
+(``reproduce.WITHOUT_RLX_NB``), so that the check of the check does not rest on it."""
 
 
 @pytest.fixture
@@ -42,21 +43,36 @@ def without_rlx_nb(tmp_path):
     return run
 
 
-def _check(repro, run, *, shrunk_at_least: float = 10.0):
-    # The file: one script (an .npz beside it at most), no import of rlx_nb, at most 80 lines; run without rlx_nb it
-    # crosses the line (exit 1) and says so; its inputs were shrunk.
+def _check(repro, *, shrunk_at_least: float = 10.0) -> str:
+    # The file: one script (an .npz beside it at most), no import of rlx_nb, at most 80 lines; run without rlx_nb (by
+    # rlx_nb's own check, which blocks it: test_the_check_runs_a_repro_where_rlx_nb_cannot_be_imported, and
+    # test_a_catalogue_fault_... runs it again apart) it crosses the line (exit 1) and says so; its inputs were
+    # shrunk.  Returns what it printed.
     files = {p.name for p in repro.path.parent.iterdir() if p.stem == repro.path.stem}
     assert files <= {repro.path.name, repro.path.with_suffix(".npz").name}
     text = repro.text
     assert "rlx_nb" not in "\n".join(line for line in text.splitlines() if line.startswith(("import", "from")))
     assert repro.lines <= 80, repro.lines
-    done = run(repro.path)
-    assert done.returncode == 1, done.stdout + done.stderr
-    assert "PAST the line" in done.stdout and "float32 eager" in done.stdout
-    assert repro.reproduces is True
+    assert repro.reproduces is True, repro.ran  # (exit 1 with "PAST the line")
+    assert "PAST the line" in repro.ran and "float32 eager" in repro.ran
     n0, n1 = repro.shrunk.elements
     assert n0 / n1 >= shrunk_at_least, str(repro.shrunk)
-    return done
+    return repro.ran
+
+
+def test_the_check_runs_a_repro_where_rlx_nb_cannot_be_imported(tmp_path):
+    # What rlx_nb's check of a written repro runs is what a maintainer without rlx_nb runs: a script that imports it
+    # fails there, and one that does not runs as written (its own directory the working one, its argv its own).
+    from rlx_nb.localization.reproduce import run_script
+
+    leans = tmp_path / "leans.py"
+    leans.write_text("import rlx_nb.verdict\nprint('PAST the line')\n")
+    code, said = run_script(leans)
+    assert code == 1 and "ModuleNotFoundError" in said and "rlx_nb" in said, said
+    alone = tmp_path / "alone.py"
+    alone.write_text("import os, sys\nprint('PAST the line', os.getcwd() == sys.argv[0].rsplit('/', 1)[0])\n"
+                     "sys.exit(1)\n")  # fmt: skip
+    assert run_script(alone) == (1, "PAST the line True")
 
 
 def test_a_catalogue_fault_reproduces_without_rlx_nb_shrunk(tmp_path, without_rlx_nb):
@@ -64,22 +80,25 @@ def test_a_catalogue_fault_reproduces_without_rlx_nb_shrunk(tmp_path, without_rl
     loc = rlx_nb.localize(model, inputs, backend="fault:softmax-row")
     repro = loc.repro(tmp_path / "r", progress=False)
     assert repro.path == tmp_path / "r" / "repro_fault_softmax-row.py"
-    done = _check(repro, without_rlx_nb)
-    assert "fault:softmax-row" in done.stdout
+    said = _check(repro)
+    done = without_rlx_nb(repro.path)  # (run again apart from rlx_nb's check: the same exit and lines)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert [ln for ln in done.stdout.splitlines() if ln.strip()] == said.splitlines()
+    assert "fault:softmax-row" in said
     assert "Shrunk from 8x4x32x32 (32768 elements)" in repro.text  # (what was shrunk, in the file)
     # The line in the file is the one rlx_nb measured: 8x / 4x the budget of the judged record.
     assert f"LINE_MAX, LINE_RMS = {repro.line[0]:.6g}" in repro.text
 
 
-def test_a_fault_through_onnx_runtime_reproduces_and_is_born_in_what_is_exported(tmp_path, without_rlx_nb):
+def test_a_fault_through_onnx_runtime_reproduces_and_is_born_in_what_is_exported(tmp_path):
     require_live("onnxruntime")
     model, inputs = demo.layered(fault_layer=1)
     backend = fault_through("fault:softmax-row", get_backend("onnxruntime"))
     report = rlx_nb.backend_divergence(model, inputs, backends=[backend], progress=False)
     repro = report.repro(backend.name, tmp_path, progress=False)
-    done = _check(repro, without_rlx_nb)
+    said = _check(repro)
     assert "import onnxruntime" in repro.text and "torch.onnx.export" in repro.text
-    assert "onnxruntime+softmax-row" in done.stdout
+    assert "onnxruntime+softmax-row" in said
     assert "Born in the export" in repro.attribution  # (the fault is in the graph the runtime is given)
     # Where it is born, shown where the report is read: the HTML page, the explorer, the localization's finding.
     page = report.to_html(tmp_path / "page.html").read_text()
@@ -92,7 +111,7 @@ def test_a_fault_through_onnx_runtime_reproduces_and_is_born_in_what_is_exported
 
 
 @pytest.mark.slow
-def test_the_real_inductor_avg_pool_backward_bug_is_bisected_to_its_lowering(tmp_path, without_rlx_nb):
+def test_the_real_inductor_avg_pool_backward_bug_is_bisected_to_its_lowering(tmp_path):
     # pytorch/pytorch#198119: Inductor's avg_pool2d backward divides an overhanging ceil_mode window by the whole
     # kernel area.  The bisection names Inductor's lowerings and the op, and a fallback to eager as the workaround.
     require_live("cpu-inductor")
@@ -101,7 +120,7 @@ def test_the_real_inductor_avg_pool_backward_bug_is_bisected_to_its_lowering(tmp
                                        backward=True,
                                        progress=False)  # fmt: skip
     repro = report.repro("cpu-inductor", tmp_path, progress=False)
-    _check(repro, without_rlx_nb, shrunk_at_least=4)
+    _check(repro, shrunk_at_least=4)
     assert "avg_pool2d" in repro.label
     assert "Inductor (inductor), in its lowerings, at avg_pool2d_backward" in repro.attribution
     assert "Workaround, checked: torch._inductor.lowering.make_fallback(torch.ops.aten.avg_pool2d_backward)" in (
@@ -111,14 +130,14 @@ def test_the_real_inductor_avg_pool_backward_bug_is_bisected_to_its_lowering(tmp
 
 
 @pytest.mark.slow
-def test_the_real_xnnpack_tanh_gelu_bug_is_born_in_the_delegate(tmp_path, without_rlx_nb):
+def test_the_real_xnnpack_tanh_gelu_bug_is_born_in_the_delegate(tmp_path):
     # ExecuTorch 1.5.1's XNNPACK computes gelu(approximate="tanh") as the exact gelu; portable is right.
     require_live("executorch-xnnpack")
     require_live("executorch-portable")
     model = torch.nn.Sequential(torch.nn.GELU(approximate="tanh"))  # (as a Linear -> GELU -> Linear shows it too)
     report = rlx_nb.backend_divergence(model, torch.randn(4, 32), backends=["executorch-xnnpack"], progress=False)
     repro = report.repro("executorch-xnnpack", tmp_path, progress=False)
-    _check(repro, without_rlx_nb)
+    _check(repro)
     assert "XnnpackPartitioner" in repro.text
     assert repro.attribution.startswith("Born in the delegate (XNNPACK)")
 
@@ -260,15 +279,15 @@ def test_the_command_line_writes_a_repro_and_an_issue_per_suspect(tmp_path):
 
 
 @pytest.mark.slow
-def test_the_real_litert_fully_masked_row_bug_is_born_in_its_converter(tmp_path, without_rlx_nb):
+def test_the_real_litert_fully_masked_row_bug_is_born_in_its_converter(tmp_path):
     # LiteRT's conversion of attention over a row that masks every key: NaN with its delegate, the values' mean on
     # its reference kernels, where PyTorch gives zeros. Both paths diverge: the converter.
     require_live("litert")
     model, inputs = fully_masked_row(heads=1)
     report = rlx_nb.backend_divergence(model, inputs, backends=["litert"], progress=False)
     repro = report.repro("litert", tmp_path, progress=False)
-    done = _check(repro, without_rlx_nb, shrunk_at_least=2)
-    assert "non-finite" in done.stdout and "LiteRT-Torch" not in done.stdout  # (the converter's chatter kept out)
+    said = _check(repro, shrunk_at_least=2)
+    assert "non-finite" in said and "LiteRT-Torch" not in said  # (the converter's chatter kept out)
     assert repro.attribution.startswith("Born in the converter")
 
 
@@ -291,7 +310,7 @@ class _MultiQuery(torch.nn.Module):
 
 
 @pytest.mark.slow
-def test_the_real_litert_multi_query_attention_bug_reproduces_from_the_module(tmp_path, without_rlx_nb):
+def test_the_real_litert_multi_query_attention_bug_reproduces_from_the_module(tmp_path):
     # LiteRT's conversion of attention whose one key/value head is expanded to every query head (seen on models
     # outside the zoo): both kernel sets wrong. No op alone diverges, so the module is the culprit, traced.
     require_live("litert")
@@ -299,6 +318,6 @@ def test_the_real_litert_multi_query_attention_bug_reproduces_from_the_module(tm
     model = _MultiQuery()
     report = rlx_nb.backend_divergence(model, torch.randn(2, 8, 32), backends=["litert"], progress=False)
     repro = report.repro("litert", tmp_path, progress=False)
-    _check(repro, without_rlx_nb, shrunk_at_least=2)
+    _check(repro, shrunk_at_least=2)
     assert repro.path.with_suffix(".npz").exists() and "torch.ops.aten.expand" in repro.text
     assert repro.attribution.startswith("Born in the converter")

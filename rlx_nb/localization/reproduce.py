@@ -84,11 +84,21 @@ def script_path(path: str | Path, backend: str) -> Path:
     return path / f"repro_{re.sub(r'[^A-Za-z0-9_.-]+', '_', backend)}.py"
 
 
+WITHOUT_RLX_NB = (
+    "import runpy, sys; sys.modules['rlx_nb'] = None; sys.argv = sys.argv[1:]; "
+    "runpy.run_path(sys.argv[0], run_name='__main__')"
+)
+"""How the check runs a script (``sys.argv[1]``): in an interpreter where ``import rlx_nb`` fails, as a maintainer
+runs it.  (An editable install's finder comes before PYTHONPATH, so a shadow package would not hide rlx_nb; a None in
+``sys.modules`` makes every import of it and of its modules raise ImportError.)"""
+
+
 def run_script(script: Path) -> tuple[int, str]:
-    """Run a written repro in a fresh interpreter (its own directory as the working one): exit code and output."""
+    """Run a written repro in a fresh interpreter where ``import rlx_nb`` fails (:data:`WITHOUT_RLX_NB`), its own
+    directory as the working one: exit code and output."""
     try:
         script = script.resolve()  # (run from its own directory: a relative path would not be found there)
-        done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+        done = subprocess.run([sys.executable, "-c", WITHOUT_RLX_NB, str(script)], capture_output=True, text=True,
                               timeout=CHECK_TIMEOUT_S, cwd=script.parent, check=False)  # fmt: skip
     except subprocess.TimeoutExpired:
         return -1, f"(the repro ran past {CHECK_TIMEOUT_S:g} s and was stopped)"
@@ -152,4 +162,4 @@ def reproduce(
         shown.close()
 
 
-__all__ = ["Repro", "reproduce", "run_script", "script_path"]
+__all__ = ["WITHOUT_RLX_NB", "Repro", "reproduce", "run_script", "script_path"]
