@@ -36,10 +36,13 @@ format: $(STAMP)
 # tests share a worker, so each notebook executes once.
 # Each worker runs torch on one thread (TEST_THREADS): two workers of two OpenMP threads each on two cores made
 # libgomp's spinning threads wait on each other (a test's one-second matmul took a minute under load).
+# Inductor compiles in the process itself (TORCHINDUCTOR_COMPILE_THREADS=1): its default pool of compile workers is
+# started by every process that compiles (each worker, notebook kernel and CLI run), each importing torch again.
 TEST_WORKERS ?= auto
 TEST_THREADS ?= 1
 test: lint
-	OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=$(TEST_THREADS) $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+	OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=$(TEST_THREADS) TORCHINDUCTOR_COMPILE_THREADS=1 \
+		$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 # A quick set of the ratio benchmarks against the committed results (a few minutes; not part of `make test`):
 # fails when a ratio is more than 25% worse than committed or misses its target.  Run it before resolving an

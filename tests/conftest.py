@@ -91,6 +91,14 @@ def pytest_xdist_node_collection_finished(node, ids):
             )
 
 
+def pytest_collection_modifyitems(config, items):
+    # Under ``--dist loadgroup`` the workers take the tests in this order, a group as one unit: the groups first
+    # (int8's takes minutes in one worker), then the tests marked slow, then the rest, which fill the gaps at the end
+    # (in collection order the int8 group came late, and one worker ran it alone for its last minute).
+    if getattr(config.option, "dist", None) == "loadgroup":
+        items.sort(key=lambda i: (i.get_closest_marker("xdist_group") is None, i.get_closest_marker("slow") is None))
+
+
 collect_ignore = ["_torchrun_job.py"]  # run by torchrun, not imported by pytest
 
 _REPORTS: dict[tuple, rlx_nb.DivergenceReport] = {}
