@@ -754,6 +754,11 @@ report.backends""",
     ("code", """report.requantizations"""),
     (
         "md",
+        """On some models one near-boundary value moves the output more than all the others together (on the zoo's Llama, one element of layer 0's attention output, 3.8e-6 quanta from a boundary, moves the logits 25x what the rest do): trials that round it at random would leave that spread, and hide faults. Such *decisive* elements are found first (the candidates bisected for single elements that alone move an output by a quarter of what all of them move it), and each way of rounding them is a world of its own: the trials hold them as the oracle does, and a runtime is judged from the world nearest it, its record saying which element it rounded the other way. The search is used only when it finds them all (at most 4); where the output moves through many small flips instead, as on this MLP, no element is held and the trials keep their chance, as above. `candidates` counts the elements within their width of a boundary:""",
+    ),
+    ("code", """{k: report.int8[k] for k in ("decisive", "decisive_search", "candidates")}"""),
+    (
+        "md",
         """The planted bug's error, element by element, on the line's scale:""",
     ),
     ("code", """report.plot.heatmap(fault.name);"""),

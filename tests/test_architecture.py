@@ -161,6 +161,7 @@ WIDE_SIGNATURES = {
     "rlx_nb.backends.faults.attention": "torch.nn.functional.scaled_dot_product_attention's own signature",
     "rlx_nb.int8.requantization.quantize": "quantized_decomposed.quantize_per_tensor's own signature (it takes that op's place)",
     "rlx_nb.int8.faults.quantize": "the same signature, rounding ties half up",
+    "rlx_nb.int8.decisive.quantize": "the same signature, rounding as a plan says (decisive elements flipped, held)",
 }
 
 

@@ -15,7 +15,9 @@ Q/DQ simulation run ``trials`` more times, each requantization rounding an eleme
 that reach (its *width*, measured for each requantization: :func:`~rlx_nb.int8.requantization.requantizations`),
 gives legitimate runs beside the oracle, as the sequential-sums run is for a float model: the budget is what they
 leave (their RMS error, their largest, each slice's), never less than one element one quantum off.  Past the same
-limits as a float model's, a backend is SUSPECT.
+limits as a float model's, a backend is SUSPECT.  A few values whose rounding alone moves the whole output (one
+element of the zoo's Llama) are not left to the trials' chance: each way of rounding them is a world of its own, and
+a runtime is judged from the world nearest it (:mod:`rlx_nb.int8.decisive`).
 
     >>> import rlx_nb
     >>> from rlx_nb.models import demo

@@ -71,6 +71,25 @@ def _feeding(converted: torch.fx.GraphModule, names: list[str], output: str | No
     return seen
 
 
+def _upstream(points: list, index: dict, allowed: set[int], k: int) -> list[int]:
+    # The requantization points (of ``allowed``) nearest upstream of point ``k``: those its value is computed from
+    # with no other point between, in graph order.
+    found, seen = set(), set()
+    todo = list(points[k].all_input_nodes)
+    while todo:
+        node = todo.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        j = index.get(node)
+        if j is not None:  # (a point: its own value is upstream's, stop there)
+            if j in allowed:
+                found.add(j)
+            continue
+        todo.extend(node.all_input_nodes)
+    return sorted(found)
+
+
 def localize_int8(
     report: Any,
     converted: torch.fx.GraphModule,
@@ -112,6 +131,15 @@ def localize_int8(
             else:
                 lo = mid + 1
         culprit = computed[lo]
+        # The bisection takes the points in graph order, where parallel branches interleave: a fault in an attention's
+        # query projection is followed by the key's and value's points, which are within the line, so the bisection
+        # lands on the attention after them.  Walk up from there while a point that feeds it is past the line.
+        index, allowed = {p: k for k, p in enumerate(points)}, set(computed)
+        while True:
+            earlier = [j for j in _upstream(points, index, allowed, culprit) if check(j)]
+            if not earlier:
+                break
+            culprit = earlier[0]
     rows, checks, names = [], {}, set()
     for k in sorted(checked):
         results, r = checked[k]

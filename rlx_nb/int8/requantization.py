@@ -191,9 +191,10 @@ class _Lockstep(torch.fx.Interpreter):
     each requantization the gap between the two is the fp32 simulation's own arithmetic error there (in quanta).
     ``follow=False``: the float64 run requantizes its own values instead (the exact simulation), and is returned."""
 
-    def __init__(self, module: torch.fx.GraphModule, *, follow: bool = True) -> None:
+    def __init__(self, module: torch.fx.GraphModule, *, follow: bool = True, forced: dict | None = None) -> None:
         super().__init__(module)
         self.follow = follow
+        self.forced = forced or {}  # (requantization -> (flat indices, integers): rounded as given, not as computed)
         self.errors: dict[str, float] = {}  # each requantization's largest fp32 error, in quanta (NaN: not measured)
         self.sizes: dict[str, int] = {}  # each tensor value's element count
 
@@ -230,7 +231,12 @@ class _Lockstep(torch.fx.Interpreter):
                 if self.follow:
                     return _Pair(single, single)  # (both runs go on from the simulation's quantized values)
                 zero, low, high, dtype = side(args[2:6], False)
-                return _Pair(single, torch.clamp(torch.round(x.double / scale) + zero, low, high).to(dtype), x.exact)
+                rounded = torch.round(x.double / scale) + zero
+                if n.name in self.forced:
+                    index, integers = self.forced[n.name]
+                    rounded = rounded.contiguous()
+                    rounded.reshape(-1)[index] = integers.to(rounded.dtype)
+                return _Pair(single, torch.clamp(rounded, low, high).to(dtype), x.exact)
             double_kwargs = _double(side(kwargs, True))
             if _op(n) in _DEQUANTIZE:  # (its integers times its scale, in float64)
                 double_kwargs["out_dtype"] = torch.float64
@@ -257,7 +263,10 @@ def requantizations(converted: torch.fx.GraphModule, args: tuple) -> list[dict[s
         error = lockstep.errors.get(node.name, math.nan)
         accumulator = accumulator_quantum(node, converted, lockstep.sizes)
         arithmetic = FALLBACK_WIDTH if error != error else ARITHMETIC_MARGIN * error
-        if _op_name(node) in CORRECTLY_ROUNDED:
+        behind = _behind_moves(node.args[0])  # (a reshape of a matmul's output holds the matmul's value)
+        if (
+            _op(behind) if isinstance(behind, torch.fx.Node) and behind.op != "placeholder" else "input"
+        ) in CORRECTLY_ROUNDED:
             arithmetic = 0.0
         steps = _steps(_behind_moves(node.args[0]))
         width = min(0.5, max(arithmetic, steps * accumulator))
@@ -274,11 +283,13 @@ def _op_name(quantize: torch.fx.Node) -> str:
     return _op(producer) or producer.op
 
 
-def exact_simulation(converted: torch.fx.GraphModule, args: tuple) -> Any:
+def exact_simulation(converted: torch.fx.GraphModule, args: tuple, *, forced: dict | None = None) -> Any:
     """What ``converted`` computes with exact arithmetic (float64 between its quantize/dequantize ops, each
-    requantization rounding the float64 value): a correct int8 model's reference, as fp64 is an fp32 model's."""
+    requantization rounding the float64 value): a correct int8 model's reference, as fp64 is an fp32 model's.
+    ``forced``: requantization -> (flat indices, integers) rounded as given (:mod:`rlx_nb.int8.decisive`: the
+    decisive elements, as the oracle rounds them)."""
     with torch.no_grad():
-        return _Lockstep(converted, follow=False).run(*args)
+        return _Lockstep(converted, follow=False, forced=forced).run(*args)
 
 
 def _stochastic_quantize(generator: torch.Generator, width: float):

@@ -17,6 +17,7 @@ The environment says so (``environment["int8"]``: the trials, each output's quan
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from typing import Any
@@ -31,7 +32,8 @@ from rlx_nb.errors import BackendError, describe_error, error_detail
 from rlx_nb.execution.environment import environment
 from rlx_nb.execution.fingerprints import later
 from rlx_nb.execution.results import ERROR, OK, BackendRun, Fingerprints, RunResults, to_leaf
-from rlx_nb.int8.requantization import _op, exact_simulation, graph_copy, output_leaves, stochastic_copy
+from rlx_nb.int8 import decisive
+from rlx_nb.int8.requantization import _op, exact_simulation, graph_copy, output_leaves
 from rlx_nb.numerics.formats import INT8  # (also the key of ``environment`` that says a run is an int8 model's)
 
 
@@ -79,11 +81,13 @@ def int8_results(
         if oracle.status != OK:
             raise BackendError(f"the Q/DQ simulation (the oracle) failed on the CPU: {oracle.message}")
         shown.update()
-        reference = _run("fp64", lambda: exact_simulation(converted, args), compute_dtype="float64")
+        worlds, planned = decisive.find(converted, args, widths, oracle.outputs)
+        forced = worlds.forced
+        reference = _run("fp64", lambda: exact_simulation(converted, args, forced=forced), compute_dtype="float64")
         shown.update()
-        runs = {}
+        runs, held = {}, worlds.held
         for k in range(trials):
-            runs[f"trial{k}"] = _run(f"trial{k}", lambda k=k: stochastic_copy(converted, seed=k, width=widths)(*args))
+            runs[f"trial{k}"] = _run(f"trial{k}", lambda k=k: planned.run(args, seed=k, held=held))
             shown.update()
         candidates = {}
         for b in backends:
@@ -97,6 +101,7 @@ def int8_results(
             candidates[b.name] = _run(b.name, call, compute_dtype=INT8)
             shown.update()
     quanta = output_quanta(converted, list(oracle.outputs))
+    accounted = decisive.accounts(worlds, candidates, oracle)
     env = environment()
     env[INT8] = {
         "oracle": "the PT2E Q/DQ simulation on the CPU (float32); the reference is the exact simulation (float64 "
@@ -104,6 +109,9 @@ def int8_results(
         "trials": trials,
         "quanta": {k: (v if v is not None and math.isfinite(v) else None) for k, v in quanta.items()},
         "requantizations": requantizations,
+        "decisive": [dataclasses.asdict(e) for e in worlds.elements],
+        "candidates": worlds.candidates,
+        "decisive_search": {"complete": worlds.complete, "runs": worlds.probes},
     }
     return RunResults(
         label=label,
@@ -114,6 +122,7 @@ def int8_results(
         environment=env,
         fingerprints=Fingerprints(later(args, converted, None)),
         trials=runs,
+        discrete=accounted,
     )
 
 

@@ -257,9 +257,15 @@ def _past(what: str, ratio: str, limit: float) -> Callable[[Said], str]:
 
 
 def _discrete(s: Said) -> str:
+    n = s.j.events.discrete_events
+    what = (
+        "values within a correct kernel's reach of a rounding boundary, rounded the other way"
+        if s.fmt == "int8"
+        else "inputs within round-off of a ReLU's threshold flipped"
+    )
     return (
-        f"round-off, {s.at} once {s.j.events.discrete_events} discrete event(s) are accounted for: inputs within round-off "
-        f"of a ReLU's threshold flipped (see the note); its error {s.worst:.3g}x the {s.fmt} round-off budget"
+        f"round-off, {s.at} once {n} discrete event(s) are accounted for: {what} (see the note); its error "
+        f"{s.worst:.3g}x the {s.fmt} round-off budget"
     )
 
 
