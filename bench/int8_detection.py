@@ -9,9 +9,10 @@ error against the exact simulation over a legitimate int8 computation's (XNNPACK
 at least one quantum of the output: ``raw_ratio``).  Targets: 0 legitimate runs SUSPECT; every fault past 10x
 caught; at least half of those at 3-10x.
 
-    python bench/int8_detection.py [--models mlp,conv,transformer,gpt2,llama]
+    python bench/int8_detection.py [--models mlp,conv,transformer,gpt2,llama] [--out NAME]
+    python bench/int8_detection.py --merge NAME1,NAME2       # parts run apart (in parallel), written as one
 
-Writes ``bench/results/int8_detection.csv`` and ``.md``.
+Writes ``bench/results/int8_detection.csv``, ``_localized.csv`` and ``.md``.
 """
 
 from __future__ import annotations
@@ -136,17 +137,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="mlp,conv,transformer,gpt2,llama")
     parser.add_argument("--out", default="int8_detection")
+    parser.add_argument("--merge", default="", help="results of runs in parts (their --out names, comma-separated) "
+                        "written as one (--out): no model runs")  # fmt: skip
     args = parser.parse_args()
     warnings.filterwarnings("ignore")
-    rows, locs = [], []
-    for name in args.models.split(","):
-        got, loc = rows_of(name)
-        rows += got
-        locs += loc
-        print(name, "done", flush=True)
-    df, ldf = pd.DataFrame(rows), pd.DataFrame(locs)
     RESULTS.mkdir(exist_ok=True)
+    if args.merge:
+        parts = args.merge.split(",")
+        df = pd.concat([pd.read_csv(RESULTS / f"{p}.csv") for p in parts], ignore_index=True)
+        located = [RESULTS / f"{p}_localized.csv" for p in parts]
+        ldf = pd.concat([pd.read_csv(f) for f in located if f.exists() and f.stat().st_size > 1], ignore_index=True)
+    else:
+        rows, locs = [], []
+        for name in args.models.split(","):
+            got, loc = rows_of(name)
+            rows += got
+            locs += loc
+            print(name, "done", flush=True)
+        df, ldf = pd.DataFrame(rows), pd.DataFrame(locs)
     df.to_csv(RESULTS / f"{args.out}.csv", index=False)
+    ldf.to_csv(RESULTS / f"{args.out}_localized.csv", index=False)
     text = summary(df, ldf)
     (RESULTS / f"{args.out}.md").write_text(text)
     print(text)
