@@ -519,8 +519,9 @@ def test_an_op_every_correct_kernel_rounds_alike_adds_no_width_and_a_linear_with
     assert rows["input"]["width"] == rows["add"]["width"] == 0.0
     # ... yet a trial still rounds an exact tie either way (RELATIVE_REACH of the value)
     tie = torch.full((4096,), 2.5 * 0.1)
-    flipped = requantization._stochastic_quantize(torch.Generator().manual_seed(0), 0.0)(
-        tie, 0.1, 0, -128, 127, torch.int8
+    v = tie * (1.0 / 0.1)  # (in quanta, as the trials' quantize computes it)
+    flipped = requantization.rounded_at_random(
+        v, requantization.element_reach(v, 0.0), torch.Generator().manual_seed(0)
     )
     assert set(flipped.tolist()) == {2, 3}
 

@@ -12,7 +12,7 @@ So those elements are found and taken out of the trials' chance, as ReLU flips a
 (:mod:`rlx_nb.execution.discrete`):
 
 1. the Q/DQ simulation runs once recording each requantization's *candidates* -- the elements within its width of a
-   boundary (each at least :data:`~rlx_nb.int8.requantization.RELATIVE_REACH` of its value, as the trials' reach);
+   boundary (:func:`~rlx_nb.int8.requantization.element_reach`, as the trials' reach);
 2. every candidate rounded the other way at once is one legitimate *world*, the most they move the output together;
    the candidates are bisected (best first, at most :data:`MAX_PROBES` runs) for single elements that alone move an
    output by at least :data:`DECISIVE_SHARE` of that.  Only a search that finds them all (at most
@@ -41,11 +41,12 @@ from rlx_nb._support.tree import flatten
 from rlx_nb.execution.results import OK, BackendRun, Leaf, to_leaf
 from rlx_nb.int8.requantization import (
     _QUANTIZE,
-    RELATIVE_REACH,
     _module_of,
     _op_name,
     _ops,
+    element_reach,
     graph_copy,
+    rounded_at_random,
 )
 
 DECISIVE_SHARE = 0.25
@@ -99,19 +100,14 @@ class _Planned:
 
         def quantize(x, scale, zero_point, quant_min, quant_max, dtype):
             v = x * (1.0 / scale)
-            width = plan.widths.get(name, 0.0)
-            reach = torch.clamp(v.abs() * RELATIVE_REACH, min=width, max=0.5)
+            reach = element_reach(v, plan.widths.get(name, 0.0))
             if plan.record is not None:  # (the candidates: within reach of a boundary)
                 near = (0.5 - (v - torch.round(v)).abs()) < reach
                 index = torch.nonzero(near.reshape(-1)).reshape(-1)
                 flat = v.reshape(-1)[index]
                 plan.record[name] = (index, 0.5 - (flat - torch.round(flat)).abs(), torch.round(flat) + zero_point)
             if plan.generator is not None:
-                jitter = (torch.rand(x.shape, generator=plan.generator, dtype=torch.float32) - 0.5) * (2.0 * reach)
-                held = plan.held.get(name)
-                if held is not None:
-                    jitter.reshape(-1)[held] = 0.0
-                r = torch.round(v + jitter)
+                r = rounded_at_random(v, reach, plan.generator, plan.held.get(name))
             else:
                 r = torch.round(v)
             flips = plan.flips.get(name)
@@ -141,6 +137,14 @@ class _Planned:
             return self.record
         finally:
             self.record = None
+
+
+def _by_node(pairs: Any) -> dict[str, torch.Tensor]:
+    # (requantization, flat index) pairs as each requantization's indices.
+    out: dict[str, list[int]] = {}
+    for node, index in pairs:
+        out.setdefault(node, []).append(index)
+    return {k: torch.tensor(v, dtype=torch.long) for k, v in out.items()}
 
 
 def _floats(outputs: Any) -> dict[str, torch.Tensor]:
@@ -180,10 +184,7 @@ class Worlds:
     @property
     def held(self) -> dict[str, torch.Tensor]:
         """The decisive elements by requantization: what the trials hold as the oracle rounds them."""
-        out: dict[str, list[int]] = {}
-        for e in self.elements:
-            out.setdefault(e.node, []).append(e.index)
-        return {k: torch.tensor(v, dtype=torch.long) for k, v in out.items()}
+        return _by_node((e.node, e.index) for e in self.elements)
 
     @property
     def forced(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
@@ -229,7 +230,7 @@ def find(
     base = {  # (the oracle's outputs, not copied)
         k: _tensor(v.value)
         for k, v in oracle.items()
-        if v.is_array and v.value is not None and np.asarray(v.value).dtype.kind == "f" and np.asarray(v.value).size
+        if v.is_array and v.value is not None and np.asarray(v.value).dtype.kind == "f" and v.value.size
     }
     items = [(name, int(i), float(d), float(q)) for name, (index, dist, q) in recorded.items()
              for i, d, q in zip(index.tolist(), dist.tolist(), q.tolist(), strict=True)]  # fmt: skip
@@ -237,15 +238,9 @@ def find(
     if not items or not base:
         return worlds, planned
 
-    def flips_of(group: range) -> dict[str, torch.Tensor]:
-        out: dict[str, list[int]] = {}
-        for k in group:
-            out.setdefault(items[k][0], []).append(items[k][1])
-        return {name: torch.tensor(v, dtype=torch.long) for name, v in out.items()}
-
     def moves(group: range) -> dict[str, float]:
         worlds.probes += 1
-        got = _floats(planned.run(args, flips=flips_of(group)))
+        got = _floats(planned.run(args, flips=_by_node(items[k][:2] for k in group)))
         return {k: _rms(got[k], base[k]) for k in base if k in got and got[k].shape == base[k].shape}
 
     everything = moves(range(len(items)))
@@ -286,10 +281,7 @@ def find(
         where = {"op": _op_name(node), "module": _module_of(node)} if node is not None else {}
         worlds.elements.append(Element(name, index, distance, int(integer), s, **where))
     for w in range(1, 2 ** len(worlds.elements)):
-        flips: dict[str, list[int]] = {}
-        for e in worlds.flipped(w):
-            flips.setdefault(e.node, []).append(e.index)
-        got = planned.run(args, flips={k: torch.tensor(v, dtype=torch.long) for k, v in flips.items()})
+        got = planned.run(args, flips=_by_node((e.node, e.index) for e in worlds.flipped(w)))
         worlds.outputs.append(_floats(got))
     return worlds, planned
 

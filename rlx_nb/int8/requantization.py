@@ -5,7 +5,7 @@ quantized ops) to the nearest quantum.  It may round the other way from the Q/DQ
 sits close to a rounding boundary, and how close is measured here for each requantization (its *width*):
 :func:`requantizations` runs the simulation in lockstep with a float64 copy fed the same quantized values (the
 simulation's own arithmetic error there) and reads the step of the integer accumulator that feeds it.
-:func:`stochastic_copy` makes the trial runs that round within those widths; :func:`exact_simulation` is what the
+:func:`rounded_at_random` rounds within those widths, as the trial runs do (:mod:`rlx_nb.int8.decisive`); :func:`exact_simulation` is what the
 quantized model computes with exact arithmetic.
 """
 
@@ -254,7 +254,7 @@ def requantizations(converted: torch.fx.GraphModule, args: tuple) -> list[dict[s
     :data:`AVERAGE_STEPS` for a mean), the fp32
     simulation's own error there, measured against float64 from the same quantized inputs (``fp32_error`` x
     :data:`ARITHMETIC_MARGIN`; none after an op any correct kernel computes bit for bit, :data:`CORRECTLY_ROUNDED`); at
-    most 0.5.  Each element's width is also at least :data:`RELATIVE_REACH` of its value (:func:`stochastic_copy`)."""
+    most 0.5.  Each element's width is also at least :data:`RELATIVE_REACH` of its value (:func:`element_reach`)."""
     lockstep = _Lockstep(converted)
     with torch.no_grad():
         lockstep.run(*args)
@@ -264,23 +264,25 @@ def requantizations(converted: torch.fx.GraphModule, args: tuple) -> list[dict[s
         accumulator = accumulator_quantum(node, converted, lockstep.sizes)
         arithmetic = FALLBACK_WIDTH if error != error else ARITHMETIC_MARGIN * error
         behind = _behind_moves(node.args[0])  # (a reshape of a matmul's output holds the matmul's value)
-        if (
-            _op(behind) if isinstance(behind, torch.fx.Node) and behind.op != "placeholder" else "input"
-        ) in CORRECTLY_ROUNDED:
+        if _kind(behind) in CORRECTLY_ROUNDED:
             arithmetic = 0.0
-        steps = _steps(_behind_moves(node.args[0]))
+        steps = _steps(behind)
         width = min(0.5, max(arithmetic, steps * accumulator))
         rows.append({"node": node.name, "op": _op_name(node), "module": _module_of(node),
                      "accumulator_quantum": accumulator, "fp32_error": error, "width": width})  # fmt: skip
     return rows
 
 
-def _op_name(quantize: torch.fx.Node) -> str:
-    # The op whose value a requantization rounds (``linear``, ``gelu``; ``input`` for a model input).
-    producer = quantize.args[0]
+def _kind(producer: Any) -> str:
+    # A node's op by name (``linear``, ``gelu``; ``input`` for a model input).
     if not isinstance(producer, torch.fx.Node) or producer.op == "placeholder":
         return "input"
     return _op(producer) or producer.op
+
+
+def _op_name(quantize: torch.fx.Node) -> str:
+    # The op whose value a requantization rounds (``linear``, ``gelu``; ``input`` for a model input).
+    return _kind(quantize.args[0])
 
 
 def exact_simulation(converted: torch.fx.GraphModule, args: tuple, *, forced: dict | None = None) -> Any:
@@ -292,16 +294,22 @@ def exact_simulation(converted: torch.fx.GraphModule, args: tuple, *, forced: di
         return _Lockstep(converted, follow=False, forced=forced).run(*args)
 
 
-def _stochastic_quantize(generator: torch.Generator, width: float):
-    # quantize_per_tensor with each element rounded to the quantum below or above at random (probability by
-    # distance): a rounding any int8 kernel could make, one quantum at most from round-to-nearest.
-    def quantize(x, scale, zero_point, quant_min, quant_max, dtype):
-        v = x * (1.0 / scale)
-        reach = torch.clamp(v.abs() * RELATIVE_REACH, min=width, max=0.5)  # (each element's: RELATIVE_REACH)
-        jitter = (torch.rand(x.shape, generator=generator, dtype=torch.float32) - 0.5) * (2.0 * reach)
-        return torch.clamp(torch.round(v + jitter) + zero_point, quant_min, quant_max).to(dtype)
+def element_reach(v: torch.Tensor, width: float) -> torch.Tensor:
+    """Each element's reach, in quanta: how far from a rounding boundary a correct kernel's value may sit and round
+    the other way -- the requantization's ``width``, at least :data:`RELATIVE_REACH` of the value, at most 0.5."""
+    return torch.clamp(v.abs() * RELATIVE_REACH, min=width, max=0.5)
 
-    return quantize
+
+def rounded_at_random(
+    v: torch.Tensor, reach: torch.Tensor, generator: torch.Generator, held: torch.Tensor | None = None
+) -> torch.Tensor:
+    """``v`` (in quanta) rounded to the quantum below or above at random within ``reach`` (probability by distance):
+    a rounding any int8 kernel could make, one quantum at most from round-to-nearest.  ``held``: flat indices
+    rounded to nearest."""
+    jitter = (torch.rand(v.shape, generator=generator, dtype=torch.float32) - 0.5) * (2.0 * reach)
+    if held is not None:
+        jitter.reshape(-1)[held] = 0.0
+    return torch.round(v + jitter)
 
 
 def graph_copy(converted: torch.fx.GraphModule) -> torch.fx.GraphModule:
@@ -313,20 +321,6 @@ def graph_copy(converted: torch.fx.GraphModule) -> torch.fx.GraphModule:
         held = (*m._parameters.values(), *m._buffers.values(), *vars(m).values())
         memo.update((id(t), t) for t in held if isinstance(t, torch.Tensor))
     return module_copy(converted, memo)
-
-
-def stochastic_copy(
-    converted: torch.fx.GraphModule, seed: int, width: float | dict[str, float] = 0.5
-) -> torch.fx.GraphModule:
-    """A copy of ``converted`` whose activation requantizations round stochastically (seeded), each element within
-    ``width`` quanta of a boundary either way: one width, or one per requantization by node name
-    (:func:`requantizations`)."""
-    trial = graph_copy(converted)
-    generator = torch.Generator().manual_seed(seed)
-    for node in _ops(trial, _QUANTIZE):
-        node.target = _stochastic_quantize(generator, width[node.name] if isinstance(width, dict) else width)
-    trial.recompile()
-    return trial
 
 
 def _module_of(node: torch.fx.Node, producer: torch.fx.Node | None = None) -> str:
@@ -373,7 +367,8 @@ __all__ = [
     "AVERAGE_STEPS",
     "CONTRACTION_STEPS",
     "accumulator_quantum",
+    "element_reach",
     "exact_simulation",
     "requantizations",
-    "stochastic_copy",
+    "rounded_at_random",
 ]

@@ -7,7 +7,7 @@
   requantization rounding the float64 value (:func:`~rlx_nb.int8.requantization.exact_simulation`) -- what fp64 is
   to a float model;
 - the **trials** are the Q/DQ simulation again with every activation requantization rounding an element the other
-  way where a correct kernel could (:func:`~rlx_nb.int8.requantization.stochastic_copy`, within each
+  way where a correct kernel could (:func:`~rlx_nb.int8.requantization.rounded_at_random`, within each
   requantization's measured width): the legitimate runs the budget is measured from, as the oracle and the
   sequential-sums run are a float model's;
 - each **candidate** is an int8 runtime given the converted graph (``compute_dtype`` ``int8``).
