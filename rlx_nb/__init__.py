@@ -9,6 +9,10 @@ from __future__ import annotations
 from rlx_nb._version import __version__  # (first: it stops a torch older than the tested range, clearly)
 from rlx_nb.api import backend_divergence, interrupted_report, load_report, report_backend_divergence
 from rlx_nb.backends.registry import available_backends, register_backend, unregister_backend
+from rlx_nb.changes.diff import diff
+from rlx_nb.changes.record import snapshot
+from rlx_nb.changes.result import Diff
+from rlx_nb.changes.snapshot_file import Snapshot, load_snapshot
 from rlx_nb.comparison.compare import compare
 from rlx_nb.errors import BackendError, InputError, ReportFormatError, RlxError
 from rlx_nb.execution.cache import clear_preparations, kept_preparations
@@ -39,6 +43,7 @@ def explore(report, **kwargs):
 
 __all__ = [
     "BackendError",
+    "Diff",
     "DivergenceReport",
     "GenerationReport",
     "InputError",
@@ -47,17 +52,20 @@ __all__ = [
     "ReportFormatError",
     "RlxError",
     "RunResults",
+    "Snapshot",
     "__version__",
     "available_backends",
     "backend_divergence",
     "clear_preparations",
     "compare",
     "compare_reports",
+    "diff",
     "explore",
     "generation_divergence",
     "interrupted_report",
     "kept_preparations",
     "load_report",
+    "load_snapshot",
     "localize",
     "merge_reports",
     "precision_sweep",
@@ -65,5 +73,6 @@ __all__ = [
     "register_backend",
     "report_backend_divergence",
     "run",
+    "snapshot",
     "unregister_backend",
 ]

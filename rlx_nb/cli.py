@@ -106,6 +106,27 @@ def _parser() -> argparse.ArgumentParser:
     merge.add_argument("files", nargs="+", help="reports saved with --save (.rlxnb)")
     merge.add_argument("--oracle", help="node whose CPU oracle and fp64 reference to use (default: the first file)")
     merge.add_argument("--label", help="label for the report lines")
+    snap = sub.add_parser(
+        "snapshot",
+        help="record TARGET's run here, module by module (inputs, outputs, float64 reference, this environment), "
+        "for rlx-nb diff in another environment",
+    )
+    snap.add_argument("target", help="path/to/file.py:factory or package.module:factory; factory() -> (model, inputs)")
+    snap.add_argument("-o", "--output", required=True, metavar="FILE", help="the snapshot file to write (.rlxsnap)")
+    snap.add_argument("--backend", default="cpu", help="what to run on (default: the CPU oracle; an eager backend)")
+    snap.add_argument("--no-reference", action="store_true", help="leave out the float64 reference (one forward less)")
+    snap.add_argument("--byte-budget", type=int, metavar="BYTES", help="the most bytes of arrays to write")
+    snap.add_argument("--label", help="a name for this environment (default: host and torch version)")
+    dif = sub.add_parser(
+        "diff",
+        help="where this environment's run of TARGET parts from a snapshot's, module by module, judged on round-off "
+        "(or two snapshots); exit 1 when a module's change is past the line",
+    )
+    dif.add_argument("snapshot", help="a snapshot written by rlx-nb snapshot (.rlxsnap)")
+    dif.add_argument("target", help="path/to/file.py:factory or package.module:factory, or a second snapshot")
+    dif.add_argument("--backend", help="what to run on here (default: what the snapshot ran on)")
+    dif.add_argument("--all", action="store_true", help="check every module alone, not only down into those past it")
+    dif.add_argument("--html", metavar="FILE", help="also write a self-contained HTML page of the diff to FILE")
     sub.add_parser("backends", help="list every registered backend and whether it is live here")
     demo = sub.add_parser(
         "demo",
@@ -137,6 +158,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _merge(args)
         if args.command == "show":
             return _show(args)
+        if args.command == "snapshot":
+            return _snapshot(args)
+        if args.command == "diff":
+            return _diff(args)
         return _check(args)
     except RlxError as exc:
         print(term_text(f"rlx-nb: error: {exc}"), file=sys.stderr)
@@ -250,6 +275,42 @@ def _show(args: argparse.Namespace) -> int:
     if args.html:
         print(f"wrote {report.to_html(args.html)}")
     return _exit_code([report])
+
+
+def _snapshot(args: argparse.Namespace) -> int:
+    from rlx_nb.changes.record import snapshot
+    from rlx_nb.changes.snapshot_file import load_snapshot
+
+    _check_writable(args.output, "--output", directory=False)
+    model, inputs = load_target(args.target)
+    path = snapshot(model, inputs, args.output, backend=args.backend, reference=not args.no_reference,
+                    byte_budget=args.byte_budget, label=args.label)  # fmt: skip
+    print(term_text(f"wrote {path}: {load_snapshot(path)!r}"))
+    return EXIT_OK
+
+
+def _diff(args: argparse.Namespace) -> int:
+    from rlx_nb.changes.diff import diff
+
+    if args.html:
+        _check_writable(args.html, "--html", directory=False)
+    if ":" not in args.target or Path(args.target).suffix == ".rlxsnap":
+        if args.backend or args.all:
+            raise InputError("--backend and --all need a model (TARGET); two snapshots are compared as recorded")
+        result = diff(args.snapshot, args.target)
+    else:
+        model, inputs = load_target(args.target)
+        result = diff(args.snapshot, model, inputs, backend=args.backend, local="all" if args.all else "descend")
+    for line in result.lines():
+        print(term_text(line))
+    if args.html:
+        print(f"wrote {result.to_html(args.html)}")
+    if result.past_line:
+        return EXIT_SUSPECT
+    if not (result.frame.change == "moved within round-off").any():
+        print("rlx-nb: judged nothing, so this cannot pass: no module was judged", file=sys.stderr)
+        return EXIT_BACKEND_FAILED
+    return EXIT_OK
 
 
 def _merge(args: argparse.Namespace) -> int:

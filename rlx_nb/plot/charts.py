@@ -193,13 +193,21 @@ def localization_figsize(rows: int) -> tuple[float, float]:
     return 8.5, max(3.0, ROW_INCHES * rows + 1.3)
 
 
-def plot_localization(frame, *, ax: Axes | None = None, title: str | None = None, culprit: str | None = None) -> Axes:
+def plot_localization(
+    frame,
+    *,
+    ax: Axes | None = None,
+    title: str | None = None,
+    culprit: str | None = None,
+    labels: tuple[str, str] = ("module alone", "in the full run (propagated)"),
+) -> Axes:
     """Local (bars) and propagated (dots) error per module in execution order, on the verdict's one scale.
 
     ``frame`` is :attr:`rlx_nb.localization.Localization.frame`; one row per module and op, top to bottom in execution
     order, the names beside their bars.  The x axis is x of the SUSPECT line (1 is the line between round-off and
     SUSPECT): a module whose own bar crosses 1 introduces the error; one whose dot crosses 1 but whose bar does not
-    only carries it along.  ``culprit`` (:attr:`~rlx_nb.localization.Localization.culprit`) is marked.
+    only carries it along.  ``culprit`` (:attr:`~rlx_nb.localization.Localization.culprit`) is marked.  ``labels``
+    name the bars and the dots in the legend (a diff's: alone fed the old inputs, in the whole run).
     """
     from matplotlib.lines import Line2D
     from matplotlib.patches import Patch
@@ -212,11 +220,11 @@ def plot_localization(frame, *, ax: Axes | None = None, title: str | None = None
     floor = 1e-3
     ax.barh(y, np.where(np.isfinite(local) & (local > floor), local, floor), color=colours, height=0.7)
     prop = frame["propagated_line"].to_numpy(dtype=float)
-    handles = [Patch(color=PALETTE[0], label="module alone: round-off"), Patch(color=SUSPECT_COLOUR,
-               label="module alone: SUSPECT")]  # fmt: skip
+    handles = [Patch(color=PALETTE[0], label=f"{labels[0]}: round-off"), Patch(color=SUSPECT_COLOUR,
+               label=f"{labels[0]}: SUSPECT")]  # fmt: skip
     if np.isfinite(prop).any():
         ax.plot(np.where(np.isfinite(prop), np.maximum(prop, floor), np.nan), y, "o", color="black", markersize=4)
-        handles.append(Line2D([], [], marker="o", color="black", ls="", label="in the full run (propagated)"))
+        handles.append(Line2D([], [], marker="o", color="black", ls="", label=labels[1]))
     ax.axvline(1.0, linestyle="--", color="grey")
     handles.append(Line2D([], [], ls="--", color="grey", label="SUSPECT line"))
     ax.set_xscale("log")

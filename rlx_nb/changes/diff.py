@@ -1,0 +1,330 @@
+"""Diff: where two environments part, module by module, each change judged against that module's round-off.
+
+How
+---
+- **Local change**: the module alone, fed the inputs it had in the old environment, run here on the backend,
+  against the output it gave there.  The budget is that module's own round-off: its old output's error against
+  the float64 module on the same inputs (:func:`rlx_nb.comparison.compare.judge_leaf`, the verdict every report
+  uses, with the old output as the oracle).  A module whose local change is past the line computes differently
+  here.  As in :func:`rlx_nb.localize`, the search descends from the top-level modules into those past the line
+  only (``local="all"`` checks every one), so its cost grows with depth.
+- **Propagated change**: the whole model run here (on a backend that runs it eagerly, so hooks fire), each
+  module's output against its old one, judged against the old run's round-off there (its error against the float64
+  model's, the snapshot's reference).  Past the line but within it locally: the change was carried in.
+- Two snapshots (no model): propagated changes only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from rlx_nb._support import switches
+from rlx_nb._support.copies import module_copy
+from rlx_nb._support.progress import bar
+from rlx_nb._support.tree import flatten
+from rlx_nb.backends.base import REFERENCE
+from rlx_nb.backends.eager import run_float64_streamed
+from rlx_nb.backends.registry import get_backend
+from rlx_nb.changes.environment import differences, snapshot_environment
+from rlx_nb.changes.record import decode, same_state
+from rlx_nb.changes.result import Diff, row
+from rlx_nb.changes.snapshot_file import Snapshot, as_snapshot
+from rlx_nb.comparison.compare import failed, judge_leaf
+from rlx_nb.errors import InputError
+from rlx_nb.execution import fingerprints
+from rlx_nb.execution.prepare import normalize_inputs, prepare_model
+from rlx_nb.execution.results import Leaf, to_leaf
+from rlx_nb.report.baseline import fingerprint_differences
+from rlx_nb.verdict.records import OutputRecord, worst_record
+from rlx_nb.verdict.types import SUSPECT
+
+
+class Replay(torch.nn.Module):
+    """One module's recorded call, its tensors as positional inputs (what a backend is given to run it alone)."""
+
+    def __init__(self, module: torch.nn.Module, template: dict) -> None:
+        super().__init__()
+        self.module, self.template = module, template
+
+    def forward(self, *tensors: torch.Tensor) -> Any:
+        args, kwargs = decode(self.template, list(tensors))
+        return self.module(*args, **kwargs)
+
+
+def diff(
+    old: Any,
+    new: Any,
+    inputs: Any = None,
+    *,
+    backend: str | None = None,
+    params: dict[str, torch.Tensor] | None = None,
+    local: str = "descend",
+    progress: bool | None = None,
+) -> Diff:
+    """Where this environment's run of a model parts from a snapshot's, module by module, judged on round-off.
+
+    ``diff(snapshot, model, inputs)`` runs here; ``diff(a, b)`` compares two snapshots (propagated changes only).
+
+    Parameters
+    ----------
+    old : Snapshot or str or Path
+        What :func:`rlx_nb.snapshot` recorded (or its file).
+    new : nn.Module or callable, or Snapshot or str or Path
+        The model, run here; or another snapshot.
+    inputs, params
+        As for :func:`rlx_nb.backend_divergence` (the model's).
+    backend : str, optional
+        What to run here (default: what the snapshot ran on).  Any backend runs the modules alone (local changes);
+        propagated changes need one that runs the model eagerly.
+    local : {"descend", "all"}
+        ``"descend"`` (default): check modules alone from the top-level ones down into those past the line, as
+        :func:`rlx_nb.localize` does; ``"all"``: every module.
+
+    Returns
+    -------
+    Diff
+        ``frame`` (one row per module), ``culprit`` (the first module whose local change is past the line, none of
+        whose children's is), the environment differences beside it, ``plot()``, ``to_html()``.
+
+    Examples
+    --------
+    >>> import rlx_nb, tempfile, os
+    >>> from rlx_nb.models import demo
+    >>> model, inputs = demo.mlp()
+    >>> path = rlx_nb.snapshot(model, inputs, os.path.join(tempfile.mkdtemp(), "before"))
+    >>> rlx_nb.diff(path, model, inputs).culprit is None
+    True
+    """
+    if local not in ("descend", "all"):
+        raise InputError(f"local must be 'descend' or 'all', got {local!r}")
+    a = as_snapshot(old, "old")
+    if isinstance(new, (Snapshot, str, Path)):
+        if inputs is not None or backend is not None or params is not None:
+            raise InputError("diff of two snapshots takes no inputs, backend or params: both runs are recorded")
+        return _two_snapshots(a, as_snapshot(new, "new"))
+    if inputs is None:
+        raise InputError("diff(snapshot, model, inputs): pass the model's inputs (or two snapshots)")
+    return _against_model(a, new, inputs, backend=backend or a.backend, params=params, local=local, progress=progress)
+
+
+def _leaves(out: Any) -> dict[str, Leaf]:
+    # A module's output (any structure) as its floating tensor leaves, by the names a snapshot records.
+    return {k: to_leaf(v) for k, v in flatten(out) if isinstance(v, torch.Tensor) and v.is_floating_point()}
+
+
+def _judge(old: dict[str, Leaf], got: dict[str, Leaf], ref: dict[str, Leaf], label: str, name: str) -> OutputRecord:
+    # The worst of a module's output leaves, each judged both ways round against float64 on the same inputs: the new
+    # output on the old one's round-off (a kernel that now computes worse), and the old output on the new one's (a
+    # function that changed, which the float64 run here follows: an edited module, an op that now means another).
+    records = []
+    for leaf, o in old.items():
+        g, r = got.get(leaf), ref.get(leaf)
+        if g is None or r is None or not g.is_array:
+            continue
+        if tuple(g.shape) != tuple(o.shape):
+            records.append(failed(label, f"{name} output {leaf} is {tuple(g.shape)} here, {tuple(o.shape)} there"))
+            continue
+        output = f"{name}:{leaf}" if leaf != "out" else name
+        records.append(judge_leaf(o, g, r, backend=label, output=output))
+        back = judge_leaf(g, o, r, backend=label, output=output)
+        if back.verdict == SUSPECT:
+            records.append(
+                dataclasses.replace(back, reason=f"the old output against the float64 value here: {back.reason}")
+            )
+    if not records:
+        return failed(label, "no output of it was recorded in both")
+    return worst_record(records)
+
+
+def _two_snapshots(a: Snapshot, b: Snapshot) -> Diff:
+    if not (a.has_reference or b.has_reference):
+        raise InputError(
+            "neither snapshot holds its float64 reference, which a change is judged against: write one with "
+            "rlx_nb.snapshot(..., reference=True), or diff a snapshot against the model: rlx_nb.diff(a, model, inputs)"
+        )
+    notes, unchecked = fingerprint_differences(a.fingerprints, b.fingerprints)
+    rows = []
+    for name in a.modules:
+        m = a.entry(name)
+        if name not in b.modules:
+            rows.append(row(m, note=f"not called in {b.label!r}"))
+            continue
+        ref = a.reference(name) if a.has_reference else b.reference(name)
+        rec = _judge(a.outputs(name), b.outputs(name), ref, b.label, _shown(name, a))
+        if _same_inputs(a, b, name):  # (fed the very same bytes: whatever changed, changed in it)
+            rows.append(row(m, local=rec, propagated=rec, note="fed bit for bit the same inputs in both"))
+        else:
+            rows.append(row(m, propagated=rec, note="two snapshots: its change alone needs the model"))
+    rows += [row(b.entry(n), note=f"not called in {a.label!r}") for n in b.modules if n not in a.modules]
+    return Diff(rows, a, new_label=b.label, backend=b.backend, environment=differences(a.environment, b.environment),
+                notes=[*notes, *unchecked], checked_alone=False, keyword=a.meta["keyword"])  # fmt: skip
+
+
+def _same_inputs(a: Snapshot, b: Snapshot, name: str) -> bool:
+    # Whether a module was called with bit for bit the same tensors (and the same call) in both snapshots.
+    ea, eb = a.entry(name), b.entry(name)
+    if ea["call"] is None or ea["call"] != eb["call"] or len(ea["inputs"]) != len(eb["inputs"]):
+        return False
+    return all(torch.equal(x, y) for x, y in zip(a.tensors(name), b.tensors(name), strict=True))
+
+
+def _shown(name: str, a: Snapshot) -> str:
+    return (name.removeprefix("model.") if a.meta["keyword"] else name) or "<root>"
+
+
+def _against_model(
+    a: Snapshot, model: Any, inputs: Any, *, backend: str, params: Any, local: str, progress: Any
+) -> Diff:
+    chosen = get_backend(backend)
+    if backend == REFERENCE:
+        raise InputError(f"{backend!r} is the float64 reference; diff what a model computes in float32 or lower")
+    reason = chosen.unavailable_reason()
+    if reason:
+        raise InputError(f"backend {backend!r} is not available here: {reason}")
+    env = snapshot_environment()
+    with switches.exclusive():
+        args, keys = normalize_inputs(inputs)
+        base = prepare_model(model, params, keys)
+        if (keys is not None) != a.meta["keyword"]:
+            raise InputError("the snapshot's inputs were " + ("keywords (a dict)" if a.meta["keyword"] else
+                             "positional") + "; pass the inputs the same way")  # fmt: skip
+        now = {"inputs": fingerprints.fingerprint(args), "model": fingerprints.fingerprint(dict(base.state_dict())),
+               "input_structure": fingerprints.structure(args),
+               "model_structure": fingerprints.structure(dict(base.state_dict()))}  # fmt: skip
+        notes, unchecked = fingerprint_differences(a.fingerprints, now)
+        named = dict(base.named_modules())
+        label = f"{backend} here"
+        shown = bar(f"rlx_nb diff {backend}", unit="check", enabled=progress)
+        try:
+            propagated, called = _propagated(a, base, args, chosen, label) if chosen.hookable else ({}, [])
+            local_checks = _local(a, named, chosen, label, how=local, shown=shown)
+        finally:
+            shown.close()
+    if not chosen.hookable:
+        notes.append(f"{backend} compiles or exports the whole model: its modules' outputs in a full run are not "
+                     "seen, so only local changes are judged")  # fmt: skip
+    rows = []
+    for name in a.modules:
+        m = a.entry(name)
+        if name not in named:
+            rows.append(row(m, note="no such module in the model here"))
+            continue
+        rec, note = local_checks.get(name, (None, ""))
+        rows.append(row(m, local=rec, propagated=propagated.get(name), note=note or a.why(name)))
+    rows += [row({"name": n, "order": len(rows) + i, "depth": n.count(".") + 1 if n else 0, "parent": None},
+                 note="not in the snapshot: a module called here, not there (added since?)")
+             for i, n in enumerate(n for n in called if n not in a.modules)]  # fmt: skip
+    return Diff(rows, a, new_label=label, backend=backend, environment=differences(a.environment, env),
+                notes=[*notes, *unchecked], checked_alone=True, keyword=a.meta["keyword"])  # fmt: skip
+
+
+def _propagated(a: Snapshot, base: torch.nn.Module, args: tuple, backend: Any, label: str) -> tuple[dict, list[str]]:
+    # The whole model here, each module's first output judged as it comes against the old one (nothing held); and
+    # every module called here, in order.
+    residual: dict[str, dict[str, Leaf]] = {}
+    if not a.has_reference:  # (the float64 model's value of each module, here: as good as there)
+        residual = _reference_here(a, base, args)
+    found: dict[str, OutputRecord] = {}
+    called: list[str] = []
+
+    def post(name: str):
+        def hook(module, _, out):
+            if name not in called:
+                called.append(name)
+            if name in found or name not in a.modules:
+                return
+            ref = a.reference(name) if a.has_reference else residual.get(name, {})
+            found[name] = _judge(a.outputs(name), _leaves(out), ref, label, _shown(name, a))
+
+        return hook
+
+    handles = [m.register_forward_hook(post(n)) for n, m in base.named_modules()]
+    try:
+        with torch.no_grad(), same_state(base):
+            backend.fn(base, args)
+    except Exception as exc:
+        raise InputError(f"the model failed on {backend.name!r} here: {type(exc).__name__}: {exc}") from None
+    finally:
+        for h in handles:
+            h.remove()
+    return found, called
+
+
+def _reference_here(a: Snapshot, base: torch.nn.Module, args: tuple) -> dict[str, dict[str, Leaf]]:
+    refs: dict[str, dict[str, Leaf]] = {}
+
+    def post(name: str):
+        def hook(module, _, out):
+            if name in refs or name not in a.modules:
+                return
+            refs[name] = {k: to_leaf(v, copy=True) for k, v in flatten(out) if isinstance(v, torch.Tensor)
+                          and v.is_floating_point()}  # fmt: skip
+
+        return hook
+
+    handles = [m.register_forward_hook(post(n)) for n, m in base.named_modules()]
+    try:
+        with torch.no_grad(), same_state(base):
+            run_float64_streamed(base, args)
+    finally:
+        for h in handles:
+            h.remove()
+    return refs
+
+
+def _local(a: Snapshot, named: dict, backend: Any, label: str, *, how: str, shown: Any) -> dict:
+    # Modules alone, fed their old inputs: from the top-level ones down into those past the line ("descend").
+    children: dict[str, list[str]] = {n: [] for n in a.modules}
+    for n in a.modules:
+        parent = a.entry(n)["parent"]
+        if parent is not None and parent in children:
+            children[parent].append(n)
+    checks: dict[str, tuple[OutputRecord | None, str]] = {}
+
+    def check(name: str) -> bool:
+        shown.update()
+        if name not in named:
+            return False
+        parts = a.entry(name)
+        if parts["call"] is None:
+            checks[name] = (None, a.why(name) or "its call was not recorded")
+            return False
+        template, tensors = parts["call"], a.tensors(name)
+        try:
+            with torch.no_grad():
+                replay = Replay(module_copy(named[name], {}), template).eval()
+                got = backend.fn(replay, tuple(t.clone() for t in tensors))
+                ref = run_float64_streamed(Replay(named[name], template), tuple(tensors))
+        except Exception as exc:
+            checks[name] = (failed(label, f"{type(exc).__name__}: {exc}"[:300]), "")
+            return False
+        rec = _judge(a.outputs(name), _leaves(got), _leaves(ref), label, _shown(name, a))
+        checks[name] = (rec, "")
+        return rec.verdict == SUSPECT
+
+    if how == "all":
+        for n in a.modules:
+            check(n)
+        return checks
+    root = a.modules[0] if a.modules else None
+    if root is None:
+        return checks
+    frontier = children[root] or [root]
+    suspects = _visit(frontier, check, children)
+    if not suspects and frontier != [root]:
+        _visit([root], check, children)
+    return checks
+
+
+def _visit(names: list[str], check, children: dict[str, list[str]]) -> list[str]:
+    suspects = [n for n in names if check(n)]
+    for n in list(suspects):
+        suspects += _visit(children.get(n, []), check, children)
+    return suspects
+
+
+__all__ = ["Replay", "diff"]

@@ -1,0 +1,353 @@
+"""Snapshot: one environment's run of a model, module by module, streamed to disk.
+
+How
+---
+1. The model runs once on the backend (the CPU oracle by default) with a hook on every module.  Each module's first
+   call is written as it happens: its call (the arguments, tensors as slots) and its inputs, then its outputs.  A
+   tensor already written (a module's input is often the module before's output) is stored once, matched by its
+   bytes, so the file holds each distinct activation once.
+2. With ``reference=True`` (default) the float64 model runs once more (its weights cast one op at a time,
+   :func:`~rlx_nb.backends.eager.run_float64_streamed`), and each module's float64 output, less the recorded output,
+   is written in float32: the oracle's own round-off there, which :func:`rlx_nb.diff` judges a change against.
+3. Arrays go to a scratch folder beside ``path`` as they are made (nothing is held), then into one zip.  A
+   ``byte_budget`` caps what is written: past it, a module's arrays are left out and the file says so.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from rlx_nb._support import switches
+from rlx_nb._support.hugepages import raw_bytes
+from rlx_nb._support.tree import flatten
+from rlx_nb.backends.base import ORACLE, REFERENCE
+from rlx_nb.backends.eager import run_float64_streamed
+from rlx_nb.backends.registry import get_backend
+from rlx_nb.changes import files
+from rlx_nb.changes.environment import snapshot_environment
+from rlx_nb.errors import InputError, writing
+from rlx_nb.execution import fingerprints
+from rlx_nb.execution.prepare import normalize_inputs, prepare_model
+
+_DTYPES = {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
+           torch.int8, torch.uint8, torch.bool}  # fmt: skip
+
+
+class Unwritable(Exception):
+    """A call argument a snapshot cannot write as data (an object, a callable): the module cannot be replayed."""
+
+
+def encode(x: Any, tensors: list[torch.Tensor]) -> dict:
+    """``x`` (a call's arguments) as a JSON template, each tensor appended to ``tensors`` and written as its slot."""
+    if isinstance(x, torch.Tensor):
+        if x.dtype not in _DTYPES:
+            raise Unwritable(f"{x.dtype} tensor")
+        tensors.append(x)
+        return {"slot": len(tensors) - 1}
+    if x is None or isinstance(x, (bool, int, str)):
+        return {"value": x}
+    if isinstance(x, float):
+        return {"float": repr(x)}
+    if isinstance(x, torch.dtype):
+        name = str(x).removeprefix("torch.")
+        if name not in files.schema.DTYPES:
+            raise Unwritable(f"dtype {name}")
+        return {"dtype": name}
+    if isinstance(x, tuple) and not hasattr(x, "_fields"):
+        return {"tuple": [encode(v, tensors) for v in x]}
+    if isinstance(x, list):
+        return {"list": [encode(v, tensors) for v in x]}
+    if isinstance(x, dict) and all(isinstance(k, str) for k in x):
+        return {"dict": {k: encode(v, tensors) for k, v in x.items()}}
+    raise Unwritable(type(x).__name__)
+
+
+def decode(t: dict, tensors: list[torch.Tensor]) -> Any:
+    """The arguments :func:`encode` wrote, around ``tensors``."""
+    ((kind, v),) = t.items()
+    if kind == "slot":
+        return tensors[v]
+    if kind == "value":
+        return v
+    if kind == "float":
+        return float(v)
+    if kind == "dtype":
+        return getattr(torch, v)
+    if kind == "tuple":
+        return tuple(decode(x, tensors) for x in v)
+    if kind == "list":
+        return [decode(x, tensors) for x in v]
+    return {k: decode(x, tensors) for k, x in v.items()}
+
+
+@contextlib.contextmanager
+def same_state(base: torch.nn.Module) -> Iterator[None]:
+    """Around one run: the model's buffers put back as they were after it (a model that steps a counter or a running
+    statistic in forward gives every run the state the first one saw)."""
+    kept = {name: b.detach().clone() for name, b in base.named_buffers()}
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for name, b in base.named_buffers():
+                if name in kept and b.shape == kept[name].shape:
+                    b.copy_(kept[name])
+
+
+class Sink:
+    """Arrays written to a scratch folder as ``.npy`` files as they come, each distinct one once, under a budget."""
+
+    def __init__(self, folder: Path, budget: int | None) -> None:
+        self.folder, self.budget = folder, budget
+        self.bytes = 0
+        self.files: dict[str, Path] = {}
+        self.declared: dict[str, dict] = {}
+        self.left_out = 0
+        self._seen: dict[bytes, str] = {}
+
+    def put(self, t: torch.Tensor) -> str | None:
+        """The entry ``t`` is stored under (one already written if the same bytes were); None past the budget."""
+        dtype = str(t.dtype).removeprefix("torch.")
+        t = t.detach()
+        t = (t.float() if t.dtype == torch.bfloat16 else t).to("cpu").contiguous()  # (numpy has no bfloat16)
+        digest = hashlib.blake2b(f"{dtype}{tuple(t.shape)}".encode(), digest_size=20)
+        if t.numel():
+            digest.update(raw_bytes(t))
+        key = digest.digest()
+        if key in self._seen:
+            return self._seen[key]
+        if self.budget is not None and self.bytes + t.nbytes > self.budget:
+            self.left_out += 1
+            return None
+        entry = f"arrays/{len(self.files)}.npy"
+        path = self.folder / f"{len(self.files)}.npy"
+        arr = np.frombuffer(raw_bytes(t), dtype=np.dtype(str(t.dtype).removeprefix("torch."))) if t.numel() else (
+            np.zeros(0, dtype=np.dtype(str(t.dtype).removeprefix("torch."))))  # fmt: skip
+        with open(path, "wb") as f:
+            np.lib.format.write_array(f, arr.reshape(tuple(t.shape)), allow_pickle=False)
+        self.bytes += t.nbytes
+        self.files[entry], self.declared[entry] = path, {"dtype": dtype, "shape": list(t.shape)}
+        self._seen[key] = entry
+        return entry
+
+    def read(self, entry: str) -> np.ndarray:
+        return np.load(self.files[entry], mmap_mode="r", allow_pickle=False)
+
+
+def snapshot(
+    model: Any,
+    inputs: Any,
+    path: str | Path,
+    *,
+    backend: str = ORACLE,
+    params: dict[str, torch.Tensor] | None = None,
+    reference: bool = True,
+    byte_budget: int | None = None,
+    label: str | None = None,
+) -> Path:
+    """Record this environment's run of ``model`` on ``inputs``, module by module, to ``path`` (a ``.rlxsnap`` file).
+
+    What :func:`rlx_nb.diff` compares another environment against: each module's first call (its inputs) and its
+    outputs on ``backend``, each module's float64 value (``reference``), this environment (versions, CPU features,
+    BLAS and oneDNN, threads, dispatch variables, rlx_nb's switches) and the model's and inputs' fingerprints.
+
+    Parameters
+    ----------
+    model, inputs, params
+        As for :func:`rlx_nb.backend_divergence`.
+    path : str or Path
+        The file to write; ``.rlxsnap`` is appended when it has no suffix.
+    backend : str
+        Where to run: the CPU oracle (default) or another backend that runs the model eagerly (hooks fire on it:
+        ``cpu-nomkldnn``, ``cuda``, a fault...).
+    reference : bool
+        Also record each module's float64 value (one more forward, in float64): a diff of two snapshots needs it
+        in one of them; a diff against a model computes it itself.
+    byte_budget : int, optional
+        The most bytes of arrays to write.  By default every distinct activation is written once (about the
+        model's activations, and as much again for the reference); past a budget, later modules' arrays are left
+        out (their rows in a diff say so).
+    label : str, optional
+        A name for this environment (default: the host and torch version).
+
+    Returns
+    -------
+    Path
+        The file written.
+    """
+    if byte_budget is not None and (isinstance(byte_budget, bool) or not isinstance(byte_budget, int)
+                                    or byte_budget < 0):  # fmt: skip
+        raise InputError(f"byte_budget must be a whole number of bytes >= 0 or None, got {byte_budget!r}")
+    chosen = get_backend(backend)
+    if backend == REFERENCE:
+        raise InputError(f"{backend!r} is the float64 reference, which every snapshot records with reference=True")
+    reason = chosen.unavailable_reason()
+    if reason:
+        raise InputError(f"backend {backend!r} is not available here: {reason}")
+    if not chosen.hookable:
+        raise InputError(
+            f"backend {backend!r} does not run the model's modules as modules (it compiles or exports the whole "
+            "model), so a snapshot cannot see each module's outputs on it; snapshot the CPU oracle or an eager "
+            "backend, and diff a compiled backend's modules with rlx_nb.diff(snapshot, model, inputs, backend=...)"
+        )
+    path = Path(path)
+    if not path.suffix:
+        path = path.with_suffix(files.SUFFIX)
+    env = snapshot_environment()
+    with writing(path, "the snapshot"):
+        path.parent.mkdir(parents=True, exist_ok=True)
+        scratch = Path(tempfile.mkdtemp(prefix=".rlx_nb-snapshot-", dir=path.parent))
+    try:
+        with switches.exclusive():
+            args, keys = normalize_inputs(inputs)
+            base = prepare_model(model, params, keys)
+            sink = Sink(scratch, byte_budget)
+            seconds = {}
+            start = time.perf_counter()
+            modules = _record(base, args, chosen, sink)
+            seconds["forward"] = time.perf_counter() - start
+            if reference:
+                start = time.perf_counter()
+                _record_reference(base, args, modules, sink)
+                seconds["reference"] = time.perf_counter() - start
+        meta = {
+            "format": files.FORMAT,
+            "version": files.VERSION,
+            "label": label or f"{env.get('host')} torch {torch.__version__}",
+            "backend": backend,
+            "keyword": keys is not None,
+            "environment": _jsonable(env),
+            "fingerprints": {
+                "inputs": fingerprints.fingerprint(args),
+                "model": fingerprints.fingerprint(dict(base.state_dict())),
+                "input_structure": fingerprints.structure(args),
+                "model_structure": fingerprints.structure(dict(base.state_dict())),
+            },
+            "byte_budget": byte_budget,
+            "bytes": sink.bytes,
+            "seconds": seconds,
+            "modules": list(modules.values()),
+            "arrays": sink.declared,
+        }
+        with writing(path, "the snapshot"):
+            files.write(path, meta, sink.files)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+    return path
+
+
+def _jsonable(v: Any) -> Any:
+    if isinstance(v, dict):
+        return {str(k): _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    if v is None or isinstance(v, (bool, int, str)):
+        return v
+    if isinstance(v, float):
+        return v if v == v and abs(v) != float("inf") else repr(v)
+    return repr(v)
+
+
+def _record(base: torch.nn.Module, args: tuple, backend: Any, sink: Sink) -> dict[str, dict]:
+    # One run on the backend: each module's first call and outputs, written as they happen.
+    modules: dict[str, dict] = {}
+    done: set[str] = set()
+
+    def pre(name: str):
+        def hook(module, a, kw):
+            if name in modules:
+                return
+            entry = {"name": name, "order": len(modules), "depth": 0, "parent": None, "call": None, "why": "",
+                     "inputs": [], "outputs": {}, "reference": {}}  # fmt: skip
+            modules[name] = entry
+            tensors: list[torch.Tensor] = []
+            try:
+                entry["call"] = encode((tuple(a), dict(kw)), tensors)
+            except Unwritable as exc:
+                entry["why"] = f"its call passes a {exc}, which a snapshot cannot write: it cannot run alone"
+                return
+            entry["inputs"] = [sink.put(t) for t in tensors]
+            if any(e is None for e in entry["inputs"]):
+                entry["call"], entry["why"] = None, "its inputs were past the byte budget: it cannot run alone"
+
+        return hook
+
+    def post(name: str):
+        def hook(module, a, out):
+            if name in done or name not in modules:
+                return
+            done.add(name)
+            for leaf_name, leaf in flatten(out):
+                if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+                    modules[name]["outputs"][leaf_name] = sink.put(leaf)
+
+        return hook
+
+    handles = []
+    for name, module in base.named_modules():
+        handles.append(module.register_forward_pre_hook(pre(name), with_kwargs=True))
+        handles.append(module.register_forward_hook(post(name)))
+    try:
+        with torch.no_grad(), same_state(base):
+            backend.fn(base, args)
+    except Exception as exc:
+        raise InputError(f"the model failed on {backend.name!r}: {type(exc).__name__}: {exc}") from None
+    finally:
+        for h in handles:
+            h.remove()
+    for name, entry in modules.items():
+        if name:
+            parent = name.rpartition(".")[0]
+            while parent and parent not in modules:  # (a ModuleList is never called itself)
+                parent = parent.rpartition(".")[0]
+            entry["parent"] = parent
+            entry["depth"] = modules[parent]["depth"] + 1
+        if any(e is None for e in entry["outputs"].values()) and not entry["why"]:
+            entry["why"] = "some of its outputs were past the byte budget"
+    return modules
+
+
+def _record_reference(base: torch.nn.Module, args: tuple, modules: dict[str, dict], sink: Sink) -> None:
+    # The float64 model, once: each module's float64 output less the recorded one, in float32.
+    done: set[str] = set()
+
+    def post(name: str):
+        def hook(module, a, out):
+            if name in done or name not in modules:
+                return
+            done.add(name)
+            recorded = modules[name]["outputs"]
+            for leaf_name, leaf in flatten(out):
+                entry = recorded.get(leaf_name)
+                if entry is None or not isinstance(leaf, torch.Tensor) or not leaf.is_floating_point():
+                    continue
+                old = sink.read(entry)
+                if tuple(old.shape) != tuple(leaf.shape):
+                    continue  # (the float64 model took another path: no reference for this leaf)
+                residual = np.asarray(leaf.detach().to("cpu", torch.float64).numpy() - old.astype(np.float64))
+                modules[name]["reference"][leaf_name] = sink.put(torch.from_numpy(residual.astype(np.float32)))
+
+        return hook
+
+    handles = [m.register_forward_hook(post(n)) for n, m in base.named_modules()]
+    try:
+        with torch.no_grad(), same_state(base):
+            run_float64_streamed(base, args)
+    except Exception as exc:
+        raise InputError(f"the float64 reference failed: {type(exc).__name__}: {exc}") from None
+    finally:
+        for h in handles:
+            h.remove()
+
+
+__all__ = ["decode", "encode", "same_state", "snapshot"]

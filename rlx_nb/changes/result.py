@@ -1,0 +1,234 @@
+"""A diff's result: one row per module (its local and propagated change on the verdict's one scale), the first module
+whose own change is past the line, and the environment differences beside it."""
+
+from __future__ import annotations
+
+import base64
+import html
+import io
+import math
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+
+from rlx_nb.comparison.tables import Table
+from rlx_nb.errors import writing
+from rlx_nb.verdict.records import OutputRecord
+from rlx_nb.verdict.types import ROUNDOFF, SUSPECT, VERDICT_ERROR
+
+COLUMNS = [
+    "order", "module", "depth", "change", "local_verdict", "local_line", "propagated_verdict", "propagated_line",
+    "local_ratio_rmse", "local_ratio_max", "propagated_ratio_rmse", "propagated_ratio_max", "output", "reason", "note",
+]  # fmt: skip
+"""A diff's frame: ``local_*`` the module alone fed its old inputs, ``propagated_*`` its output in the whole run;
+``*_line`` on the verdict's one scale (past 1.0 is past the line); ``change`` in words."""
+
+CHANGED_HERE = "changed here"
+CARRIED_IN = "carried in"
+WITHIN = "moved within round-off"
+NOT_JUDGED = "not judged"
+
+
+def row(m: dict, *, local: OutputRecord | None = None, propagated: OutputRecord | None = None, note: str = "") -> dict:
+    """One module's row (``m``: its snapshot entry)."""
+    out: dict[str, Any] = {"order": m["order"], "name": m["name"], "depth": m["depth"], "parent": m.get("parent")}
+    for side, rec in (("local", local), ("propagated", propagated)):
+        j = rec.judgement if rec is not None else None
+        out[f"{side}_verdict"] = rec.verdict if rec is not None else ""
+        out[f"{side}_line"] = j.line if j is not None else math.nan
+        out[f"{side}_ratio_rmse"] = j.budget.ratio_rmse if j is not None and j.budget is not None else math.nan
+        out[f"{side}_ratio_max"] = j.budget.ratio_max if j is not None and j.budget is not None else math.nan
+    decisive = local if local is not None and local.verdict == SUSPECT else propagated or local
+    out["output"] = (decisive.output or "") if decisive is not None else ""
+    # (the verdict's words name the oracle: here it is the snapshot's run)
+    out["reason"] = (decisive.reason or "").replace("the oracle", "the snapshot's run") if decisive is not None else ""
+    out["note"] = note
+    lv, pv = out["local_verdict"], out["propagated_verdict"]
+    if lv == SUSPECT:
+        out["change"] = CHANGED_HERE
+    elif pv == SUSPECT:
+        out["change"] = CARRIED_IN
+    elif VERDICT_ERROR in (lv, pv):
+        out["change"] = "error"
+    elif ROUNDOFF in (lv, pv):
+        out["change"] = WITHIN
+    else:
+        out["change"] = NOT_JUDGED
+    return out
+
+
+class Diff:
+    """Where two environments part: one row per module, its change judged against its own round-off.
+
+    Attributes
+    ----------
+    frame : pandas.DataFrame
+        One row per module in the order the model first called it (:data:`COLUMNS`).
+    culprit : str or None
+        The first module whose *local* change (alone, fed the old inputs) is past the line, none of whose
+        children's is: where the new environment computes differently.  None when none is.
+    first_parted : str or None
+        The first module whose output in the whole run is past the line, none of whose children's is (what two
+        snapshots, without the model, can tell).
+    environment : list of str
+        How the two environments differ (``key: old -> new (what it can move)``), the kernel-changing ones first.
+    notes : list of str
+        What else differs (the weights, the inputs) or could not be judged.
+    """
+
+    def __init__(self, rows: list[dict], old: Any, *, new_label: str, backend: str, environment: list[str],
+                 notes: list[str], checked_alone: bool, keyword: bool) -> None:  # fmt: skip
+        self.old_label, self.new_label, self.backend = old.label, new_label, backend
+        self.environment, self.notes, self.checked_alone = environment, notes, checked_alone
+        for r in rows:
+            r["module"] = (r["name"].removeprefix("model.") if keyword else r["name"]) or "<root>"
+        self._rows = rows
+        self.frame = Table(sorted(rows, key=lambda r: r["order"]), columns=COLUMNS)
+        self.culprit = _innermost(rows, "local_verdict")
+        self.first_parted = _innermost(rows, "propagated_verdict")
+
+    @property
+    def changed(self) -> list[str]:
+        """Every module whose own change is past the line, in order."""
+        return self.frame[self.frame.change == CHANGED_HERE].module.tolist()
+
+    @property
+    def past_line(self) -> bool:
+        """Whether any module's change (local or propagated) is past the line."""
+        return bool((self.frame.local_verdict == SUSPECT).any() or (self.frame.propagated_verdict == SUSPECT).any())
+
+    @property
+    def finding(self) -> str:
+        """What the diff found, in one sentence."""
+        n = len(self.frame)
+        if self.culprit is not None:
+            r = self.frame[self.frame.module == self.culprit].iloc[0]
+            carried = int((self.frame.change == CARRIED_IN).sum())
+            return (
+                f"{self.culprit} computes differently here: its own change is {r.local_line:.3g}x the line "
+                f"(fed the old inputs)" + (f"; {carried} module(s) after it carry the change" if carried else "")
+            )
+        if self.first_parted is not None:
+            r = self.frame[self.frame.module == self.first_parted].iloc[0]
+            how = (
+                (
+                    "every module alone is within round-off: the change is in code between modules, or in what a "
+                    "module reads besides its inputs"
+                )
+                if self.checked_alone
+                else "local changes need the model"
+            )
+            return f"the runs first part at {self.first_parted} ({r.propagated_line:.3g}x the line); {how}"
+        judged = int((self.frame.change == WITHIN).sum())
+        return f"every module moved within round-off ({judged} of {n} judged)"
+
+    def lines(self) -> list[str]:
+        """The diff as text lines (what ``rlx-nb diff`` prints)."""
+        out = [f"rlx_nb diff: {self.old_label} -> {self.new_label} ({self.backend}): {self.finding}"]
+        counts = self.frame.change.value_counts()
+        out.append("  modules: " + ", ".join(f"{counts[k]} {k}" for k in counts.index))
+        if self.environment:
+            out.append("  environment differences" + (" that could explain it:" if self.past_line else ":"))
+            out += [f"    {d}" for d in self.environment]
+        else:
+            out.append("  environment: no difference recorded")
+        out += [f"  note: {n}" for n in self.notes]
+        for _, r in self.frame[self.frame.change == CHANGED_HERE].iterrows():
+            out.append(f"  changed here: {r.module} ({r.local_line:.3g}x the line) {r.reason}".rstrip())
+        carried = self.frame[self.frame.change == CARRIED_IN]
+        if len(carried):
+            top = carried.loc[carried.propagated_line.idxmax()]
+            out.append(f"  carried in: {len(carried)} module(s), the furthest {top.module} at "
+                       f"{top.propagated_line:.3g}x the line (within it alone)")  # fmt: skip
+        return out
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
+
+    def __repr__(self) -> str:
+        return f"<Diff {self.old_label!r} -> {self.new_label!r}: culprit={self.culprit!r}, {len(self.frame)} modules>"
+
+    def _repr_html_(self) -> str:
+        return self._body(figure=False)
+
+    def plot(self, *, ax=None):
+        """Each module's local (bars) and propagated (dots) change on the verdict's one scale, in execution order."""
+        from rlx_nb.plot.charts import plot_localization
+
+        frame = pd.DataFrame({
+            "name": self.frame.module,
+            "verdict": self.frame.local_verdict if self.checked_alone else self.frame.propagated_verdict,
+            "local_line": self.frame.local_line,
+            "propagated_line": self.frame.propagated_line,
+        })  # fmt: skip
+        labels = ("alone, fed the old inputs", "in the whole run")
+        return plot_localization(frame, ax=ax, culprit=self.culprit or self.first_parted, labels=labels,
+                                 title=f"{self.old_label} -> {self.new_label}: where the runs part")  # fmt: skip
+
+    def to_html(self, path: str | Path) -> Path:
+        """Write the diff as one self-contained HTML file (the finding, the environment differences, the plot and
+        the table); returns the path (``.html`` appended when it has no suffix)."""
+        path = Path(path)
+        if not path.suffix:
+            path = path.with_suffix(".html")
+        page = ("<!DOCTYPE html><html><head><meta charset='utf-8'><title>rlx_nb diff</title><style>"
+                "body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}"
+                "table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ddd;padding:2px 6px}"
+                ".SUSPECT{background:#f8d0d0}.round-off{background:#e6f2e6}img{max-width:100%}"
+                "</style></head><body>" + self._body(figure=True) + "</body></html>")  # fmt: skip
+        with writing(path, "the diff"):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(page, encoding="utf-8")
+        return path
+
+    def _body(self, *, figure: bool) -> str:
+        e = html.escape
+        parts = [f"<h3>{e(self.old_label)} &rarr; {e(self.new_label)} ({e(self.backend)})</h3>",
+                 f"<p><b>{e(self.finding)}</b></p>"]  # fmt: skip
+        if self.environment:
+            parts.append("<p>Environment differences:</p><ul>" + "".join(f"<li>{e(d)}</li>" for d in self.environment)
+                         + "</ul>")  # fmt: skip
+        parts += [f"<p>Note: {e(n)}</p>" for n in self.notes]
+        if figure:
+            import matplotlib.pyplot as plt
+
+            ax = self.plot()
+            buf = io.BytesIO()
+            ax.figure.savefig(buf, format="png", dpi=100, bbox_inches="tight")
+            plt.close(ax.figure)
+            parts.append(f"<img alt='where the runs part' src='data:image/png;base64,"
+                         f"{base64.b64encode(buf.getvalue()).decode()}'>")  # fmt: skip
+        cols = ["module", "change", "local_verdict", "local_line", "propagated_verdict", "propagated_line", "reason"]
+        head = "".join(f"<th>{e(c)}</th>" for c in cols)
+        body = []
+        for _, r in self.frame.iterrows():
+            cells = []
+            for c in cols:
+                v = r[c]
+                text = "" if isinstance(v, float) and v != v else f"{v:.3g}" if isinstance(v, float) else str(v)
+                cls = f" class='{e(str(v))}'" if c.endswith("_verdict") and v in (SUSPECT, ROUNDOFF) else ""
+                cells.append(f"<td{cls}>{e(text)}</td>")
+            body.append("<tr>" + "".join(cells) + "</tr>")
+        parts.append(f"<table><tr>{head}</tr>{''.join(body)}</table>")
+        return "".join(parts)
+
+
+def _innermost(rows: list[dict], column: str) -> str | None:
+    suspects = {r["name"] for r in rows if r.get(column) == SUSPECT}
+    inner = [r for r in rows if r["name"] in suspects and not any(
+        s != r["name"] and _parent_chain_has(rows, s, r["name"]) for s in suspects)]  # fmt: skip
+    return min(inner, key=lambda r: r["order"])["module"] if inner else None
+
+
+def _parent_chain_has(rows: list[dict], name: str, ancestor: str) -> bool:
+    parents = {r["name"]: r.get("parent") for r in rows}
+    p = parents.get(name)
+    while p is not None:
+        if p == ancestor:
+            return True
+        p = parents.get(p)
+    return False
+
+
+__all__ = ["COLUMNS", "Diff", "row"]

@@ -1,0 +1,222 @@
+"""rlx_nb.snapshot / rlx_nb.diff (#49): where two environments part, module by module, judged on round-off."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+import rlx_nb
+from rlx_nb.errors import InputError, ReportFormatError
+from rlx_nb.models import demo
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture(scope="module")
+def layered(tmp_path_factory):
+    model, inputs = demo.layered(fault_layer=1)
+    path = rlx_nb.snapshot(model, inputs, tmp_path_factory.mktemp("snap") / "before")
+    return model, inputs, path
+
+
+def test_a_planted_kernel_fault_is_local_in_its_module_and_propagated_in_every_one_after(layered):
+    # The second environment: the same CPU with a catalogue-sized fault in one block's softmax.
+    model, inputs, path = layered
+    d = rlx_nb.diff(path, model, inputs, backend="fault:softmax-row")
+    change = dict(zip(d.frame.module, d.frame.change, strict=True))
+    assert d.culprit == "blocks.1.attn"
+    assert change["blocks.1.attn"] == change["blocks.1"] == "changed here"
+    for before in ("blocks.0", "blocks.1.ln1", "blocks.1.attn.qkv"):  # upstream of the softmax: untouched
+        assert change[before] == "moved within round-off", before
+    for after in ("blocks.1.attn.proj", "blocks.1.mlp", "blocks.2", "head"):  # fed the changed values
+        assert change[after] == "carried in", after
+    assert d.past_line and "blocks.1.attn computes differently here" in d.finding
+    assert any(line.startswith("  changed here: blocks.1.attn (") for line in d.lines())
+
+
+def test_a_legitimate_change_in_the_same_process_reads_as_round_off_and_names_what_differs(layered):
+    # oneDNN off (ATen's own kernels) and one thread instead of the snapshot's count: every module, alone and in the
+    # whole run, within round-off.
+    model, inputs, path = layered
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1 if threads > 1 else 2)
+    try:
+        d = rlx_nb.diff(path, model, inputs, backend="cpu-nomkldnn", local="all")
+    finally:
+        torch.set_num_threads(threads)
+    assert d.culprit is None and d.first_parted is None and not d.past_line
+    assert set(d.frame.change) == {"moved within round-off"}
+    assert d.frame.local_line.notna().all() and d.frame.propagated_line.notna().all()
+    assert any(e.startswith("threads: ") for e in d.environment)
+
+
+_TARGET = """
+import os, torch
+from rlx_nb.models import demo
+
+def factory():
+    model, _ = getattr(demo, os.environ["RLX_TEST_MODEL"])()
+    saved = torch.load(os.environ["RLX_TEST_STATE"])
+    model.load_state_dict(saved["model"])
+    return model, tuple(saved["inputs"])
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("variable", "model", "moves"),
+    [
+        ("MKL_CBWR=COMPATIBLE", "conv", "head"),  # MKL's GEMM on its SSE2 path: the classifier's linear
+        ("ONEDNN_MAX_CPU_ISA=SSE41", "conv", "features.0"),  # oneDNN's convolutions on SSE4.1
+        ("OMP_NUM_THREADS=1", "transformer", None),
+    ],
+)
+def test_another_dispatch_path_in_another_process_reads_as_round_off(tmp_path, variable, model, moves):
+    # A second environment for real: a fresh process with the library's dispatch moved by its variable.  The weights
+    # and inputs travel in a file (the demo draws them with vectorized kernels, which a dispatch change moves too).
+    built, inputs = getattr(demo, model)()
+    torch.save({"model": built.state_dict(), "inputs": list(inputs)}, tmp_path / "state.pt")
+    (tmp_path / "target.py").write_text(_TARGET)
+    env = {**os.environ, "RLX_TEST_MODEL": model, "RLX_TEST_STATE": str(tmp_path / "state.pt")}
+    env.pop("MKL_CBWR", None)
+    env.pop("ONEDNN_MAX_CPU_ISA", None)
+    snap = tmp_path / "before.rlxsnap"
+    rlx_nb.snapshot(built, inputs, snap)
+    key, _, value = variable.partition("=")
+    cli = [sys.executable, "-c", "import sys, rlx_nb.cli as c; sys.exit(c.main())"]
+    done = subprocess.run([*cli, "diff", str(snap), f"{tmp_path / 'target.py'}:factory", "--all", "--html",
+                           str(tmp_path / "diff.html")], env={**env, key: value}, capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "every module moved within round-off" in done.stdout
+    assert f"variables.{key}: unset -> {value}" in done.stdout
+    assert "weights differ" not in done.stdout and "inputs' values differ" not in done.stdout
+    page = (tmp_path / "diff.html").read_text()
+    assert "class='SUSPECT'" not in page and "class='round-off'" in page and "<img" in page
+    if moves is not None:  # the variable did move the kernels: the module's output is not bit for bit the old one
+        shown = next(line for line in page.split("<tr>") if f"<td>{moves}</td>" in line)
+        assert "bit for bit identical" not in shown, shown
+
+
+def test_an_edit_of_the_models_code_with_the_same_weights_is_found_in_the_edited_module(tmp_path):
+    class Exact(nn.Module):
+        def forward(self, x):
+            return torch.nn.functional.gelu(x)
+
+    class Approximate(nn.Module):  # the edit: GELU by its sigmoid approximation
+        def forward(self, x):
+            return x * torch.sigmoid(1.702 * x)
+
+    torch.manual_seed(0)
+    old = nn.Sequential(nn.Linear(16, 32), Exact(), nn.Linear(32, 8))
+    x = torch.randn(4, 16)
+    path = rlx_nb.snapshot(old, (x,), tmp_path / "old")
+    new = nn.Sequential(old[0], Approximate(), old[2])
+    d = rlx_nb.diff(path, new, (x,))
+    assert d.culprit == "1"
+    assert dict(zip(d.frame.module, d.frame.change, strict=True)) == {
+        "<root>": "carried in", "0": "moved within round-off", "1": "changed here", "2": "carried in"}  # fmt: skip
+    assert not d.notes  # same weights, same inputs
+
+
+def test_two_snapshots_compare_without_the_model(layered, tmp_path):
+    model, inputs, path = layered
+    faulty = rlx_nb.snapshot(model, inputs, tmp_path / "faulty", backend="fault:softmax-row", reference=False)
+    d = rlx_nb.diff(path, faulty)
+    change = dict(zip(d.frame.module, d.frame.change, strict=True))
+    # blocks.1.attn was fed bit for bit the inputs it had before, and its output moved: it changed itself.
+    assert change["blocks.1.attn"] == "changed here" and d.culprit == "blocks.1.attn"
+    assert change["blocks.1.attn.proj"] == change["head"] == "carried in"
+    assert change["blocks.0"] == "moved within round-off"
+    assert rlx_nb.diff(path, path).culprit is None
+    with pytest.raises(InputError, match="neither snapshot holds its float64 reference"):
+        rlx_nb.diff(faulty, faulty)
+
+
+def test_a_model_that_steps_its_state_is_diffed_from_the_state_it_had(tmp_path):
+    class Counting(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.register_buffer("count", torch.zeros(()))
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            self.count += 1
+            return self.lin(x) + self.count
+
+    model, x = Counting(), torch.randn(2, 8)
+    path = rlx_nb.snapshot(model, (x,), tmp_path / "s")
+    d = rlx_nb.diff(path, model, (x,), local="all")
+    assert set(d.frame.change) == {"moved within round-off"}, d.frame
+
+
+def test_the_file_is_checked_on_load_and_never_unpickled(layered, tmp_path):
+    _, _, path = layered
+    snap = rlx_nb.load_snapshot(path)
+    assert snap.has_reference and "blocks.1.attn" in snap.modules and snap.nbytes > 0
+    with pytest.raises(ReportFormatError, match="not a readable zip"):
+        rlx_nb.load_snapshot(ROOT / "README.md")
+    report = rlx_nb.backend_divergence(nn.Linear(2, 2), (torch.randn(1, 2),), backends=["cpu-nomkldnn"])
+    with pytest.raises(ReportFormatError, match=r"a report: rlx_nb\.load_report reads it"):
+        rlx_nb.load_snapshot(report.save(tmp_path / "r"))
+    meta = json.loads(zipfile.ZipFile(path).read("meta.json"))
+    for breaks, match in (
+        (lambda m: m["modules"][1].update(call={"slot": 99}), "a slot below"),
+        (lambda m: m["modules"][1].update(call={"pickle": "x"}), "a template node"),
+        (lambda m: m.update(version=7), "version 7 is not supported"),
+        (lambda m: m["arrays"]["arrays/0.npy"].update(shape=[10**9]), "has shape"),
+    ):
+        bad = json.loads(json.dumps(meta))
+        breaks(bad)
+        target = tmp_path / "bad.rlxsnap"
+        with zipfile.ZipFile(path) as src, zipfile.ZipFile(target, "w") as dst:
+            for item in src.infolist():
+                dst.writestr(item, json.dumps(bad) if item.filename == "meta.json" else src.read(item.filename))
+        with pytest.raises(ReportFormatError, match=match):
+            rlx_nb.load_snapshot(target)
+
+
+def test_a_byte_budget_leaves_later_modules_out_and_the_diff_says_so(tmp_path):
+    model, inputs = demo.layered()
+    full = rlx_nb.load_snapshot(rlx_nb.snapshot(model, inputs, tmp_path / "full", reference=False))
+    budget = full.nbytes // 3
+    part = rlx_nb.load_snapshot(rlx_nb.snapshot(model, inputs, tmp_path / "part", reference=False, byte_budget=budget))
+    assert 0 < part.nbytes <= budget
+    d = rlx_nb.diff(part, model, inputs, local="all")
+    left_out = d.frame[d.frame.note.str.contains("byte budget")]
+    assert len(left_out) and not d.past_line
+    assert (d.frame.change == "moved within round-off").sum() >= 1
+
+
+def test_bad_arguments_are_named(layered, tmp_path):
+    model, inputs, path = layered
+    with pytest.raises(InputError, match="byte_budget must be"):
+        rlx_nb.snapshot(model, inputs, tmp_path / "x", byte_budget=-1)
+    with pytest.raises(InputError, match="does not run the model's modules as modules"):
+        rlx_nb.snapshot(model, inputs, tmp_path / "x", backend="onnxruntime")
+    with pytest.raises(InputError, match="local must be 'descend' or 'all'"):
+        rlx_nb.diff(path, model, inputs, local="some")
+    with pytest.raises(InputError, match="pass the model's inputs"):
+        rlx_nb.diff(path, model)
+    with pytest.raises(InputError, match="must be a snapshot"):
+        rlx_nb.diff(42, model, inputs)
+
+
+def test_the_command_line_gates_on_the_diff(tmp_path):
+    target = "rlx_nb.models.demo:transformer"
+    from rlx_nb.cli import main
+
+    snap = tmp_path / "a.rlxsnap"
+    assert main(["snapshot", target, "-o", str(snap)]) == 0
+    assert main(["diff", str(snap), target]) == 0
+    assert main(["diff", str(snap), target, "--backend", "fault:softmax-row"]) == 1
+    assert main(["diff", str(snap), str(snap)]) == 0
+    assert main(["diff", str(tmp_path / "missing.rlxsnap"), target]) == 2
