@@ -23,7 +23,7 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.fixture(scope="module")
 def layered(tmp_path_factory):
     model, inputs = demo.layered(fault_layer=1)
-    path = rlx_nb.snapshot(model, inputs, tmp_path_factory.mktemp("snap") / "before")
+    path = rlx_nb.snapshot(model, inputs, tmp_path_factory.mktemp("snap") / "before", reference=True)
     return model, inputs, path
 
 
@@ -129,7 +129,7 @@ def test_an_edit_of_the_models_code_with_the_same_weights_is_found_in_the_edited
 
 def test_two_snapshots_compare_without_the_model(layered, tmp_path):
     model, inputs, path = layered
-    faulty = rlx_nb.snapshot(model, inputs, tmp_path / "faulty", backend="fault:softmax-row", reference=False)
+    faulty = rlx_nb.snapshot(model, inputs, tmp_path / "faulty", backend="fault:softmax-row")
     d = rlx_nb.diff(path, faulty)
     change = dict(zip(d.frame.module, d.frame.change, strict=True))
     # blocks.1.attn was fed bit for bit the inputs it had before, and its output moved: it changed itself.
@@ -186,9 +186,9 @@ def test_the_file_is_checked_on_load_and_never_unpickled(layered, tmp_path):
 
 def test_a_byte_budget_leaves_later_modules_out_and_the_diff_says_so(tmp_path):
     model, inputs = demo.layered()
-    full = rlx_nb.load_snapshot(rlx_nb.snapshot(model, inputs, tmp_path / "full", reference=False))
+    full = rlx_nb.load_snapshot(rlx_nb.snapshot(model, inputs, tmp_path / "full"))
     budget = full.nbytes // 3
-    part = rlx_nb.load_snapshot(rlx_nb.snapshot(model, inputs, tmp_path / "part", reference=False, byte_budget=budget))
+    part = rlx_nb.load_snapshot(rlx_nb.snapshot(model, inputs, tmp_path / "part", byte_budget=budget))
     assert 0 < part.nbytes <= budget
     d = rlx_nb.diff(part, model, inputs, local="all")
     left_out = d.frame[d.frame.note.str.contains("byte budget")]
@@ -218,5 +218,7 @@ def test_the_command_line_gates_on_the_diff(tmp_path):
     assert main(["snapshot", target, "-o", str(snap)]) == 0
     assert main(["diff", str(snap), target]) == 0
     assert main(["diff", str(snap), target, "--backend", "fault:softmax-row"]) == 1
+    assert main(["diff", str(snap), str(snap)]) == 2  # (two snapshots need a reference in one)
+    assert main(["snapshot", target, "-o", str(snap), "--reference"]) == 0
     assert main(["diff", str(snap), str(snap)]) == 0
     assert main(["diff", str(tmp_path / "missing.rlxsnap"), target]) == 2

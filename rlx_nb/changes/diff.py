@@ -192,7 +192,7 @@ def _against_model(
         if (keys is not None) != a.meta["keyword"]:
             raise InputError("the snapshot's inputs were " + ("keywords (a dict)" if a.meta["keyword"] else
                              "positional") + "; pass the inputs the same way")  # fmt: skip
-        now = {"inputs": fingerprints.fingerprint(args), "model": fingerprints.fingerprint(dict(base.state_dict())),
+        now = {"inputs": fingerprints.quick_fingerprint(args), "model": fingerprints.quick_fingerprint(dict(base.state_dict())),
                "input_structure": fingerprints.structure(args),
                "model_structure": fingerprints.structure(dict(base.state_dict()))}  # fmt: skip
         notes, unchecked = fingerprint_differences(a.fingerprints, now)

@@ -5,8 +5,8 @@ How
 1. The model runs once on the backend (the CPU oracle by default) with a hook on every module.  Each module's first
    call is written as it happens: its call (the arguments, tensors as slots) and its inputs, then its outputs.  A
    tensor already written (a module's input is often the module before's output) is stored once, matched by its
-   bytes, so the file holds each distinct activation once.
-2. With ``reference=True`` (default) the float64 model runs once more (its weights cast one op at a time,
+   storage while it lives, so the file holds each activation once.
+2. With ``reference=True`` the float64 model runs once more (its weights cast one op at a time,
    :func:`~rlx_nb.backends.eager.run_float64_streamed`), and each module's float64 output, less the recorded output,
    is written in float32: the oracle's own round-off there, which :func:`rlx_nb.diff` judges a change against.
 3. Arrays go to a scratch folder beside ``path`` as they are made (nothing is held), then into one zip.  A
@@ -16,10 +16,10 @@ How
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import shutil
 import tempfile
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -105,7 +105,12 @@ def same_state(base: torch.nn.Module) -> Iterator[None]:
 
 
 class Sink:
-    """Arrays written to a scratch folder as ``.npy`` files as they come, each distinct one once, under a budget."""
+    """Arrays written to a scratch folder as ``.npy`` files as they come, each tensor once, under a budget.
+
+    A tensor seen before (a module's output passed on as the next one's input, or a view of it laid out the same)
+    is matched by its storage, offset, layout and version while it is alive (a weak reference: nothing is held), so
+    it costs no pass over its bytes.  (Hashing every activation's bytes took 0.42 s of a 1.9 s snapshot of GPT-2
+    small.)"""
 
     def __init__(self, folder: Path, budget: int | None) -> None:
         self.folder, self.budget = folder, budget
@@ -113,31 +118,35 @@ class Sink:
         self.files: dict[str, Path] = {}
         self.declared: dict[str, dict] = {}
         self.left_out = 0
-        self._seen: dict[bytes, str] = {}
+        self._seen: dict[tuple, tuple[weakref.ref, str]] = {}
 
     def put(self, t: torch.Tensor) -> str | None:
-        """The entry ``t`` is stored under (one already written if the same bytes were); None past the budget."""
+        """The entry ``t`` is stored under (the one it was stored under if seen before); None past the budget."""
+        given, t = t, t.detach()
+        key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device,
+               t._version)  # fmt: skip
+        seen = self._seen.get(key)
+        if seen is not None and seen[0]() is not None:  # (alive: its storage cannot have been reused)
+            return seen[1]
+        entry = self._write(t)
+        if entry is not None:
+            self._seen[key] = (weakref.ref(given), entry)
+        return entry
+
+    def _write(self, t: torch.Tensor) -> str | None:
         dtype = str(t.dtype).removeprefix("torch.")
-        t = t.detach()
         t = (t.float() if t.dtype == torch.bfloat16 else t).to("cpu").contiguous()  # (numpy has no bfloat16)
-        digest = hashlib.blake2b(f"{dtype}{tuple(t.shape)}".encode(), digest_size=20)
-        if t.numel():
-            digest.update(raw_bytes(t))
-        key = digest.digest()
-        if key in self._seen:
-            return self._seen[key]
         if self.budget is not None and self.bytes + t.nbytes > self.budget:
             self.left_out += 1
             return None
         entry = f"arrays/{len(self.files)}.npy"
         path = self.folder / f"{len(self.files)}.npy"
-        arr = np.frombuffer(raw_bytes(t), dtype=np.dtype(str(t.dtype).removeprefix("torch."))) if t.numel() else (
-            np.zeros(0, dtype=np.dtype(str(t.dtype).removeprefix("torch."))))  # fmt: skip
+        kind = np.dtype(str(t.dtype).removeprefix("torch."))
+        arr = np.frombuffer(raw_bytes(t), dtype=kind) if t.numel() else np.zeros(0, dtype=kind)
         with open(path, "wb") as f:
             np.lib.format.write_array(f, arr.reshape(tuple(t.shape)), allow_pickle=False)
         self.bytes += t.nbytes
         self.files[entry], self.declared[entry] = path, {"dtype": dtype, "shape": list(t.shape)}
-        self._seen[key] = entry
         return entry
 
     def read(self, entry: str) -> np.ndarray:
@@ -151,7 +160,7 @@ def snapshot(
     *,
     backend: str = ORACLE,
     params: dict[str, torch.Tensor] | None = None,
-    reference: bool = True,
+    reference: bool = False,
     byte_budget: int | None = None,
     label: str | None = None,
 ) -> Path:
@@ -171,11 +180,13 @@ def snapshot(
         Where to run: the CPU oracle (default) or another backend that runs the model eagerly (hooks fire on it:
         ``cpu-nomkldnn``, ``cuda``, a fault...).
     reference : bool
-        Also record each module's float64 value (one more forward, in float64): a diff of two snapshots needs it
-        in one of them; a diff against a model computes it itself.
+        Also record each module's float64 value (one more forward, in float64, and as many bytes again): a diff of
+        two snapshots needs it in one of them.  Off by default: a diff against the model computes it there (the
+        float64 model is the same function in both environments, to float64's round-off), and the float64 forward
+        costs 2-5x the snapshot's own (bench/changes.py).
     byte_budget : int, optional
         The most bytes of arrays to write.  By default every distinct activation is written once (about the
-        model's activations, and as much again for the reference); past a budget, later modules' arrays are left
+        model's activations; as much again with the reference); past a budget, later modules' arrays are left
         out (their rows in a diff say so).
     label : str, optional
         A name for this environment (default: the host and torch version).
@@ -228,8 +239,8 @@ def snapshot(
             "keyword": keys is not None,
             "environment": _jsonable(env),
             "fingerprints": {
-                "inputs": fingerprints.fingerprint(args),
-                "model": fingerprints.fingerprint(dict(base.state_dict())),
+                "inputs": fingerprints.quick_fingerprint(args),
+                "model": fingerprints.quick_fingerprint(dict(base.state_dict())),
                 "input_structure": fingerprints.structure(args),
                 "model_structure": fingerprints.structure(dict(base.state_dict())),
             },

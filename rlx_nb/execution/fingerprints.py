@@ -37,6 +37,25 @@ def fingerprint(obj: Any) -> str:
     return h.hexdigest()[:32]
 
 
+def quick_fingerprint(obj: Any) -> str:
+    """:func:`fingerprint` with each tensor's bytes summed by CRC-32 instead of sha256 (3.5 GB/s against 1.5 here):
+    what a snapshot and a diff compare, which pass over every weight each time.  It tells accidental differences
+    (another checkpoint, one weight edited) apart, not a crafted collision."""
+    import zlib
+
+    h = hashlib.sha256()
+    for name, leaf in flatten(obj):
+        h.update(name.encode())
+        if isinstance(leaf, torch.Tensor):
+            t = leaf.detach().to("cpu").contiguous()
+            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
+            if t.numel():
+                h.update(zlib.crc32(raw_bytes(t)).to_bytes(4, "little"))
+        else:
+            h.update(repr(leaf).encode())
+    return h.hexdigest()[:32]
+
+
 STRUCTURE_CHARS = 400
 """How much of a structure's listing :func:`structure` keeps (its hash covers all of it)."""
 
