@@ -222,3 +222,14 @@ def test_the_command_line_gates_on_the_diff(tmp_path):
     assert main(["snapshot", target, "-o", str(snap), "--reference"]) == 0
     assert main(["diff", str(snap), str(snap)]) == 0
     assert main(["diff", str(tmp_path / "missing.rlxsnap"), target]) == 2
+
+
+def test_the_readme_block_runs_as_written(tmp_path, monkeypatch):
+    text = (ROOT / "README.md").read_text()
+    block = text.split("## After an upgrade")[1].split("```python\n")[1].split("```")[0]
+    monkeypatch.chdir(tmp_path)
+    shown = {}
+    exec(compile(block, "README.md", "exec"), shown)
+    change = shown["change"]
+    assert change.culprit is None and set(change.frame.change) == {"moved within round-off"}
+    assert (tmp_path / "before.rlxsnap").is_file()
