@@ -76,7 +76,7 @@ def factory():
     [
         ("MKL_CBWR=COMPATIBLE", "conv", "head"),  # MKL's GEMM on its SSE2 path: the classifier's linear
         ("ONEDNN_MAX_CPU_ISA=SSE41", "conv", "features.0"),  # oneDNN's convolutions on SSE4.1
-        ("OMP_NUM_THREADS=1", "transformer", None),
+        ("ATEN_CPU_CAPABILITY=default", "transformer", None),  # ATen's scalar kernels (layer norm, softmax, GELU)
     ],
 )
 def test_another_dispatch_path_in_another_process_reads_as_round_off(tmp_path, variable, model, moves):
@@ -88,6 +88,7 @@ def test_another_dispatch_path_in_another_process_reads_as_round_off(tmp_path, v
     env = {**os.environ, "RLX_TEST_MODEL": model, "RLX_TEST_STATE": str(tmp_path / "state.pt")}
     env.pop("MKL_CBWR", None)
     env.pop("ONEDNN_MAX_CPU_ISA", None)
+    env.pop("ATEN_CPU_CAPABILITY", None)
     snap = tmp_path / "before.rlxsnap"
     rlx_nb.snapshot(built, inputs, snap)
     key, _, value = variable.partition("=")
