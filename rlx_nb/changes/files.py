@@ -20,7 +20,6 @@ wearing the right extension -- raises :class:`~rlx_nb.errors.ReportFormatError` 
 from __future__ import annotations
 
 import json
-import math
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -39,7 +38,7 @@ _TEMPLATE_DEPTH = 32
 
 
 def _fail(where: Any, why: str) -> ReportFormatError:
-    return ReportFormatError(f"cannot load snapshot {str(where)!r}: {why}")
+    return report_files._fail(where, why, "snapshot")
 
 
 def write(path: Path, meta: dict, arrays: dict[str, Path]) -> None:
@@ -61,10 +60,12 @@ class Stored:
         for entry, spec in declared.items():
             if entry not in names:
                 raise _fail(where, f"arrays[{entry!r}] is not an entry of the file")
-            try:
-                self._loaders[entry] = _checked(zf, entry, spec, where)
-            except ReportFormatError as exc:
-                raise _fail(where, str(exc).partition("': ")[2] or str(exc)) from None
+            spec = schema.mapping(spec, f"arrays[{entry!r}]")
+            shape = schema.shape(spec.get("shape"), f"arrays[{entry!r}].shape")
+            schema.one_of(spec.get("dtype"), schema.DTYPES, f"arrays[{entry!r}].dtype")
+            self._loaders[entry] = report_files.checked_array(
+                zf, entry, shape, where, what="snapshot", kinds="biuf", old_scalars=False
+            )
 
     def __contains__(self, entry: Any) -> bool:
         return entry in self._loaders
@@ -73,48 +74,10 @@ class Stored:
         return self._loaders[entry]()
 
 
-def _checked(zf: zipfile.ZipFile, entry: str, spec: Any, where: Any):
-    spec = schema.mapping(spec, f"arrays[{entry!r}]")
-    shape = schema.shape(spec.get("shape"), f"arrays[{entry!r}].shape")
-    schema.one_of(spec.get("dtype"), schema.DTYPES, f"arrays[{entry!r}].dtype")
-    info = zf.getinfo(entry)
-    report_files._check_entry(info, where)
-    try:
-        with zf.open(entry) as f:
-            dtype, stored, offset = report_files._npy_header(f)
-    except Exception as exc:
-        raise _fail(where, f"array {entry!r} is unreadable ({type(exc).__name__}: {exc})") from None
-    if dtype.hasobject or dtype.kind not in "biuf" or dtype.fields is not None:
-        raise _fail(where, f"array {entry!r} holds {dtype}, not numbers; refusing to read it")
-    if stored != shape:
-        raise _fail(where, f"array {entry!r} has shape {stored}, meta.json says {shape}")
-    if offset + math.prod(stored) * dtype.itemsize != info.file_size:
-        raise _fail(where, f"array {entry!r} declares {math.prod(stored)} {dtype} elements, but its entry holds "
-                           f"{info.file_size - offset} bytes of data")  # fmt: skip
-    return report_files._array_loader(zf, entry, shape, where)
-
-
 def read(source: str | Path) -> tuple[dict, Stored]:
     """``(meta, arrays)`` of a snapshot file, every field checked (:func:`check_meta`) and every array's header."""
     where = source
-    try:
-        zf = zipfile.ZipFile(source)
-    except FileNotFoundError:
-        raise _fail(where, "no such file") from None
-    except Exception as exc:
-        raise _fail(where, f"not an rlx_nb snapshot (not a readable zip: {type(exc).__name__}: {exc})") from None
-    try:
-        info = zf.getinfo("meta.json")
-        report_files._check_entry(info, where)
-        if info.file_size > report_files._MAX_META:
-            raise _fail(where, f"meta.json is {info.file_size} bytes, more than the {report_files._MAX_META} allowed")
-        meta = json.loads(zf.read("meta.json"))
-    except KeyError:
-        raise _fail(where, "no meta.json: not an rlx_nb snapshot") from None
-    except ReportFormatError as exc:
-        raise _fail(where, str(exc).partition("': ")[2] or str(exc)) from None
-    except Exception as exc:
-        raise _fail(where, f"meta.json is unreadable ({type(exc).__name__}: {exc})") from None
+    zf, meta = report_files.open_zip(source, where, "snapshot")
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         found = meta.get("format") if isinstance(meta, dict) else None
         hint = " (a report: rlx_nb.load_report reads it)" if found == report_files.FORMAT else ""

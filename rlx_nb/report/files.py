@@ -162,8 +162,8 @@ def _write_zip(target: Any, results: RunResults, *, rule: str, tol_rel: float | 
         zf.writestr("meta.json", json.dumps(meta))
 
 
-def _fail(path: Any, why: str) -> ReportFormatError:
-    return ReportFormatError(f"cannot load report {str(path)!r}: {why}")
+def _fail(path: Any, why: str, what: str = "report") -> ReportFormatError:
+    return ReportFormatError(f"cannot load {what} {str(path)!r}: {why}")
 
 
 MAX_EXPANSION = 64
@@ -173,16 +173,40 @@ to 1 GiB took 15 s and 1.3 GB before it was refused)."""
 _SMALL = 64 << 20
 
 
-def _check_entry(info: zipfile.ZipInfo, where: Any) -> None:
-    # Before reading an entry: its inflated size against its stored size.
+def check_entry(info: zipfile.ZipInfo, where: Any, what: str = "report") -> None:
+    """Before reading a zip entry of a report (or a snapshot, ``what``): its inflated size against its stored size."""
     if info.compress_type == zipfile.ZIP_STORED and info.file_size != info.compress_size:
-        raise _fail(where, f"{info.filename!r} declares {info.file_size} bytes but stores {info.compress_size}")
+        raise _fail(where, f"{info.filename!r} declares {info.file_size} bytes but stores {info.compress_size}", what)
     if info.file_size > _SMALL and info.file_size > MAX_EXPANSION * max(info.compress_size, 1):
         raise _fail(
             where,
             f"{info.filename!r} would inflate from {info.compress_size} to {info.file_size} bytes, more than "
             f"{MAX_EXPANSION}x: refused before allocating it",
+            what,
         )
+
+
+def open_zip(source: Any, where: Any, what: str = "report") -> tuple[zipfile.ZipFile, Any]:
+    """``(the zip, its meta.json parsed)`` of a report (or a snapshot, ``what``): a file that is not a readable zip,
+    has no meta.json, or one past :data:`_MAX_META` bytes or not JSON, is a :class:`ReportFormatError`."""
+    try:
+        zf = zipfile.ZipFile(source)
+    except FileNotFoundError:
+        raise _fail(where, "no such file", what) from None
+    except Exception as exc:  # BadZipFile, OSError, NotImplementedError (bogus zip versions), ...
+        raise _fail(where, f"not an rlx_nb {what} (not a readable zip: {type(exc).__name__}: {exc})", what) from None
+    try:
+        info = zf.getinfo("meta.json")
+        check_entry(info, where, what)
+        if info.file_size > _MAX_META:
+            raise _fail(where, f"meta.json is {info.file_size} bytes, more than the {_MAX_META} allowed", what)
+        return zf, json.loads(zf.read("meta.json"))
+    except KeyError:
+        raise _fail(where, f"no meta.json: not an rlx_nb {what}", what) from None
+    except ReportFormatError:
+        raise
+    except Exception as exc:
+        raise _fail(where, f"meta.json is unreadable ({type(exc).__name__}: {exc})", what) from None
 
 
 def load_results(source: str | Path | bytes | memoryview) -> tuple[RunResults, dict]:
@@ -194,24 +218,7 @@ def load_results(source: str | Path | bytes | memoryview) -> tuple[RunResults, d
     """
     in_memory = isinstance(source, (bytes, bytearray, memoryview))
     where = "<bytes>" if in_memory else source
-    try:
-        zf = zipfile.ZipFile(io.BytesIO(source) if in_memory else source)
-    except FileNotFoundError:
-        raise _fail(where, "no such file") from None
-    except Exception as exc:  # BadZipFile, OSError, NotImplementedError (bogus zip versions), ...
-        raise _fail(where, f"not an rlx_nb report (not a readable zip: {type(exc).__name__}: {exc})") from None
-    try:
-        info = zf.getinfo("meta.json")
-        _check_entry(info, where)
-        if info.file_size > _MAX_META:
-            raise _fail(where, f"meta.json is {info.file_size} bytes, more than the {_MAX_META} allowed")
-        meta = json.loads(zf.read("meta.json"))
-    except KeyError:
-        raise _fail(where, "no meta.json: not an rlx_nb report") from None
-    except ReportFormatError:
-        raise
-    except Exception as exc:
-        raise _fail(where, f"meta.json is unreadable ({type(exc).__name__}: {exc})") from None
+    zf, meta = open_zip(io.BytesIO(source) if in_memory else source, where)
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise _fail(where, f"format is {meta.get('format') if isinstance(meta, dict) else None!r}, not {FORMAT!r}")
     if meta.get("version") not in READS or isinstance(meta.get("version"), bool):
@@ -284,34 +291,49 @@ class _Reader:
                 entry = out["array"]
                 if entry not in self.names:
                     raise schema.fail(f"{at}.outputs[{name!r}].array", "an entry of the file", entry)
-                self._check_array(entry, out["shape"])
-                loader = _array_loader(self.zf, entry, out["shape"], self.where)
+                loader = checked_array(self.zf, entry, out["shape"], self.where)
                 outputs[name] = Leaf(None, out["dtype"], out["shape"], loader=loader)
             else:
                 outputs[name] = Leaf(out["value"], out["dtype"], None)
         return BackendRun(**{k: v for k, v in checked.items() if k != "outputs"}, outputs=outputs)
 
-    def _check_array(self, entry: str, shape: tuple[int, ...]) -> None:
-        info = self.zf.getinfo(entry)
-        _check_entry(info, self.where)
-        try:
-            with self.zf.open(entry) as f:
-                dtype, stored, offset = _npy_header(f)
-        except ReportFormatError:
-            raise
-        except Exception as exc:
-            raise _fail(self.where, f"array {entry!r} is unreadable ({type(exc).__name__}: {exc})") from None
-        if dtype.hasobject or dtype.kind not in "biufc" or dtype.fields is not None:
-            raise _fail(self.where, f"array {entry!r} holds {dtype}, not numbers; refusing to read it")
-        # Scalar outputs were written as shape (1,) before that was fixed: read them back 0-d.
-        if stored != shape and not (shape == () and stored == (1,)):
-            raise _fail(self.where, f"array {entry!r} has shape {stored}, meta.json says {shape}")
-        if offset + math.prod(stored) * dtype.itemsize != info.file_size:
-            raise _fail(
-                self.where,
-                f"array {entry!r} declares {math.prod(stored)} {dtype} elements, but its entry holds "
-                f"{info.file_size - offset} bytes of data",
-            )
+
+def checked_array(
+    zf: zipfile.ZipFile,
+    entry: str,
+    shape: tuple[int, ...],
+    where: Any,
+    *,
+    what: str = "report",
+    kinds: str = "biufc",
+    old_scalars: bool = True,
+):
+    """A loader of one ``.npy`` entry, its stored header checked now against the ``shape`` declared for it: numbers
+    of ``kinds`` (numpy's kind letters), that shape, and exactly the bytes those elements take, so nothing is ever
+    allocated at a size its bytes do not back.  Anything else is a :class:`ReportFormatError` naming the ``what``.
+    ``old_scalars``: a scalar stored as shape (1,) (reports written before that was fixed) is read back 0-d."""
+    info = zf.getinfo(entry)
+    check_entry(info, where, what)
+    try:
+        with zf.open(entry) as f:
+            dtype, stored, offset = _npy_header(f)
+    except ReportFormatError:
+        raise
+    except Exception as exc:
+        raise _fail(where, f"array {entry!r} is unreadable ({type(exc).__name__}: {exc})", what) from None
+    if dtype.hasobject or dtype.kind not in kinds or dtype.fields is not None:
+        raise _fail(where, f"array {entry!r} holds {dtype}, not numbers; refusing to read it", what)
+    # Scalar outputs were written as shape (1,) before that was fixed: read them back 0-d.
+    if stored != shape and not (old_scalars and shape == () and stored == (1,)):
+        raise _fail(where, f"array {entry!r} has shape {stored}, meta.json says {shape}", what)
+    if offset + math.prod(stored) * dtype.itemsize != info.file_size:
+        raise _fail(
+            where,
+            f"array {entry!r} declares {math.prod(stored)} {dtype} elements, but its entry holds "
+            f"{info.file_size - offset} bytes of data",
+            what,
+        )
+    return _array_loader(zf, entry, shape, where, what)
 
 
 def _npy_header(f: Any) -> tuple[np.dtype, tuple[int, ...], int]:
@@ -326,14 +348,14 @@ def _npy_header(f: Any) -> tuple[np.dtype, tuple[int, ...], int]:
     return dtype, tuple(int(n) for n in stored), f.tell()
 
 
-def _array_loader(zf: zipfile.ZipFile, entry: str, shape: tuple[int, ...], where: Any):
-    # The header was checked on load (_Reader): the data is exactly the declared elements.
+def _array_loader(zf: zipfile.ZipFile, entry: str, shape: tuple[int, ...], where: Any, what: str):
+    # The header was checked on load (checked_array): the data is exactly the declared elements.
     def load() -> np.ndarray:
         try:
             with zf.open(entry) as f:
                 arr = np.lib.format.read_array(f, allow_pickle=False)
         except Exception as exc:
-            raise _fail(where, f"array {entry!r} is unreadable ({type(exc).__name__}: {exc})") from None
+            raise _fail(where, f"array {entry!r} is unreadable ({type(exc).__name__}: {exc})", what) from None
         return arr.reshape(()) if shape == () else arr
 
     return load
