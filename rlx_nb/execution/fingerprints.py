@@ -24,17 +24,7 @@ from rlx_nb._support.tree import flatten
 
 def fingerprint(obj: Any) -> str:
     """sha256 over every tensor leaf's name, dtype, shape and bytes (and plain leaves' reprs)."""
-    h = hashlib.sha256()
-    for name, leaf in flatten(obj):
-        h.update(name.encode())
-        if isinstance(leaf, torch.Tensor):
-            t = leaf.detach().to("cpu").contiguous()
-            h.update(f"{t.dtype}{tuple(t.shape)}".encode())
-            if t.numel():
-                h.update(raw_bytes(t))  # no copy of the bytes
-        else:
-            h.update(repr(leaf).encode())
-    return h.hexdigest()[:32]
+    return _fingerprint(obj, lambda data: data)  # (sha256 over the bytes themselves: no copy of them)
 
 
 def quick_fingerprint(obj: Any) -> str:
@@ -43,6 +33,11 @@ def quick_fingerprint(obj: Any) -> str:
     (another checkpoint, one weight edited) apart, not a crafted collision."""
     import zlib
 
+    return _fingerprint(obj, lambda data: zlib.crc32(data).to_bytes(4, "little"))
+
+
+def _fingerprint(obj: Any, summed: Callable[[memoryview], Any]) -> str:
+    # sha256 over every leaf's name, dtype and shape, and ``summed(its bytes)`` (a plain leaf: its repr).
     h = hashlib.sha256()
     for name, leaf in flatten(obj):
         h.update(name.encode())
@@ -50,7 +45,7 @@ def quick_fingerprint(obj: Any) -> str:
             t = leaf.detach().to("cpu").contiguous()
             h.update(f"{t.dtype}{tuple(t.shape)}".encode())
             if t.numel():
-                h.update(zlib.crc32(raw_bytes(t)).to_bytes(4, "little"))
+                h.update(summed(raw_bytes(t)))
         else:
             h.update(repr(leaf).encode())
     return h.hexdigest()[:32]
