@@ -163,6 +163,11 @@ def test_the_file_is_checked_on_load_and_never_unpickled(layered, tmp_path):
     _, _, path = layered
     snap = rlx_nb.load_snapshot(path)
     assert snap.has_reference and "blocks.1.attn" in snap.modules and snap.nbytes > 0
+    model, _, _ = layered
+    args, kwargs = snap.call("blocks.1.attn")  # the module's first call, replayed as recorded
+    with torch.no_grad():
+        again = model.blocks[1].attn(*args, **kwargs)
+    assert torch.equal(again, torch.from_numpy(snap.outputs("blocks.1.attn")["out"].value))
     with pytest.raises(ReportFormatError, match="not a readable zip"):
         rlx_nb.load_snapshot(ROOT / "README.md")
     report = rlx_nb.backend_divergence(nn.Linear(2, 2), (torch.randn(1, 2),), backends=["cpu-nomkldnn"])

@@ -30,7 +30,7 @@ from rlx_nb.backends.base import REFERENCE
 from rlx_nb.backends.eager import run_float64_streamed
 from rlx_nb.backends.registry import get_backend
 from rlx_nb.changes.environment import differences, snapshot_environment
-from rlx_nb.changes.record import decode, same_state
+from rlx_nb.changes.record import template, watched_run
 from rlx_nb.changes.result import Diff, row
 from rlx_nb.changes.snapshot_file import Snapshot, as_snapshot
 from rlx_nb.comparison.compare import failed, judge_leaf
@@ -38,21 +38,10 @@ from rlx_nb.errors import InputError
 from rlx_nb.execution import fingerprints
 from rlx_nb.execution.prepare import normalize_inputs, prepare_model
 from rlx_nb.execution.results import Leaf, to_leaf
+from rlx_nb.localization.capture import CallModule
 from rlx_nb.report.baseline import fingerprint_differences
 from rlx_nb.verdict.records import OutputRecord, worst_record
 from rlx_nb.verdict.types import SUSPECT
-
-
-class Replay(torch.nn.Module):
-    """One module's recorded call, its tensors as positional inputs (what a backend is given to run it alone)."""
-
-    def __init__(self, module: torch.nn.Module, template: dict) -> None:
-        super().__init__()
-        self.module, self.template = module, template
-
-    def forward(self, *tensors: torch.Tensor) -> Any:
-        args, kwargs = decode(self.template, list(tensors))
-        return self.module(*args, **kwargs)
 
 
 def diff(
@@ -231,48 +220,27 @@ def _propagated(a: Snapshot, base: torch.nn.Module, args: tuple, backend: Any, l
     found: dict[str, OutputRecord] = {}
     called: list[str] = []
 
-    def post(name: str):
-        def hook(module, _, out):
-            if name not in called:
-                called.append(name)
-            if name in found or name not in a.modules:
-                return
+    def first_output(name: str, out: Any) -> None:
+        called.append(name)
+        if name in a.modules:
             ref = a.reference(name) if a.has_reference else residual.get(name, {})
             found[name] = _judge(a.outputs(name), _leaves(out), ref, label, _shown(name, a))
 
-        return hook
-
-    handles = [m.register_forward_hook(post(n)) for n, m in base.named_modules()]
-    try:
-        with torch.no_grad(), same_state(base):
-            backend.fn(base, args)
-    except Exception as exc:
-        raise InputError(f"the model failed on {backend.name!r} here: {type(exc).__name__}: {exc}") from None
-    finally:
-        for h in handles:
-            h.remove()
+    watched_run(base, lambda: backend.fn(base, args), failed=f"the model failed on {backend.name!r} here",
+                first_output=first_output)  # fmt: skip
     return found, called
 
 
 def _reference_here(a: Snapshot, base: torch.nn.Module, args: tuple) -> dict[str, dict[str, Leaf]]:
     refs: dict[str, dict[str, Leaf]] = {}
 
-    def post(name: str):
-        def hook(module, _, out):
-            if name in refs or name not in a.modules:
-                return
+    def first_output(name: str, out: Any) -> None:
+        if name in a.modules:
             refs[name] = {k: to_leaf(v, copy=True) for k, v in flatten(out) if isinstance(v, torch.Tensor)
                           and v.is_floating_point()}  # fmt: skip
 
-        return hook
-
-    handles = [m.register_forward_hook(post(n)) for n, m in base.named_modules()]
-    try:
-        with torch.no_grad(), same_state(base):
-            run_float64_streamed(base, args)
-    finally:
-        for h in handles:
-            h.remove()
+    watched_run(base, lambda: run_float64_streamed(base, args), failed="the float64 reference failed here",
+                first_output=first_output)  # fmt: skip
     return refs
 
 
@@ -293,12 +261,13 @@ def _local(a: Snapshot, named: dict, backend: Any, label: str, *, how: str, show
         if parts["call"] is None:
             checks[name] = (None, a.why(name) or "its call was not recorded")
             return False
-        template, tensors = parts["call"], a.tensors(name)
+        call, tensors = template(parts["call"]), a.tensors(name)
         try:
             with torch.no_grad():
-                replay = Replay(module_copy(named[name], {}), template).eval()
-                got = backend.fn(replay, tuple(t.clone() for t in tensors))
-                ref = run_float64_streamed(Replay(named[name], template), tuple(tensors))
+                got = backend.fn(
+                    CallModule(module_copy(named[name], {}), call).eval(), tuple(t.clone() for t in tensors)
+                )
+                ref = run_float64_streamed(CallModule(named[name], call), tuple(tensors))
         except Exception as exc:
             checks[name] = (failed(label, f"{type(exc).__name__}: {exc}"[:300]), "")
             return False
@@ -327,4 +296,4 @@ def _visit(names: list[str], check, children: dict[str, list[str]]) -> list[str]
     return suspects
 
 
-__all__ = ["Replay", "diff"]
+__all__ = ["diff"]

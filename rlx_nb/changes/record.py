@@ -20,7 +20,7 @@ import shutil
 import tempfile
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,8 @@ from rlx_nb.changes.environment import snapshot_environment
 from rlx_nb.errors import InputError, writing
 from rlx_nb.execution import fingerprints
 from rlx_nb.execution.prepare import normalize_inputs, prepare_model
+from rlx_nb.localization.capture import Slot, called_parent
+from rlx_nb.report.files import json_value
 
 _DTYPES = {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
            torch.int8, torch.uint8, torch.bool}  # fmt: skip
@@ -72,11 +74,12 @@ def encode(x: Any, tensors: list[torch.Tensor]) -> dict:
     raise Unwritable(type(x).__name__)
 
 
-def decode(t: dict, tensors: list[torch.Tensor]) -> Any:
-    """The arguments :func:`encode` wrote, around ``tensors``."""
+def template(t: dict) -> Any:
+    """The call :func:`encode` wrote, as a captured call's template (tensors as :class:`Slot`): what
+    :func:`~rlx_nb.localization.capture.fill` fills and :class:`~rlx_nb.localization.capture.CallModule` replays."""
     ((kind, v),) = t.items()
     if kind == "slot":
-        return tensors[v]
+        return Slot(v)
     if kind == "value":
         return v
     if kind == "float":
@@ -84,10 +87,58 @@ def decode(t: dict, tensors: list[torch.Tensor]) -> Any:
     if kind == "dtype":
         return getattr(torch, v)
     if kind == "tuple":
-        return tuple(decode(x, tensors) for x in v)
+        return tuple(template(x) for x in v)
     if kind == "list":
-        return [decode(x, tensors) for x in v]
-    return {k: decode(x, tensors) for k, x in v.items()}
+        return [template(x) for x in v]
+    return {k: template(x) for k, x in v.items()}
+
+
+def watched_run(
+    base: torch.nn.Module,
+    run: Callable[[], Any],
+    *,
+    failed: str,
+    first_call: Callable[[str, tuple, dict], None] | None = None,
+    first_output: Callable[[str, Any], None] | None = None,
+) -> None:
+    """``run()`` (a run of ``base``) with every module watched: ``first_call(name, args, kwargs)`` as each module is
+    first called, ``first_output(name, output)`` as that call returns; without gradients, the model's buffers put back
+    after (:func:`same_state`), the hooks removed.  A failure is an :class:`InputError` starting with ``failed``."""
+    called: set[str] = set()
+    returned: set[str] = set()
+
+    def pre(name: str):
+        def hook(module, args, kwargs):
+            if name not in called:
+                called.add(name)
+                first_call(name, args, kwargs)
+
+        return hook
+
+    def post(name: str):
+        def hook(module, args, out):
+            if name in called and name not in returned:
+                returned.add(name)
+                first_output(name, out)
+
+        return hook
+
+    handles = []
+    for name, module in base.named_modules():
+        if first_call is not None:
+            handles.append(module.register_forward_pre_hook(pre(name), with_kwargs=True))
+        if first_output is not None:
+            handles.append(module.register_forward_hook(post(name)))
+    if first_call is None:  # (every module counts as called: its first return is its first call's)
+        called.update(name for name, _ in base.named_modules())
+    try:
+        with torch.no_grad(), same_state(base):
+            run()
+    except Exception as exc:
+        raise InputError(f"{failed}: {type(exc).__name__}: {exc}") from None
+    finally:
+        for h in handles:
+            h.remove()
 
 
 @contextlib.contextmanager
@@ -237,7 +288,7 @@ def snapshot(
             "label": label or f"{env.get('host')} torch {torch.__version__}",
             "backend": backend,
             "keyword": keys is not None,
-            "environment": _jsonable(env),
+            "environment": json_value(env),
             "fingerprints": {
                 "inputs": fingerprints.quick_fingerprint(args),
                 "model": fingerprints.quick_fingerprint(dict(base.state_dict())),
@@ -257,72 +308,35 @@ def snapshot(
     return path
 
 
-def _jsonable(v: Any) -> Any:
-    if isinstance(v, dict):
-        return {str(k): _jsonable(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_jsonable(x) for x in v]
-    if v is None or isinstance(v, (bool, int, str)):
-        return v
-    if isinstance(v, float):
-        return v if v == v and abs(v) != float("inf") else repr(v)
-    return repr(v)
-
-
 def _record(base: torch.nn.Module, args: tuple, backend: Any, sink: Sink) -> dict[str, dict]:
     # One run on the backend: each module's first call and outputs, written as they happen.
     modules: dict[str, dict] = {}
-    done: set[str] = set()
 
-    def pre(name: str):
-        def hook(module, a, kw):
-            if name in modules:
-                return
-            entry = {"name": name, "order": len(modules), "depth": 0, "parent": None, "call": None, "why": "",
-                     "inputs": [], "outputs": {}, "reference": {}}  # fmt: skip
-            modules[name] = entry
-            tensors: list[torch.Tensor] = []
-            try:
-                entry["call"] = encode((tuple(a), dict(kw)), tensors)
-            except Unwritable as exc:
-                entry["why"] = f"its call passes a {exc}, which a snapshot cannot write: it cannot run alone"
-                return
-            entry["inputs"] = [sink.put(t) for t in tensors]
-            if any(e is None for e in entry["inputs"]):
-                entry["call"], entry["why"] = None, "its inputs were past the byte budget: it cannot run alone"
+    def first_call(name: str, a: tuple, kw: dict) -> None:
+        entry = {"name": name, "order": len(modules), "depth": 0, "parent": None, "call": None, "why": "",
+                 "inputs": [], "outputs": {}, "reference": {}}  # fmt: skip
+        modules[name] = entry
+        tensors: list[torch.Tensor] = []
+        try:
+            entry["call"] = encode((tuple(a), dict(kw)), tensors)
+        except Unwritable as exc:
+            entry["why"] = f"its call passes a {exc}, which a snapshot cannot write: it cannot run alone"
+            return
+        entry["inputs"] = [sink.put(t) for t in tensors]
+        if any(e is None for e in entry["inputs"]):
+            entry["call"], entry["why"] = None, "its inputs were past the byte budget: it cannot run alone"
 
-        return hook
+    def first_output(name: str, out: Any) -> None:
+        for leaf_name, leaf in flatten(out):
+            if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+                modules[name]["outputs"][leaf_name] = sink.put(leaf)
 
-    def post(name: str):
-        def hook(module, a, out):
-            if name in done or name not in modules:
-                return
-            done.add(name)
-            for leaf_name, leaf in flatten(out):
-                if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
-                    modules[name]["outputs"][leaf_name] = sink.put(leaf)
-
-        return hook
-
-    handles = []
-    for name, module in base.named_modules():
-        handles.append(module.register_forward_pre_hook(pre(name), with_kwargs=True))
-        handles.append(module.register_forward_hook(post(name)))
-    try:
-        with torch.no_grad(), same_state(base):
-            backend.fn(base, args)
-    except Exception as exc:
-        raise InputError(f"the model failed on {backend.name!r}: {type(exc).__name__}: {exc}") from None
-    finally:
-        for h in handles:
-            h.remove()
+    watched_run(base, lambda: backend.fn(base, args), failed=f"the model failed on {backend.name!r}",
+                first_call=first_call, first_output=first_output)  # fmt: skip
     for name, entry in modules.items():
         if name:
-            parent = name.rpartition(".")[0]
-            while parent and parent not in modules:  # (a ModuleList is never called itself)
-                parent = parent.rpartition(".")[0]
-            entry["parent"] = parent
-            entry["depth"] = modules[parent]["depth"] + 1
+            entry["parent"] = called_parent(name, modules)
+            entry["depth"] = modules[entry["parent"]]["depth"] + 1
         if any(e is None for e in entry["outputs"].values()) and not entry["why"]:
             entry["why"] = "some of its outputs were past the byte budget"
     return modules
@@ -330,35 +344,20 @@ def _record(base: torch.nn.Module, args: tuple, backend: Any, sink: Sink) -> dic
 
 def _record_reference(base: torch.nn.Module, args: tuple, modules: dict[str, dict], sink: Sink) -> None:
     # The float64 model, once: each module's float64 output less the recorded one, in float32.
-    done: set[str] = set()
+    def first_output(name: str, out: Any) -> None:
+        recorded = modules[name]["outputs"] if name in modules else {}
+        for leaf_name, leaf in flatten(out):
+            entry = recorded.get(leaf_name)
+            if entry is None or not isinstance(leaf, torch.Tensor) or not leaf.is_floating_point():
+                continue
+            old = sink.read(entry)
+            if tuple(old.shape) != tuple(leaf.shape):
+                continue  # (the float64 model took another path: no reference for this leaf)
+            residual = np.asarray(leaf.detach().to("cpu", torch.float64).numpy() - old.astype(np.float64))
+            modules[name]["reference"][leaf_name] = sink.put(torch.from_numpy(residual.astype(np.float32)))
 
-    def post(name: str):
-        def hook(module, a, out):
-            if name in done or name not in modules:
-                return
-            done.add(name)
-            recorded = modules[name]["outputs"]
-            for leaf_name, leaf in flatten(out):
-                entry = recorded.get(leaf_name)
-                if entry is None or not isinstance(leaf, torch.Tensor) or not leaf.is_floating_point():
-                    continue
-                old = sink.read(entry)
-                if tuple(old.shape) != tuple(leaf.shape):
-                    continue  # (the float64 model took another path: no reference for this leaf)
-                residual = np.asarray(leaf.detach().to("cpu", torch.float64).numpy() - old.astype(np.float64))
-                modules[name]["reference"][leaf_name] = sink.put(torch.from_numpy(residual.astype(np.float32)))
-
-        return hook
-
-    handles = [m.register_forward_hook(post(n)) for n, m in base.named_modules()]
-    try:
-        with torch.no_grad(), same_state(base):
-            run_float64_streamed(base, args)
-    except Exception as exc:
-        raise InputError(f"the float64 reference failed: {type(exc).__name__}: {exc}") from None
-    finally:
-        for h in handles:
-            h.remove()
+    watched_run(base, lambda: run_float64_streamed(base, args), failed="the float64 reference failed",
+                first_output=first_output)  # fmt: skip
 
 
-__all__ = ["decode", "encode", "same_state", "snapshot"]
+__all__ = ["encode", "same_state", "snapshot", "template", "watched_run"]

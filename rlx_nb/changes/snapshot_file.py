@@ -9,8 +9,9 @@ import numpy as np
 import torch
 
 from rlx_nb.changes import files
-from rlx_nb.changes.record import decode
+from rlx_nb.changes.record import template
 from rlx_nb.execution.results import Leaf
+from rlx_nb.localization.capture import fill
 
 
 class Snapshot:
@@ -83,7 +84,7 @@ class Snapshot:
         m = self._modules[name]
         if m["call"] is None:
             return None
-        return decode(m["call"], self.tensors(name))
+        return fill(template(m["call"]), tuple(self.tensors(name)))
 
     def tensors(self, name: str) -> list[torch.Tensor]:
         """The tensors of the module's first call as recorded (fresh ones each time), in its call's slot order."""

@@ -185,12 +185,19 @@ def capture_calls(base: torch.nn.Module, args: tuple) -> dict[str, Call]:
             h.remove()
     for name, call in calls.items():
         if name:
-            parent = name.rpartition(".")[0]
-            while parent and parent not in calls:  # e.g. a ModuleList, never called itself
-                parent = parent.rpartition(".")[0]
+            parent = called_parent(name, calls)
             calls[parent].children.append(name)
             call.depth = calls[parent].depth + 1
     return calls
+
+
+def called_parent(name: str, called: Any) -> str:
+    """The nearest ancestor of module ``name`` that is in ``called`` (the modules a run called, in a container):
+    its parent, or further up past one never called itself (a ModuleList); ``""`` (the root) at the top."""
+    parent = name.rpartition(".")[0]
+    while parent and parent not in called:
+        parent = parent.rpartition(".")[0]
+    return parent
 
 
 def inputs_requiring_grad(tensors: list[torch.Tensor]) -> list[torch.Tensor]:

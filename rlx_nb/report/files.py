@@ -47,15 +47,15 @@ SUFFIX = ".rlxnb"
 _MAX_META = 64 << 20
 
 
-def _json_value(v: Any) -> Any:
+def json_value(v: Any) -> Any:
     if v is None or isinstance(v, (bool, int, str)):
         return v
     if isinstance(v, float):
         return v if math.isfinite(v) else repr(v)
     if isinstance(v, dict):  # e.g. environment["nondeterministic"], a merged report's per-node environments
-        return {str(k): _json_value(x) for k, x in v.items()}
+        return {str(k): json_value(x) for k, x in v.items()}
     if isinstance(v, (list, tuple)):
-        return [_json_value(x) for x in v]
+        return [json_value(x) for x in v]
     return repr(v)  # keeps the information, loses the type: compared as text after loading
 
 
@@ -124,7 +124,7 @@ def _write_zip(target: Any, results: RunResults, *, rule: str, tol_rel: float | 
                         np.lib.format.write_array(f, value, allow_pickle=False)
                     outputs[name] = {"array": entry, "dtype": leaf.dtype, "shape": list(leaf.shape)}
                 else:
-                    outputs[name] = {"value": _json_value(leaf.value), "dtype": leaf.dtype}
+                    outputs[name] = {"value": json_value(leaf.value), "dtype": leaf.dtype}
             return {
                 "backend": run.backend,
                 "status": run.status,
@@ -144,7 +144,7 @@ def _write_zip(target: Any, results: RunResults, *, rule: str, tol_rel: float | 
             "version": VERSION,
             "label": results.label,
             "backward": results.backward,
-            "environment": _json_value(dict(results.environment)),
+            "environment": json_value(dict(results.environment)),
             "fingerprints": dict(results.fingerprints),
             "rule": rule,
             "tol_rel": tol_rel,
