@@ -21,6 +21,7 @@ from rlx_nb._support.safe import term_text
 from rlx_nb.errors import InputError, RlxError, TargetError
 
 EXIT_OK, EXIT_SUSPECT, EXIT_USAGE, EXIT_BACKEND_FAILED = 0, 1, 2, 3
+_TARGET = "path/to/file.py:factory or package.module:factory; factory() -> (model, inputs)"
 
 
 def load_target(target: str) -> tuple[Any, Any]:
@@ -71,7 +72,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", required=True)
     check = sub.add_parser("check", help="run TARGET's model on the backends and gate on the verdict")
-    check.add_argument("target", help="path/to/file.py:factory or package.module:factory; factory() -> (model, inputs)")
+    check.add_argument("target", help=_TARGET)
     _common(check)
     check.add_argument(
         "--int8",
@@ -108,10 +109,10 @@ def _parser() -> argparse.ArgumentParser:
     merge.add_argument("--label", help="label for the report lines")
     snap = sub.add_parser(
         "snapshot",
-        help="record TARGET's run here, module by module (inputs, outputs, float64 reference, this environment), "
-        "for rlx-nb diff in another environment",
+        help="record TARGET's run here, module by module (inputs, outputs, this environment; --reference adds each "
+        "module's float64 value), for rlx-nb diff in another environment",
     )
-    snap.add_argument("target", help="path/to/file.py:factory or package.module:factory; factory() -> (model, inputs)")
+    snap.add_argument("target", help=_TARGET)
     snap.add_argument("-o", "--output", required=True, metavar="FILE", help="the snapshot file to write (.rlxsnap)")
     snap.add_argument("--backend", default="cpu", help="what to run on (default: the CPU oracle; an eager backend)")
     snap.add_argument(

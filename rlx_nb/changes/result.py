@@ -215,20 +215,17 @@ class Diff:
 
 
 def _innermost(rows: list[dict], column: str) -> str | None:
-    suspects = {r["name"] for r in rows if r.get(column) == SUSPECT}
-    inner = [r for r in rows if r["name"] in suspects and not any(
-        s != r["name"] and _parent_chain_has(rows, s, r["name"]) for s in suspects)]  # fmt: skip
-    return min(inner, key=lambda r: r["order"])["module"] if inner else None
-
-
-def _parent_chain_has(rows: list[dict], name: str, ancestor: str) -> bool:
+    # The first suspect row, in order, with no suspect below it (no suspect has it as an ancestor).
     parents = {r["name"]: r.get("parent") for r in rows}
-    p = parents.get(name)
-    while p is not None:
-        if p == ancestor:
-            return True
-        p = parents.get(p)
-    return False
+    suspects = [r for r in rows if r.get(column) == SUSPECT]
+    above: set[str] = set()
+    for r in suspects:
+        p = parents.get(r["name"])
+        while p is not None and p not in above:
+            above.add(p)
+            p = parents.get(p)
+    inner = [r for r in suspects if r["name"] not in above]
+    return min(inner, key=lambda r: r["order"])["module"] if inner else None
 
 
 __all__ = ["COLUMNS", "Diff", "row"]
