@@ -72,8 +72,9 @@ def forward_seconds(model, inputs) -> float:
 
 
 def activations(model, inputs) -> int:
-    # Every module's first-call floating outputs, each distinct tensor once.
-    seen, total, done = set(), 0, set()
+    # Every module's first-call floating outputs, each distinct tensor once (held until the end: a freed tensor's
+    # address may be a later one's, which counted two tensors as one).
+    seen, total, done, held = set(), 0, set(), []
 
     def hook(name):
         def h(_, __, out):
@@ -86,6 +87,7 @@ def activations(model, inputs) -> int:
                     key = (leaf.data_ptr(), tuple(leaf.shape), leaf.stride())
                     if key not in seen:
                         seen.add(key)
+                        held.append(leaf)
                         total += leaf.numel() * leaf.element_size()
 
         return h

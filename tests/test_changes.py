@@ -239,3 +239,13 @@ def test_the_readme_block_runs_as_written(tmp_path, monkeypatch):
     change = shown["change"]
     assert change.culprit is None and set(change.frame.change) == {"moved within round-off"}
     assert (tmp_path / "before.rlxsnap").is_file()
+
+
+def test_a_model_that_fails_leaves_no_file_behind(tmp_path):
+    class Fails(nn.Module):
+        def forward(self, x):
+            raise RuntimeError("boom")
+
+    with pytest.raises(InputError, match="the model failed on 'cpu': RuntimeError: boom"):
+        rlx_nb.snapshot(Fails(), (torch.zeros(1),), tmp_path / "s", reference=True)
+    assert list(tmp_path.iterdir()) == []  # (no snapshot, no half-written zip, no scratch folder)

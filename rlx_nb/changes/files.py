@@ -19,7 +19,6 @@ wearing the right extension -- raises :class:`~rlx_nb.errors.ReportFormatError` 
 
 from __future__ import annotations
 
-import json
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -39,14 +38,6 @@ _TEMPLATE_DEPTH = 32
 
 def _fail(where: Any, why: str) -> ReportFormatError:
     return report_files._fail(where, why, "snapshot")
-
-
-def write(path: Path, meta: dict, arrays: dict[str, Path]) -> None:
-    """The zip: each array's ``.npy`` file copied in as it is (streamed), then ``meta.json``."""
-    with zipfile.ZipFile(path, "w", compression=zipfile.ZIP_STORED, allowZip64=True) as zf:
-        for entry, source in arrays.items():
-            zf.write(source, entry)
-        zf.writestr("meta.json", json.dumps(meta))
 
 
 class Stored:
@@ -167,4 +158,4 @@ def check_template(t: Any, slots: int, where: str, depth: int = 0) -> None:
         raise schema.fail(where, "a template node (one of slot, value, float, dtype, list, tuple, dict)", kind)
 
 
-__all__ = ["FORMAT", "SUFFIX", "VERSION", "Stored", "check_meta", "read", "write"]
+__all__ = ["FORMAT", "SUFFIX", "VERSION", "Stored", "check_meta", "read"]

@@ -9,17 +9,21 @@ How
 2. With ``reference=True`` the float64 model runs once more (its weights cast one op at a time,
    :func:`~rlx_nb.backends.eager.run_float64_streamed`), and each module's float64 output, less the recorded output,
    is written in float32: the oracle's own round-off there, which :func:`rlx_nb.diff` judges a change against.
-3. Arrays go to a scratch folder beside ``path`` as they are made (nothing is held), then into one zip.  A
-   ``byte_budget`` caps what is written: past it, a module's arrays are left out and the file says so.
+3. Arrays go into the zip as they are made (nothing is held; with the reference, each output also to a scratch
+   file the float64 pass reads back).  A ``byte_budget`` caps what is written: past it, a module's arrays are left
+   out and the file says so.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import shutil
 import tempfile
 import time
 import weakref
+import zipfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -156,52 +160,62 @@ def same_state(base: torch.nn.Module) -> Iterator[None]:
 
 
 class Sink:
-    """Arrays written to a scratch folder as ``.npy`` files as they come, each tensor once, under a budget.
+    """Arrays written into the snapshot's zip as they come (streamed, no scratch copy), each tensor once, under a
+    budget; with ``keep`` (a folder), those put with ``keep=True`` also go there as ``.npy`` files, to be read back
+    (the float64 reference's pass reads each recorded output).
 
     A tensor seen before (a module's output passed on as the next one's input, or a view of it laid out the same)
     is matched by its storage, offset, layout and version while it is alive (a weak reference: nothing is held), so
     it costs no pass over its bytes.  (Hashing every activation's bytes took 0.42 s of a 1.9 s snapshot of GPT-2
-    small.)"""
+    small; writing each array to a scratch file and then copying it into the zip, 0.2 s.)"""
 
-    def __init__(self, folder: Path, budget: int | None) -> None:
-        self.folder, self.budget = folder, budget
+    def __init__(self, zf: zipfile.ZipFile, budget: int | None, keep: Path | None = None) -> None:
+        self.zf, self.budget, self.keep = zf, budget, keep
         self.bytes = 0
-        self.files: dict[str, Path] = {}
         self.declared: dict[str, dict] = {}
+        self.kept: dict[str, Path] = {}
         self.left_out = 0
         self._seen: dict[tuple, tuple[weakref.ref, str]] = {}
 
-    def put(self, t: torch.Tensor) -> str | None:
+    def put(self, t: torch.Tensor, *, keep: bool = False) -> str | None:
         """The entry ``t`` is stored under (the one it was stored under if seen before); None past the budget."""
         given, t = t, t.detach()
         key = (t.untyped_storage().data_ptr(), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device,
                t._version)  # fmt: skip
         seen = self._seen.get(key)
         if seen is not None and seen[0]() is not None:  # (alive: its storage cannot have been reused)
-            return seen[1]
-        entry = self._write(t)
-        if entry is not None:
-            self._seen[key] = (weakref.ref(given), entry)
+            entry = seen[1]
+        else:
+            entry = self._write(t)
+            if entry is not None:
+                self._seen[key] = (weakref.ref(given), entry)
+        if entry is not None and keep and self.keep is not None and entry not in self.kept:
+            self.kept[entry] = self.keep / f"{len(self.kept)}.npy"
+            np.save(self.kept[entry], _array(t), allow_pickle=False)
         return entry
 
     def _write(self, t: torch.Tensor) -> str | None:
-        dtype = str(t.dtype).removeprefix("torch.")
-        t = (t.float() if t.dtype == torch.bfloat16 else t).to("cpu").contiguous()  # (numpy has no bfloat16)
         if self.budget is not None and self.bytes + t.nbytes > self.budget:
             self.left_out += 1
             return None
-        entry = f"arrays/{len(self.files)}.npy"
-        path = self.folder / f"{len(self.files)}.npy"
-        kind = np.dtype(str(t.dtype).removeprefix("torch."))
-        arr = np.frombuffer(raw_bytes(t), dtype=kind) if t.numel() else np.zeros(0, dtype=kind)
-        with open(path, "wb") as f:
-            np.lib.format.write_array(f, arr.reshape(tuple(t.shape)), allow_pickle=False)
+        entry = f"arrays/{len(self.declared)}.npy"
+        with self.zf.open(entry, "w", force_zip64=True) as f:
+            np.lib.format.write_array(f, _array(t), allow_pickle=False)
         self.bytes += t.nbytes
-        self.files[entry], self.declared[entry] = path, {"dtype": dtype, "shape": list(t.shape)}
+        self.declared[entry] = {"dtype": str(t.dtype).removeprefix("torch."), "shape": list(t.shape)}
         return entry
 
     def read(self, entry: str) -> np.ndarray:
-        return np.load(self.files[entry], mmap_mode="r", allow_pickle=False)
+        """An array put with ``keep=True``, read back from its ``.npy`` file."""
+        return np.load(self.kept[entry], mmap_mode="r", allow_pickle=False)
+
+
+def _array(t: torch.Tensor) -> np.ndarray:
+    # A tensor's values as a numpy array on its own bytes (bfloat16 as float32: numpy has none; the dtype name keeps it).
+    t = (t.float() if t.dtype == torch.bfloat16 else t).to("cpu").contiguous()
+    kind = np.dtype(str(t.dtype).removeprefix("torch."))
+    arr = np.frombuffer(raw_bytes(t), dtype=kind) if t.numel() else np.zeros(0, dtype=kind)
+    return arr.reshape(tuple(t.shape))
 
 
 def snapshot(
@@ -268,43 +282,49 @@ def snapshot(
     env = snapshot_environment()
     with writing(path, "the snapshot"):
         path.parent.mkdir(parents=True, exist_ok=True)
-        scratch = Path(tempfile.mkdtemp(prefix=".rlx_nb-snapshot-", dir=path.parent))
+        scratch = Path(tempfile.mkdtemp(prefix=".rlx_nb-snapshot-", dir=path.parent)) if reference else None
+        partial = path.with_name(f".{path.name}.partial")  # (renamed to path once whole: never a half-written file)
+        zf = zipfile.ZipFile(partial, "w", compression=zipfile.ZIP_STORED, allowZip64=True)
     try:
-        with switches.exclusive():
-            args, keys = normalize_inputs(inputs)
-            base = prepare_model(model, params, keys)
-            sink = Sink(scratch, byte_budget)
-            seconds = {}
-            start = time.perf_counter()
-            modules = _record(base, args, chosen, sink)
-            seconds["forward"] = time.perf_counter() - start
-            if reference:
+        with zf, writing(path, "the snapshot"):
+            with switches.exclusive():
+                args, keys = normalize_inputs(inputs)
+                base = prepare_model(model, params, keys)
+                sink = Sink(zf, byte_budget, keep=scratch)
+                seconds = {}
                 start = time.perf_counter()
-                _record_reference(base, args, modules, sink)
-                seconds["reference"] = time.perf_counter() - start
-        meta = {
-            "format": files.FORMAT,
-            "version": files.VERSION,
-            "label": label or f"{env.get('host')} torch {torch.__version__}",
-            "backend": backend,
-            "keyword": keys is not None,
-            "environment": json_value(env),
-            "fingerprints": {
-                "inputs": fingerprints.quick_fingerprint(args),
-                "model": fingerprints.quick_fingerprint(dict(base.state_dict())),
-                "input_structure": fingerprints.structure(args),
-                "model_structure": fingerprints.structure(dict(base.state_dict())),
-            },
-            "byte_budget": byte_budget,
-            "bytes": sink.bytes,
-            "seconds": seconds,
-            "modules": list(modules.values()),
-            "arrays": sink.declared,
-        }
-        with writing(path, "the snapshot"):
-            files.write(path, meta, sink.files)
+                modules = _record(base, args, chosen, sink)
+                seconds["forward"] = time.perf_counter() - start
+                if reference:
+                    start = time.perf_counter()
+                    _record_reference(base, args, modules, sink)
+                    seconds["reference"] = time.perf_counter() - start
+            weights = dict(base.state_dict())
+            meta = {
+                "format": files.FORMAT,
+                "version": files.VERSION,
+                "label": label or f"{env.get('host')} torch {torch.__version__}",
+                "backend": backend,
+                "keyword": keys is not None,
+                "environment": json_value(env),
+                "fingerprints": {
+                    "inputs": fingerprints.quick_fingerprint(args),
+                    "model": fingerprints.quick_fingerprint(weights),
+                    "input_structure": fingerprints.structure(args),
+                    "model_structure": fingerprints.structure(weights),
+                },
+                "byte_budget": byte_budget,
+                "bytes": sink.bytes,
+                "seconds": seconds,
+                "modules": list(modules.values()),
+                "arrays": sink.declared,
+            }
+            zf.writestr("meta.json", json.dumps(meta))
+        os.replace(partial, path)
     finally:
-        shutil.rmtree(scratch, ignore_errors=True)
+        partial.unlink(missing_ok=True)
+        if scratch is not None:
+            shutil.rmtree(scratch, ignore_errors=True)
     return path
 
 
@@ -329,7 +349,7 @@ def _record(base: torch.nn.Module, args: tuple, backend: Any, sink: Sink) -> dic
     def first_output(name: str, out: Any) -> None:
         for leaf_name, leaf in flatten(out):
             if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
-                modules[name]["outputs"][leaf_name] = sink.put(leaf)
+                modules[name]["outputs"][leaf_name] = sink.put(leaf, keep=True)
 
     watched_run(base, lambda: backend.fn(base, args), failed=f"the model failed on {backend.name!r}",
                 first_call=first_call, first_output=first_output)  # fmt: skip
