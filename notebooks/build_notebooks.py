@@ -799,6 +799,92 @@ assert_backends_agree(converted, inputs, int8=True, backends=["executorch-portab
     ),
 ]
 
+CHANGES = [
+    (
+        "md",
+        """# 09 · What changed after the upgrade
+
+"My results changed after I upgraded torch, moved to another machine or changed a setting -- which op?" Backends compared in one process cannot answer that: the two runs happen in two environments. `rlx_nb.snapshot` records one environment's run of the model **module by module** (each module's inputs and outputs, the versions, CPU features, BLAS and oneDNN, threads and dispatch variables); `rlx_nb.diff` runs the model in another environment and judges every module's change against **that module's own round-off**:
+
+- **local**: the module alone, fed the inputs it had in the old environment -- past the line, it computes differently here;
+- **propagated**: its output in the whole run -- past the line but within it locally, the change was carried in.
+
+Both are judged by the verdict every report uses, on the same one scale (1.0 is the SUSPECT line).""",
+    ),
+    (
+        "code",
+        """import os, subprocess, sys, tempfile
+import rlx_nb
+from rlx_nb.models import demo
+
+model, inputs = demo.layered()          # three encoder blocks and a head, seeded, random weights
+folder = tempfile.mkdtemp()
+before = rlx_nb.snapshot(model, inputs, os.path.join(folder, "before"))   # the old environment
+rlx_nb.load_snapshot(before)""",
+    ),
+    (
+        "md",
+        """## A legitimate change reads as round-off
+
+Here the new environment is this one with oneDNN off (`cpu-nomkldnn`: ATen's own kernels) and one thread instead of the snapshot's count. `local="all"` checks every module alone (the default descends only into those past the line, as `localize` does). Every module moves, none past the line:""",
+    ),
+    (
+        "code",
+        """import torch
+
+threads = torch.get_num_threads()
+torch.set_num_threads(1)
+legit = rlx_nb.diff(before, model, inputs, backend="cpu-nomkldnn", local="all")
+torch.set_num_threads(threads)
+print(legit)
+legit.frame[["module", "change", "local_line", "propagated_line", "reason"]].head(8)""",
+    ),
+    (
+        "md",
+        """## Another process, another dispatch path
+
+A real second environment: a fresh process where MKL takes its SSE2 code path (`MKL_CBWR=COMPATIBLE`, what an older CPU would run). The command line does the same as the call, with `check`'s exit codes (0: every module within round-off; 1: a module past the line):""",
+    ),
+    (
+        "code",
+        """done = subprocess.run([sys.executable, "-m", "rlx_nb.cli", "diff", str(before), "rlx_nb.models.demo:layered", "--all"],
+                      env={**os.environ, "MKL_CBWR": "COMPATIBLE"}, capture_output=True, text=True)
+print(done.stdout, "exit code", done.returncode)""",
+    ),
+    (
+        "md",
+        """## A kernel that changed is found where it changed
+
+Now the new environment computes one op wrongly: a catalogue fault in block 1's softmax (the fault backend runs the model eagerly, with that one kernel changed). The diff names the module whose own change is past the line, and every module after it carries the change:""",
+    ),
+    (
+        "code",
+        """faulty_model, _ = demo.layered(fault_layer=1)   # the same weights; the fault backend perturbs block 1's softmax only
+changed = rlx_nb.diff(before, faulty_model, inputs, backend="fault:softmax-row")
+print(changed.finding)
+changed.plot();""",
+    ),
+    (
+        "code",
+        """changed.frame[changed.frame.change != "moved within round-off"][["module", "change", "local_line", "propagated_line"]]""",
+    ),
+    (
+        "md",
+        """The culprit is the attention of block 1 -- its own change is far past the line, fed the inputs it had before -- while the query/key/value projection inside it, before the softmax, is within round-off. `localize` can take it from there (down to `F.softmax`) on a backend of this process; `changed.to_html(path)` writes the whole diff as one page.
+
+## Two snapshots, no model
+
+Each node of a cluster (or each machine in CI) can write its own snapshot; one written with `reference=True` (each module's float64 value: one float64 forward more) lets two be compared without the model. Only propagated changes can be judged then -- except where a module was fed bit for bit the same inputs in both, which makes its change its own:""",
+    ),
+    (
+        "code",
+        """reference = rlx_nb.snapshot(model, inputs, os.path.join(folder, "node0"), reference=True)
+node1 = rlx_nb.snapshot(faulty_model, inputs, os.path.join(folder, "node1"), backend="fault:softmax-row")
+apart = rlx_nb.diff(reference, node1)
+print(apart.finding)""",
+    ),
+]
+
 NOTEBOOKS = {
     "01_find_the_suspect.ipynb": FIND_THE_SUSPECT,
     "02_localize_the_operator.ipynb": LOCALIZE,
@@ -808,6 +894,7 @@ NOTEBOOKS = {
     "06_share_gate_baseline.ipynb": SHARE_AND_GATE,
     "07_where_generation_parts.ipynb": GENERATION,
     "08_int8.ipynb": INT8,
+    "09_what_changed.ipynb": CHANGES,
 }
 
 

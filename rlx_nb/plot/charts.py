@@ -218,7 +218,8 @@ def plot_localization(
     suspect = (frame["verdict"] == "SUSPECT").to_numpy()
     colours = [SUSPECT_COLOUR if s else PALETTE[0] for s in suspect]
     floor = 1e-3
-    ax.barh(y, np.where(np.isfinite(local) & (local > floor), local, floor), color=colours, height=0.7)
+    # (a row not checked alone -- a diff's module its parent's descent never entered, a full-run search -- has no bar)
+    ax.barh(y, np.where(np.isfinite(local), np.maximum(local, floor), np.nan), color=colours, height=0.7)
     prop = frame["propagated_line"].to_numpy(dtype=float)
     handles = [Patch(color=PALETTE[0], label=f"{labels[0]}: round-off"), Patch(color=SUSPECT_COLOUR,
                label=f"{labels[0]}: SUSPECT")]  # fmt: skip
