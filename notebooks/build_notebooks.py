@@ -826,7 +826,7 @@ rlx_nb.load_snapshot(before)""",
         "md",
         """## A legitimate change reads as round-off
 
-Here the new environment is this one with oneDNN off (`cpu-nomkldnn`: ATen's own kernels) and one thread instead of the snapshot's count. `local="all"` checks every module alone (the default descends only into those past the line, as `localize` does). Every module moves, none past the line:""",
+Here the new environment is this one with oneDNN off (`cpu-nomkldnn`: ATen's own kernels) and one thread instead of the snapshot's count. `local="all"` checks every module alone (the default descends only into those past the line, as `localize` does). Most modules move (a few stay bit for bit the same: the `reason` column says which), none past the line:""",
     ),
     (
         "code",
