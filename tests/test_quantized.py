@@ -481,6 +481,26 @@ def _refused(call, message: str) -> bool:
     return True
 
 
+def test_a_runtime_is_lowered_once_for_the_same_graph_and_afresh_when_a_weight_changes_in_place():
+    # ExecuTorch's export and lowering cost seconds a graph: a re-run cell reuses it, as a float model's compile is
+    # reused, but a weight edited in place between the calls is a new lowering whose outputs follow the edit.
+    model, inputs = demo.mlp()
+    converted = quantize.quantize_pt2e(model, inputs)
+    first = rlx_nb.quantized_divergence(converted, inputs, backends=["executorch-xnnpack"], trials=2, progress=False)
+    again = rlx_nb.quantized_divergence(converted, inputs, backends=["executorch-xnnpack"], trials=2, progress=False)
+    assert not any("reused the preparation" in n for n in first.results.candidates["executorch-xnnpack"].notes)
+    assert any("reused the preparation" in n for n in again.results.candidates["executorch-xnnpack"].notes)
+    a, b = first.results.candidates["executorch-xnnpack"], again.results.candidates["executorch-xnnpack"]
+    assert all((a.outputs[k].value == b.outputs[k].value).all() for k in a.outputs)
+    weight = requantization.attr(converted, requantization._ops(converted, "dequantize_per_channel")[-1].args[0].target)
+    with torch.no_grad():
+        weight.neg_()  # (the output layer's int8 weights, negated in place: the same objects, other values)
+    edited = rlx_nb.quantized_divergence(converted, inputs, backends=["executorch-xnnpack"], trials=2, progress=False)
+    assert not any("reused the preparation" in n for n in edited.results.candidates["executorch-xnnpack"].notes)
+    assert edited.record("executorch-xnnpack").verdict != SUSPECT  # (it runs the edited weights, as the oracle does)
+    assert not (edited.results.oracle.outputs["out"].value == first.results.oracle.outputs["out"].value).all()
+
+
 def test_each_kind_of_planted_int8_bug_is_caught_and_localized_to_its_layer():
     # #48's held-out kinds on the MLP's output layer, through XNNPACK: one weight's sign, one channel's bias three
     # quanta off, a requantization that rounds down (caught by its bias: rounding to nearest leaves none).

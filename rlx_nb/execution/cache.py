@@ -103,12 +103,30 @@ def _value_key(v: Any, depth: int = 0) -> Any:
     return (type(v),)
 
 
+def _graph_key(module: torch.fx.GraphModule) -> tuple:
+    # A graph computes what its code says with the tensors it holds: its code, its input and output specs, its
+    # tensor attributes by value and its hooks.  (fx makes a class per instance and keeps tracer state and meta
+    # with object ids: a copy of the same graph, or the same cut made again, would never match by its attributes.)
+    codegen = getattr(module.graph, "_codegen", None)
+    info = getattr(codegen, "pytree_info", None)
+    tensors = tuple(sorted((k, _tensor_key(v)) for k, v in vars(module).items() if isinstance(v, torch.Tensor)))
+    hooks = tuple(
+        (k, tuple(id(h) for h in v.values()))
+        for k, v in vars(module).items()
+        if k.endswith("_hooks") and isinstance(v, dict) and v
+    )
+    return (module.code, str(info), tensors, hooks)
+
+
 def model_key(model: Any) -> tuple:
     """What a preparation depends on in ``model``: structure, plain attributes, hooks, tensor values."""
     if not isinstance(model, torch.nn.Module):
         return (type(model), id(model))
     parts: list[Any] = []
     for name, module in model.named_modules(remove_duplicate=False):
+        if isinstance(module, torch.fx.GraphModule):
+            parts.append((name, torch.fx.GraphModule, _graph_key(module)))
+            continue
         attrs = tuple(
             sorted(
                 (k, _value_key(v))

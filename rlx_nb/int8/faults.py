@@ -41,13 +41,18 @@ def _weight(graph: torch.fx.GraphModule, layer: int, channel: int) -> torch.fx.N
 def _planted(name: str, description: str, plant: Callable[[torch.fx.GraphModule], None], runtime: str) -> Backend:
     inner = get_backend(runtime)
 
-    def fn(model: Any, inputs: tuple) -> Any:
+    def planted(model: Any) -> torch.fx.GraphModule:
         faulty = graph_copy(model)
         plant(faulty)
         faulty.recompile()
-        return inner.fn(faulty, inputs)
+        return faulty
 
-    return Backend(name, fn, default=False, differentiable=False, probe=inner.probe,
+    def fn(model: Any, inputs: tuple) -> Any:
+        return inner.fn(planted(model), inputs)
+
+    # (prepared as its runtime is: the same fault on the same graph is lowered once, rlx_nb.int8.run.runtime_outputs)
+    prepare = None if inner.prepare is None else lambda model, inputs: inner.prepare(planted(model), inputs)
+    return Backend(name, fn, prepare=prepare, default=False, differentiable=False, probe=inner.probe,
                    description=f"{runtime} with {description}")  # fmt: skip
 
 

@@ -24,11 +24,13 @@ from typing import Any
 
 import torch
 
+from rlx_nb._support.meter import rss_bytes
 from rlx_nb._support.progress import bar
 from rlx_nb._support.tree import flatten
 from rlx_nb.backends.base import ORACLE, Backend
-from rlx_nb.backends.notes import collecting
+from rlx_nb.backends.notes import add_note, collecting
 from rlx_nb.errors import BackendError, describe_error, error_detail
+from rlx_nb.execution import cache as preparations
 from rlx_nb.execution.environment import environment
 from rlx_nb.execution.fingerprints import later
 from rlx_nb.execution.results import ERROR, OK, BackendRun, Fingerprints, RunResults, to_leaf
@@ -64,6 +66,47 @@ def _run(name: str, fn: Any, *, compute_dtype: str = "float32") -> BackendRun:
                       notes=list(said), detail=detail)  # fmt: skip
 
 
+_WRITES = ("copy_", "add_", "mul_", "fill_", "zero_", "index_put_")
+
+
+def _writes_state(converted: torch.fx.GraphModule) -> bool:
+    # Whether the graph writes a tensor in place (a step counter): a kept program would go on from the state its
+    # last run left, so such a graph is lowered afresh each time.
+    return any(n.op == "call_function" and (_op(n) or "").endswith(_WRITES) for n in converted.graph.nodes)
+
+
+def runtime_outputs(backend: Backend, converted: torch.fx.GraphModule, args: tuple) -> Any:
+    """``backend`` run on a copy of ``converted``.  A runtime with a prepare step (ExecuTorch's export and
+    lowering, seconds each) is prepared once for the same graph, weights and input shapes, as a float model's is
+    (:mod:`rlx_nb.execution.cache`): a re-run cell, a second report on the same model, or a localization that checks
+    the graph the report ran, reuse it.  The graph's key is made afresh on every call (every weight hashed), so a
+    weight changed in place between calls is a new preparation, never a stale one."""
+    if backend.prepare is None or _writes_state(converted):
+        return backend.fn(graph_copy(converted), args)
+    k = (backend, preparations.settings_key(), preparations.model_key(converted), preparations.inputs_key(args), False)
+    kept = preparations.lookup(k)
+    if kept is not None:
+        for note in kept.notes:
+            add_note(note)
+        add_note(f"reused the preparation an earlier call made {time.time() - kept.made_at:.0f} s ago "
+                 f"({kept.seconds:.2f} s to make); rlx_nb.clear_preparations() drops it")  # fmt: skip
+        try:
+            return kept.runner(args)
+        except Exception:
+            preparations.forget(k)  # (never reuse a preparation that failed)
+            raise
+    start, before = time.perf_counter(), rss_bytes()
+    with collecting() as made:
+        runner = backend.prepare(graph_copy(converted), args)
+        out = runner(args)
+    for note in made:
+        add_note(note)
+    held = max(0, rss_bytes() - before)
+    preparations.store(k, preparations.Preparation(backend.name, None, runner, list(made),
+                                                   time.perf_counter() - start, time.time(), held))  # fmt: skip
+    return out
+
+
 def int8_results(
     converted: torch.fx.GraphModule,
     args: tuple,
@@ -96,7 +139,7 @@ def int8_results(
             def call(b: Backend = b, reason: str | None = reason) -> Any:
                 if reason is not None:
                     raise BackendError(f"not available here: {reason}")
-                return b.fn(graph_copy(converted), args)
+                return runtime_outputs(b, converted, args)
 
             candidates[b.name] = _run(b.name, call, compute_dtype=INT8)
             shown.update()
