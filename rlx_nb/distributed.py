@@ -20,6 +20,7 @@ import os
 import socket
 import sys
 from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -146,6 +147,80 @@ def gather_report(
             dist.destroy_process_group()
 
 
+def gather_diffs(
+    model: Any,
+    inputs: Any,
+    *,
+    backend: str = "cpu",
+    directory: str | os.PathLike | None = None,
+    byte_budget: int | None = None,
+    timeout_s: float = 600.0,
+) -> dict[str, Any] | None:
+    """Snapshot the model on every rank and diff each node's against node 0's, on rank 0 (#49's cluster path).
+
+    Each rank records :func:`rlx_nb.snapshot` of ``model`` on ``inputs`` on its own ``backend`` (node 0's with the
+    float64 reference, which a diff of two snapshots needs); the file's bytes travel to rank 0 as a uint8 tensor, as
+    :func:`gather_report`'s do, and are written to ``directory`` (a new temporary folder by default) as
+    ``<node>.rlxsnap``.  Rank 0 returns ``{node: Diff}`` for every other node, each :func:`rlx_nb.diff` of node 0's
+    snapshot against that node's (where the node parts from node 0, module by module, judged on round-off); a node
+    whose run failed, died or timed out maps to the reason, a string.  Other ranks return None.  Node names are
+    ``$RLX_NB_NODE`` or ``node<rank>``.  The snapshot files stay in ``directory``, to be diffed again or sent on.
+    """
+    import tempfile
+
+    from rlx_nb.changes.diff import diff
+    from rlx_nb.changes.record import snapshot
+
+    own_group = not dist.is_initialized()
+    if own_group:
+        if "RANK" not in os.environ:
+            raise InputError("gather_diffs runs under torchrun (RANK/WORLD_SIZE unset); diff snapshot files with "
+                             "rlx_nb.diff(a, b)")  # fmt: skip
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=timeout_s))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    name = node_name(rank)
+    try:
+        with tempfile.TemporaryDirectory(prefix="rlx_nb_snapshot_") as scratch:
+            try:
+                path = snapshot(model, inputs, Path(scratch) / "node", backend=backend, reference=rank == 0,
+                                byte_budget=byte_budget, label=name)  # fmt: skip
+                body = _payload(b"S", name.encode() + b"\0" + path.read_bytes())
+            except Exception as exc:  # (this rank's failure travels as a message, not a crash)
+                body = _payload(b"E", f"{name}: {type(exc).__name__}: {exc}".encode())
+        device = _wire_device()
+        if rank != 0:
+            dist.send(torch.tensor([body.numel()], dtype=torch.int64, device=device), dst=0)
+            dist.send(body.to(device), dst=0)
+            return None
+        folder = Path(directory) if directory is not None else Path(tempfile.mkdtemp(prefix="rlx_nb_nodes_"))
+        folder.mkdir(parents=True, exist_ok=True)
+        received = [(name, memoryview(body.numpy())[1:] if body[0] == ord("S") else bytes(body[1:]).decode())]
+        received += [(f"node{src}", _receive(src, timeout_s, device)) for src in range(1, world)]
+        files: dict[str, Path | str] = {}
+        for fallback, item in received:
+            if isinstance(item, str):
+                files[fallback] = item
+                continue
+            node, _, data = bytes(item).partition(b"\0")
+            node_label = node.decode(errors="replace") or fallback
+            target = folder / f"{_safe_name(node_label)}.rlxsnap"
+            target.write_bytes(data)
+            files[node_label] = target
+        first = next(iter(files))
+        base = files[first]
+        if isinstance(base, str):
+            return {n: f"no diff: node 0 ({first}) has no snapshot to diff against: {base}" for n in list(files)[1:]}
+        return {n: f if isinstance(f, str) else diff(base, f) for n, f in list(files.items())[1:]}
+    finally:
+        if own_group:
+            dist.destroy_process_group()
+
+
+def _safe_name(node: str) -> str:
+    # A node's name as a file name (a host name with a slash or a space still makes one file).
+    return "".join(c if c.isalnum() or c in "-_." else "_" for c in node) or "node"
+
+
 def _wire_device() -> str:
     # NCCL moves CUDA tensors only; gloo moves CPU tensors.
     return f"cuda:{torch.cuda.current_device()}" if dist.get_backend() == "nccl" else "cpu"
@@ -167,4 +242,4 @@ def _receive(src: int, timeout_s: float, device: str = "cpu") -> bytes | str | m
     return raw[1:]
 
 
-__all__ = ["free_local_port", "gather_report", "local_torchrun", "node_name"]
+__all__ = ["free_local_port", "gather_diffs", "gather_report", "local_torchrun", "node_name"]

@@ -222,8 +222,8 @@ def test_cli_check_save_then_merge(tmp_path):
     assert "n2/cpu vs cpu" in p.stdout
 
 
-def _torchrun(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
-    job = Path(__file__).parent / "_torchrun_job.py"
+def _torchrun(tmp_path: Path, job: str = "_torchrun_job.py", **env: str) -> subprocess.CompletedProcess:
+    job = Path(__file__).parent / job
     environ = dict(os.environ, OUT=str(tmp_path), OMP_NUM_THREADS="1", **env)
     return subprocess.run(
         local_torchrun(str(job), 3),
@@ -242,6 +242,18 @@ def test_torchrun_gather_names_the_faulty_node(tmp_path):
     assert merged.suspects == ["node2/vendor-npu"]
     assert {"node1/cpu", "node2/cpu", "node0/cpu-nomkldnn", "node1/cpu-nomkldnn"} <= set(merged.results.candidates)
     assert "node2/vendor-npu vs cpu" in p.stdout
+
+
+@pytest.mark.slow
+def test_torchrun_each_nodes_snapshot_is_diffed_against_node_0s_and_the_broken_node_named_where_it_parts(tmp_path):
+    # #49's cluster path: node 1's runtime has a softmax bug in block 1, node 2 runs ATen's kernels, not oneDNN.
+    p = _torchrun(tmp_path, job="_torchrun_diff_job.py")
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    assert "== node1: culprit=blocks.1.attn" in p.stdout  # (parted there, its inputs bit for bit node 0's)
+    assert "== node2: culprit=None" in p.stdout  # (a legitimate difference: within round-off everywhere)
+    assert sorted(f.name for f in tmp_path.glob("*.rlxsnap")) == ["node0.rlxsnap", "node1.rlxsnap", "node2.rlxsnap"]
+    again = rlx_nb.diff(tmp_path / "node0.rlxsnap", tmp_path / "node1.rlxsnap")  # (the files stay, to diff again)
+    assert again.culprit == "blocks.1.attn" and again.past_line
 
 
 @pytest.mark.slow
