@@ -749,7 +749,7 @@ report.backends""",
     print(line)"""),
     (
         "md",
-        """The int8 round-off budget is measured, not assumed: the simulation runs 4 more times, each requantization rounding an element the other way at random wherever its value sits within a **width** of a rounding boundary, and what those trials leave is the budget, never less than one element one quantum off. The width is measured for each requantization: half a step of the integer accumulator that feeds a linear (a kernel rounds its bias to that grid), a whole step for a mean, or 8x the fp32 simulation's own error there against float64, whichever is larger:""",
+        """The int8 round-off budget is measured, not assumed: the simulation runs 4 more times, each requantization rounding elements near a rounding boundary the other way at random, as often as a correct kernel does, and what those trials leave is the budget, never less than one element one quantum off. Two figures are measured for each requantization. Its **width** is how close to a boundary a value must sit for a correct kernel to round it the other way: half a step of the integer accumulator that feeds a linear (a kernel rounds its bias to that grid), a whole step for a mean, or 8x the fp32 simulation's largest error there against float64, whichever is larger. Its **spread** is how far a trial jitters, which sets how often it flips: the accumulator's half step plus 4x the simulation's *mean* error, never more than the width (jitter over the whole width flipped 10x as often as correct kernels do):""",
     ),
     ("code", """report.requantizations"""),
     (

@@ -84,9 +84,11 @@ class _Planned:
     (``flips``), and optionally every element within its width rounded at random (``jitter``) except the ``held``
     ones.  One graph copy; the plan changes between runs without recompiling."""
 
-    def __init__(self, converted: torch.fx.GraphModule, widths: dict[str, float]) -> None:
+    def __init__(self, converted: torch.fx.GraphModule, widths: dict[str, float],
+                 spreads: dict[str, float] | None = None) -> None:  # fmt: skip
         self.graph = graph_copy(converted)
         self.widths = widths
+        self.spreads = widths if spreads is None else spreads  # (a trial's jitter: requantization.TRIAL_MARGIN)
         self.flips: dict[str, torch.Tensor] = {}
         self.held: dict[str, torch.Tensor] = {}
         self.generator: torch.Generator | None = None
@@ -107,7 +109,8 @@ class _Planned:
                 flat = v.reshape(-1)[index]
                 plan.record[name] = (index, 0.5 - (flat - torch.round(flat)).abs(), torch.round(flat) + zero_point)
             if plan.generator is not None:
-                r = rounded_at_random(v, reach, plan.generator, plan.held.get(name))
+                spread = element_reach(v, plan.spreads.get(name, 0.0))
+                r = rounded_at_random(v, torch.minimum(spread, reach), plan.generator, plan.held.get(name))
             else:
                 r = torch.round(v)
             flips = plan.flips.get(name)
@@ -221,11 +224,15 @@ class Worlds:
 
 
 def find(
-    converted: torch.fx.GraphModule, args: tuple, widths: dict[str, float], oracle: dict[str, Leaf]
+    converted: torch.fx.GraphModule,
+    args: tuple,
+    widths: dict[str, float],
+    oracle: dict[str, Leaf],
+    spreads: dict[str, float] | None = None,
 ) -> tuple[Worlds, _Planned]:
     """The decisive elements of ``converted`` on ``args`` and their worlds (module docstring); ``oracle``: the
     simulation's outputs (the oracle run's).  Returns the worlds and the planned simulation (for the trials)."""
-    planned = _Planned(converted, widths)
+    planned = _Planned(converted, widths, spreads)
     recorded = planned.candidates(args)
     base = {  # (the oracle's outputs, not copied)
         k: _tensor(v.value)

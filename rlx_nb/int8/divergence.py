@@ -114,11 +114,12 @@ def quantized_divergence(
         raise type(exc)(f"quantized_divergence({label}): {exc}") from None
     with torch.no_grad():
         measured = requantizations(converted, args)
-    if width is not None:  # (one width given: it replaces the measured ones)
-        measured = [{**r, "width": float(width)} for r in measured]
+    if width is not None:  # (one width given: it replaces the measured ones, and the trials jitter within it)
+        measured = [{**r, "width": float(width), "spread": float(width)} for r in measured]
     widths = {r["node"]: r["width"] for r in measured}
+    spreads = {r["node"]: r["spread"] for r in measured}
     results = int8_results(converted, args, chosen, trials=trials, widths=widths, requantizations=measured,
-                           label=label, progress=progress)  # fmt: skip
+                           spreads=spreads, label=label, progress=progress)  # fmt: skip
     report = DivergenceReport(results, compare(results, progress=False), rule="budget", tol_rel=None,
                               source=WeakSource(converted, args, None))  # fmt: skip
     report.backend_objects = {b.name: b for b in chosen}
@@ -126,7 +127,8 @@ def quantized_divergence(
     def localize(backend: str | None = None, **kwargs: Any):
         from rlx_nb.int8.locate import localize_int8
 
-        return localize_int8(report, converted, args, backend, trials=trials, widths=widths, **kwargs)
+        return localize_int8(report, converted, args, backend, trials=trials, widths=widths, spreads=spreads,
+                             **kwargs)  # fmt: skip
 
     report.localizer = localize
     if progress:

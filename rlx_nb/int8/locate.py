@@ -98,6 +98,7 @@ def localize_int8(
     *,
     trials: int,
     widths: dict[str, float],
+    spreads: dict[str, float] | None = None,
     progress: bool = False,
 ) -> Localization:
     """Where ``backend``'s int8 error is born (default: the report's first suspect), by bisection over the
@@ -116,7 +117,7 @@ def localize_int8(
     def check(k: int) -> bool:
         if k not in checked:
             results = int8_results(_truncated(converted, k), args, [chosen], trials=trials, widths=widths,
-                                   requantizations=[], label=f"{report.results.label} to point {k}",
+                                   spreads=spreads, requantizations=[], label=f"{report.results.label} to point {k}",
                                    progress=progress)  # fmt: skip
             checked[k] = (results, worst_record(compare(results, progress=False)))
         return checked[k][1].verdict == SUSPECT

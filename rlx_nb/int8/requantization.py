@@ -42,6 +42,19 @@ RELATIVE_REACH = 2.0**-22
 correctly rounded float32 op computed another way (an FMA, another order of one rounding) can move it.  An exact
 tie (a value on the boundary) is within it, and kernels round ties either way."""
 
+TRIAL_MARGIN = 4.0
+"""A trial's spread where a requantization's width is its fp32 arithmetic's, in multiples of the simulation's *mean*
+fp32 error there.  The width bounds where a correct kernel may round the other way (the largest error, with margin);
+how often it does is another figure.  Jitter uniform within a spread ``r`` rounds a fraction ``r/2`` of the elements
+the other way; a kernel whose own error is independent of the simulation's and of its size rounds a fraction
+``E|e1 - e2|`` = sqrt(2) x the mean error the other way, one with 1.7x the simulation's error 2x.  At 4x the mean error
+the trials flip as often as the latter; within the whole width (8x the *largest* error, about 30x the mean) they
+flipped 8-10x as often as any correct kernel does, and on a deep model (T5 at batch 1) those flips alone moved the
+logits by 1-2 quanta RMS where XNNPACK and portable move them by none (#48).  An accumulator's reach (a bias rounded to
+its grid) is added whole: that rounding is uniform, as the jitter is, and a kernel's deviation is the sum of the two
+(on the demo MLP's first linear XNNPACK rounds 20 of 131072 elements the other way; the larger of the two parts alone
+would flip 12.8, their sum 20-23)."""
+
 FALLBACK_WIDTH = 0.02
 """The width of a requantization whose fp32 error could not be measured (an op that would not run in float64)."""
 
@@ -196,6 +209,7 @@ class _Lockstep(torch.fx.Interpreter):
         self.follow = follow
         self.forced = forced or {}  # (requantization -> (flat indices, integers): rounded as given, not as computed)
         self.errors: dict[str, float] = {}  # each requantization's largest fp32 error, in quanta (NaN: not measured)
+        self.mean_errors: dict[str, float] = {}  # ... and its mean over the elements
         self.sizes: dict[str, int] = {}  # each tensor value's element count
 
     def run_node(self, n: torch.fx.Node) -> Any:
@@ -228,6 +242,7 @@ class _Lockstep(torch.fx.Interpreter):
                 scale, x = float(side(args[1], False)), args[0]
                 gap = ((x.single * (1.0 / scale)).to(torch.float64) - x.double / scale).abs()
                 self.errors[n.name] = (float(gap.max()) if gap.numel() else 0.0) if x.exact else math.nan
+                self.mean_errors[n.name] = (float(gap.mean()) if gap.numel() else 0.0) if x.exact else math.nan
                 if self.follow:
                     return _Pair(single, single)  # (both runs go on from the simulation's quantized values)
                 zero, low, high, dtype = side(args[2:6], False)
@@ -254,22 +269,28 @@ def requantizations(converted: torch.fx.GraphModule, args: tuple) -> list[dict[s
     :data:`AVERAGE_STEPS` for a mean), the fp32
     simulation's own error there, measured against float64 from the same quantized inputs (``fp32_error`` x
     :data:`ARITHMETIC_MARGIN`; none after an op any correct kernel computes bit for bit, :data:`CORRECTLY_ROUNDED`); at
-    most 0.5.  Each element's width is also at least :data:`RELATIVE_REACH` of its value (:func:`element_reach`)."""
+    most 0.5.  Each element's width is also at least :data:`RELATIVE_REACH` of its value (:func:`element_reach`).
+
+    ``spread``: the half-width a trial jitters within: the accumulator's part of the width plus :data:`TRIAL_MARGIN`
+    x the mean fp32 error (none after a correctly rounded op); never more than the width."""
     lockstep = _Lockstep(converted)
     with torch.no_grad():
         lockstep.run(*args)
     rows = []
     for node in _ops(converted, _QUANTIZE):
-        error = lockstep.errors.get(node.name, math.nan)
+        error, mean = lockstep.errors.get(node.name, math.nan), lockstep.mean_errors.get(node.name, math.nan)
         accumulator = accumulator_quantum(node, converted, lockstep.sizes)
         arithmetic = FALLBACK_WIDTH if error != error else ARITHMETIC_MARGIN * error
+        often = arithmetic if mean != mean else TRIAL_MARGIN * mean  # (how wide a trial's jitter is, for it)
         behind = _behind_moves(node.args[0])  # (a reshape of a matmul's output holds the matmul's value)
         if _kind(behind) in CORRECTLY_ROUNDED:
-            arithmetic = 0.0
+            arithmetic = often = 0.0
         steps = _steps(behind)
         width = min(0.5, max(arithmetic, steps * accumulator))
+        spread = min(width, often + steps * accumulator)  # (independent deviations: their reaches add)
         rows.append({"node": node.name, "op": _op_name(node), "module": _module_of(node),
-                     "accumulator_quantum": accumulator, "fp32_error": error, "width": width})  # fmt: skip
+                     "accumulator_quantum": accumulator, "fp32_error": error, "fp32_mean_error": mean,
+                     "width": width, "spread": spread})  # fmt: skip
     return rows
 
 
@@ -366,6 +387,7 @@ def _computed(dequantize: torch.fx.Node) -> bool:
 __all__ = [
     "AVERAGE_STEPS",
     "CONTRACTION_STEPS",
+    "TRIAL_MARGIN",
     "accumulator_quantum",
     "element_reach",
     "exact_simulation",

@@ -115,6 +115,7 @@ def int8_results(
     trials: int,
     widths: dict[str, float],
     requantizations: list[dict[str, Any]],
+    spreads: dict[str, float] | None = None,
     label: str,
     progress: bool = True,
 ) -> RunResults:
@@ -124,7 +125,7 @@ def int8_results(
         if oracle.status != OK:
             raise BackendError(f"the Q/DQ simulation (the oracle) failed on the CPU: {oracle.message}")
         shown.update()
-        worlds, planned = decisive.find(converted, args, widths, oracle.outputs)
+        worlds, planned = decisive.find(converted, args, widths, oracle.outputs, spreads)
         forced = worlds.forced
         reference = _run("fp64", lambda: exact_simulation(converted, args, forced=forced), compute_dtype="float64")
         shown.update()

@@ -80,14 +80,15 @@ class DivergenceReport:
     @property
     def requantizations(self) -> pd.DataFrame:
         """An int8 report's requantizations in graph order: the op and module that computed each, its
-        accumulator's step and the fp32 simulation's error there (in its quanta), and the width its trials round
-        within (:func:`rlx_nb.int8.requantization.requantizations`)."""
+        accumulator's step, the fp32 simulation's largest and mean error there (in its quanta), the width within
+        which a correct kernel may round the other way, and the spread its trials jitter within, which sets how
+        often they do (:func:`rlx_nb.int8.requantization.requantizations`)."""
         from rlx_nb.comparison.tables import Table
 
         if self.int8 is None:
             raise InputError("requantizations are an int8 report's (rlx_nb.quantized_divergence); this is a float "
                              "model's")  # fmt: skip
-        columns = ["node", "op", "module", "accumulator_quantum", "fp32_error", "width"]
+        columns = ["node", "op", "module", "accumulator_quantum", "fp32_error", "fp32_mean_error", "width", "spread"]
         return Table(self.int8.get("requantizations") or [], columns=columns)
 
     def localize(self, backend: str | None = None, **kwargs: Any):
