@@ -99,7 +99,7 @@ def pytest_collection_modifyitems(config, items):
         items.sort(key=lambda i: (i.get_closest_marker("xdist_group") is None, i.get_closest_marker("slow") is None))
 
 
-collect_ignore = ["_torchrun_job.py"]  # run by torchrun, not imported by pytest
+collect_ignore = ["_torchrun_job.py", "_torchrun_diff_job.py"]  # run by torchrun, not imported by pytest
 
 _REPORTS: dict[tuple, rlx_nb.DivergenceReport] = {}
 

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from rlx_nb._support.meter import rss_bytes
+from rlx_nb._support.meter import available_bytes, rss_bytes
 from rlx_nb._support.progress import bar
 from rlx_nb._support.tree import flatten
 from rlx_nb.backends.base import ORACLE, Backend
@@ -80,7 +80,9 @@ def runtime_outputs(backend: Backend, converted: torch.fx.GraphModule, args: tup
     lowering, seconds each) is prepared once for the same graph, weights and input shapes, as a float model's is
     (:mod:`rlx_nb.execution.cache`): a re-run cell, a second report on the same model, or a localization that checks
     the graph the report ran, reuse it.  The graph's key is made afresh on every call (every weight hashed), so a
-    weight changed in place between calls is a new preparation, never a stale one."""
+    weight changed in place between calls is a new preparation, never a stale one.  Kept preparations hold at most
+    half of the memory that was free before this one was made (the least recently used dropped first), as a float
+    model's run keeps them."""
     if backend.prepare is None or _writes_state(converted):
         return backend.fn(graph_copy(converted), args)
     k = (backend, preparations.settings_key(), preparations.model_key(converted), preparations.inputs_key(args), False)
@@ -95,7 +97,7 @@ def runtime_outputs(backend: Backend, converted: torch.fx.GraphModule, args: tup
         except Exception:
             preparations.forget(k)  # (never reuse a preparation that failed)
             raise
-    start, before = time.perf_counter(), rss_bytes()
+    start, before, free = time.perf_counter(), rss_bytes(), available_bytes()
     with collecting() as made:
         runner = backend.prepare(graph_copy(converted), args)
         out = runner(args)
@@ -104,6 +106,7 @@ def runtime_outputs(backend: Backend, converted: torch.fx.GraphModule, args: tup
     held = max(0, rss_bytes() - before)
     preparations.store(k, preparations.Preparation(backend.name, None, runner, list(made),
                                                    time.perf_counter() - start, time.time(), held))  # fmt: skip
+    preparations.fit(free // 2 if free else None)  # (kept ones hold at most half of what was free, as a run's do)
     return out
 
 
