@@ -40,6 +40,7 @@ import torch
 
 from rlx_nb._support.hugepages import raw_bytes
 from rlx_nb._support.tree import flatten
+from rlx_nb.backends.notes import add_note
 from rlx_nb.execution.fingerprints import fingerprint
 
 MAX_ENTRIES = 8
@@ -241,6 +242,23 @@ def holds_any(storages: set[int]) -> bool:
 def forget(k: tuple) -> None:
     with _LOCK:
         _CACHE.pop(k, None)
+
+
+def run_kept(k: tuple, prep: Preparation, args: tuple) -> Any:
+    """Run ``prep``, the preparation kept under ``k``, on ``args``: the notes its making left are said again, with
+    one saying it was reused, and a preparation that fails is forgotten (never reused).  What a float run
+    (:mod:`rlx_nb.execution.execute`) and an int8 runtime (:mod:`rlx_nb.int8.run`) both do with a kept one."""
+    for note in prep.notes:
+        add_note(note)
+    add_note(
+        f"reused the preparation an earlier call made {time.time() - prep.made_at:.0f} s ago "
+        f"({prep.seconds:.2f} s to make); rlx_nb.clear_preparations() drops it"
+    )
+    try:
+        return prep.runner(args)
+    except Exception:
+        forget(k)
+        raise
 
 
 def clear_preparations() -> int:

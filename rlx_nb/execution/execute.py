@@ -203,17 +203,7 @@ def _prepared_run(backend: Backend, private: PrivateModel | Given, fresh: tuple,
     if prep is not None:
         for p in prep.model.parameters() if prep.model is not None else ():
             p.grad = None
-        for note in prep.notes:
-            add_note(note)
-        add_note(
-            f"reused the preparation an earlier call made {time.time() - prep.made_at:.0f} s ago "
-            f"({prep.seconds:.2f} s to make); rlx_nb.clear_preparations() drops it"
-        )
-        try:
-            return prep.model, prep.runner(fresh)
-        except Exception:
-            preparations.forget(k)  # never reuse a preparation that failed
-            raise
+        return prep.model, preparations.run_kept(k, prep, fresh)
     model = private.copy_for(backend.name)
     if task.backward:
         _require_grads(model)

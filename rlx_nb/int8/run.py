@@ -88,15 +88,7 @@ def runtime_outputs(backend: Backend, converted: torch.fx.GraphModule, args: tup
     k = (backend, preparations.settings_key(), preparations.model_key(converted), preparations.inputs_key(args), False)
     kept = preparations.lookup(k)
     if kept is not None:
-        for note in kept.notes:
-            add_note(note)
-        add_note(f"reused the preparation an earlier call made {time.time() - kept.made_at:.0f} s ago "
-                 f"({kept.seconds:.2f} s to make); rlx_nb.clear_preparations() drops it")  # fmt: skip
-        try:
-            return kept.runner(args)
-        except Exception:
-            preparations.forget(k)  # (never reuse a preparation that failed)
-            raise
+        return preparations.run_kept(k, kept, args)
     start, before, free = time.perf_counter(), rss_bytes(), available_bytes()
     with collecting() as made:
         runner = backend.prepare(graph_copy(converted), args)
