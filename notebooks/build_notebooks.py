@@ -872,7 +872,17 @@ changed.plot();""",
         "md",
         """The culprit is the attention of block 1 -- its own change is far past the line, fed the inputs it had before -- while the query/key/value projection inside it, before the softmax, is within round-off. `localize` can take it from there (down to `F.softmax`) on a backend of this process; `changed.to_html(path)` writes the whole diff as one page.
 
-## Two snapshots, no model
+## Down to the element
+
+`rlx_nb.explore(changed)` opens on the culprit's change alone: its old output is the oracle, its output here the backend, the float64 module on the same inputs the reference -- the heatmap, histogram, worst elements and inspector of any report. The module picker and the side picker (alone, fed the old inputs / in the whole run) show any other module's change; `changed.report(module, side)` is the same view as a report.""",
+    ),
+    (
+        "code",
+        """rlx_nb.explore(changed)""",
+    ),
+    (
+        "md",
+        """## Two snapshots, no model
 
 Each node of a cluster (or each machine in CI) can write its own snapshot; one written with `reference=True` (each module's float64 value: one float64 forward more) lets two be compared without the model. Only propagated changes can be judged then -- except where a module was fed bit for bit the same inputs in both, which makes its change its own:""",
     ),

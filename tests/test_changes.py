@@ -42,6 +42,45 @@ def test_a_planted_kernel_fault_is_local_in_its_module_and_propagated_in_every_o
     assert any(line.startswith("  changed here: blocks.1.attn (") for line in d.lines())
 
 
+def test_the_explorer_walks_a_diff_from_its_culprit_to_the_element_on_either_side(layered):
+    # explore(diff): the culprit's change alone opens (the old output the oracle, the new one the backend, the
+    # float64 module the reference); the side and module pickers show the whole run's and another module's change.
+    pytest.importorskip("ipywidgets")
+    model, inputs, path = layered
+    d = rlx_nb.diff(path, model, inputs, backend="fault:softmax-row")
+    ex = rlx_nb.explore(d)
+    assert (ex.module_picker.value, ex.side_picker.value) == ("blocks.1.attn", "local")
+    assert ex.report.suspects == ["fault:softmax-row here"] and "SUSPECT" in ex.status.value
+    alone = ex.report.record("fault:softmax-row here", "out")
+    assert alone.judgement.line == pytest.approx(d.frame.set_index("module").local_line["blocks.1.attn"], rel=1e-6)
+    assert "old run (" in ex.inspector.value and ex.heatmap_data is not None and ex.heatmap_data.max() > 1
+    ex.module_picker.value = "blocks.0"  # upstream: its whole-run output is the old one, bit for bit
+    assert not ex.report.suspects and "bit for bit" in ex.status.value
+    ex.module_picker.value = "head"  # downstream: within round-off alone, past the line in the whole run
+    assert ex.side_picker.value == "local" and not ex.report.suspects
+    ex.side_picker.value = "propagated"
+    assert ex.report.suspects and "SUSPECT" in ex.status.value
+    shot = ex.snapshot()["text/html"]
+    assert "blocks.1.attn computes differently here" in shot and "<code>head</code>, in the whole run" in shot
+    with pytest.raises(InputError, match="module 'nowhere' is not in this diff"):
+        d.report("nowhere")
+    with pytest.raises(InputError, match="module= and side= pick a diff's module"):
+        rlx_nb.explore(ex.report, module="head")
+
+
+def test_an_edited_modules_explorer_shows_the_side_past_the_line(tmp_path):
+    # An edit is past the line only the other way round (the old output against the float64 value of the new code):
+    # the report turns round, the new run as the oracle, so the heatmap shows what is past the line.
+    torch.manual_seed(0)
+    old = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
+    x = torch.randn(4, 16)
+    path = rlx_nb.snapshot(old, (x,), tmp_path / "old")
+    d = rlx_nb.diff(path, nn.Sequential(old[0], nn.GELU(approximate="tanh"), old[2]), (x,))
+    assert d.culprit == "1"
+    report = d.report()
+    assert report.suspects == [f"{d.old_label} (old)"]
+
+
 def test_a_legitimate_change_in_the_same_process_reads_as_round_off_and_names_what_differs(layered):
     # oneDNN off (ATen's own kernels) and one thread instead of the snapshot's count: every module, alone and in the
     # whole run, within round-off.

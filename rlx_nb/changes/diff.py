@@ -149,8 +149,12 @@ def _two_snapshots(a: Snapshot, b: Snapshot) -> Diff:
         else:
             rows.append(row(m, propagated=rec, note="two snapshots: its change alone needs the model"))
     rows += [row(b.entry(n), note=f"not called in {a.label!r}") for n in b.modules if n not in a.modules]
+
+    def arrays(name: str, side: str) -> tuple[dict, dict, dict]:
+        return a.outputs(name), b.outputs(name), a.reference(name) if a.has_reference else b.reference(name)
+
     return Diff(rows, a, new_label=b.label, backend=b.backend, environment=differences(a.environment, b.environment),
-                notes=[*notes, *unchecked], checked_alone=False, keyword=a.meta["keyword"])  # fmt: skip
+                notes=[*notes, *unchecked], checked_alone=False, keyword=a.meta["keyword"], arrays=arrays)  # fmt: skip
 
 
 def _same_inputs(a: Snapshot, b: Snapshot, name: str) -> bool:
@@ -207,8 +211,38 @@ def _against_model(
     rows += [row({"name": n, "order": len(rows) + i, "depth": n.count(".") + 1 if n else 0, "parent": None},
                  note="not in the snapshot: a module called here, not there (added since?)")
              for i, n in enumerate(n for n in called if n not in a.modules)]  # fmt: skip
+
+    def arrays(name: str, side: str) -> tuple[dict, dict, dict]:
+        # What the explorer shows of one module (Diff.report): recomputed here, one module alone or one whole run.
+        with switches.exclusive():
+            if side == "local":
+                got, ref = _alone(a, named, name, chosen)
+                return a.outputs(name), got, ref
+            got = {}
+
+            def first_output(n: str, out: Any) -> None:
+                if n == name:
+                    got.update({k: to_leaf(v, copy=True) for k, v in flatten(out)
+                                if isinstance(v, torch.Tensor) and v.is_floating_point()})  # fmt: skip
+
+            watched_run(base, lambda: chosen.fn(base, args), failed=f"the model failed on {backend!r} here",
+                        first_output=first_output)  # fmt: skip
+            ref = a.reference(name) if a.has_reference else _reference_here(a, base, args, only=name).get(name, {})
+            return a.outputs(name), got, ref
+
     return Diff(rows, a, new_label=label, backend=backend, environment=differences(a.environment, env),
-                notes=[*notes, *unchecked], checked_alone=True, keyword=a.meta["keyword"])  # fmt: skip
+                notes=[*notes, *unchecked], checked_alone=True, keyword=a.meta["keyword"],
+                arrays=arrays if chosen.hookable else _local_only(arrays))  # fmt: skip
+
+
+def _local_only(arrays):
+    def only(name: str, side: str) -> tuple[dict, dict, dict]:
+        if side != "local":
+            raise InputError("this backend compiles or exports the whole model: only a module alone (side='local') "
+                             "can be shown")  # fmt: skip
+        return arrays(name, side)
+
+    return only
 
 
 def _propagated(a: Snapshot, base: torch.nn.Module, args: tuple, backend: Any, label: str) -> tuple[dict, list[str]]:
@@ -231,11 +265,14 @@ def _propagated(a: Snapshot, base: torch.nn.Module, args: tuple, backend: Any, l
     return found, called
 
 
-def _reference_here(a: Snapshot, base: torch.nn.Module, args: tuple) -> dict[str, dict[str, Leaf]]:
+def _reference_here(
+    a: Snapshot, base: torch.nn.Module, args: tuple, only: str | None = None
+) -> dict[str, dict[str, Leaf]]:
+    # The float64 model run here: each recorded module's output (``only``: that one's).
     refs: dict[str, dict[str, Leaf]] = {}
 
     def first_output(name: str, out: Any) -> None:
-        if name in a.modules:
+        if name in a.modules and only in (None, name):
             refs[name] = {k: to_leaf(v, copy=True) for k, v in flatten(out) if isinstance(v, torch.Tensor)
                           and v.is_floating_point()}  # fmt: skip
 
@@ -261,17 +298,12 @@ def _local(a: Snapshot, named: dict, backend: Any, label: str, *, how: str, show
         if parts["call"] is None:
             checks[name] = (None, a.why(name) or "its call was not recorded")
             return False
-        call, tensors = template(parts["call"]), a.tensors(name)
         try:
-            with torch.no_grad():
-                got = backend.fn(
-                    CallModule(module_copy(named[name], {}), call).eval(), tuple(t.clone() for t in tensors)
-                )
-                ref = run_float64_streamed(CallModule(named[name], call), tuple(tensors))
+            got, ref = _alone(a, named, name, backend)
         except Exception as exc:
             checks[name] = (failed(label, f"{type(exc).__name__}: {exc}"[:300]), "")
             return False
-        rec = _judge(a.outputs(name), _leaves(got), _leaves(ref), label, _shown(name, a))
+        rec = _judge(a.outputs(name), got, ref, label, _shown(name, a))
         checks[name] = (rec, "")
         return rec.verdict == SUSPECT
 
@@ -287,6 +319,16 @@ def _local(a: Snapshot, named: dict, backend: Any, label: str, *, how: str, show
     if not suspects and frontier != [root]:
         _visit([root], check, children)
     return checks
+
+
+def _alone(a: Snapshot, named: dict, name: str, backend: Any) -> tuple[dict[str, Leaf], dict[str, Leaf]]:
+    # One module alone, fed the inputs it had in the old environment: its outputs here on the backend, and the float64
+    # module's on the same inputs.
+    call, tensors = template(a.entry(name)["call"]), a.tensors(name)
+    with torch.no_grad():
+        got = backend.fn(CallModule(module_copy(named[name], {}), call).eval(), tuple(t.clone() for t in tensors))
+        ref = run_float64_streamed(CallModule(named[name], call), tuple(tensors))
+    return _leaves(got), _leaves(ref)
 
 
 def _visit(names: list[str], check, children: dict[str, list[str]]) -> list[str]:

@@ -13,7 +13,7 @@ from typing import Any
 import pandas as pd
 
 from rlx_nb.comparison.tables import Table
-from rlx_nb.errors import writing
+from rlx_nb.errors import InputError, writing
 from rlx_nb.verdict.records import OutputRecord
 from rlx_nb.verdict.types import ROUNDOFF, SUSPECT, VERDICT_ERROR
 
@@ -78,8 +78,9 @@ class Diff:
     """
 
     def __init__(self, rows: list[dict], old: Any, *, new_label: str, backend: str, environment: list[str],
-                 notes: list[str], checked_alone: bool, keyword: bool) -> None:  # fmt: skip
+                 notes: list[str], checked_alone: bool, keyword: bool, arrays: Any = None) -> None:  # fmt: skip
         self.old_label, self.new_label, self.backend = old.label, new_label, backend
+        self._arrays = arrays  # (name, side) -> (old outputs, new outputs, float64 outputs): what report() shows
         self.environment, self.notes, self.checked_alone = environment, notes, checked_alone
         for r in rows:
             r["module"] = (r["name"].removeprefix("model.") if keyword else r["name"]) or "<root>"
@@ -122,6 +123,75 @@ class Diff:
             return f"the runs first part at {self.first_parted} ({r.propagated_line:.3g}x the line); {how}"
         judged = int((self.frame.change == WITHIN).sum())
         return f"every module moved within round-off ({judged} of {n} judged)"
+
+    def report(self, module: str | None = None, side: str | None = None) -> Any:
+        """One module's change as a report: its old output as the oracle, its new one as the backend, the float64
+        value as the reference; what :func:`rlx_nb.explore` shows (heatmap, histogram, worst elements, inspector).
+
+        Parameters
+        ----------
+        module : str, optional
+            A module of the frame (default: the culprit, else where the runs first part, else the module furthest
+            from the line).
+        side : {"local", "propagated"}, optional
+            ``"local"``: the module alone, fed the old inputs (run again here); ``"propagated"``: its output in the
+            whole run (the model run again here, or the second snapshot's).  Default: the side its verdict came
+            from (local when past the line alone).
+
+        Returns
+        -------
+        DivergenceReport
+            With one backend, the new run.  Where the change is past the line only the other way round (the old
+            output against the float64 value here: the module's function changed, an edit), the new output is the
+            oracle and the old one the backend, so the heatmap shows the side that is past the line.
+        """
+        from rlx_nb.backends.base import ORACLE, REFERENCE
+        from rlx_nb.comparison.compare import compare
+        from rlx_nb.execution.results import OK, BackendRun, RunResults
+        from rlx_nb.report.report import DivergenceReport
+
+        if self._arrays is None:
+            raise InputError("this diff keeps no way to its arrays (a diff read back from its table)")
+        r = self._row(module)
+        side = side or default_side(r)
+        if side not in ("local", "propagated"):
+            raise InputError(f"side must be 'local' or 'propagated', got {side!r}")
+        if not r[f"{side}_verdict"]:
+            raise InputError(f"{r['module']} has no {side} change judged: {r['note'] or 'it was not checked'}")
+        old, new, ref = self._arrays(r["name"], side)
+        shared = [k for k in old if k in new and k in ref and new[k].shape == old[k].shape]
+        if not shared:
+            raise InputError(f"{r['module']}: no output of it was recorded in both runs with its float64 value")
+
+        def build(oracle: dict, candidate: dict, name: str) -> DivergenceReport:
+            results = RunResults(
+                label=f"{r['module']} ({'alone, fed the old inputs' if side == 'local' else 'in the whole run'})",
+                oracle=BackendRun(ORACLE, OK, {k: oracle[k] for k in shared}),
+                reference=BackendRun(REFERENCE, OK, {k: ref[k] for k in shared}, compute_dtype="float64"),
+                candidates={name: BackendRun(name, OK, {k: candidate[k] for k in shared})},
+                backward=False,
+                environment={"diff": f"{self.old_label} -> {self.new_label}", "module": r["module"], "side": side},
+            )
+            return DivergenceReport(results, compare(results, progress=False), rule="budget", tol_rel=None)
+
+        forward = build(old, new, self.new_label)
+        if forward.suspects or r[f"{side}_verdict"] != SUSPECT:
+            return forward
+        back = build(new, old, f"{self.old_label} (old)")  # (past the line only the other way round: an edit)
+        return back if back.suspects else forward
+
+    def _row(self, module: str | None) -> dict:
+        # A row by its module's name as the frame shows it (default: the culprit, where the runs part, the worst).
+        rows = {r["module"]: r for r in self._rows}
+        if module is None:
+            module = self.culprit or self.first_parted
+        if module is None:
+            lines = [(max(_or0(r["local_line"]), _or0(r["propagated_line"])), r["module"]) for r in self._rows]
+            module = max(lines)[1] if lines else None
+        if module not in rows:
+            raise InputError(f"module {module!r} is not in this diff; its modules: {', '.join(list(rows)[:12])}"
+                             + (" ..." if len(rows) > 12 else ""))  # fmt: skip
+        return rows[module]
 
     def lines(self) -> list[str]:
         """The diff as text lines (what ``rlx-nb diff`` prints)."""
@@ -214,6 +284,15 @@ class Diff:
         return "".join(parts)
 
 
+def default_side(row: dict) -> str:
+    """The side a row's verdict came from: local when the module alone is past the line (or only it was judged)."""
+    return "local" if row["local_verdict"] == SUSPECT or not row["propagated_verdict"] else "propagated"
+
+
+def _or0(x: float) -> float:
+    return 0.0 if x != x else float(x)
+
+
 def _innermost(rows: list[dict], column: str) -> str | None:
     # The first suspect row, in order, with no suspect below it (no suspect has it as an ancestor).
     parents = {r["name"]: r.get("parent") for r in rows}
@@ -228,4 +307,4 @@ def _innermost(rows: list[dict], column: str) -> str | None:
     return min(inner, key=lambda r: r["order"])["module"] if inner else None
 
 
-__all__ = ["COLUMNS", "Diff", "row"]
+__all__ = ["COLUMNS", "Diff", "default_side", "row"]
