@@ -193,11 +193,15 @@ def _against_model(
         label = f"{backend} here"
         shown = bar(f"rlx_nb diff {backend}", unit="check", enabled=progress)
         try:
-            propagated, called = _propagated(a, base, args, chosen, label) if chosen.hookable else ({}, [])
+            whole = chosen.hookable and not a.meta["alone"]  # (outputs in one run, to set against the old run's)
+            propagated, called = _propagated(a, base, args, chosen, label) if whole else ({}, [])
             local_checks = _local(a, named, chosen, label, how=local, shown=shown)
         finally:
             shown.close()
-    if not chosen.hookable:
+    if a.meta["alone"]:
+        notes.append(f"the snapshot ran each module alone on {a.backend} (it compiles or exports the whole model): "
+                     "only local changes are judged")  # fmt: skip
+    elif not chosen.hookable:
         notes.append(f"{backend} compiles or exports the whole model: its modules' outputs in a full run are not "
                      "seen, so only local changes are judged")  # fmt: skip
     rows = []
@@ -232,17 +236,7 @@ def _against_model(
 
     return Diff(rows, a, new_label=label, backend=backend, environment=differences(a.environment, env),
                 notes=[*notes, *unchecked], checked_alone=True, keyword=a.meta["keyword"],
-                arrays=arrays if chosen.hookable else _local_only(arrays))  # fmt: skip
-
-
-def _local_only(arrays):
-    def only(name: str, side: str) -> tuple[dict, dict, dict]:
-        if side != "local":
-            raise InputError("this backend compiles or exports the whole model: only a module alone (side='local') "
-                             "can be shown")  # fmt: skip
-        return arrays(name, side)
-
-    return only
+                arrays=arrays)  # fmt: skip
 
 
 def _propagated(a: Snapshot, base: torch.nn.Module, args: tuple, backend: Any, label: str) -> tuple[dict, list[str]]:

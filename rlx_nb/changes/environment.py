@@ -49,6 +49,12 @@ def snapshot_environment() -> dict[str, Any]:
 # What each difference can move (the first that matches names it); the rest are listed as they are.
 _WHAT = {
     "torch": "every kernel torch ships (a new release changes kernels, fusions, defaults)",
+    "onnxruntime": "every kernel ONNX Runtime runs (and the exporter's graph)",
+    "openvino": "every kernel OpenVINO runs",
+    "onnx": "the exported graph's opset and checks",
+    "executorch": "ExecuTorch's lowering and its kernels (XNNPACK, portable)",
+    "ai-edge-litert": "LiteRT's interpreter and kernels (XNNPACK delegate)",
+    "litert-torch": "the conversion to LiteRT (its lowerings and passes)",
     "threads": "how a reduction, matmul or convolution is split, and so its summation order",
     "interop_threads": "which ops run side by side",
     "aten_cpu_capability": "ATen's vectorized kernels (their vector width and so their summation order)",

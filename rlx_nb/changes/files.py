@@ -2,7 +2,7 @@
 
 Format ``rlx_nb.snapshot`` version 1 (file extension ``.rlxsnap`` by convention)::
 
-    meta.json        {"format": "rlx_nb.snapshot", "version": 1, "label", "backend", "keyword",
+    meta.json        {"format": "rlx_nb.snapshot", "version": 1, "label", "backend", "alone", "keyword",
                       "environment", "fingerprints", "byte_budget", "bytes", "seconds",
                       "modules": [MODULE, ...], "arrays": {entry: {"dtype", "shape"}}}
     arrays/<n>.npy   one per distinct tensor (a module's input that is another's output is stored once)
@@ -10,6 +10,8 @@ Format ``rlx_nb.snapshot`` version 1 (file extension ``.rlxsnap`` by convention)
     MODULE = {"name", "order", "depth", "parent", "call": TEMPLATE | null, "why",
               "inputs": [entry | null, ...], "outputs": {leaf: entry}, "reference": {leaf: entry}}
 
+``alone`` (optional, false when absent) says the outputs are each module's run alone on the backend, fed the
+oracle's inputs (a backend that compiles or exports the whole model), not its outputs in one run.
 ``call`` is the module's call as it was made, its tensors as slots into ``inputs`` (null where it held something a
 snapshot cannot write, ``why`` says what); ``reference`` is the float64 model's value of each output leaf, less the
 output, rounded to float32 (the oracle's own round-off there, elementwise).  An entry is null where the byte budget
@@ -95,6 +97,8 @@ def check_meta(meta: dict) -> None:
     schema.string(meta.get("backend"), "backend")
     if not isinstance(meta.get("keyword"), bool):
         raise schema.fail("keyword", "true or false", meta.get("keyword"))
+    if not isinstance(meta.setdefault("alone", False), bool):
+        raise schema.fail("alone", "true or false", meta.get("alone"))
     schema.mapping(meta.get("environment"), "environment")
     meta["fingerprints"] = schema.fingerprints(meta.get("fingerprints"))
     if meta.get("byte_budget") is not None:

@@ -32,7 +32,9 @@ import numpy as np
 import torch
 
 from rlx_nb._support import switches
+from rlx_nb._support.copies import module_copy
 from rlx_nb._support.hugepages import raw_bytes
+from rlx_nb._support.progress import bar
 from rlx_nb._support.tree import flatten
 from rlx_nb.backends.base import ORACLE, REFERENCE
 from rlx_nb.backends.eager import run_float64_streamed
@@ -42,7 +44,7 @@ from rlx_nb.changes.environment import snapshot_environment
 from rlx_nb.errors import InputError, writing
 from rlx_nb.execution import fingerprints
 from rlx_nb.execution.prepare import normalize_inputs, prepare_model
-from rlx_nb.localization.capture import Slot, called_parent
+from rlx_nb.localization.capture import CallModule, Slot, called_parent
 from rlx_nb.report.files import json_value
 
 _DTYPES = {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
@@ -209,6 +211,11 @@ class Sink:
         """An array put with ``keep=True``, read back from its ``.npy`` file."""
         return np.load(self.kept[entry], mmap_mode="r", allow_pickle=False)
 
+    def tensor(self, entry: str) -> torch.Tensor:
+        """A tensor put with ``keep=True``, read back as its own tensor in its own dtype."""
+        t = torch.from_numpy(np.array(self.read(entry)))
+        return t.to(torch.bfloat16) if self.declared[entry]["dtype"] == "bfloat16" else t
+
 
 def _array(t: torch.Tensor) -> np.ndarray:
     # A tensor's values as a numpy array on its own bytes (bfloat16 as float32: numpy has none; the dtype name keeps it).
@@ -228,6 +235,7 @@ def snapshot(
     reference: bool = False,
     byte_budget: int | None = None,
     label: str | None = None,
+    progress: bool | None = None,
 ) -> Path:
     """Record this environment's run of ``model`` on ``inputs``, module by module, to ``path`` (a ``.rlxsnap`` file).
 
@@ -242,8 +250,12 @@ def snapshot(
     path : str or Path
         The file to write; ``.rlxsnap`` is appended when it has no suffix.
     backend : str
-        Where to run: the CPU oracle (default) or another backend that runs the model eagerly (hooks fire on it:
-        ``cpu-nomkldnn``, ``cuda``, a fault...).
+        Where to run: the CPU oracle (default) or another backend.  One that runs the model eagerly (hooks fire on
+        it: ``cpu-nomkldnn``, ``cuda``, a fault...) is recorded in one run.  One that compiles or exports the whole
+        model (``cpu-inductor``, ``onnxruntime``, ExecuTorch, LiteRT...) has no module boundaries in its run: each
+        module is run on it *alone*, fed the inputs it had in the oracle's run, and those outputs are recorded (a
+        compile or an export per module: seconds each).  A diff on the same backend's next version then tells
+        which module's kernels changed (local changes only).
     reference : bool
         Also record each module's float64 value (one more forward, in float64, and as many bytes again): a diff of
         two snapshots needs it in one of them.  Off by default: a diff against the model computes it there (the
@@ -255,6 +267,8 @@ def snapshot(
         out (their rows in a diff say so).
     label : str, optional
         A name for this environment (default: the host and torch version).
+    progress : bool, optional
+        A progress bar over the modules run alone (a backend that compiles or exports the whole model).
 
     Returns
     -------
@@ -270,19 +284,14 @@ def snapshot(
     reason = chosen.unavailable_reason()
     if reason:
         raise InputError(f"backend {backend!r} is not available here: {reason}")
-    if not chosen.hookable:
-        raise InputError(
-            f"backend {backend!r} does not run the model's modules as modules (it compiles or exports the whole "
-            "model), so a snapshot cannot see each module's outputs on it; snapshot the CPU oracle or an eager "
-            "backend, and diff a compiled backend's modules with rlx_nb.diff(snapshot, model, inputs, backend=...)"
-        )
     path = Path(path)
     if not path.suffix:
         path = path.with_suffix(files.SUFFIX)
     env = snapshot_environment()
     with writing(path, "the snapshot"):
         path.parent.mkdir(parents=True, exist_ok=True)
-        scratch = Path(tempfile.mkdtemp(prefix=".rlx_nb-snapshot-", dir=path.parent)) if reference else None
+        alone = not chosen.hookable  # (each module alone on it, fed the oracle's inputs: _record_alone)
+        scratch = Path(tempfile.mkdtemp(prefix=".rlx_nb-snapshot-", dir=path.parent)) if reference or alone else None
         partial = path.with_name(f".{path.name}.partial")  # (renamed to path once whole: never a half-written file)
         zf = zipfile.ZipFile(partial, "w", compression=zipfile.ZIP_STORED, allowZip64=True)
     try:
@@ -293,9 +302,12 @@ def snapshot(
                 sink = Sink(zf, byte_budget, keep=scratch)
                 seconds = {}
                 start = time.perf_counter()
-                modules = _record(base, args, chosen, sink)
+                if alone:
+                    modules = _record_alone(base, args, chosen, sink, reference=reference, progress=progress)
+                else:
+                    modules = _record(base, args, chosen, sink)
                 seconds["forward"] = time.perf_counter() - start
-                if reference:
+                if reference and not alone:
                     start = time.perf_counter()
                     _record_reference(base, args, modules, sink)
                     seconds["reference"] = time.perf_counter() - start
@@ -305,6 +317,7 @@ def snapshot(
                 "version": files.VERSION,
                 "label": label or f"{env.get('host')} torch {torch.__version__}",
                 "backend": backend,
+                "alone": alone,
                 "keyword": keys is not None,
                 "environment": json_value(env),
                 "fingerprints": {
@@ -328,8 +341,9 @@ def snapshot(
     return path
 
 
-def _record(base: torch.nn.Module, args: tuple, backend: Any, sink: Sink) -> dict[str, dict]:
-    # One run on the backend: each module's first call and outputs, written as they happen.
+def _record(base: torch.nn.Module, args: tuple, backend: Any, sink: Sink, *, outputs: bool = True) -> dict[str, dict]:
+    # One run on the backend: each module's first call and outputs, written as they happen (``outputs=False``: the
+    # calls only, their inputs kept to be read back, for _record_alone).
     modules: dict[str, dict] = {}
 
     def first_call(name: str, a: tuple, kw: dict) -> None:
@@ -342,7 +356,7 @@ def _record(base: torch.nn.Module, args: tuple, backend: Any, sink: Sink) -> dic
         except Unwritable as exc:
             entry["why"] = f"its call passes a {exc}, which a snapshot cannot write: it cannot run alone"
             return
-        entry["inputs"] = [sink.put(t) for t in tensors]
+        entry["inputs"] = [sink.put(t, keep=not outputs) for t in tensors]
         if any(e is None for e in entry["inputs"]):
             entry["call"], entry["why"] = None, "its inputs were past the byte budget: it cannot run alone"
 
@@ -352,13 +366,49 @@ def _record(base: torch.nn.Module, args: tuple, backend: Any, sink: Sink) -> dic
                 modules[name]["outputs"][leaf_name] = sink.put(leaf, keep=True)
 
     watched_run(base, lambda: backend.fn(base, args), failed=f"the model failed on {backend.name!r}",
-                first_call=first_call, first_output=first_output)  # fmt: skip
+                first_call=first_call, first_output=first_output if outputs else None)  # fmt: skip
     for name, entry in modules.items():
         if name:
             entry["parent"] = called_parent(name, modules)
             entry["depth"] = modules[entry["parent"]]["depth"] + 1
         if any(e is None for e in entry["outputs"].values()) and not entry["why"]:
             entry["why"] = "some of its outputs were past the byte budget"
+    return modules
+
+
+def _record_alone(
+    base: torch.nn.Module, args: tuple, backend: Any, sink: Sink, *, reference: bool, progress: bool | None
+) -> dict[str, dict]:
+    # A backend that compiles or exports the whole model: the oracle's run gives each module's first call (its inputs,
+    # kept to be read back); then each module alone, fed those inputs, runs on the backend, and its outputs are what
+    # the snapshot records (with the float64 module's on the same inputs, less them: its round-off there).
+    modules = _record(base, args, get_backend(ORACLE), sink, outputs=False)
+    named = dict(base.named_modules())
+    with bar(f"rlx_nb snapshot {backend.name}", total=len(modules), unit="module", enabled=progress) as shown:
+        for name, entry in modules.items():
+            shown.update()
+            if entry["call"] is None:
+                continue
+            call = template(entry["call"])
+            tensors = tuple(sink.tensor(e) for e in entry["inputs"])
+            try:
+                with torch.no_grad():
+                    out = backend.fn(CallModule(module_copy(named[name], {}), call).eval(), tensors)
+            except Exception as exc:
+                entry["why"] = f"it failed alone on {backend.name}: {type(exc).__name__}: {exc}"[:300]
+                continue
+            leaves = {k: v for k, v in flatten(out) if isinstance(v, torch.Tensor) and v.is_floating_point()}
+            for leaf_name, leaf in leaves.items():
+                entry["outputs"][leaf_name] = sink.put(leaf)
+            if reference:
+                exact = dict(flatten(run_float64_streamed(CallModule(named[name], call), tensors)))
+                for leaf_name, leaf in leaves.items():
+                    ref = exact.get(leaf_name)
+                    if isinstance(ref, torch.Tensor) and ref.shape == leaf.shape and entry["outputs"][leaf_name]:
+                        residual = (ref.detach().double() - leaf.detach().to("cpu").double()).float()
+                        entry["reference"][leaf_name] = sink.put(residual)
+            if any(e is None for e in entry["outputs"].values()) and not entry["why"]:
+                entry["why"] = "some of its outputs were past the byte budget"
     return modules
 
 

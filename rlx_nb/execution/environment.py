@@ -68,7 +68,7 @@ def backend_versions() -> dict[str, str]:
     return dict(_versions(tuple(d in sys.modules for d in _RUNTIMES)))
 
 
-_RUNTIMES = ("onnxruntime", "openvino", "onnx")
+_RUNTIMES = ("onnxruntime", "openvino", "onnx", "executorch", "ai-edge-litert", "litert-torch")
 
 
 @functools.lru_cache(maxsize=8)
