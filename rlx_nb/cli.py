@@ -114,11 +114,21 @@ def _parser() -> argparse.ArgumentParser:
     )
     snap.add_argument("target", help=_TARGET)
     snap.add_argument("-o", "--output", required=True, metavar="FILE", help="the snapshot file to write (.rlxsnap)")
-    snap.add_argument("--backend", default="cpu", help="what to run on (default: the CPU oracle; an eager backend)")
+    snap.add_argument(
+        "--backend",
+        default="cpu",
+        help="what to run on (default: the CPU oracle); a backend that compiles or exports the whole model runs "
+        "each module alone, for a diff on its next version",
+    )
     snap.add_argument(
         "--reference",
         action="store_true",
         help="also record each module's float64 value (one float64 forward more): needed to diff two snapshots",
+    )
+    snap.add_argument(
+        "--ops",
+        action="store_true",
+        help="also record each module's own torch function calls (F.softmax, torch.matmul...): a diff names the op",
     )
     snap.add_argument("--byte-budget", type=int, metavar="BYTES", help="the most bytes of arrays to write")
     snap.add_argument("--label", help="a name for this environment (default: host and torch version)")
@@ -289,7 +299,7 @@ def _snapshot(args: argparse.Namespace) -> int:
     _check_writable(args.output, "--output", directory=False)
     model, inputs = load_target(args.target)
     path = snapshot(model, inputs, args.output, backend=args.backend, reference=args.reference,
-                    byte_budget=args.byte_budget, label=args.label)  # fmt: skip
+                    byte_budget=args.byte_budget, label=args.label, ops=args.ops)  # fmt: skip
     print(term_text(f"wrote {path}: {load_snapshot(path)!r}"))
     return EXIT_OK
 

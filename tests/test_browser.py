@@ -407,7 +407,12 @@ def test_the_live_canvas_fits_its_box(lab):
             assert outer["x"] - 1 <= box["x"] and box["x"] + box["width"] <= outer["x"] + outer["width"] + 1, (
                 f"the live heatmap is cut off by {holder}: {box} in {outer}"
             )
-        assert _pixels(canvas.screenshot()).std() > 8
+        # ipympl draws the canvas after the cell has run (a message round trip more): under load the first frame
+        # can still be blank, so wait for it (a minute at most) rather than read one frame.
+        deadline, spread = time.time() + 60, 0.0
+        while time.time() < deadline and (spread := _pixels(canvas.screenshot()).std()) <= 8:
+            time.sleep(0.5)
+        assert spread > 8, f"the live heatmap stayed blank (pixel spread {spread:.1f})"
         _keep(page.locator(".rlx-explorer").last.screenshot(), "explorer-live.png")
     finally:
         _close(page, base, token)

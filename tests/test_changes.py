@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 import rlx_nb
+import rlx_nb.changes.ops
 from rlx_nb.errors import InputError, ReportFormatError
 from rlx_nb.models import demo
 
@@ -41,6 +42,32 @@ def test_a_planted_kernel_fault_is_local_in_its_module_and_propagated_in_every_o
         assert change[after] == "carried in", after
     assert d.past_line and "blocks.1.attn computes differently here" in d.finding
     assert any(line.startswith("  changed here: blocks.1.attn (") for line in d.lines())
+
+
+def test_with_ops_the_diff_descends_from_the_module_into_its_own_op(layered, tmp_path):
+    # ops=True: each module's own torch function calls are recorded too, named as localize names them; the diff's
+    # descent goes on from blocks.1.attn into its ops and names the softmax, the matmul before it untouched and the
+    # one after it carrying the change.
+    model, inputs, _ = layered
+    path = rlx_nb.snapshot(model, inputs, tmp_path / "ops", ops=True)
+    snap = rlx_nb.load_snapshot(path)
+    assert snap.has_ops and [m for m in snap.modules if m.startswith("blocks.1.attn :: ")] == [
+        "blocks.1.attn :: Tensor.matmul", "blocks.1.attn :: Tensor.div", "blocks.1.attn :: F.softmax",
+        "blocks.1.attn :: Tensor.matmul#2"]  # fmt: skip
+    d = rlx_nb.diff(path, model, inputs, backend="fault:softmax-row")
+    change = dict(zip(d.frame.module, d.frame.change, strict=True))
+    assert d.culprit == "blocks.1.attn :: F.softmax" and change["blocks.1.attn"] == "changed here"
+    assert change["blocks.1.attn :: Tensor.matmul"] == "moved within round-off"
+    assert change["blocks.1.attn :: Tensor.matmul#2"] == "carried in"
+    assert d.report().suspects == ["fault:softmax-row here"]  # (the explorer's view of the op, alone)
+    legit = rlx_nb.diff(path, model, inputs, backend="cpu-nomkldnn", local="all")
+    assert set(legit.frame.change) == {"moved within round-off"} and len(legit.frame) == len(snap.modules)
+    # Two snapshots with their ops: the softmax was fed bit for bit the same inputs, so its change is its own.
+    faulty = rlx_nb.snapshot(model, inputs, tmp_path / "faulty", ops=True, backend="fault:softmax-row")
+    reference = rlx_nb.snapshot(model, inputs, tmp_path / "reference", ops=True, reference=True)
+    assert rlx_nb.diff(reference, faulty).culprit == "blocks.1.attn :: F.softmax"
+    with pytest.raises(InputError, match=r"op 'F\.no_such_op': this torch has no such function"):
+        rlx_nb.changes.ops.resolve("F.no_such_op")
 
 
 def test_the_explorer_walks_a_diff_from_its_culprit_to_the_element_on_either_side(layered):
@@ -312,7 +339,7 @@ def test_the_command_line_gates_on_the_diff(tmp_path):
     assert main(["diff", str(snap), target]) == 0
     assert main(["diff", str(snap), target, "--backend", "fault:softmax-row"]) == 1
     assert main(["diff", str(snap), str(snap)]) == 2  # (two snapshots need a reference in one)
-    assert main(["snapshot", target, "-o", str(snap), "--reference"]) == 0
+    assert main(["snapshot", target, "-o", str(snap), "--reference", "--ops"]) == 0
     assert main(["diff", str(snap), str(snap)]) == 0
     assert main(["diff", str(tmp_path / "missing.rlxsnap"), target]) == 2
 

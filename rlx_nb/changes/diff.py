@@ -16,6 +16,7 @@ How
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 from pathlib import Path
 from typing import Any
@@ -23,14 +24,14 @@ from typing import Any
 import torch
 
 from rlx_nb._support import switches
-from rlx_nb._support.copies import module_copy
 from rlx_nb._support.progress import bar
 from rlx_nb._support.tree import flatten
 from rlx_nb.backends.base import REFERENCE
 from rlx_nb.backends.eager import run_float64_streamed
 from rlx_nb.backends.registry import get_backend
 from rlx_nb.changes.environment import differences, snapshot_environment
-from rlx_nb.changes.record import template, watched_run
+from rlx_nb.changes.ops import OpCalls, module_of
+from rlx_nb.changes.record import alone, watched_run
 from rlx_nb.changes.result import Diff, row
 from rlx_nb.changes.snapshot_file import Snapshot, as_snapshot
 from rlx_nb.comparison.compare import failed, judge_leaf
@@ -38,7 +39,6 @@ from rlx_nb.errors import InputError
 from rlx_nb.execution import fingerprints
 from rlx_nb.execution.prepare import normalize_inputs, prepare_model
 from rlx_nb.execution.results import Leaf, to_leaf
-from rlx_nb.localization.capture import CallModule
 from rlx_nb.report.baseline import fingerprint_differences
 from rlx_nb.verdict.records import OutputRecord, worst_record
 from rlx_nb.verdict.types import SUSPECT
@@ -207,7 +207,7 @@ def _against_model(
     rows = []
     for name in a.modules:
         m = a.entry(name)
-        if name not in named:
+        if module_of(name) not in named:
             rows.append(row(m, note="no such module in the model here"))
             continue
         rec, note = local_checks.get(name, (None, ""))
@@ -224,13 +224,12 @@ def _against_model(
                 return a.outputs(name), got, ref
             got = {}
 
-            def first_output(n: str, out: Any) -> None:
+            def kept(n: str, out: Any) -> None:
                 if n == name:
                     got.update({k: to_leaf(v, copy=True) for k, v in flatten(out)
                                 if isinstance(v, torch.Tensor) and v.is_floating_point()})  # fmt: skip
 
-            watched_run(base, lambda: chosen.fn(base, args), failed=f"the model failed on {backend!r} here",
-                        first_output=first_output)  # fmt: skip
+            _whole_run(a, base, lambda: chosen.fn(base, args), kept, f"the model failed on {backend!r} here")
             ref = a.reference(name) if a.has_reference else _reference_here(a, base, args, only=name).get(name, {})
             return a.outputs(name), got, ref
 
@@ -239,39 +238,51 @@ def _against_model(
                 arrays=arrays)  # fmt: skip
 
 
+def _whole_run(a: Snapshot, base: torch.nn.Module, run: Any, on_output: Any, failed: str) -> None:
+    # ``run()`` (a run of ``base``) watched: ``on_output(name, out)`` with each module's first output as it comes, and
+    # each op's (rlx_nb.changes.ops) where the snapshot recorded its modules' ops.
+    recorder = OpCalls(lambda name, label, func, args, kw, out: on_output(name, out)) if a.has_ops else None
+    quiet = recorder.paused if recorder is not None else contextlib.nullcontext
+
+    def first_output(name: str, out: Any) -> None:
+        with quiet():
+            on_output(name, out)
+
+    with recorder.attached(base) if recorder is not None else contextlib.nullcontext():
+        watched_run(base, run, failed=failed, first_output=first_output)
+
+
 def _propagated(a: Snapshot, base: torch.nn.Module, args: tuple, backend: Any, label: str) -> tuple[dict, list[str]]:
-    # The whole model here, each module's first output judged as it comes against the old one (nothing held); and
-    # every module called here, in order.
+    # The whole model here, each module's (and op's) first output judged as it comes against the old one (nothing
+    # held); and every module called here, in order.
     residual: dict[str, dict[str, Leaf]] = {}
     if not a.has_reference:  # (the float64 model's value of each module, here: as good as there)
         residual = _reference_here(a, base, args)
     found: dict[str, OutputRecord] = {}
     called: list[str] = []
 
-    def first_output(name: str, out: Any) -> None:
+    def judged(name: str, out: Any) -> None:
         called.append(name)
         if name in a.modules:
             ref = a.reference(name) if a.has_reference else residual.get(name, {})
             found[name] = _judge(a.outputs(name), _leaves(out), ref, label, _shown(name, a))
 
-    watched_run(base, lambda: backend.fn(base, args), failed=f"the model failed on {backend.name!r} here",
-                first_output=first_output)  # fmt: skip
+    _whole_run(a, base, lambda: backend.fn(base, args), judged, f"the model failed on {backend.name!r} here")
     return found, called
 
 
 def _reference_here(
     a: Snapshot, base: torch.nn.Module, args: tuple, only: str | None = None
 ) -> dict[str, dict[str, Leaf]]:
-    # The float64 model run here: each recorded module's output (``only``: that one's).
+    # The float64 model run here: each recorded module's (and op's) output (``only``: that one's).
     refs: dict[str, dict[str, Leaf]] = {}
 
-    def first_output(name: str, out: Any) -> None:
+    def kept(name: str, out: Any) -> None:
         if name in a.modules and only in (None, name):
             refs[name] = {k: to_leaf(v, copy=True) for k, v in flatten(out) if isinstance(v, torch.Tensor)
                           and v.is_floating_point()}  # fmt: skip
 
-    watched_run(base, lambda: run_float64_streamed(base, args), failed="the float64 reference failed here",
-                first_output=first_output)  # fmt: skip
+    _whole_run(a, base, lambda: run_float64_streamed(base, args), kept, "the float64 reference failed here")
     return refs
 
 
@@ -286,7 +297,7 @@ def _local(a: Snapshot, named: dict, backend: Any, label: str, *, how: str, show
 
     def check(name: str) -> bool:
         shown.update()
-        if name not in named:
+        if module_of(name) not in named:
             return False
         parts = a.entry(name)
         if parts["call"] is None:
@@ -316,12 +327,12 @@ def _local(a: Snapshot, named: dict, backend: Any, label: str, *, how: str, show
 
 
 def _alone(a: Snapshot, named: dict, name: str, backend: Any) -> tuple[dict[str, Leaf], dict[str, Leaf]]:
-    # One module alone, fed the inputs it had in the old environment: its outputs here on the backend, and the float64
-    # module's on the same inputs.
-    call, tensors = template(a.entry(name)["call"]), a.tensors(name)
+    # One module (or op) alone, fed the inputs it had in the old environment: its outputs here on the backend, and
+    # the float64 module's on the same inputs.
+    entry, tensors = a.entry(name), a.tensors(name)
     with torch.no_grad():
-        got = backend.fn(CallModule(module_copy(named[name], {}), call).eval(), tuple(t.clone() for t in tensors))
-        ref = run_float64_streamed(CallModule(named[name], call), tuple(tensors))
+        got = backend.fn(alone(entry, named), tuple(t.clone() for t in tensors))
+        ref = run_float64_streamed(alone(entry, named, copy=False), tuple(tensors))
     return _leaves(got), _leaves(ref)
 
 

@@ -8,7 +8,11 @@ Format ``rlx_nb.snapshot`` version 1 (file extension ``.rlxsnap`` by convention)
     arrays/<n>.npy   one per distinct tensor (a module's input that is another's output is stored once)
 
     MODULE = {"name", "order", "depth", "parent", "call": TEMPLATE | null, "why",
-              "inputs": [entry | null, ...], "outputs": {leaf: entry}, "reference": {leaf: entry}}
+              "inputs": [entry | null, ...], "outputs": {leaf: entry}, "reference": {leaf: entry}, "op"?}
+
+An entry with ``op`` (``ops=True``) is one of its parent module's own torch function calls, named
+``"<module> :: F.softmax"``; ``op`` is the function's public name (``F.softmax``), resolved back to the function
+when it runs alone (never unpickled).
 
 ``alone`` (optional, false when absent) says the outputs are each module's run alone on the backend, fed the
 oracle's inputs (a backend that compiles or exports the whole model), not its outputs in one run.
@@ -123,6 +127,8 @@ def check_meta(meta: dict) -> None:
         if m.get("parent") is not None:
             schema.string(m["parent"], f"{at}.parent")
         schema.string(m.get("why"), f"{at}.why")
+        if m.get("op") is not None:  # (an op's entry, ops=True: its function's public name, resolved on use)
+            schema.string(m["op"], f"{at}.op")
         inputs = m.get("inputs")
         if not isinstance(inputs, list) or not all(e is None or isinstance(e, str) for e in inputs):
             raise schema.fail(f"{at}.inputs", "a list of entries (or null)", inputs)

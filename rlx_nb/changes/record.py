@@ -41,10 +41,11 @@ from rlx_nb.backends.eager import run_float64_streamed
 from rlx_nb.backends.registry import get_backend
 from rlx_nb.changes import files
 from rlx_nb.changes.environment import snapshot_environment
+from rlx_nb.changes.ops import OpCalls, is_op, module_of, op_name, resolve
 from rlx_nb.errors import InputError, writing
 from rlx_nb.execution import fingerprints
 from rlx_nb.execution.prepare import normalize_inputs, prepare_model
-from rlx_nb.localization.capture import CallModule, Slot, called_parent
+from rlx_nb.localization.capture import CallModule, OpModule, Slot, called_parent
 from rlx_nb.report.files import json_value
 
 _DTYPES = {torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32, torch.int16,
@@ -235,6 +236,7 @@ def snapshot(
     reference: bool = False,
     byte_budget: int | None = None,
     label: str | None = None,
+    ops: bool = False,
     progress: bool | None = None,
 ) -> Path:
     """Record this environment's run of ``model`` on ``inputs``, module by module, to ``path`` (a ``.rlxsnap`` file).
@@ -267,6 +269,12 @@ def snapshot(
         out (their rows in a diff say so).
     label : str, optional
         A name for this environment (default: the host and torch version).
+    ops : bool
+        Also record each module's own torch function calls (``F.softmax``, ``torch.matmul``, ``Tensor.__add__``...;
+        data movement and in-place ops left out), each as an entry named ``"<module> :: F.softmax"`` with its inputs
+        and output: a diff then descends from a module past the line into its ops, as :func:`rlx_nb.localize`
+        does.  Off by default: it writes every op's output (several times the activations; ``byte_budget``
+        bounds it).
     progress : bool, optional
         A progress bar over the modules run alone (a backend that compiles or exports the whole model).
 
@@ -303,13 +311,13 @@ def snapshot(
                 seconds = {}
                 start = time.perf_counter()
                 if alone:
-                    modules = _record_alone(base, args, chosen, sink, reference=reference, progress=progress)
+                    modules = _record_alone(base, args, chosen, sink, reference=reference, progress=progress, ops=ops)
                 else:
-                    modules = _record(base, args, chosen, sink)
+                    modules = _record(base, args, chosen, sink, ops=ops)
                 seconds["forward"] = time.perf_counter() - start
                 if reference and not alone:
                     start = time.perf_counter()
-                    _record_reference(base, args, modules, sink)
+                    _record_reference(base, args, modules, sink, ops=ops)
                     seconds["reference"] = time.perf_counter() - start
             weights = dict(base.state_dict())
             meta = {
@@ -341,15 +349,17 @@ def snapshot(
     return path
 
 
-def _record(base: torch.nn.Module, args: tuple, backend: Any, sink: Sink, *, outputs: bool = True) -> dict[str, dict]:
+def _record(
+    base: torch.nn.Module, args: tuple, backend: Any, sink: Sink, *, outputs: bool = True, ops: bool = False
+) -> dict[str, dict]:
     # One run on the backend: each module's first call and outputs, written as they happen (``outputs=False``: the
-    # calls only, their inputs kept to be read back, for _record_alone).
+    # calls only, their inputs kept to be read back, for _record_alone); with ``ops``, each module's own torch
+    # function calls too (rlx_nb.changes.ops), as entries named "<module> :: F.softmax".
     modules: dict[str, dict] = {}
+    recorder = OpCalls(lambda *a: seen_op(*a)) if ops else None
+    quiet = recorder.paused if recorder is not None else contextlib.nullcontext
 
-    def first_call(name: str, a: tuple, kw: dict) -> None:
-        entry = {"name": name, "order": len(modules), "depth": 0, "parent": None, "call": None, "why": "",
-                 "inputs": [], "outputs": {}, "reference": {}}  # fmt: skip
-        modules[name] = entry
+    def write_call(entry: dict, a: tuple, kw: dict) -> None:
         tensors: list[torch.Tensor] = []
         try:
             entry["call"] = encode((tuple(a), dict(kw)), tensors)
@@ -360,16 +370,36 @@ def _record(base: torch.nn.Module, args: tuple, backend: Any, sink: Sink, *, out
         if any(e is None for e in entry["inputs"]):
             entry["call"], entry["why"] = None, "its inputs were past the byte budget: it cannot run alone"
 
-    def first_output(name: str, out: Any) -> None:
-        for leaf_name, leaf in flatten(out):
-            if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
-                modules[name]["outputs"][leaf_name] = sink.put(leaf, keep=True)
+    def first_call(name: str, a: tuple, kw: dict) -> None:
+        with quiet():
+            modules[name] = {"name": name, "order": len(modules), "depth": 0, "parent": None, "call": None,
+                             "why": "", "inputs": [], "outputs": {}, "reference": {}}  # fmt: skip
+            write_call(modules[name], a, kw)
 
-    watched_run(base, lambda: backend.fn(base, args), failed=f"the model failed on {backend.name!r}",
-                first_call=first_call, first_output=first_output if outputs else None)  # fmt: skip
+    def first_output(name: str, out: Any) -> None:
+        with quiet():
+            for leaf_name, leaf in flatten(out):
+                if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+                    modules[name]["outputs"][leaf_name] = sink.put(leaf, keep=True)
+
+    def seen_op(name: str, label: str, func: Any, a: tuple, kw: dict, out: torch.Tensor) -> None:
+        entry = modules[name] = {"name": name, "order": len(modules), "depth": 0, "parent": module_of(name),
+                                 "op": label, "call": None, "why": "", "inputs": [], "outputs": {}, "reference": {}}  # fmt: skip
+        if op_name(func) is None:
+            entry["why"] = f"{label} has no public name to call it by: it cannot run alone"
+        else:
+            write_call(entry, a, kw)
+        if outputs:
+            entry["outputs"]["out"] = sink.put(out, keep=True)
+
+    watched = recorder.attached(base) if recorder is not None else contextlib.nullcontext()
+    with watched:
+        watched_run(base, lambda: backend.fn(base, args), failed=f"the model failed on {backend.name!r}",
+                    first_call=first_call, first_output=first_output if outputs else None)  # fmt: skip
     for name, entry in modules.items():
-        if name:
+        if name and not is_op(name):
             entry["parent"] = called_parent(name, modules)
+        if entry["parent"] is not None:
             entry["depth"] = modules[entry["parent"]]["depth"] + 1
         if any(e is None for e in entry["outputs"].values()) and not entry["why"]:
             entry["why"] = "some of its outputs were past the byte budget"
@@ -377,23 +407,22 @@ def _record(base: torch.nn.Module, args: tuple, backend: Any, sink: Sink, *, out
 
 
 def _record_alone(
-    base: torch.nn.Module, args: tuple, backend: Any, sink: Sink, *, reference: bool, progress: bool | None
+    base: torch.nn.Module, args: tuple, backend: Any, sink: Sink, *, reference: bool, progress: bool | None, ops: bool
 ) -> dict[str, dict]:
     # A backend that compiles or exports the whole model: the oracle's run gives each module's first call (its inputs,
     # kept to be read back); then each module alone, fed those inputs, runs on the backend, and its outputs are what
     # the snapshot records (with the float64 module's on the same inputs, less them: its round-off there).
-    modules = _record(base, args, get_backend(ORACLE), sink, outputs=False)
+    modules = _record(base, args, get_backend(ORACLE), sink, outputs=False, ops=ops)
     named = dict(base.named_modules())
     with bar(f"rlx_nb snapshot {backend.name}", total=len(modules), unit="module", enabled=progress) as shown:
-        for name, entry in modules.items():
+        for entry in modules.values():
             shown.update()
             if entry["call"] is None:
                 continue
-            call = template(entry["call"])
             tensors = tuple(sink.tensor(e) for e in entry["inputs"])
             try:
                 with torch.no_grad():
-                    out = backend.fn(CallModule(module_copy(named[name], {}), call).eval(), tensors)
+                    out = backend.fn(alone(entry, named), tensors)
             except Exception as exc:
                 entry["why"] = f"it failed alone on {backend.name}: {type(exc).__name__}: {exc}"[:300]
                 continue
@@ -401,7 +430,7 @@ def _record_alone(
             for leaf_name, leaf in leaves.items():
                 entry["outputs"][leaf_name] = sink.put(leaf)
             if reference:
-                exact = dict(flatten(run_float64_streamed(CallModule(named[name], call), tensors)))
+                exact = dict(flatten(run_float64_streamed(alone(entry, named, copy=False), tensors)))
                 for leaf_name, leaf in leaves.items():
                     ref = exact.get(leaf_name)
                     if isinstance(ref, torch.Tensor) and ref.shape == leaf.shape and entry["outputs"][leaf_name]:
@@ -412,22 +441,42 @@ def _record_alone(
     return modules
 
 
-def _record_reference(base: torch.nn.Module, args: tuple, modules: dict[str, dict], sink: Sink) -> None:
-    # The float64 model, once: each module's float64 output less the recorded one, in float32.
-    def first_output(name: str, out: Any) -> None:
+def _record_reference(
+    base: torch.nn.Module, args: tuple, modules: dict[str, dict], sink: Sink, *, ops: bool = False
+) -> None:
+    # The float64 model, once: each module's (and op's) float64 output less the recorded one, in float32.
+    def residual(name: str, leaves: Any) -> None:
         recorded = modules[name]["outputs"] if name in modules else {}
-        for leaf_name, leaf in flatten(out):
+        for leaf_name, leaf in leaves:
             entry = recorded.get(leaf_name)
             if entry is None or not isinstance(leaf, torch.Tensor) or not leaf.is_floating_point():
                 continue
             old = sink.read(entry)
             if tuple(old.shape) != tuple(leaf.shape):
                 continue  # (the float64 model took another path: no reference for this leaf)
-            residual = np.asarray(leaf.detach().to("cpu", torch.float64).numpy() - old.astype(np.float64))
-            modules[name]["reference"][leaf_name] = sink.put(torch.from_numpy(residual.astype(np.float32)))
+            r = np.asarray(leaf.detach().to("cpu", torch.float64).numpy() - old.astype(np.float64))
+            modules[name]["reference"][leaf_name] = sink.put(torch.from_numpy(r.astype(np.float32)))
 
-    watched_run(base, lambda: run_float64_streamed(base, args), failed="the float64 reference failed",
-                first_output=first_output)  # fmt: skip
+    recorder = OpCalls(lambda name, label, func, a, kw, out: residual(name, [("out", out)])) if ops else None
+    quiet = recorder.paused if recorder is not None else contextlib.nullcontext
+
+    def first_output(name: str, out: Any) -> None:
+        with quiet():
+            residual(name, flatten(out))
+
+    with recorder.attached(base) if recorder is not None else contextlib.nullcontext():
+        watched_run(base, lambda: run_float64_streamed(base, args), failed="the float64 reference failed",
+                    first_output=first_output)  # fmt: skip
 
 
-__all__ = ["encode", "same_state", "snapshot", "template", "watched_run"]
+def alone(entry: dict, named: dict[str, torch.nn.Module], *, copy: bool = True) -> torch.nn.Module:
+    """What runs one recorded entry alone: its op (:class:`OpModule` of the function its name resolves to), or its
+    module (``copy``: a private copy, in eval mode) replaying the recorded call."""
+    call = template(entry["call"])
+    if entry.get("op"):
+        return OpModule(resolve(entry["op"]), call)
+    module = named[entry["name"]]
+    return CallModule(module_copy(module, {}), call).eval() if copy else CallModule(module, call)
+
+
+__all__ = ["alone", "encode", "same_state", "snapshot", "template", "watched_run"]

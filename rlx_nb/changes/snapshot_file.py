@@ -47,6 +47,11 @@ class Snapshot:
         return list(self._modules)
 
     @property
+    def has_ops(self) -> bool:
+        """Whether it recorded its modules' own torch function calls (``ops=True``)."""
+        return any(m.get("op") for m in self._modules.values())
+
+    @property
     def has_reference(self) -> bool:
         return any(m["reference"] for m in self._modules.values())
 
