@@ -11,7 +11,10 @@ For each model of :mod:`rlx_nb.models.zoo` and the demo MLP, CNN and transformer
   (``ATEN_CPU_CAPABILITY=default``), the weights and inputs passed in a file.  A module past the line is a false
   alarm; ``moved`` counts the modules whose output was not bit for bit the snapshot's (the change was real).
 
-    python bench/changes.py [--models gpt2,vit] [--name changes]
+    python bench/changes.py [--models gpt2,vit] [--name changes] [--ops]
+
+``--ops`` writes every snapshot with ``ops=True`` (each module's own torch function calls recorded and judged too:
+op-level false alarms, and what recording them costs).
 
 Writes ``bench/results/<name>.csv`` and ``.md``.
 """
@@ -121,7 +124,7 @@ def child(snapshot: str, state: str, name: str) -> None:
     print(json.dumps({**counts(d), "environment": d.environment}))
 
 
-def one(name: str, scratch: Path) -> list[dict]:
+def one(name: str, scratch: Path, ops: bool = False) -> list[dict]:
     model, inputs = build(name)
     model.eval()
     rows = []
@@ -131,7 +134,7 @@ def one(name: str, scratch: Path) -> list[dict]:
     n = 1 if name in REAL_SIZE else 3
     for reference in (True, False):
         path = scratch / f"{name}-{reference}.rlxsnap"
-        seconds = best_of(lambda r=reference, p=path: rlx_nb.snapshot(model, inputs, p, reference=r), n)
+        seconds = best_of(lambda r=reference, p=path: rlx_nb.snapshot(model, inputs, p, reference=r, ops=ops), n)
         timed[reference] = (seconds, path.stat().st_size)
     snap = scratch / f"{name}-True.rlxsnap"
     diff_s = best_of(lambda: rlx_nb.diff(snap, model, inputs, backend="cpu-nomkldnn", progress=False), n)
@@ -183,8 +186,10 @@ def main() -> None:
         return
     p = argparse.ArgumentParser()
     p.add_argument("--models", default=",".join((*DEMOS, *zoo.MODELS, *REAL_SIZE)))
-    p.add_argument("--name", default="changes")
+    p.add_argument("--name", default=None)
+    p.add_argument("--ops", action="store_true", help="snapshots with ops=True (each module's own ops too)")
     args = p.parse_args()
+    args.name = args.name or ("changes_ops" if args.ops else "changes")
     warnings.simplefilter("ignore")
     torch.set_num_threads(2)
     rows = []
@@ -192,7 +197,7 @@ def main() -> None:
         for name in args.models.split(","):
             start = time.perf_counter()
             try:
-                got = one(name, Path(scratch))
+                got = one(name, Path(scratch), ops=args.ops)
             except Exception as exc:  # (one model that cannot be snapshot is a row, not the end of the run)
                 got = [{"model": name, "change": "all", "error": f"{type(exc).__name__}: {exc}"[:200]}]
             rows += got
@@ -207,13 +212,16 @@ def main() -> None:
     legit = frame.pivot_table(index="model", columns="change", values="past_line", aggfunc="sum")
     moved = frame.pivot_table(index="model", columns="change", values="moved", aggfunc="sum")
     with open(RESULTS / f"{args.name}.md", "w") as f:
-        f.write("# Snapshot and diff on the zoo (bench/changes.py)\n\n## Cost (ratios from one run)\n\n")
+        title = "Snapshot and diff on the zoo (bench/changes.py" + (
+            " --ops: each module's own ops too" if args.ops else ""
+        )
+        f.write(f"# {title})\n\n## Cost (ratios from one run)\n\n")
         f.write(cost[[c for c in cols if c in cost]].to_markdown(index=False, floatfmt=".3g") + "\n\n")
         f.write("## Legitimate changes: modules past the line (false alarms)\n\n")
         f.write(legit.to_markdown(floatfmt=".0f") + "\n\n")
         f.write("## Modules whose output moved (not bit for bit the snapshot's)\n\n")
         f.write(moved.to_markdown(floatfmt=".0f") + "\n\n")
-        f.write(f"Modules judged in all: {int(frame.judged.sum())} over {len(frame)} (model, change) runs; "
+        f.write(f"Modules{' and ops' if args.ops else ''} judged in all: {int(frame.judged.sum())} over {len(frame)} (model, change) runs; "
                 f"past the line: {int(frame.past_line.sum())}.\n")  # fmt: skip
     print((RESULTS / f"{args.name}.md").read_text())
 

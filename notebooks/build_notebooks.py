@@ -882,6 +882,33 @@ changed.plot();""",
     ),
     (
         "md",
+        """## Down to the op
+
+A snapshot written with `ops=True` also records each module's own torch function calls (`F.softmax`, `torch.matmul`, `Tensor.__add__`...: data movement and in-place ops left out), named as `localize` names them. The diff then goes on from a module past the line into its ops, and judges each op in the whole run too (it writes every op's output: several times the activations, so it is off by default):""",
+    ),
+    (
+        "code",
+        """detailed = rlx_nb.snapshot(model, inputs, os.path.join(folder, "before-ops"), ops=True)
+to_op = rlx_nb.diff(detailed, faulty_model, inputs, backend="fault:softmax-row")
+print(to_op.finding)
+to_op.frame[to_op.frame.module.str.startswith("blocks.1.attn")][["module", "change", "local_line", "propagated_line"]]""",
+    ),
+    (
+        "md",
+        """## A runtime or compiler upgrade
+
+A backend that compiles or exports the whole model (`cpu-inductor`, `onnxruntime`, ExecuTorch, LiteRT) has no module boundaries in its run. Snapshot on it, and each module runs on it *alone*, fed the inputs it had in the oracle's run (an export or compile per module); after the upgrade the diff runs each module alone on the new version and judges it against the old one's round-off there (local changes only):
+
+```python
+rlx_nb.snapshot(model, inputs, "ort-old.rlxsnap", backend="onnxruntime")   # before: onnxruntime 1.x
+# ... upgrade onnxruntime; then:
+print(rlx_nb.diff("ort-old.rlxsnap", model, inputs))                         # the module whose kernels changed
+```
+
+`tests/test_changes.py` plants an Inductor upgrade that decomposes GELU wrongly and finds it at the GELU.""",
+    ),
+    (
+        "md",
         """## Two snapshots, no model
 
 Each node of a cluster (or each machine in CI) can write its own snapshot; one written with `reference=True` (each module's float64 value: one float64 forward more) lets two be compared without the model. Only propagated changes can be judged then -- except where a module was fed bit for bit the same inputs in both, which makes its change its own:""",

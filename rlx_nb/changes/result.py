@@ -90,6 +90,11 @@ class Diff:
         self.first_parted = _innermost(rows, "propagated_verdict")
 
     @property
+    def _units(self) -> str:
+        # What its rows are: modules, or modules and their ops (a snapshot written with ops=True).
+        return "module(s) and op(s)" if self.frame.module.str.contains(" :: ", regex=False).any() else "module(s)"
+
+    @property
     def changed(self) -> list[str]:
         """Every module whose own change is past the line, in order."""
         return self.frame[self.frame.change == CHANGED_HERE].module.tolist()
@@ -108,7 +113,7 @@ class Diff:
             carried = int((self.frame.change == CARRIED_IN).sum())
             return (
                 f"{self.culprit} computes differently here: its own change is {r.local_line:.3g}x the line "
-                f"(fed the old inputs)" + (f"; {carried} module(s) after it carry the change" if carried else "")
+                f"(fed the old inputs)" + (f"; {carried} {self._units} after it carry the change" if carried else "")
             )
         if self.first_parted is not None:
             r = self.frame[self.frame.module == self.first_parted].iloc[0]
@@ -209,7 +214,7 @@ class Diff:
         carried = self.frame[self.frame.change == CARRIED_IN]
         if len(carried):
             top = carried.loc[carried.propagated_line.idxmax()]
-            out.append(f"  carried in: {len(carried)} module(s), the furthest {top.module} at "
+            out.append(f"  carried in: {len(carried)} {self._units}, the furthest {top.module} at "
                        f"{top.propagated_line:.3g}x the line (within it alone)")  # fmt: skip
         return out
 
