@@ -109,9 +109,16 @@ def _compiling(device: str) -> Backend:
 
 @contextlib.contextmanager
 def _no_compile_caches() -> Iterator[None]:
+    # Every bisection step compiles afresh: the graph caches (Inductor's FX graph cache, AOTAutograd's) are keyed on
+    # the graph and the config, not on the stage the bisector turned off, so a step could reuse another's compile.
+    # The C++ kernel cache stays on: a kernel's key is its whole source and compile command, what decides the binary
+    # (force_disable_caches also moved it to a fresh folder, and each step compiled every kernel again with g++,
+    # about 1.5 s each).
+    import torch._functorch.config as functorch_config
     import torch._inductor.config as config
 
-    with config.patch(fx_graph_cache=False, force_disable_caches=True):
+    with config.patch(fx_graph_cache=False, fx_graph_remote_cache=False, autotune_local_cache=False), \
+            functorch_config.patch(enable_autograd_cache=False):  # fmt: skip
         yield
 
 
