@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Callable
 from pathlib import Path
 
 import nbformat
@@ -242,10 +243,12 @@ def _pixels(png: bytes) -> np.ndarray:
     return np.asarray(PIL.open(io.BytesIO(png)).convert("L"), dtype=np.float64)
 
 
-def _keep(shot: bytes, name: str) -> None:
+def _keep(shot: bytes | Callable[[], bytes], name: str) -> None:
+    # ``shot``: the bytes, or what takes them (a screenshot only kept is taken only when it is kept: a full-page one
+    # of a long notebook costs Chromium a second or more).
     out_dir = os.environ.get("RLX_NB_SCREENSHOT_DIR")
     if out_dir:
-        Path(out_dir, name).write_bytes(shot)
+        Path(out_dir, name).write_bytes(shot() if callable(shot) else shot)
 
 
 def _settle(images) -> None:
@@ -359,8 +362,7 @@ def test_the_explorer_follows_every_interaction(lab):
                 _until_changed(lambda h=histogram: h.get_attribute("src"), hist_before, f"{step}: the histogram")
             took = time.perf_counter() - start
             times[step] = round(took, 3)
-            shot = explorer.screenshot()
-            _keep(shot, f"explorer-after-{step}.png")
+            _keep(explorer.screenshot, f"explorer-after-{step}.png")
             assert _pixels(heatmap.screenshot()).std() > 8, f"after {step}: the heatmap is blank"
         _keep(json.dumps(times).encode(), "explorer-times.json")
         print(f"explorer update times (s): {times}")
@@ -373,7 +375,7 @@ def test_the_explorer_follows_every_interaction(lab):
         table = explorer.locator("table.rlx-elements").last
         table.scroll_into_view_if_needed()
         holder = table.evaluate(SCROLLS)
-        _keep(explorer.screenshot(), "explorer-with-the-file-browser.png")
+        _keep(explorer.screenshot, "explorer-with-the-file-browser.png")
         assert holder["right"] <= holder["outer_right"] + 1, f"the worst-elements table is cut off: {holder}"
         assert holder["width"] >= holder["needed"] or holder["overflow"] in ("auto", "scroll"), holder
     finally:
@@ -413,7 +415,7 @@ def test_the_live_canvas_fits_its_box(lab):
         while time.time() < deadline and (spread := _pixels(canvas.screenshot()).std()) <= 8:
             time.sleep(0.5)
         assert spread > 8, f"the live heatmap stayed blank (pixel spread {spread:.1f})"
-        _keep(page.locator(".rlx-explorer").last.screenshot(), "explorer-live.png")
+        _keep(page.locator(".rlx-explorer").last.screenshot, "explorer-live.png")
     finally:
         _close(page, base, token)
 
@@ -469,14 +471,14 @@ def test_committed_notebooks_show_pictures_without_running(lab, notebook):
         if any(c.cell_type == "code" and "localization=" in c.source and "explore(" in c.source for c in cells):
             shown = page.locator(".rlx-snapshot", has_text="Localization on").first  # (#46: 02's had none)
             assert shown.count() and shown.locator("img").count() >= 3, f"{notebook}: no localization view"
-            _keep(shown.screenshot(), f"committed-{notebook.removesuffix('.ipynb')}-localization-snapshot.png")
+            _keep(shown.screenshot, f"committed-{notebook.removesuffix('.ipynb')}-localization-snapshot.png")
         # Opened as committed, nothing changed: not marked modified (#46: the kernelspec's name made it so, once the
         # kernel Lab starts for it had connected).
         playwright_api.expect(page.locator(".jp-Toolbar-kernelName").first).to_contain_text("Python")
         playwright_api.expect(page.locator(".jp-Notebook-ExecutionIndicator[data-status='idle']").first).to_be_visible()
         tab = page.locator(".lm-TabBar-tab.jp-mod-current").first
         assert "jp-mod-dirty" not in (tab.get_attribute("class") or ""), f"{notebook} opens marked modified"
-        _keep(page.screenshot(full_page=True), f"committed-{notebook.removesuffix('.ipynb')}.png")
+        _keep(lambda: page.screenshot(full_page=True), f"committed-{notebook.removesuffix('.ipynb')}.png")
     finally:
         _close(page, base, token)
 
@@ -523,7 +525,7 @@ def test_a_report_without_suspects_shows_no_red_and_opens_on_its_worst(lab):
                 wrong.append(f"{tag}: red on a figure without a SUSPECT ({_red_pixels(shot)} pixels)")
         explorer = page.locator(".rlx-explorer").last
         explorer.scroll_into_view_if_needed()
-        _keep(explorer.screenshot(), "calm-explorer.png")
+        _keep(explorer.screenshot, "calm-explorer.png")
         # A live explorer is shown once: its static snapshot (for readers without a kernel) hides beside it.
         snapshot = page.locator(".rlx-snapshot")
         assert snapshot.count() == 1 and not snapshot.first.is_visible() and explorer.is_visible()
