@@ -10,6 +10,7 @@ import sys
 import zipfile
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
@@ -68,6 +69,35 @@ def test_with_ops_the_diff_descends_from_the_module_into_its_own_op(layered, tmp
     assert rlx_nb.diff(reference, faulty).culprit == "blocks.1.attn :: F.softmax"
     with pytest.raises(InputError, match=r"op 'F\.no_such_op': this torch has no such function"):
         rlx_nb.changes.ops.resolve("F.no_such_op")
+
+
+def test_a_run_more_accurate_here_is_not_a_change_unless_something_before_it_changed_on_its_own():
+    # Past the line only the other way round (the old output against the float64 value here, the new run's round-off
+    # much smaller than the old one's) reads a changed function only where a module changed on its own at it, inside
+    # it or before it (an edit); with none, the environment computes it more accurately (Mamba's scan under
+    # MKL_CBWR=COMPATIBLE read 1.1-1.6x at five ops of 10,960 judged, bench/changes.py --ops).
+    from rlx_nb.changes.diff import _explained, _judgements
+    from rlx_nb.execution.results import Leaf
+
+    rng = np.random.default_rng(0)
+    exact = rng.standard_normal(4096)
+    eps = np.finfo(np.float32).eps
+
+    def leaf(x):
+        return {"out": Leaf(x.astype(np.float32), "float32", x.shape)}
+
+    old = leaf(exact * (1 + 40 * eps * rng.standard_normal(4096)))  # the old run: 40x its ops' round-off
+    new = leaf(exact * (1 + 0.5 * eps * rng.standard_normal(4096)))  # here: more accurate
+    ref = {"out": Leaf(exact, "float64", exact.shape)}
+    both, forward = _judgements(old, new, ref, "here", "m :: torch.matmul#3")
+    assert both.verdict == "SUSPECT" and forward.verdict == "round-off"
+    rows = {"": {"order": 0}, "a": {"order": 1}, "m": {"order": 2}, "m :: torch.matmul#3": {"order": 3}}
+    judged = {"m :: torch.matmul#3": (both, forward), "": (both, forward)}
+    plain = _explained(rows, judged, {"a": (forward, "")})  # nothing changed on its own
+    assert plain["m :: torch.matmul#3"].verdict == "round-off" and "computes it more accurately" in plain[""].reason
+    for changed in ("a", "m", "m :: torch.matmul#3"):  # before it, around it, at it: an edit explains it
+        kept = _explained(rows, judged, {changed: (both, "")})
+        assert kept["m :: torch.matmul#3"].verdict == "SUSPECT" and kept[""].verdict == "SUSPECT", changed
 
 
 def test_the_explorer_walks_a_diff_from_its_culprit_to_the_element_on_either_side(layered):

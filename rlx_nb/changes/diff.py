@@ -109,24 +109,63 @@ def _judge(old: dict[str, Leaf], got: dict[str, Leaf], ref: dict[str, Leaf], lab
     # The worst of a module's output leaves, each judged both ways round against float64 on the same inputs: the new
     # output on the old one's round-off (a kernel that now computes worse), and the old output on the new one's (a
     # function that changed, which the float64 run here follows: an edited module, an op that now means another).
-    records = []
+    return _judgements(old, got, ref, label, name)[0]
+
+
+def _judgements(
+    old: dict[str, Leaf], got: dict[str, Leaf], ref: dict[str, Leaf], label: str, name: str
+) -> tuple[OutputRecord, OutputRecord]:
+    # (both ways round, the new output on the old one's round-off only): _judge's, and the forward one alone.
+    records, forward = [], []
     for leaf, o in old.items():
         g, r = got.get(leaf), ref.get(leaf)
         if g is None or r is None or not g.is_array:
             continue
         if tuple(g.shape) != tuple(o.shape):
             records.append(failed(label, f"{name} output {leaf} is {tuple(g.shape)} here, {tuple(o.shape)} there"))
+            forward.append(records[-1])
             continue
         output = f"{name}:{leaf}" if leaf != "out" else name
-        records.append(judge_leaf(o, g, r, backend=label, output=output))
+        forward.append(judge_leaf(o, g, r, backend=label, output=output))
+        records.append(forward[-1])
         back = judge_leaf(g, o, r, backend=label, output=output)
         if back.verdict == SUSPECT:
             records.append(
                 dataclasses.replace(back, reason=f"the old output against the float64 value here: {back.reason}")
             )
     if not records:
-        return failed(label, "no output of it was recorded in both")
-    return worst_record(records)
+        return (failed(label, "no output of it was recorded in both"),) * 2
+    return worst_record(records), worst_record(forward)
+
+
+def _explained(rows: dict[str, dict], propagated: dict[str, tuple[OutputRecord, OutputRecord]], local: dict) -> dict:
+    # Each module's propagated change.  Past the line only the other way round (the old output against the float64
+    # value here) reads a function that changed (the float64 run here follows the new code) -- but a changed function
+    # shows as a local change where it changed, in the module itself, inside it or before it.  Where none did, the
+    # function is the same in both, the float64 value here is the one there, and that reading only sets one run's
+    # round-off against the other's smaller one: this environment computes it more accurately (Mamba's scan, ops of
+    # its recurrence, read 1.1-1.6x the line under MKL_CBWR=COMPATIBLE, bench/changes.py --ops).  The new output on
+    # the old one's round-off is the judgement then.
+    changed = [n for n, (rec, _) in local.items() if rec is not None and rec.verdict == SUSPECT]
+    out = {}
+    for name, (both, forward) in propagated.items():
+        if both.verdict == SUSPECT and forward.verdict != SUSPECT and name in rows:
+            at = rows[name]["order"]
+            if not any(rows[c]["order"] <= at or _within(c, name) for c in changed if c in rows):
+                out[name] = dataclasses.replace(forward, reason=(
+                    f"{forward.reason}; the old output is further from the float64 value than this run's round-off "
+                    f"({both.judgement.line:.3g}x the line), but nothing before it changed on its own: this "
+                    "environment computes it more accurately"))  # fmt: skip
+                continue
+        out[name] = both
+    return out
+
+
+def _within(inner: str, outer: str) -> bool:
+    # Whether module or op ``inner`` is ``outer`` itself or inside it (the root holds every one).
+    if inner == outer or outer == "":
+        return True
+    return module_of(inner) == outer or module_of(inner).startswith(outer + ".")
 
 
 def _two_snapshots(a: Snapshot, b: Snapshot) -> Diff:
@@ -204,6 +243,7 @@ def _against_model(
     elif not chosen.hookable:
         notes.append(f"{backend} compiles or exports the whole model: its modules' outputs in a full run are not "
                      "seen, so only local changes are judged")  # fmt: skip
+    explained = _explained({n: a.entry(n) for n in a.modules}, propagated, local_checks)
     rows = []
     for name in a.modules:
         m = a.entry(name)
@@ -211,7 +251,7 @@ def _against_model(
             rows.append(row(m, note="no such module in the model here"))
             continue
         rec, note = local_checks.get(name, (None, ""))
-        rows.append(row(m, local=rec, propagated=propagated.get(name), note=note or a.why(name)))
+        rows.append(row(m, local=rec, propagated=explained.get(name), note=note or a.why(name)))
     rows += [row({"name": n, "order": len(rows) + i, "depth": n.count(".") + 1 if n else 0, "parent": None},
                  note="not in the snapshot: a module called here, not there (added since?)")
              for i, n in enumerate(n for n in called if n not in a.modules)]  # fmt: skip
@@ -253,19 +293,20 @@ def _whole_run(a: Snapshot, base: torch.nn.Module, run: Any, on_output: Any, fai
 
 
 def _propagated(a: Snapshot, base: torch.nn.Module, args: tuple, backend: Any, label: str) -> tuple[dict, list[str]]:
+    # ({name: (both ways round, forward only)}, the names called here in order): see _judgements.
     # The whole model here, each module's (and op's) first output judged as it comes against the old one (nothing
     # held); and every module called here, in order.
     residual: dict[str, dict[str, Leaf]] = {}
     if not a.has_reference:  # (the float64 model's value of each module, here: as good as there)
         residual = _reference_here(a, base, args)
-    found: dict[str, OutputRecord] = {}
+    found: dict[str, tuple[OutputRecord, OutputRecord]] = {}
     called: list[str] = []
 
     def judged(name: str, out: Any) -> None:
         called.append(name)
         if name in a.modules:
             ref = a.reference(name) if a.has_reference else residual.get(name, {})
-            found[name] = _judge(a.outputs(name), _leaves(out), ref, label, _shown(name, a))
+            found[name] = _judgements(a.outputs(name), _leaves(out), ref, label, _shown(name, a))
 
     _whole_run(a, base, lambda: backend.fn(base, args), judged, f"the model failed on {backend.name!r} here")
     return found, called
