@@ -209,20 +209,21 @@ def main() -> None:
     cols = ["model", "snapshot_x_forward", "snapshot_noref_x_forward", "disk_x_activations",
             "disk_noref_x_activations", "diff_x_localize", "forward_s", "activations_mb"]  # fmt: skip
     frame = frame[frame.change != "cost only"]
-    legit = frame.pivot_table(index="model", columns="change", values="past_line", aggfunc="sum")
-    moved = frame.pivot_table(index="model", columns="change", values="moved", aggfunc="sum")
     with open(RESULTS / f"{args.name}.md", "w") as f:
         title = "Snapshot and diff on the zoo (bench/changes.py" + (
             " --ops: each module's own ops too" if args.ops else ""
         )
         f.write(f"# {title})\n\n## Cost (ratios from one run)\n\n")
         f.write(cost[[c for c in cols if c in cost]].to_markdown(index=False, floatfmt=".3g") + "\n\n")
-        f.write("## Legitimate changes: modules past the line (false alarms)\n\n")
-        f.write(legit.to_markdown(floatfmt=".0f") + "\n\n")
-        f.write("## Modules whose output moved (not bit for bit the snapshot's)\n\n")
-        f.write(moved.to_markdown(floatfmt=".0f") + "\n\n")
-        f.write(f"Modules{' and ops' if args.ops else ''} judged in all: {int(frame.judged.sum())} over {len(frame)} (model, change) runs; "
-                f"past the line: {int(frame.past_line.sum())}.\n")  # fmt: skip
+        if "past_line" in frame:  # (the real-size models alone: cost only)
+            legit = frame.pivot_table(index="model", columns="change", values="past_line", aggfunc="sum")
+            moved = frame.pivot_table(index="model", columns="change", values="moved", aggfunc="sum")
+            f.write("## Legitimate changes: modules past the line (false alarms)\n\n")
+            f.write(legit.to_markdown(floatfmt=".0f") + "\n\n")
+            f.write("## Modules whose output moved (not bit for bit the snapshot's)\n\n")
+            f.write(moved.to_markdown(floatfmt=".0f") + "\n\n")
+            f.write(f"Modules{' and ops' if args.ops else ''} judged in all: {int(frame.judged.sum())} over {len(frame)} (model, change) runs; "
+                    f"past the line: {int(frame.past_line.sum())}.\n")  # fmt: skip
     print((RESULTS / f"{args.name}.md").read_text())
 
 
