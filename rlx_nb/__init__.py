@@ -34,8 +34,14 @@ _warmup.start()  # the numba kernels load in the background (rlx_nb/numerics/war
 
 
 def explore(report, **kwargs):
-    """The widget explorer for ``report`` (a forward or a generation report; needs ipywidgets); see
-    :func:`rlx_nb.explorer.explore`."""
+    """The widget explorer for ``report`` (a forward or a generation report, or a diff; needs ipywidgets); see
+    :func:`rlx_nb.explorer.explore` and, for a diff, :func:`rlx_nb.diff_explorer.explore_diff`."""
+    if isinstance(report, Diff):
+        from rlx_nb.diff_explorer import explore_diff
+
+        return explore_diff(report, **kwargs)
+    if {"module", "side"} & set(kwargs):
+        raise InputError("module= and side= pick a diff's module; this is a report (rlx_nb.diff(...) makes a diff)")
     from rlx_nb.explorer import explore as _explore
 
     return _explore(report, **kwargs)

@@ -14,7 +14,6 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from rlx_nb.changes.result import Diff, default_side
 from rlx_nb.comparison.tables import element_html
 from rlx_nb.errors import InputError
 from rlx_nb.generation.decode import step_of
@@ -67,19 +66,14 @@ def _show_png(out, png: bytes) -> None:
     out.outputs = ({"output_type": "display_data", "data": image, "metadata": {}},)
 
 
-def explore(report: DivergenceReport | GenerationReport | Diff, *, top: int = 20, interactive: bool | None = None,
-            localization: Any = None, step: int | None = None, backend: str | None = None,
-            module: str | None = None, side: str | None = None) -> Explorer:  # fmt: skip
+def explore(report: DivergenceReport | GenerationReport, *, top: int = 20, interactive: bool | None = None,
+            localization: Any = None, step: int | None = None, backend: str | None = None) -> Explorer:  # fmt: skip
     """An explorer widget for ``report``: pickers, heatmap, histogram, worst elements, inspector.
 
     Parameters
     ----------
-    report : DivergenceReport or GenerationReport or Diff
+    report : DivergenceReport or GenerationReport
         A generation report opens on ``step``'s logits of ``backend`` (:meth:`GenerationReport.explorer_view`).
-        A diff (:func:`rlx_nb.diff`) shows its per-module bars, a module picker and a side picker (alone, fed the
-        old inputs / in the whole run) above the explorer of the picked module's change: its old output as the
-        oracle, the new one as the backend (:meth:`rlx_nb.changes.result.Diff.report`); it opens on ``module``
-        (default: the culprit) and ``side``.
     top : int
         How many worst elements the table and picker list.
     interactive : bool, optional
@@ -98,15 +92,6 @@ def explore(report: DivergenceReport | GenerationReport | Diff, *, top: int = 20
     'cpu-nomkldnn'
     """
     _require_widgets()
-    if isinstance(report, Diff):
-        if (localization, step, backend) != (None, None, None):
-            raise InputError(
-                "localization=, step= and backend= are a report's; a diff's explorer takes module= and side="
-            )
-        return DiffExplorer(report, module=module, side=side, top=top,
-                            interactive=_ipympl_active() if interactive is None else interactive)  # fmt: skip
-    if (module, side) != (None, None):
-        raise InputError("module= and side= pick a diff's module; this is a report (rlx_nb.diff(...) makes a diff)")
     view = report.explorer_view(backend, step) if isinstance(report, GenerationReport) else None
     if view is None and (step, backend) != (None, None):
         raise InputError("step= and backend= pick a generation report's step; this is a forward report")
@@ -127,13 +112,7 @@ class Explorer(W.VBox if W is not None else object):
     """The explorer layout; its child widgets are attributes so tests and users can drive them."""
 
     def __init__(
-        self,
-        report: DivergenceReport,
-        *,
-        top: int = 20,
-        interactive: bool = False,
-        steps: bool = False,
-        oracle_name: str = "oracle (cpu fp32)",
+        self, report: DivergenceReport, *, top: int = 20, interactive: bool = False, steps: bool = False
     ) -> None:
         _require_widgets()
         self.report = report
@@ -147,9 +126,15 @@ class Explorer(W.VBox if W is not None else object):
         self._heatmap = None  # the drawn heatmap (plotting.Heatmap): its folding and pooling, for clicks and rings
         self._picked = None
         self._busy = False
-        self.oracle_name = oracle_name  # (the inspector's row; a diff's oracle is the old run)
         wide = W.Layout(width="max-content", min_width="260px")  # a name and "(SUSPECT)" never cut
-        self.backend_picker = W.Dropdown(options=self._backend_options(), description="backend", layout=wide)
+        ordered = report.worst  # the worst backend first
+        if not ordered:
+            raise InputError("nothing to explore: no candidate backend in this report produced outputs")
+        self.backend_picker = W.Dropdown(
+            options=[(f"⚠ {b} (SUSPECT)" if b in report.suspects else b, b) for b in ordered],
+            description="backend",
+            layout=wide,
+        )
         self.output_picker = W.Dropdown(description="output", layout=wide)
         self.metric_toggle = W.ToggleButtons(options=METRIC_OPTIONS, value="line", description="metric")
         self.heatmap_out = W.Output()
@@ -182,24 +167,6 @@ class Explorer(W.VBox if W is not None else object):
         self.metric_toggle.observe(self._on_metric, names="value")
         self.element_picker.observe(self._on_element, names="value")
         self.index_box.observe(self._on_index, names="value")
-        self._on_backend(None)
-
-    def _backend_options(self) -> list[tuple[str, str]]:
-        ordered = self.report.worst  # the worst backend first
-        if not ordered:
-            raise InputError("nothing to explore: no candidate backend in this report produced outputs")
-        return [(f"⚠ {b} (SUSPECT)" if b in self.report.suspects else b, b) for b in ordered]
-
-    def show_report(self, report: DivergenceReport) -> None:
-        """Show another report in the same explorer (its worst backend, its worst output)."""
-        self.report = report
-        self.backend_picker.unobserve(self._on_backend, names="value")
-        try:
-            options = self._backend_options()
-            self.backend_picker.options = options
-            self.backend_picker.value = options[0][1]
-        finally:
-            self.backend_picker.observe(self._on_backend, names="value")
         self._on_backend(None)
 
     # -- the static snapshot -------------------------------------------------------------------
@@ -511,7 +478,7 @@ class Explorer(W.VBox if W is not None else object):
         drawn = self._heatmap
         rows = [
             ("index", str(index)),
-            (html.escape(self.oracle_name), f"{float(e.oracle):.9g}"),
+            (html.escape(getattr(self, "oracle_name", "oracle (cpu fp32)")), f"{float(e.oracle):.9g}"),
             (f"backend ({html.escape(backend)})", f"{float(e.backend):.9g}"),
             ("fp64 reference", f"{float(e.reference):.12g}"),
             ("abs error", f"{e.abs_err:.3e}"),
@@ -531,79 +498,3 @@ class Explorer(W.VBox if W is not None else object):
         self.inspector.value = f"<table>{body}</table>{hood}"
         if redraw:
             self._mark(index)
-
-
-SIDES = [("alone, fed the old inputs", "local"), ("in the whole run", "propagated")]
-
-
-class DiffExplorer(Explorer):
-    """:func:`explore` of a :class:`~rlx_nb.changes.result.Diff`: the finding and the environment differences, the
-    per-module bars (local and propagated, on the verdict's one scale), a module picker and a side picker; below them
-    the explorer of the picked module's change (:meth:`~rlx_nb.changes.result.Diff.report`: the old output as the
-    oracle, the new one as the backend, the float64 value as the reference)."""
-
-    def __init__(self, diff: Diff, *, module: str | None, side: str | None, top: int, interactive: bool) -> None:
-        from matplotlib.figure import Figure
-
-        self.diff = diff
-        row = diff._row(module)
-        side = side or default_side(row)
-        report = diff.report(row["module"], side)
-        super().__init__(report, top=top, interactive=interactive, oracle_name=self._oracle_name(report))
-        e = html.escape
-        envs = "".join(f"<li>{e(d)}</li>" for d in diff.environment[:8])
-        self.diff_head = W.HTML(
-            f"<h4>{e(diff.old_label)} &rarr; {e(diff.new_label)} ({e(diff.backend)})</h4><p><b>{e(diff.finding)}</b></p>"
-            + (f"<p>Environment differences:</p><ul>{envs}</ul>" if envs else "")
-        )
-        self.diff_bars = W.Output()
-        ax = Figure(figsize=localization_figsize(len(diff.frame)), layout="constrained").add_subplot()
-        diff.plot(ax=ax)
-        _show_png(self.diff_bars, _png(ax.figure))
-        judged = [r for r in diff.frame.itertuples() if r.local_verdict or r.propagated_verdict]
-        options = [(f"⚠ {r.module} ({r.change})" if r.change in ("changed here", "carried in") else r.module, r.module)
-                   for r in judged]  # fmt: skip
-        longest = max((len(label) for label, _ in options), default=20)
-        self.module_picker = W.Dropdown(options=options, value=row["module"], description="module",
-                                        layout=W.Layout(width=f"calc({longest + 4}ch + 8em)", max_width="100%"))  # fmt: skip
-        self.side_picker = W.ToggleButtons(options=SIDES, value=side, description="change")
-        self.children = (self.diff_head, self.diff_bars, W.HBox([self.module_picker, self.side_picker],
-                         layout=W.Layout(flex_flow="row wrap")), *self.children)  # fmt: skip
-        self.module_picker.observe(self._on_module, names="value")
-        self.side_picker.observe(self._on_side, names="value")
-
-    def _oracle_name(self, report: DivergenceReport) -> str:
-        # The inspector's oracle row: the old run, or the new one where the report turned round (an edited module).
-        if report.worst[0] == self.diff.new_label:
-            return f"old run ({self.diff.old_label})"
-        return f"new run ({self.diff.new_label})"
-
-    def _on_module(self, _change: Any) -> None:
-        row = self.diff._row(self.module_picker.value)
-        if not row[f"{self.side_picker.value}_verdict"]:  # (that side was not judged for it: the one that was)
-            self.side_picker.unobserve(self._on_side, names="value")
-            self.side_picker.value = default_side(row)
-            self.side_picker.observe(self._on_side, names="value")
-        self._retarget()
-
-    def _on_side(self, _change: Any) -> None:
-        self._retarget()
-
-    def _retarget(self) -> None:
-        try:
-            report = self.diff.report(self.module_picker.value, self.side_picker.value)
-        except InputError as exc:
-            self.status.value = f"<span style='color:#b00020'>{html.escape(str(exc))}</span>"
-            return
-        self.oracle_name = self._oracle_name(report)
-        self.show_report(report)
-
-    def snapshot(self) -> dict[str, str]:
-        shot = super().snapshot()
-        bars = self._image(self.diff_bars)
-        picked = (f"<p>module: <code>{html.escape(str(self.module_picker.value))}</code>, "
-                  f"{html.escape(dict((v, k) for k, v in SIDES)[self.side_picker.value])}</p>")  # fmt: skip
-        head = self.diff_head.value + (
-            f"<img src='data:image/png;base64,{bars}' style='max-width:100%'/>" if bars else ""
-        )
-        return {**shot, "text/html": head + picked + shot["text/html"]}

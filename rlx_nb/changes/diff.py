@@ -281,7 +281,7 @@ def _against_model(
 def _whole_run(a: Snapshot, base: torch.nn.Module, run: Any, on_output: Any, failed: str) -> None:
     # ``run()`` (a run of ``base``) watched: ``on_output(name, out)`` with each module's first output as it comes, and
     # each op's (rlx_nb.changes.ops) where the snapshot recorded its modules' ops.
-    recorder = OpCalls(lambda name, label, func, args, kw, out: on_output(name, out)) if a.has_ops else None
+    recorder = OpCalls(lambda op: on_output(op.name, op.out)) if a.has_ops else None
     quiet = recorder.paused if recorder is not None else contextlib.nullcontext
 
     def first_output(name: str, out: Any) -> None:

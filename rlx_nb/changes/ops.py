@@ -9,6 +9,7 @@ op whose function has no public name is recorded as one that cannot run alone.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -60,12 +61,29 @@ def module_of(name: str) -> str:
     return name.split(SEPARATOR, 1)[0]
 
 
+@dataclasses.dataclass
+class OpCall:
+    """One op a module called: its row's name (``"<module> :: F.softmax"``), its public name, the function, the call
+    and its output."""
+
+    name: str
+    label: str
+    func: Callable
+    args: tuple
+    kwargs: dict
+    out: torch.Tensor
+
+    @property
+    def module(self) -> str:
+        return module_of(self.name)
+
+
 class OpCalls(TorchFunctionMode):
     """While a model runs (the mode entered, :meth:`attach` on its modules): each module's own torch function calls
     with a floating tensor result, during that module's first call only (data movement and in-place ops skipped),
-    passed to ``seen(name, label, func, args, kwargs, out)`` in the order the module makes them."""
+    passed to ``seen`` as an :class:`OpCall` in the order the module makes them."""
 
-    def __init__(self, seen: Callable[..., None]) -> None:
+    def __init__(self, seen: Callable[[OpCall], None]) -> None:
         super().__init__()
         self.seen = seen
         self.stack: list[tuple[str, bool]] = []  # (module, in its first call)
@@ -132,10 +150,12 @@ class OpCalls(TorchFunctionMode):
             n = self.counts[(module, label)] = self.counts.get((module, label), 0) + 1
             self._paused += 1
             try:
-                self.seen(f"{module}{SEPARATOR}{label}" + (f"#{n}" if n > 1 else ""), label, func, args, kwargs, out)
+                self.seen(
+                    OpCall(f"{module}{SEPARATOR}{label}" + (f"#{n}" if n > 1 else ""), label, func, args, kwargs, out)
+                )
             finally:
                 self._paused -= 1
         return out
 
 
-__all__ = ["NAMESPACES", "OpCalls", "is_op", "module_of", "op_name", "resolve"]
+__all__ = ["NAMESPACES", "OpCall", "OpCalls", "is_op", "module_of", "op_name", "resolve"]

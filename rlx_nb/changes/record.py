@@ -41,7 +41,7 @@ from rlx_nb.backends.eager import run_float64_streamed
 from rlx_nb.backends.registry import get_backend
 from rlx_nb.changes import files
 from rlx_nb.changes.environment import snapshot_environment
-from rlx_nb.changes.ops import OpCalls, is_op, module_of, op_name, resolve
+from rlx_nb.changes.ops import OpCall, OpCalls, is_op, op_name, resolve
 from rlx_nb.errors import InputError, writing
 from rlx_nb.execution import fingerprints
 from rlx_nb.execution.prepare import normalize_inputs, prepare_model
@@ -356,7 +356,7 @@ def _record(
     # calls only, their inputs kept to be read back, for _record_alone); with ``ops``, each module's own torch
     # function calls too (rlx_nb.changes.ops), as entries named "<module> :: F.softmax".
     modules: dict[str, dict] = {}
-    recorder = OpCalls(lambda *a: seen_op(*a)) if ops else None
+    recorder = OpCalls(lambda op: seen_op(op)) if ops else None
     quiet = recorder.paused if recorder is not None else contextlib.nullcontext
 
     def write_call(entry: dict, a: tuple, kw: dict) -> None:
@@ -382,15 +382,16 @@ def _record(
                 if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
                     modules[name]["outputs"][leaf_name] = sink.put(leaf, keep=True)
 
-    def seen_op(name: str, label: str, func: Any, a: tuple, kw: dict, out: torch.Tensor) -> None:
-        entry = modules[name] = {"name": name, "order": len(modules), "depth": 0, "parent": module_of(name),
-                                 "op": label, "call": None, "why": "", "inputs": [], "outputs": {}, "reference": {}}  # fmt: skip
-        if op_name(func) is None:
-            entry["why"] = f"{label} has no public name to call it by: it cannot run alone"
+    def seen_op(op: OpCall) -> None:
+        entry = modules[op.name] = {"name": op.name, "order": len(modules), "depth": 0, "parent": op.module,
+                                    "op": op.label, "call": None, "why": "", "inputs": [], "outputs": {},
+                                    "reference": {}}  # fmt: skip
+        if op_name(op.func) is None:
+            entry["why"] = f"{op.label} has no public name to call it by: it cannot run alone"
         else:
-            write_call(entry, a, kw)
+            write_call(entry, op.args, op.kwargs)
         if outputs:
-            entry["outputs"]["out"] = sink.put(out, keep=True)
+            entry["outputs"]["out"] = sink.put(op.out, keep=True)
 
     watched = recorder.attached(base) if recorder is not None else contextlib.nullcontext()
     with watched:
@@ -457,7 +458,7 @@ def _record_reference(
             r = np.asarray(leaf.detach().to("cpu", torch.float64).numpy() - old.astype(np.float64))
             modules[name]["reference"][leaf_name] = sink.put(torch.from_numpy(r.astype(np.float32)))
 
-    recorder = OpCalls(lambda name, label, func, a, kw, out: residual(name, [("out", out)])) if ops else None
+    recorder = OpCalls(lambda op: residual(op.name, [("out", op.out)])) if ops else None
     quiet = recorder.paused if recorder is not None else contextlib.nullcontext
 
     def first_output(name: str, out: Any) -> None:
