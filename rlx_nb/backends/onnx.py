@@ -6,6 +6,7 @@ import gc
 import importlib.util
 import sys
 import tempfile
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -113,10 +114,16 @@ class Exported:
     """An ONNX file in a temporary directory (weights as external data: no 2 GB limit, nothing in memory),
     and the outputs its trace left out.  Kept while a run needs it (:func:`exported`), deleted after."""
 
-    def __init__(self, directory: tempfile.TemporaryDirectory, dropped: list[str]) -> None:
+    def __init__(self, directory: tempfile.TemporaryDirectory, dropped: list[str], weights: list[torch.Tensor]) -> None:
         self.directory = directory
         self.path = Path(directory.name) / "model.onnx"
         self.dropped = list(dropped)
+        self._weights = [weakref.ref(t) for t in weights]
+
+    def holds_the_same_weights(self) -> bool:
+        """Whether the tensors it was exported from are still alive: a key's storage address is that storage only
+        while it lives (a module copied, run alone and freed leaves its address to the next module's copy)."""
+        return all(w() is not None for w in self._weights)
 
 
 _EXPORTS: dict[tuple, Exported] = {}
@@ -124,11 +131,16 @@ _EXPORTS: dict[tuple, Exported] = {}
 
 def _weights_key(model: torch.nn.Module, inputs: tuple) -> tuple:
     # Copies of one private model share its weights' storage (rlx_nb._support.copies.shared_copy): the same storage,
-    # the same structure and the same input shapes are the same export.
+    # the same structure and the same input shapes are the same export.  The structure is every submodule's type and
+    # settings, and what a module replaying one call or op holds (two parameterless modules, a GELU and a Tanh, on
+    # inputs of one shape, were one export).
     tensors = [*model.parameters(), *model.buffers()]
     return (
         type(model),
         getattr(model, "export_key", None),  # what else changes the graph (a fault injected while tracing)
+        tuple((n, type(m).__qualname__, m.extra_repr()) for n, m in model.named_modules()),
+        repr(getattr(model, "func", None)),  # (an op replayed alone: OpModule)
+        repr(getattr(model, "template", None)),  # (the call it replays: its non-tensor arguments)
         tuple((t.data_ptr(), tuple(t.shape), t.dtype) for t in tensors),
         tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else repr(x) for x in inputs),
     )
@@ -144,6 +156,10 @@ def exported(wrapper: _FlatOutputs, inputs: tuple, names: list[str]) -> Exported
     """
     key = _weights_key(wrapper.model, inputs)
     found = _EXPORTS.get(key)
+    if found is not None and not found.holds_the_same_weights():
+        found.directory.cleanup()
+        del _EXPORTS[key]
+        found = None
     if found is not None:
         wrapper.dropped[:] = found.dropped
         return found
@@ -175,7 +191,7 @@ def exported(wrapper: _FlatOutputs, inputs: tuple, names: list[str]) -> Exported
                 + "; ".join(f"{name} exporter: {with_root_cause(e)}" for name, e in errors.items())
             ) from None
     _forget_exporter_graphs()
-    done = Exported(directory, list(wrapper.dropped))
+    done = Exported(directory, list(wrapper.dropped), [*wrapper.model.parameters(), *wrapper.model.buffers()])
     _EXPORTS[key] = done
     return done
 
