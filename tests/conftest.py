@@ -31,6 +31,19 @@ def candidate_backends() -> list[str]:
     return [b.strip() for b in wanted.split(",") if b.strip()]
 
 
+@contextlib.contextmanager
+def compiler_caches_off():
+    """Around a planted compiler fault: Inductor's FX graph cache and AOTAutograd's off.  Their keys hold the graph
+    and the config, not the decomposition or lowering tables a plant changes, so a compile made under the plant was
+    kept on disk and served later to the same graph compiled correctly, in any process of the machine (a correct
+    Tanh compiled as the planted sigmoid, a GELU as its planted approximation)."""
+    import torch._functorch.config as functorch_config
+    from torch._inductor import config as inductor_config
+
+    with functorch_config.patch(enable_autograd_cache=False), inductor_config.patch(fx_graph_cache=False):
+        yield
+
+
 def require_live(name: str) -> None:
     if name not in rlx_nb.available_backends(include_optin=True):
         pytest.skip(f"backend {name} is not live here")

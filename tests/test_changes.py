@@ -19,6 +19,7 @@ import rlx_nb
 import rlx_nb.changes.ops
 from rlx_nb.errors import InputError, ReportFormatError
 from rlx_nb.models import demo
+from tests.conftest import compiler_caches_off
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -228,9 +229,8 @@ def test_an_edit_of_the_models_code_with_the_same_weights_is_found_in_the_edited
 @contextlib.contextmanager
 def _inductor_upgrade_that_breaks_gelu():
     # The next version of a compiler, as a regression would ship it: Inductor decomposes GELU as x * sigmoid(1.702 x).
-    # (Its caches off: a new version's cache keys differ, and a cached compile of the old one would be reused.)
-    import torch._functorch.config as functorch_config
-    from torch._inductor import config as inductor_config
+    # (Its caches off: a new version's cache keys differ, and a cached compile of the old one would be reused; a
+    # compile under the plant must not be kept for later ones either.)
     from torch._inductor import decomposition
 
     gelu = torch.ops.aten.gelu.default
@@ -238,7 +238,7 @@ def _inductor_upgrade_that_breaks_gelu():
     decomposition.decompositions[gelu] = lambda x, approximate="none": x * torch.sigmoid(1.702 * x)
     decomposition.fast_random_decomps.cache_clear()
     try:
-        with functorch_config.patch(enable_autograd_cache=False), inductor_config.patch(fx_graph_cache=False):
+        with compiler_caches_off():
             yield
     finally:
         decomposition.decompositions.pop(gelu)

@@ -20,7 +20,7 @@ from rlx_nb.localization.capture import OpModule, Slot
 from rlx_nb.localization.culprit import Culprit
 from rlx_nb.models import demo
 from rlx_nb.verdict.types import SUSPECT
-from tests.conftest import fully_masked_row, require_live
+from tests.conftest import compiler_caches_off, fully_masked_row, require_live
 
 BLOCKED = "import runpy, sys; sys.modules['rlx_nb'] = None; runpy.run_path(sys.argv[1], run_name='__main__')"
 """Run a script (``sys.argv[1]``) in an interpreter where ``import rlx_nb`` fails: what a maintainer has.  (An
@@ -223,7 +223,7 @@ def test_a_planted_compiler_fault_is_attributed_to_its_subsystem_and_op(planted,
     require_live("cpu-inductor")
     torch.manual_seed(0)
     model = model()  # (held here: a report holds its model weakly)
-    with planted():
+    with planted(), compiler_caches_off():
         report = rlx_nb.backend_divergence(model, torch.randn(4, 16), backends=["cpu-inductor"], progress=False)
         assert report.record("cpu-inductor").verdict == SUSPECT
         loc = report.localize()
