@@ -105,6 +105,7 @@ class Snapshot:
 
     def __repr__(self) -> str:
         ref = ", with its float64 reference" if self.has_reference else ""
+        ref = (" (each alone)" if self.meta.get("alone") else "") + ref
         return (f"<Snapshot {self.label!r}: {len(self._modules)} modules on {self.backend}{ref}, "
                 f"{self.nbytes / 1e6:.1f} MB>")  # fmt: skip
 
