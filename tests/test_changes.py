@@ -293,6 +293,14 @@ def test_each_module_alone_on_an_exporting_runtime_is_its_own_export(tmp_path):
         with torch.no_grad():
             eager = named[name](*args, **kwargs)
         assert np.abs(snap.outputs(name)["out"].value - eager.numpy()).max() < 1e-5, name
+    # Two such snapshots compare where a module was fed the same inputs in both; elsewhere its change needs the model.
+    again = rlx_nb.snapshot(model, (snap.tensors("")[0],), tmp_path / "again", backend="onnxruntime", reference=True,
+                            progress=False)  # fmt: skip
+    assert set(rlx_nb.diff(again, path).frame.change) == {"moved within round-off"}
+    eager_run = rlx_nb.snapshot(model, (snap.tensors("")[0] + 1,), tmp_path / "eager")
+    apart = rlx_nb.diff(again, eager_run)
+    assert set(apart.frame.change) == {"not judged"} and apart.finding.startswith("no module could be judged")
+    assert "a snapshot ran each module alone" in apart.frame.note.iloc[1]
 
 
 def test_two_snapshots_compare_without_the_model(layered, tmp_path):

@@ -181,9 +181,14 @@ def _two_snapshots(a: Snapshot, b: Snapshot) -> Diff:
         if name not in b.modules:
             rows.append(row(m, note=f"not called in {b.label!r}"))
             continue
+        same = _same_inputs(a, b, name)
+        if not same and (a.meta["alone"] or b.meta["alone"]):  # (outputs of a module run alone: no whole run to set)
+            rows.append(row(m, note="a snapshot ran each module alone, and the two fed it other inputs: its change "
+                                    "needs the model (rlx_nb.diff(snapshot, model, inputs))"))  # fmt: skip
+            continue
         ref = a.reference(name) if a.has_reference else b.reference(name)
         rec = _judge(a.outputs(name), b.outputs(name), ref, b.label, _shown(name, a))
-        if _same_inputs(a, b, name):  # (fed the very same bytes: whatever changed, changed in it)
+        if same:  # (fed the very same bytes: whatever changed, changed in it)
             rows.append(row(m, local=rec, propagated=rec, note="fed bit for bit the same inputs in both"))
         else:
             rows.append(row(m, propagated=rec, note="two snapshots: its change alone needs the model"))

@@ -127,6 +127,8 @@ class Diff:
             )
             return f"the runs first part at {self.first_parted} ({r.propagated_line:.3g}x the line); {how}"
         judged = int((self.frame.change == WITHIN).sum())
+        if not judged:
+            return f"no module could be judged ({n} not judged: the notes say why)"
         return f"every module moved within round-off ({judged} of {n} judged)"
 
     def report(self, module: str | None = None, side: str | None = None) -> Any:
