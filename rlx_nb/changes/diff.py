@@ -16,7 +16,6 @@ How
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from pathlib import Path
 from typing import Any
@@ -30,7 +29,7 @@ from rlx_nb.backends.base import REFERENCE
 from rlx_nb.backends.eager import run_float64_streamed
 from rlx_nb.backends.registry import get_backend
 from rlx_nb.changes.environment import differences, snapshot_environment
-from rlx_nb.changes.ops import OpCalls, module_of
+from rlx_nb.changes.ops import module_of
 from rlx_nb.changes.record import alone, watched_run
 from rlx_nb.changes.result import Diff, row
 from rlx_nb.changes.snapshot_file import Snapshot, as_snapshot
@@ -286,15 +285,8 @@ def _against_model(
 def _whole_run(a: Snapshot, base: torch.nn.Module, run: Any, on_output: Any, failed: str) -> None:
     # ``run()`` (a run of ``base``) watched: ``on_output(name, out)`` with each module's first output as it comes, and
     # each op's (rlx_nb.changes.ops) where the snapshot recorded its modules' ops.
-    recorder = OpCalls(lambda op: on_output(op.name, op.out)) if a.has_ops else None
-    quiet = recorder.paused if recorder is not None else contextlib.nullcontext
-
-    def first_output(name: str, out: Any) -> None:
-        with quiet():
-            on_output(name, out)
-
-    with recorder.attached(base) if recorder is not None else contextlib.nullcontext():
-        watched_run(base, run, failed=failed, first_output=first_output)
+    watched_run(base, run, failed=failed, first_output=on_output,
+                op_called=(lambda op: on_output(op.name, op.out)) if a.has_ops else None)  # fmt: skip
 
 
 def _propagated(a: Snapshot, base: torch.nn.Module, args: tuple, backend: Any, label: str) -> tuple[dict, list[str]]:

@@ -47,7 +47,7 @@ def resolve(label: str) -> Callable:
     """The function an op's public name names (an :class:`InputError` for one this torch does not have)."""
     prefix, _, name = label.rpartition(".")
     space = dict(NAMESPACES).get(prefix)
-    func = getattr(space, name, None) if space is not None and not name.startswith("__class") else None
+    func = getattr(space, name, None) if space is not None else None
     if func is None or op_name(func) != label:
         raise InputError(f"op {label!r}: this torch has no such function")
     return func
@@ -79,7 +79,7 @@ class OpCall:
 
 
 class OpCalls(TorchFunctionMode):
-    """While a model runs (the mode entered, :meth:`attach` on its modules): each module's own torch function calls
+    """While a model runs (inside :meth:`attached`): each module's own torch function calls
     with a floating tensor result, during that module's first call only (data movement and in-place ops skipped),
     passed to ``seen`` as an :class:`OpCall` in the order the module makes them."""
 

@@ -107,18 +107,24 @@ def watched_run(
     failed: str,
     first_call: Callable[[str, tuple, dict], None] | None = None,
     first_output: Callable[[str, Any], None] | None = None,
+    op_called: Callable[[OpCall], None] | None = None,
 ) -> None:
     """``run()`` (a run of ``base``) with every module watched: ``first_call(name, args, kwargs)`` as each module is
-    first called, ``first_output(name, output)`` as that call returns; without gradients, the model's buffers put back
-    after (:func:`same_state`), the hooks removed.  A failure is an :class:`InputError` starting with ``failed``."""
+    first called, ``first_output(name, output)`` as that call returns, and ``op_called(op)`` with each op a module
+    calls itself during its first call (:class:`~rlx_nb.changes.ops.OpCalls`; the hooks' own tensor work is not the
+    model's); without gradients, the model's buffers put back after (:func:`same_state`), the hooks removed.  A
+    failure is an :class:`InputError` starting with ``failed``."""
     called: set[str] = set()
     returned: set[str] = set()
+    recorder = OpCalls(op_called) if op_called is not None else None
+    quiet = recorder.paused if recorder is not None else contextlib.nullcontext
 
     def pre(name: str):
         def hook(module, args, kwargs):
             if name not in called:
                 called.add(name)
-                first_call(name, args, kwargs)
+                with quiet():
+                    first_call(name, args, kwargs)
 
         return hook
 
@@ -126,7 +132,8 @@ def watched_run(
         def hook(module, args, out):
             if name in called and name not in returned:
                 returned.add(name)
-                first_output(name, out)
+                with quiet():
+                    first_output(name, out)
 
         return hook
 
@@ -139,7 +146,7 @@ def watched_run(
     if first_call is None:  # (every module counts as called: its first return is its first call's)
         called.update(name for name, _ in base.named_modules())
     try:
-        with torch.no_grad(), same_state(base):
+        with torch.no_grad(), same_state(base), recorder.attached(base) if recorder else contextlib.nullcontext():
             run()
     except Exception as exc:
         raise InputError(f"{failed}: {type(exc).__name__}: {exc}") from None
@@ -356,8 +363,6 @@ def _record(
     # calls only, their inputs kept to be read back, for _record_alone); with ``ops``, each module's own torch
     # function calls too (rlx_nb.changes.ops), as entries named "<module> :: F.softmax".
     modules: dict[str, dict] = {}
-    recorder = OpCalls(lambda op: seen_op(op)) if ops else None
-    quiet = recorder.paused if recorder is not None else contextlib.nullcontext
 
     def write_call(entry: dict, a: tuple, kw: dict) -> None:
         tensors: list[torch.Tensor] = []
@@ -371,16 +376,14 @@ def _record(
             entry["call"], entry["why"] = None, "its inputs were past the byte budget: it cannot run alone"
 
     def first_call(name: str, a: tuple, kw: dict) -> None:
-        with quiet():
-            modules[name] = {"name": name, "order": len(modules), "depth": 0, "parent": None, "call": None,
-                             "why": "", "inputs": [], "outputs": {}, "reference": {}}  # fmt: skip
-            write_call(modules[name], a, kw)
+        modules[name] = {"name": name, "order": len(modules), "depth": 0, "parent": None, "call": None, "why": "",
+                         "inputs": [], "outputs": {}, "reference": {}}  # fmt: skip
+        write_call(modules[name], a, kw)
 
     def first_output(name: str, out: Any) -> None:
-        with quiet():
-            for leaf_name, leaf in flatten(out):
-                if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
-                    modules[name]["outputs"][leaf_name] = sink.put(leaf, keep=True)
+        for leaf_name, leaf in flatten(out):
+            if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+                modules[name]["outputs"][leaf_name] = sink.put(leaf, keep=True)
 
     def seen_op(op: OpCall) -> None:
         entry = modules[op.name] = {"name": op.name, "order": len(modules), "depth": 0, "parent": op.module,
@@ -393,10 +396,9 @@ def _record(
         if outputs:
             entry["outputs"]["out"] = sink.put(op.out, keep=True)
 
-    watched = recorder.attached(base) if recorder is not None else contextlib.nullcontext()
-    with watched:
-        watched_run(base, lambda: backend.fn(base, args), failed=f"the model failed on {backend.name!r}",
-                    first_call=first_call, first_output=first_output if outputs else None)  # fmt: skip
+    watched_run(base, lambda: backend.fn(base, args), failed=f"the model failed on {backend.name!r}",
+                first_call=first_call, first_output=first_output if outputs else None,
+                op_called=seen_op if ops else None)  # fmt: skip
     for name, entry in modules.items():
         if name and not is_op(name):
             entry["parent"] = called_parent(name, modules)
@@ -458,16 +460,9 @@ def _record_reference(
             r = np.asarray(leaf.detach().to("cpu", torch.float64).numpy() - old.astype(np.float64))
             modules[name]["reference"][leaf_name] = sink.put(torch.from_numpy(r.astype(np.float32)))
 
-    recorder = OpCalls(lambda op: residual(op.name, [("out", op.out)])) if ops else None
-    quiet = recorder.paused if recorder is not None else contextlib.nullcontext
-
-    def first_output(name: str, out: Any) -> None:
-        with quiet():
-            residual(name, flatten(out))
-
-    with recorder.attached(base) if recorder is not None else contextlib.nullcontext():
-        watched_run(base, lambda: run_float64_streamed(base, args), failed="the float64 reference failed",
-                    first_output=first_output)  # fmt: skip
+    watched_run(base, lambda: run_float64_streamed(base, args), failed="the float64 reference failed",
+                first_output=lambda name, out: residual(name, flatten(out)),
+                op_called=(lambda op: residual(op.name, [("out", op.out)])) if ops else None)  # fmt: skip
 
 
 def alone(entry: dict, named: dict[str, torch.nn.Module], *, copy: bool = True) -> torch.nn.Module:
