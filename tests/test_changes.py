@@ -381,6 +381,8 @@ def test_bad_arguments_are_named(layered, tmp_path):
     model, inputs, path = layered
     with pytest.raises(InputError, match="byte_budget must be"):
         rlx_nb.snapshot(model, inputs, tmp_path / "x", byte_budget=-1)
+    with pytest.raises(InputError, match="ops must be True or False, got 'yes'"):
+        rlx_nb.snapshot(model, inputs, tmp_path / "x", ops="yes")
     with pytest.raises(InputError, match="local must be 'descend' or 'all'"):
         rlx_nb.diff(path, model, inputs, local="some")
     with pytest.raises(InputError, match="pass the model's inputs"):

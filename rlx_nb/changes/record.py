@@ -293,6 +293,9 @@ def snapshot(
     if byte_budget is not None and (isinstance(byte_budget, bool) or not isinstance(byte_budget, int)
                                     or byte_budget < 0):  # fmt: skip
         raise InputError(f"byte_budget must be a whole number of bytes >= 0 or None, got {byte_budget!r}")
+    for flag, value in (("reference", reference), ("ops", ops)):
+        if not isinstance(value, bool):
+            raise InputError(f"{flag} must be True or False, got {value!r}")
     chosen = get_backend(backend)
     if backend == REFERENCE:
         raise InputError(f"{backend!r} is the float64 reference, which every snapshot records with reference=True")
