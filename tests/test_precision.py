@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -11,7 +13,7 @@ from rlx_nb.backends.openvino import openvino_default_precision
 from rlx_nb.backends.registry import get_backend
 from rlx_nb.models import demo
 from rlx_nb.verdict.types import ROUNDOFF, SUSPECT
-from tests.conftest import demo_report
+from tests.conftest import demo_report, require_live
 
 FORMATS = {"cpu-bf16": ("bf16", 8), "cpu-fp16": ("tf32/fp16", 11), "cpu-tf32-emulated": ("tf32/fp16", 11)}
 
@@ -72,6 +74,32 @@ def test_openvino_is_reported_honestly_on_this_machine():
         assert (
             chosen in ("float32", "f32") and default.judgement.closest_format == "fp32" and default.verdict == ROUNDOFF
         )
+
+
+def test_openvino_conversions_of_rlx_nbs_send_no_telemetry_and_a_users_own_send_what_they_would(monkeypatch):
+    # OpenVINO's convert_model posts usage events by default, forking the whole process for each (1.6 s of CPU a
+    # conversion, measured): rlx_nb's conversions send none; the user's own are left as OpenVINO has them.
+    require_live("openvino")
+    pytest.importorskip("openvino_telemetry")
+    import openvino as ov
+    from openvino_telemetry.backend import backend_ga4
+    from openvino_telemetry.utils.opt_in_checker import ConsentCheckResult, OptInChecker
+
+    posted = []
+    monkeypatch.setattr(backend_ga4.GA4Backend, "send", lambda self, message: posted.append(message))  # (no fork)
+    model, inputs = demo.mlp()
+    report = rlx_nb.backend_divergence(model, inputs, backends=["openvino"], progress=False)
+    assert report.record("openvino").verdict == ROUNDOFF
+    assert "converted directly from PyTorch" in report.backends_detail.note.iloc[0]  # (convert_model ran)
+    time.sleep(0.5)  # (OpenVINO posts from a thread pool)
+    assert posted == []
+    if OptInChecker().check(False, True) == ConsentCheckResult.DECLINED:
+        pytest.skip("OpenVINO's telemetry is declined here (a consent file, or CI): a user's conversion sends none")
+    ov.convert_model(torch.nn.Linear(4, 4), example_input=(torch.zeros(1, 4),))
+    deadline = time.time() + 5
+    while not posted and time.time() < deadline:
+        time.sleep(0.05)
+    assert posted  # (the sender was put back: what the user converts is sent as OpenVINO would send it)
 
 
 def test_precision_sweep_names_the_switch():

@@ -5,8 +5,11 @@ kind of machine: max_abs 3.1e-3, ~9,400x the fp32 round-off on an MLP).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import re
+import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -27,8 +30,55 @@ def openvino_reason() -> str | None:
     return None
 
 
+_TELEMETRY_LOCK = threading.Lock()
+_TELEMETRY_HELD = [0]  # (rlx_nb's conversions running now; then the sender's own send, while any runs)
+
+
+@contextlib.contextmanager
+def telemetry_declined() -> Iterator[None]:
+    """OpenVINO's usage telemetry sends nothing while this runs; it is as OpenVINO has it before and after.
+
+    By default (no consent file: ``opt_in_out --opt_out`` never run) each ``convert_model`` sends events to Google
+    Analytics, and on Linux each event forks the whole process to post it: 1.6 s of CPU a conversion with a 2 GB
+    process, measured, where the conversion itself took 0.08 s.  rlx_nb converts a model per backend, and a module
+    at a time when it localizes: those conversions are its own, not the user's, and send nothing.  (The sender is
+    held back, not the consent: OpenVINO checks that once a process, and a conversion the user makes outside
+    rlx_nb sends what it would have.)"""
+    try:
+        from openvino_telemetry.utils.sender import TelemetrySender
+    except ImportError:  # (no telemetry package: OpenVINO uses its stub, which sends nothing)
+        yield
+        return
+    with _TELEMETRY_LOCK:
+        if not _TELEMETRY_HELD[0]:
+            _TELEMETRY_HELD.append(TelemetrySender.__dict__["send"])
+            TelemetrySender.send = lambda self, backend, message: None
+        _TELEMETRY_HELD[0] += 1
+    try:
+        yield
+    finally:
+        with _TELEMETRY_LOCK:
+            _TELEMETRY_HELD[0] -= 1
+            if not _TELEMETRY_HELD[0]:
+                TelemetrySender.send = _TELEMETRY_HELD.pop()
+
+
+def openvino_module() -> Any:
+    """``import openvino``, its import's telemetry event held back (:func:`telemetry_declined`)."""
+    with telemetry_declined():
+        import openvino
+
+    return openvino
+
+
+def convert_model(ov: Any, model: Any, **kwargs: Any) -> Any:
+    """``ov.convert_model(model, **kwargs)``, sending none of OpenVINO's telemetry (:func:`telemetry_declined`)."""
+    with telemetry_declined():
+        return ov.convert_model(model, **kwargs)
+
+
 def _prepare(model: Any, inputs: tuple, config: dict[str, str]) -> Any:
-    import openvino as ov
+    ov = openvino_module()
 
     for i, x in enumerate(inputs):
         if not isinstance(x, torch.Tensor):
@@ -86,7 +136,7 @@ def _direct(ov: Any, wrapper: _FlatOutputs, inputs: tuple) -> tuple[Any, str]:
 
     try:
         with quiet(), phases.step("openvino: direct conversion"):
-            return attempt(wrapper, lambda w: ov.convert_model(w, example_input=tuple(inputs))), ""
+            return attempt(wrapper, lambda w: convert_model(ov, w, example_input=tuple(inputs))), ""
     except Exception as exc:
         return None, describe_error(exc)
 
@@ -136,11 +186,11 @@ BACKENDS = [
 
 def openvino_default_precision() -> str:
     """The inference precision the CPU plugin picks by default on this machine (``f32``, ``bf16``, ...)."""
-    import openvino as ov
+    ov = openvino_module()
 
     model = torch.nn.Linear(4, 4).eval()
     with quiet():
-        converted = ov.convert_model(model, example_input=(torch.zeros(1, 4),))
+        converted = convert_model(ov, model, example_input=(torch.zeros(1, 4),))
     compiled = ov.Core().compile_model(converted, "CPU", {})
     name = str(compiled.get_property("INFERENCE_PRECISION_HINT")).lower().replace("<type: '", "").rstrip("'>")
     # OpenVINO names its element types both ways ("bf16" in hints, "bfloat16" in a Type's str): its short way.

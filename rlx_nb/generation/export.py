@@ -192,9 +192,9 @@ def _sessions(runtime: str, prefill: Path, step: Path) -> tuple[Callable, Callab
         a = ort.InferenceSession(str(prefill), options, providers=["CPUExecutionProvider"])
         b = ort.InferenceSession(str(step), options, providers=["CPUExecutionProvider"])
         return (lambda feed: a.run(None, feed)), (lambda feed: b.run(None, feed))
-    import openvino as ov
+    from rlx_nb.backends.openvino import openvino_module
 
-    core = ov.Core()
+    core = openvino_module().Core()
     config = {"INFERENCE_PRECISION_HINT": "f32"} if runtime == "openvino" else {}  # (openvino-default: its own)
     a = core.compile_model(core.read_model(str(prefill)), "CPU", config)
     b = core.compile_model(core.read_model(str(step)), "CPU", config)
