@@ -190,17 +190,25 @@ def exported(wrapper: _FlatOutputs, inputs: tuple, names: list[str]) -> Exported
                 "ONNX export failed: "
                 + "; ".join(f"{name} exporter: {with_root_cause(e)}" for name, e in errors.items())
             ) from None
-    _forget_exporter_graphs()
+    weights = sum(t.numel() * t.element_size() for t in [*wrapper.model.parameters(), *wrapper.model.buffers()])
+    _forget_exporter_graphs(collect=weights >= COLLECT_AFTER_BYTES)
     done = Exported(directory, list(wrapper.dropped), [*wrapper.model.parameters(), *wrapper.model.buffers()])
     _EXPORTS[key] = done
     return done
 
 
-def _forget_exporter_graphs() -> None:
+COLLECT_AFTER_BYTES = 64 << 20
+"""From this many bytes of weights an export is followed by a garbage collection, so that the exporter's graphs
+(reference cycles holding the weights) are freed at once.  Below it the collector's own schedule frees them: a
+collection walks the whole heap, 0.1 s in a fresh process and about a second in a long-lived one, and a
+localization exports a module at a time."""
+
+
+def _forget_exporter_graphs(*, collect: bool) -> None:
     # onnxscript's rewrite rules (module-level objects the dynamo exporter's optimizer runs) keep the last
     # graph they matched on their matchers, and that graph's initializers are the model's own weights: after
     # an export every weight stays alive until the next export.  Let go of those references (best effort:
-    # an onnxscript without these classes is left alone).
+    # an onnxscript without these classes is left alone), and collect the cycles now where they are large.
     found = sys.modules.get("onnxscript.rewriter._rewrite_rule")
     rule_type, set_type = getattr(found, "RewriteRule", None), getattr(found, "RewriteRuleSet", None)
     if rule_type is None or set_type is None:
@@ -224,7 +232,8 @@ def _forget_exporter_graphs() -> None:
                 for attr in ("_graph", "_tracer", "_current_node", "_match"):
                     if matcher is not None and getattr(matcher, attr, None) is not None:
                         setattr(matcher, attr, None)
-    gc.collect()
+    if collect:
+        gc.collect()
 
 
 def forget_exports() -> None:
