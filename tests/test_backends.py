@@ -133,3 +133,26 @@ def test_a_notebook_cell_run_twice_registers_its_backend_again():
     with pytest.raises(rlx_nb.RlxError, match="already registered"):
         rlx_nb.register_backend("test-rerun", other["my_kernel"])  # another kernel under that name still asks
     rlx_nb.unregister_backend("test-rerun")
+
+
+def test_the_kept_table_of_ops_export_may_keep_whole_is_torchs_and_sees_an_op_registered_since():
+    # rlx_nb's exports work torch.export's preservable-op table out once per set of registrations (0.2 s a lowering,
+    # torch does not cache it): the same set torch gives, a new op library seen at once, torch's own function after.
+    from torch._export import utils as export_utils
+    from torch.export import exported_program
+
+    from rlx_nb._support.decomp_tables import cia_ops_kept
+
+    original = export_utils._collect_all_valid_cia_ops
+    with cia_ops_kept():
+        kept = exported_program._collect_all_valid_cia_ops
+        assert kept is not original and kept() == original() and kept() == original()
+        lib = torch.library.Library("rlx_nb_test_cia", "DEF")  # (a library loaded while rlx_nb exports)
+        lib.define("twice(Tensor x) -> Tensor")
+        lib.impl("twice", lambda x: x * 2, "CompositeImplicitAutograd")
+        try:
+            names = {op.name() for op in kept()}
+            assert "rlx_nb_test_cia::twice" in names and kept() == original()
+        finally:
+            lib._destroy()
+    assert exported_program._collect_all_valid_cia_ops is original

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from rlx_nb._support import meter as phases
+from rlx_nb._support.decomp_tables import cia_ops_kept
 from rlx_nb._support.quiet import quiet, quiet_first
 from rlx_nb.backends.base import Backend
 from rlx_nb.backends.notes import add_note
@@ -91,7 +92,7 @@ def _lower(wrapper: _FlatOutputs, inputs: tuple, delegate: bool) -> tuple[Any, d
         partitioners = [XnnpackPartitioner()]
     with phases.step("executorch: export"):
         exported = attempt(wrapper, lambda w: torch.export.export(w, inputs, strict=False))
-    with phases.step("executorch: lower"):
+    with phases.step("executorch: lower"), cia_ops_kept():
         edge = to_edge_transform_and_lower(exported, partitioner=partitioners)
         program = edge.exported_program()
         delegated = sum(

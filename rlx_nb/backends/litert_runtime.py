@@ -18,6 +18,7 @@ import numpy as np
 import torch
 
 from rlx_nb._support import meter as phases
+from rlx_nb._support.decomp_tables import cia_ops_kept
 from rlx_nb._support.quiet import quiet, quiet_first
 from rlx_nb.backends.base import Backend
 from rlx_nb.backends.notes import add_note
@@ -63,7 +64,7 @@ def converted(wrapper: _FlatOutputs, inputs: tuple) -> Converted:
 
     directory = tempfile.TemporaryDirectory(prefix="rlx_nb-litert-")
     try:
-        with quiet(), torch.no_grad(), phases.step("litert: conversion"):
+        with quiet(), torch.no_grad(), phases.step("litert: conversion"), cia_ops_kept():
             model = attempt(wrapper, lambda w: litert_torch.convert(w.eval(), inputs))
             model.export(str(Path(directory.name) / "model.tflite"))
     except Exception as exc:

@@ -15,6 +15,7 @@ import torch
 
 from rlx_nb._support import meter as phases
 from rlx_nb._support.copies import shared_copy
+from rlx_nb._support.decomp_tables import cia_ops_kept
 from rlx_nb._support.quiet import quiet
 from rlx_nb._support.tree import Opaque, flatten
 from rlx_nb.backends.base import Backend
@@ -174,7 +175,7 @@ def exported(wrapper: _FlatOutputs, inputs: tuple, names: list[str]) -> Exported
         torch.onnx.export(w, inputs, path, dynamo=dynamo, input_names=names, output_names=outputs, **extra)
 
     errors = {}
-    with quiet(), phases.step("ONNX export"):
+    with quiet(), phases.step("ONNX export"), cia_ops_kept():
         for dynamo in routes:
             try:
                 wrapper.dropped.clear()

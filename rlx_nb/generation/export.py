@@ -79,9 +79,10 @@ class _Step(torch.nn.Module):
 
 
 def _export(module: torch.nn.Module, args: tuple, path: Path, dynamic: Any, names: list[str]) -> None:
+    from rlx_nb._support.decomp_tables import cia_ops_kept
     from rlx_nb._support.quiet import quiet
 
-    with quiet():  # (its progress, warnings and log records: this thread's only)
+    with quiet(), cia_ops_kept():  # (its progress, warnings and log records: this thread's only)
         program = torch.onnx.export(module, args, dynamo=True, dynamic_shapes=dynamic, input_names=names,
                                     optimize=True, verbose=False)  # fmt: skip
     program.save(str(path), external_data=True)
