@@ -383,6 +383,33 @@ def test_a_layout_dependent_kernel_bug_shows_inside_rlx_nb():
 # -- real sizes: the per-phase account, memory, anchors only where a verdict needs them, early verdicts ---
 
 
+def test_a_phase_that_raises_the_process_peak_has_that_peak_however_short():
+    # The meter samples every SAMPLE_S; a phase that reaches a new process-wide peak has it exactly (ru_maxrss),
+    # even one far shorter than a sample's interval.  (A fresh interpreter, the meter alone: its peak is small.)
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    meter = Path(rlx_nb.__file__).parent / "_support" / "meter.py"
+    code = f"""
+import importlib.util, time
+spec = importlib.util.spec_from_file_location("meter", {str(meter)!r}); m = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(m)
+m.SAMPLE_S = 60.0  # (no sample after the first)
+meter = m.Meter()
+with meter.phase("spike"):
+    time.sleep(0.3)  # (the sampler's first sample taken: the next is a minute away)
+    spike = b"x" * (256 << 20)  # (every page written)
+    del spike
+print(meter.phases["spike"]["peak_bytes"], meter.phases["spike"]["rss_after_bytes"])
+"""
+    # (Through a shell that forks it: a process exec'd straight from this one starts with this one's peak as its own.)
+    run = [sys.executable, "-c", code]
+    done = subprocess.run(["/bin/sh", "-c", '"$0" "$@"; exit $?', *run], capture_output=True, text=True, timeout=120)
+    peak, after = map(int, done.stdout.split())
+    assert peak >= 256 << 20 > after, (peak, after, done.stderr)
+
+
 def test_the_report_accounts_for_every_phase():
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.GELU(), torch.nn.Linear(256, 64))
     report = rlx_nb.backend_divergence(model, torch.randn(32, 64), backends=["cpu-nomkldnn", "onnxruntime"])
