@@ -38,10 +38,13 @@ format: $(STAMP)
 # libgomp's spinning threads wait on each other (a test's one-second matmul took a minute under load).
 # Inductor compiles in the process itself (TORCHINDUCTOR_COMPILE_THREADS=1): its default pool of compile workers is
 # started by every process that compiles (each worker, notebook kernel and CLI run), each importing torch again.
+# Bytecode is cached (PYTHONDONTWRITEBYTECODE unset; __pycache__ is ignored by git): where the environment turns it
+# off, every worker, notebook kernel and command-line run compiled rlx_nb again, and pytest rewrote the asserts of
+# 300 modules in each worker (7 s of its collection).
 TEST_WORKERS ?= auto
 TEST_THREADS ?= 1
 test: lint
-	OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=$(TEST_THREADS) TORCHINDUCTOR_COMPILE_THREADS=1 \
+	env -u PYTHONDONTWRITEBYTECODE OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=$(TEST_THREADS) TORCHINDUCTOR_COMPILE_THREADS=1 \
 		$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 # A quick set of the ratio benchmarks against the committed results (a few minutes; not part of `make test`):
