@@ -17,8 +17,10 @@ from typing import Any
 
 import torch
 
+from rlx_nb._support.held import Held
+
 _LOCK = threading.Lock()
-_HELD: list[Any] = [0]  # (callers inside now; then what each patched module had, while any is)
+_HELD = Held()
 _KEPT: dict[str, Any] = {}  # "key" -> the registrations it was worked out from, "ops" -> the set
 _USERS = ("torch.export.exported_program", "torch.export.decomp_utils")  # (they import the function by name)
 
@@ -54,19 +56,6 @@ def cia_ops_kept() -> Iterator[None]:
             _KEPT.update(key=key, ops=frozenset(ops))
         return set(ops)
 
-    with _LOCK:
-        if not _HELD[0]:
-            _HELD.append([(m, m.__dict__.get("_collect_all_valid_cia_ops")) for m in modules])
-            for m, found in _HELD[-1]:
-                if found is original:
-                    m._collect_all_valid_cia_ops = kept
-        _HELD[0] += 1
-    try:
+    ours = [(m, "_collect_all_valid_cia_ops", kept) for m in modules]  # (where it is still torch's own)
+    with _HELD.replaced(lambda: [r for r in ours if r[0].__dict__.get(r[1]) is original]):
         yield
-    finally:
-        with _LOCK:
-            _HELD[0] -= 1
-            if not _HELD[0]:
-                for m, found in _HELD.pop():
-                    if found is not None:
-                        m._collect_all_valid_cia_ops = found

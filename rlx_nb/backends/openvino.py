@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import re
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -16,6 +15,7 @@ import torch
 
 from rlx_nb._support import meter as phases
 from rlx_nb._support.copies import release_private_weights
+from rlx_nb._support.held import Held
 from rlx_nb._support.quiet import quiet
 from rlx_nb.backends.base import Backend
 from rlx_nb.backends.notes import add_note
@@ -30,8 +30,7 @@ def openvino_reason() -> str | None:
     return None
 
 
-_TELEMETRY_LOCK = threading.Lock()
-_TELEMETRY_HELD = [0]  # (rlx_nb's conversions running now; then the sender's own send, while any runs)
+_TELEMETRY = Held()
 
 
 @contextlib.contextmanager
@@ -49,18 +48,8 @@ def telemetry_declined() -> Iterator[None]:
     except ImportError:  # (no telemetry package: OpenVINO uses its stub, which sends nothing)
         yield
         return
-    with _TELEMETRY_LOCK:
-        if not _TELEMETRY_HELD[0]:
-            _TELEMETRY_HELD.append(TelemetrySender.__dict__["send"])
-            TelemetrySender.send = lambda self, backend, message: None
-        _TELEMETRY_HELD[0] += 1
-    try:
+    with _TELEMETRY.replaced(lambda: [(TelemetrySender, "send", lambda self, backend, message: None)]):
         yield
-    finally:
-        with _TELEMETRY_LOCK:
-            _TELEMETRY_HELD[0] -= 1
-            if not _TELEMETRY_HELD[0]:
-                TelemetrySender.send = _TELEMETRY_HELD.pop()
 
 
 def openvino_module() -> Any:

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from rlx_nb._support.held import Held
 from rlx_nb._support.quiet import quiet
 from rlx_nb.backends.executorch_runtime import executorch_reason
 from rlx_nb.backends.onnx import _FlatOutputs
@@ -228,7 +229,7 @@ def _integer_scalars_kept(base: type) -> type:
 
 _PATTERNS: dict[tuple, torch.fx.GraphModule] = {}
 _PATTERNS_LOCK = threading.Lock()
-_PATTERNS_HELD = [0]
+_PATTERNS_HELD = Held()
 
 
 def _pattern_key(pattern: Any, example_inputs: tuple, is_cuda: bool, kwargs: dict) -> tuple | None:
@@ -258,32 +259,22 @@ def _pattern_graphs_kept() -> Iterator[None]:
     except ImportError:
         yield
         return
-    with _PATTERNS_LOCK:
-        if not _PATTERNS_HELD[0]:
-            trace = utils._get_aten_graph_module_for_pattern
-            _PATTERNS_HELD.append(trace)
+    trace = utils._get_aten_graph_module_for_pattern
 
-            def kept(pattern: Any, example_inputs: tuple, is_cuda: bool = False, **kwargs: Any) -> Any:
-                key = _pattern_key(pattern, example_inputs, is_cuda, kwargs)
-                if key is None:
-                    return trace(pattern, example_inputs, is_cuda, **kwargs)
-                with _PATTERNS_LOCK:
-                    graph = _PATTERNS.get(key)
-                if graph is None:
-                    graph = trace(pattern, example_inputs, is_cuda, **kwargs)
-                    with _PATTERNS_LOCK:
-                        _PATTERNS[key] = graph
-                return copy.deepcopy(graph)
-
-            utils._get_aten_graph_module_for_pattern = kept
-        _PATTERNS_HELD[0] += 1
-    try:
-        yield
-    finally:
+    def kept(pattern: Any, example_inputs: tuple, is_cuda: bool = False, **kwargs: Any) -> Any:
+        key = _pattern_key(pattern, example_inputs, is_cuda, kwargs)
+        if key is None:
+            return trace(pattern, example_inputs, is_cuda, **kwargs)
         with _PATTERNS_LOCK:
-            _PATTERNS_HELD[0] -= 1
-            if not _PATTERNS_HELD[0]:
-                utils._get_aten_graph_module_for_pattern = _PATTERNS_HELD.pop()
+            graph = _PATTERNS.get(key)
+        if graph is None:
+            graph = trace(pattern, example_inputs, is_cuda, **kwargs)
+            with _PATTERNS_LOCK:
+                _PATTERNS[key] = graph
+        return copy.deepcopy(graph)
+
+    with _PATTERNS_HELD.replaced(lambda: [(utils, "_get_aten_graph_module_for_pattern", kept)]):
+        yield
 
 
 class _Hidden:
