@@ -191,9 +191,9 @@ def exported(wrapper: _FlatOutputs, inputs: tuple, names: list[str]) -> Exported
                 "ONNX export failed: "
                 + "; ".join(f"{name} exporter: {with_root_cause(e)}" for name, e in errors.items())
             ) from None
-    weights = sum(t.numel() * t.element_size() for t in [*wrapper.model.parameters(), *wrapper.model.buffers()])
-    _forget_exporter_graphs(collect=weights >= COLLECT_AFTER_BYTES)
-    done = Exported(directory, list(wrapper.dropped), [*wrapper.model.parameters(), *wrapper.model.buffers()])
+    weights = [*wrapper.model.parameters(), *wrapper.model.buffers()]
+    _forget_exporter_graphs(collect=sum(t.numel() * t.element_size() for t in weights) >= COLLECT_AFTER_BYTES)
+    done = Exported(directory, list(wrapper.dropped), weights)
     _EXPORTS[key] = done
     return done
 
