@@ -36,11 +36,38 @@ def test_notebook_executes(path, executed_notebook):
         assert pixels.std() > 8, f"{path.name}: figure {k} is blank (pixel spread {pixels.std():.1f})"
     texts = [o.get("data", {}).get("text/plain", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs]
     assert not [t for t in texts if str(t).startswith("<Axes: ")], f"{path.name}: a raw Axes repr"
+    # Nothing a library prints as rlx_nb's calls load it reaches a cell (#46: torchao's "Failed to load <.so>" and
+    # torch's deprecation warnings showed under notebook 07's first cell, as transformers built the zoo's model).
+    assert not _stderr(nb), f"{path.name}: {_stderr(nb)[:2]}"
     if path.name.startswith("01_"):
         assert len(images) >= 3
         # The explorer drew into its Output widgets: the PNGs live in the widget state.
         state = json.dumps(nb.metadata["widgets"])
         assert state.count("image/png") >= 2
+
+
+def _stderr(nb) -> list[str]:
+    return [
+        "".join(o.get("text", ""))[:300]
+        for c in nb.cells
+        if c.cell_type == "code"
+        for o in c.get("outputs", [])
+        if o.get("output_type") == "stream" and o.get("name") == "stderr"
+    ]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_committed_notebooks_show_no_library_noise_and_no_path_of_the_machine_that_built_them(path):
+    # What a reader opens: no stderr under a cell, and no path of the checkout or the environment that ran it (notebook
+    # 07 showed torchao's load failures with the builder's .venv paths).
+    import site
+    import sys
+
+    nb = nbformat.read(path, as_version=4)
+    assert not _stderr(nb), f"{path.name}: {_stderr(nb)[:2]}"
+    text = json.dumps([c.get("outputs", []) for c in nb.cells if c.cell_type == "code"])
+    machine = {str(Path(__file__).resolve().parents[1]), sys.prefix, *site.getsitepackages(), "site-packages"}
+    assert not [m for m in machine if m in text], (path.name, [m for m in machine if m in text])
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])

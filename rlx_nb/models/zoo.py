@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from rlx_nb._support.quiet import quiet
 from rlx_nb.errors import InputError
 
 VOCAB = 256
@@ -37,6 +38,12 @@ def _transformers() -> Any:
     except ImportError:
         raise ImportError("rlx_nb.models.zoo needs transformers: pip install 'rlx_nb[bench]'") from None
     transformers.logging.set_verbosity_error()
+    # Building a model imports transformers.modeling_utils and with it every quantizer transformers knows: torchao
+    # (installed with rlx_nb[executorch]) prints "Failed to load <its CUDA .so>" and torch's deprecation warnings
+    # as it loads, which landed in the user's first cell (notebook 07, with the checkout's paths).  Imported here,
+    # kept out as rlx_nb's int8 path keeps torchao's import out; an import that fails still raises.
+    with quiet():
+        import transformers.modeling_utils
     return transformers
 
 
