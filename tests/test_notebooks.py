@@ -61,12 +61,11 @@ def test_committed_notebooks_show_no_library_noise_and_no_path_of_the_machine_th
     # What a reader opens: no stderr under a cell, and no path of the checkout or the environment that ran it (notebook
     # 07 showed torchao's load failures with the builder's .venv paths).
     import site
-    import sys
 
     nb = nbformat.read(path, as_version=4)
     assert not _stderr(nb), f"{path.name}: {_stderr(nb)[:2]}"
     text = json.dumps([c.get("outputs", []) for c in nb.cells if c.cell_type == "code"])
-    machine = {str(Path(__file__).resolve().parents[1]), sys.prefix, *site.getsitepackages(), "site-packages"}
+    machine = {str(Path(__file__).resolve().parents[1]), *site.getsitepackages(), "site-packages"}
     assert not [m for m in machine if m in text], (path.name, [m for m in machine if m in text])
 
 
