@@ -158,3 +158,25 @@ def test_the_kept_table_of_ops_export_may_keep_whole_is_torchs_and_sees_an_op_re
         finally:
             lib._destroy()
     assert exported_program._collect_all_valid_cia_ops is original
+
+
+def test_inside_rlx_nbs_exports_the_annotations_torch_makes_per_overridden_op_are_made_once_and_answer_the_same():
+    # run_decompositions overrides 500+ ops through OperatorBase.py_impl, whose inner function is annotated
+    # Callable[_P, _T]: built anew every call (a fifth of a small module's lowering).  Inside rlx_nb's exports each
+    # subscript is made once; isinstance, issubclass and the decomposed graph are as without; torch's own after.
+    import torch._ops
+
+    from rlx_nb._support.decomp_tables import cia_ops_kept
+
+    real, P, T = torch._ops.Callable, torch._ops._P, torch._ops._T
+    assert real[P, T] is not real[P, T]  # (what each py_impl call pays for)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.GELU(), torch.nn.LayerNorm(3))
+    exported = torch.export.export(model, (torch.randn(2, 4),))
+    outside = exported.run_decompositions().graph_module.code
+    with cia_ops_kept():
+        kept = torch._ops.Callable
+        assert kept is not real and kept[P, T] is kept[P, T] and kept[P, T] == real[P, T]
+        assert kept[[kept[P, T]], kept[P, T]] == real[[real[P, T]], real[P, T]]  # (a list: made afresh)
+        assert isinstance(len, kept) and not isinstance(3, kept) and issubclass(type(len), kept)
+        assert exported.run_decompositions().graph_module.code == outside
+    assert torch._ops.Callable is real
