@@ -160,6 +160,7 @@ def test_the_kept_table_of_ops_export_may_keep_whole_is_torchs_and_sees_an_op_re
     assert exported_program._collect_all_valid_cia_ops is original
 
 
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # (torch's own, deep-copying the export's tree specs)
 def test_inside_rlx_nbs_exports_the_annotations_torch_makes_per_overridden_op_are_made_once_and_answer_the_same():
     # run_decompositions overrides 500+ ops through OperatorBase.py_impl, whose inner function is annotated
     # Callable[_P, _T]: built anew every call (a fifth of a small module's lowering).  Inside rlx_nb's exports each
