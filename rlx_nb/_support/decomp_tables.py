@@ -66,9 +66,6 @@ def subscripts_kept(real: Any) -> type:
     return _SubscriptsKept("Callable", (), {"_real": real, "_made": staticmethod(made), "__module__": __name__})
 
 
-_SUBSCRIPTS = Held()
-
-
 def _registrations() -> tuple:
     return (
         tuple(torch.ops._dir),
@@ -78,7 +75,8 @@ def _registrations() -> tuple:
 
 @contextlib.contextmanager
 def cia_ops_kept() -> Iterator[None]:
-    """Inside, torch.export works its preservable-op table out once per set of registrations (module docstring)."""
+    """Inside, torch.export works its preservable-op table out once per set of registrations, and torch._ops makes
+    each ``Callable`` subscript once (module docstring)."""
     import importlib
 
     try:
@@ -100,11 +98,9 @@ def cia_ops_kept() -> Iterator[None]:
             _KEPT.update(key=key, ops=frozenset(ops))
         return set(ops)
 
-    ours = [(m, "_collect_all_valid_cia_ops", kept) for m in modules]  # (where it is still torch's own)
-    ops_module, real = torch._ops, torch._ops.__dict__.get("Callable")
-    annotated = [] if real is None else [(ops_module, "Callable", subscripts_kept(real))]
-    with (
-        _HELD.replaced(lambda: [r for r in ours if r[0].__dict__.get(r[1]) is original]),
-        _SUBSCRIPTS.replaced(lambda: [r for r in annotated if r[0].__dict__.get(r[1]) is real]),
-    ):
+    real = torch._ops.__dict__.get("Callable")
+    ours = [(m, "_collect_all_valid_cia_ops", kept, original) for m in modules]
+    ours += [] if real is None else [(torch._ops, "Callable", subscripts_kept(real), real)]
+    # (each where it is still torch's own)
+    with _HELD.replaced(lambda: [(m, name, new) for m, name, new, old in ours if m.__dict__.get(name) is old]):
         yield

@@ -1,7 +1,7 @@
 """Attributes of another library replaced while rlx_nb's own calls run, and put back as they were after.
 
 Used where a library does needless work inside rlx_nb's calls (OpenVINO's telemetry, ExecuTorch's quantizer
-re-tracing its patterns, torch.export's op table): the replacement is in place only while at least one such call
+re-tracing its patterns, torch.export's op table and torch's annotation subscripts): the replacement is in place only while at least one such call
 is inside; calls may overlap (threads, nesting), the first one in replaces, the last one out restores.
 """
 

@@ -18,6 +18,7 @@ Examples
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -42,8 +43,9 @@ def _transformers() -> Any:
     # (installed with rlx_nb[executorch]) prints "Failed to load <its CUDA .so>" and torch's deprecation warnings
     # as it loads, which landed in the user's first cell (notebook 07, with the checkout's paths).  Imported here,
     # kept out as rlx_nb's int8 path keeps torchao's import out; an import that fails still raises.
-    with quiet():
-        import transformers.modeling_utils
+    if "transformers.modeling_utils" not in sys.modules:  # (once a process: a capture is not free)
+        with quiet():
+            import transformers.modeling_utils
     return transformers
 
 
