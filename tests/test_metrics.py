@@ -250,6 +250,36 @@ def test_zero_split_in_one_pass_matches_a_float64_reference(rng, n):
     assert zero_split(o, b, ref) is None
 
 
+@pytest.mark.parametrize("n", [7, 4_102, 1_099_810])
+def test_the_compiled_passes_largest_magnitudes_are_exact_whatever_their_sign_size_and_place(rng, n):
+    # The compiled passes take each largest magnitude as an integer maximum of float64 bits with the sign
+    # cleared (a float maximum does not vectorise): it must be the exact largest |value|, negative or positive,
+    # subnormal or huge, in any block, with -0.0, NaN and infinities left out where they are.
+    from rlx_nb.numerics.zeros import zero_split
+
+    cols = 1 if n == 7 else 7 if n == 4_102 else 1_009
+    for scale in (1e-310, 1.0, 1e300):  # subnormal, plain and huge values
+        ref = rng.standard_normal(n) * scale
+        ref[::5] = 0.0
+        o = ref.astype(np.float32) if scale == 1.0 else ref.copy()
+        x = ref + rng.standard_normal(n) * scale * 1e-3
+        x[[n // 3, n - 1]] = [-0.0, np.nan]
+        ref[n // 2] = -np.inf
+        x[(n * 2) // 3] = ref[(n * 2) // 3] - 5 * scale  # the largest error, negative, far from the first block
+        ref[n - 2] = -7 * scale  # the largest reference, negative, in the last block
+        ok = np.isfinite(x) & np.isfinite(ref)
+        d = np.abs(x[ok] - ref[ok])
+        for got in (reference_stats(x, ref), error_stats(x.reshape(-1, cols), ref.reshape(-1, cols))[0]):
+            assert got.max_err == d.max() and got.ref_max == np.abs(ref[ok]).max(), (scale, n)
+        zero = (o == 0) & (ref == 0)
+        x[np.flatnonzero(zero)[-1]] = -3 * scale  # the backend's largest where the model zeroes, negative
+        got = zero_split(o, x, ref)
+        rest = ~zero & np.isfinite(x) & np.isfinite(ref)
+        assert got.largest == 3 * scale
+        assert got.elsewhere.max_err == np.abs(x[rest] - ref[rest]).max()
+        assert got.elsewhere.ref_max == np.abs(ref[rest]).max()
+
+
 def test_slice_axes_keep_slices_of_two_or_more_and_bound_the_row_sums():
     assert slice_axes((8, 10)) == (0, 1)
     assert slice_axes((1, 9)) == ()  # one slice along axis 0, single elements along axis 1

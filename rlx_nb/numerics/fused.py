@@ -11,6 +11,10 @@ blocks that hold a new maximum, a non-finite value, or p99 candidates are
 looked at again, one element at a time.  The kernel releases the GIL, so
 :func:`pair_stats` runs one range per core in threads.
 
+The passes against the float64 reference (:func:`_reference_range`, :func:`_slice_rows`, :func:`_zero_range`)
+take their largest magnitudes the same way, without a float maximum: each block's values go to a buffer, and the
+largest is an integer maximum of their bits (:data:`MAGNITUDE`).
+
 :func:`kernel` imports numba and loads the compiled kernel (cached on disk by
 numba) on first use, so ``import rlx_nb`` does not pay for it.  It returns
 ``None`` when numba is missing or ``RLX_NB_NO_NUMBA=1``; the numpy path is
@@ -188,35 +192,57 @@ def _f32_range(e, a, ei, ai, start, stop, rtol, atol, rel_eps, floor, above, sum
     )  # fmt: skip
 
 
+MAGNITUDE = np.int64(0x7FFFFFFFFFFFFFFF)
+"""A float64's bits with the sign cleared: for values that are not NaN, these integers order as the magnitudes do.
+
+The kernels below take a largest magnitude as an integer maximum of these bits, over a block they wrote to a buffer:
+a float maximum is a reduction the compiler does not vectorise (the pass over a row took 4x as long with it)."""
+
+
 def _reference_range(x, ref, start, stop):  # pragma: no cover - compiled
     # Squared-error sum, largest error, the reference's squared sum and largest magnitude, the count,
     # and the error's, the reference's and their product's sums (the error's pattern), over elements
     # where both are finite (x: float32 or float64; ref: float64).
     sq = 0.0
-    mx = 0.0
     rsq = 0.0
-    rmx = 0.0
     count = 0
     se = 0.0
     sr = 0.0
     ser = 0.0
-    xs = x[start:stop]  # views indexed from 0: see the block views in _f32_range
-    rs = ref[start:stop]
-    for i in range(xs.size):
-        r = rs[i]
-        d = np.float64(xs[i]) - r
-        ok = abs(d) < math.inf and abs(r) < math.inf
-        d = d if ok else 0.0
-        r = r if ok else 0.0
-        count += 1 if ok else 0
-        sq += d * d
-        rsq += r * r
-        se += d
-        sr += r
-        ser += d * r
-        mx = max(mx, abs(d))
-        rmx = max(rmx, abs(r))
-    return sq, mx, rsq, rmx, count, se, sr, ser
+    dbuf = np.empty(BLOCK, np.float64)
+    rbuf = np.empty(BLOCK, np.float64)
+    dbits = dbuf.view(np.int64)
+    rbits = rbuf.view(np.int64)
+    top = np.zeros(2, np.int64)  # the largest error's and reference's bits (see MAGNITUDE)
+    for s in range(start, stop, BLOCK):
+        m = min(BLOCK, stop - s)
+        xs = x[s : s + m]  # views indexed from 0: see the block views in _f32_range
+        rs = ref[s : s + m]
+        for i in range(m):
+            r = rs[i]
+            d = np.float64(xs[i]) - r
+            ok = abs(d) < math.inf and abs(r) < math.inf
+            d = d if ok else 0.0
+            r = r if ok else 0.0
+            count += 1 if ok else 0
+            sq += d * d
+            rsq += r * r
+            se += d
+            sr += r
+            ser += d * r
+            dbuf[i] = d
+            rbuf[i] = r
+        mx = top[0]
+        rmx = top[1]
+        for i in range(m):
+            v = dbits[i] & MAGNITUDE
+            w = rbits[i] & MAGNITUDE
+            mx = v if v > mx else mx
+            rmx = w if w > rmx else rmx
+        top[0] = mx
+        top[1] = rmx
+    most = top.view(np.float64)
+    return sq, most[0], rsq, most[1], count, se, sr, ser
 
 
 def _slice_rows(x, ref, r0, r1, row_s, row_q, row_n, col_s, col_q, col_n):  # pragma: no cover - compiled
@@ -226,69 +252,75 @@ def _slice_rows(x, ref, r0, r1, row_s, row_q, row_n, col_s, col_q, col_n):  # pr
     # largest magnitude there, and the reference's and the error-times-reference sums: with the column
     # sums, what :func:`_reference_range` gives.
     keep_rows = row_s.size > 0
-    mx = 0.0
     rsq = 0.0
-    rmx = 0.0
     sr = 0.0
     ser = 0.0
     cols = x.shape[1]
+    ebuf = np.empty(cols, np.float64)  # a row's errors and reference values
+    rbuf = np.empty(cols, np.float64)
+    ebits = ebuf.view(np.int64)
+    rbits = rbuf.view(np.int64)
+    top = np.zeros(2, np.int64)  # the largest error's and reference's bits (see MAGNITUDE)
     for i in range(r0, r1):
         # A row's sums without a test per element first (a third less time): a non-finite x or reference
         # makes its error, and so the error's sum, non-finite, and then the row is summed again with the test.
         s = 0.0
         q = 0.0
-        m = 0.0
         a = 0.0
         b = 0.0
         d = 0.0
-        rm = 0.0
         for j in range(cols):
             r = ref[i, j]
             e = np.float64(x[i, j]) - r
             s += e
             q += e * e
-            m = max(m, abs(e))
             a += r * r
             b += r
             d += e * r
-            rm = max(rm, abs(r))
+            ebuf[j] = e
+            rbuf[j] = r
         n = float(cols)
-        if abs(s) < math.inf and abs(q) < math.inf and abs(a) < math.inf and abs(d) < math.inf:
-            for j in range(cols):
-                e = np.float64(x[i, j]) - ref[i, j]
-                col_s[j] += e
-                col_q[j] += e * e
-                col_n[j] += 1.0
-        else:
-            s = q = m = a = b = d = rm = n = 0.0
+        if not (abs(s) < math.inf and abs(q) < math.inf and abs(a) < math.inf and abs(d) < math.inf):
+            s = q = a = b = d = n = 0.0
             for j in range(cols):  # branch-free, so that it vectorises
-                r = ref[i, j]
-                e = np.float64(x[i, j]) - r
+                r = rbuf[j]
+                e = ebuf[j]
                 ok = abs(e) < math.inf and abs(r) < math.inf
                 e = e if ok else 0.0
                 r = r if ok else 0.0
-                c = 1.0 if ok else 0.0
                 s += e
                 q += e * e
-                n += c
-                col_s[j] += e
-                col_q[j] += e * e
-                col_n[j] += c
-                m = max(m, abs(e))
+                n += 1.0 if ok else 0.0
                 a += r * r
                 b += r
                 d += e * r
-                rm = max(rm, abs(r))
-        mx = max(mx, m)
+                ebuf[j] = e
+                rbuf[j] = r
+                col_n[j] += 1.0 if ok else 0.0
+        else:
+            for j in range(cols):
+                col_n[j] += 1.0
+        mx = top[0]
+        rmx = top[1]
+        for j in range(cols):
+            e = ebuf[j]
+            col_s[j] += e
+            col_q[j] += e * e
+            v = ebits[j] & MAGNITUDE
+            w = rbits[j] & MAGNITUDE
+            mx = v if v > mx else mx
+            rmx = w if w > rmx else rmx
+        top[0] = mx
+        top[1] = rmx
         rsq += a
         sr += b
         ser += d
-        rmx = max(rmx, rm)
         if keep_rows:
             row_s[i] = s
             row_q[i] = q
             row_n[i] = n
-    return mx, rsq, rmx, sr, ser
+    most = top.view(np.float64)
+    return most[0], rsq, most[1], sr, ser
 
 
 def _zero_range(o, b, ref, start, stop):  # pragma: no cover - compiled
@@ -297,39 +329,59 @@ def _zero_range(o, b, ref, start, stop):  # pragma: no cover - compiled
     # sums of :func:`_reference_range` of ``b`` against ``ref`` (for rlx_nb.numerics.zeros.zero_split).
     zeroed = 0
     nonzero = 0
-    largest = 0.0
     sq = 0.0
-    mx = 0.0
     rsq = 0.0
-    rmx = 0.0
     count = 0
     se = 0.0
     sr = 0.0
     ser = 0.0
-    os_ = o[start:stop]  # views indexed from 0: see the block views in _f32_range
-    bs = b[start:stop]
-    rs = ref[start:stop]
-    for i in range(os_.size):
-        r = rs[i]
-        x = np.float64(bs[i])
-        if os_[i] == 0 and r == 0:
-            zeroed += 1
-            if x != 0:
-                nonzero += 1
-                if abs(x) < math.inf:
-                    largest = max(largest, abs(x))
-            continue
-        d = x - r
-        if abs(d) < math.inf and abs(r) < math.inf:
-            count += 1
+    lbuf = np.empty(BLOCK, np.float64)  # the backend's magnitude where zeroed, the error and reference elsewhere
+    dbuf = np.empty(BLOCK, np.float64)
+    rbuf = np.empty(BLOCK, np.float64)
+    lbits = lbuf.view(np.int64)
+    dbits = dbuf.view(np.int64)
+    rbits = rbuf.view(np.int64)
+    top = np.zeros(3, np.int64)  # the largest of each, as bits (see MAGNITUDE)
+    for s in range(start, stop, BLOCK):
+        m = min(BLOCK, stop - s)
+        os_ = o[s : s + m]  # views indexed from 0: see the block views in _f32_range
+        bs = b[s : s + m]
+        rs = ref[s : s + m]
+        for i in range(m):  # branch-free, so that it vectorises
+            r = rs[i]
+            x = np.float64(bs[i])
+            z = os_[i] == 0 and r == 0
+            moved = z and x != 0
+            zeroed += 1 if z else 0
+            nonzero += 1 if moved else 0
+            lbuf[i] = abs(x) if moved and abs(x) < math.inf else 0.0
+            d = x - r
+            ok = not z and abs(d) < math.inf and abs(r) < math.inf
+            d = d if ok else 0.0
+            r = r if ok else 0.0
+            count += 1 if ok else 0
             sq += d * d
             rsq += r * r
             se += d
             sr += r
             ser += d * r
-            mx = max(mx, abs(d))
-            rmx = max(rmx, abs(r))
-    return zeroed, nonzero, largest, sq, mx, rsq, rmx, count, se, sr, ser  # (the last 8: _reference_range's)
+            dbuf[i] = d
+            rbuf[i] = r
+        lm = top[0]
+        mx = top[1]
+        rmx = top[2]
+        for i in range(m):
+            u = lbits[i]
+            v = dbits[i] & MAGNITUDE
+            w = rbits[i] & MAGNITUDE
+            lm = u if u > lm else lm
+            mx = v if v > mx else mx
+            rmx = w if w > rmx else rmx
+        top[0] = lm
+        top[1] = mx
+        top[2] = rmx
+    most = top.view(np.float64)
+    return zeroed, nonzero, most[0], sq, most[1], rsq, most[2], count, se, sr, ser  # (the last 8: _reference_range's)
 
 
 def _pool_rows(o, b, r0, r1, fy, fx, rel, rel_eps, pooled):  # pragma: no cover - compiled
