@@ -351,3 +351,26 @@ def test_other_toolchains_metrics_skip_nonfinite_pairs(metrics_path):
     b = np.array([1.0, 2.5, np.nan, 4.0, 1.0], np.float32)
     s = pair_stats(o, b)
     assert s.finite == 3 and s.sum_dd == pytest.approx(0.25) and s.sum_xx == pytest.approx(21.0)
+
+
+@pytest.mark.parametrize("n", [1, 7, 9, 1_000_003, 3_000_005])
+def test_same_bits_sees_one_flipped_bit_anywhere_in_arrays_of_any_length(n):
+    # Compared as 8-byte words with the odd bytes apart, over slices: a bit flipped in the first word, a slice
+    # boundary, the last whole word or the bytes past it is seen; -0.0 against 0.0 and two NaN payloads differ too.
+    from rlx_nb.numerics.pairs import same_bits
+
+    a = np.arange(n, dtype=np.float32)
+    assert same_bits(a, a.copy()) and not same_bits(a, a.astype(np.float64))
+    raw = a.view(np.uint8)
+    for byte in {0, raw.size // 2, (1 << 22) - 1, raw.size // 8 * 8 - 1, raw.size - 1} - {-1}:
+        if byte < raw.size:
+            b = a.copy()
+            b.view(np.uint8)[byte] ^= 1
+            assert not same_bits(a, b), byte
+    z = np.zeros(n, np.float32)
+    negative = z.copy()
+    negative[-1] = -0.0
+    assert not same_bits(z, negative)
+    nan, other = np.full(n, np.nan, np.float32), np.full(n, np.nan, np.float32)
+    other.view(np.uint32)[n // 2] += 1  # another NaN payload
+    assert same_bits(nan, nan.copy()) and not same_bits(nan, other)
