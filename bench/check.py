@@ -83,13 +83,13 @@ def _end_to_end_size(n: int, old: dict | None) -> list[Figure]:
     for tries in range(1, TRIES + 1):
         got = end_to_end.measure("gelu", n)
         out = [Figure(f"end to end gelu {at}, backend_divergence / assert_close", got["rlx"] / got["close"], "x",
-                      old and old["rlx"] / old["close"], end_to_end.TARGET_RATIO if target else None, tries)]  # fmt: skip
+                      old and old["rlx"] / old["close"], end_to_end.TARGET_RATIO if target else None)]  # fmt: skip
         if target:
             out.append(Figure(f"end to end gelu {at}, peak RSS", got["rss_gb"], " GB", old and old["rss_gb"],
-                              end_to_end.TARGET_GB, tries))  # fmt: skip
+                              end_to_end.TARGET_GB))  # fmt: skip
         if not best or out[0].value < best[0].value:
             best = out
-        best = [dataclasses.replace(f, processes=tries) for f in best]
+        best = [dataclasses.replace(f, processes=tries) for f in best]  # (the best so far, of this many processes)
         if not any(f.problems() for f in best):
             break
     return best
