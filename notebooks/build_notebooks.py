@@ -235,7 +235,7 @@ legit.frame[["name", "verdict", "local_line"]]""",
     (
         "code",
         """issue = report.issue("fault:softmax-row", where / "issue.md")
-print(issue.read_text()[:1500])""",
+print(issue.text[:1500])""",
     ),
 ]
 

@@ -251,7 +251,7 @@ def _repros(report: Any, where: Path, model: Any, inputs: Any) -> None:
     for backend in report.suspects:
         try:
             report.repro(backend, where, model=model, inputs=inputs)
-            path = report.issue(backend, where)
+            path = report.issue(backend, where).path
         except RlxError as exc:
             print(term_text(f"rlx-nb: no repro for {backend}: {exc}"), file=sys.stderr)
             continue

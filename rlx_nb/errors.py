@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import re
 import traceback
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 
@@ -25,6 +25,24 @@ class InputError(RlxError, ValueError):
 
     Also a :class:`ValueError`, so code that caught those before keeps working.
     """
+
+
+def did_you_mean(name: object, choices: Iterable[str]) -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``choices`` to an unknown ``name``, or ``""``.
+
+    Examples
+    --------
+    >>> did_you_mean("onnx-runtime", ["onnxruntime", "cpu-inductor"]), did_you_mean("inductor", ["cpu-inductor"])
+    (" (did you mean 'onnxruntime'?)", " (did you mean 'cpu-inductor'?)")
+    """
+    import difflib
+
+    choices = list(choices)
+    if not isinstance(name, str):
+        return ""
+    close = difflib.get_close_matches(name, choices, n=1, cutoff=0.6)
+    close = close or [c for c in choices if name and (c.endswith(f"-{name}") or c.startswith(f"{name}-"))][:1]
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 class NotApplicable(Exception):
@@ -63,14 +81,31 @@ def writing(path: str | Path, what: str) -> Iterator[None]:
         raise
     except OSError as exc:
         where = Path(path)
-        blocker = next((p for p in (where, *where.parents) if p.exists() and not p.is_dir()), None)
+        blocker = next((p for p in (where, *where.parents) if _exists(p) and not _is_dir(p)), None)
         if blocker is not None and blocker != where:
             why = f"{str(blocker)!r} is not a directory"
-        elif where.is_dir():
+        elif _is_dir(where):
             why = "it is a directory"
+        elif any(len(part.encode("utf-8", "surrogateescape")) > 255 for part in where.parts):
+            why = "a name in it is longer than the file system's 255 bytes"
         else:
             why = exc.strerror or str(exc)
         raise FileWriteError(f"cannot write {what} to {str(path)!r}: {why}") from None
+
+
+def _exists(p: Path) -> bool:
+    # (a name too long for the file system makes the question itself raise)
+    try:
+        return p.exists()
+    except OSError:
+        return False
+
+
+def _is_dir(p: Path) -> bool:
+    try:
+        return p.is_dir()
+    except OSError:
+        return False
 
 
 # Lines of an error message that state a cause rather than where a check sits: converters and

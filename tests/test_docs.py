@@ -76,7 +76,8 @@ def test_the_readme_quickstart_runs_cell_by_cell_and_each_cell_shows_what_the_pr
         "loc.culprit": lambda o: o["result"] == "'transformer.h.0.ln_1 :: F.layer_norm'",
         "loc.plot()": lambda o: "image/png" in o,
         'report.issue("my-runtime", "repro/")': lambda o: (
-            o["result"].endswith("issue_my-runtime.md')") and "reproduces" in o["stream"]
+            o["text/markdown"].startswith("# my-runtime: `F.layer_norm` in `transformer.h.0.ln_1` diverges")
+            and "reproduces" in o["stream"]
         ),
     }
     seen = []

@@ -4,6 +4,7 @@ rlx_nb measured, is short and shrunk; the compiler bisection and the runtime's l
 from __future__ import annotations
 
 import contextlib
+import re
 import subprocess
 import sys
 
@@ -87,7 +88,7 @@ def test_a_catalogue_fault_reproduces_without_rlx_nb_shrunk(tmp_path, without_rl
     assert "fault:softmax-row" in said
     assert "Shrunk from 8x4x32x32 (32768 elements)" in repro.text  # (what was shrunk, in the file)
     # The line in the file is the one rlx_nb measured: 8x / 4x the budget of the judged record.
-    assert f"LINE_MAX, LINE_RMS = {repro.line[0]:.6g}" in repro.text
+    assert f"LINE_MAX, LINE_RMS = {repro.backend!r}, {repro.line[0]:.6g}" in repro.text
 
 
 def test_a_fault_through_onnx_runtime_reproduces_and_is_born_in_what_is_exported(tmp_path):
@@ -251,10 +252,13 @@ def test_a_bisection_that_cannot_attribute_says_so_in_one_sentence():
 def test_an_issue_ready_to_file_holds_the_environment_the_figures_and_the_repro(tmp_path):
     model, inputs = demo.layered(fault_layer=1)
     report = rlx_nb.backend_divergence(model, inputs, backends=["fault:softmax-row"], progress=False)
-    path = report.issue("fault:softmax-row", tmp_path / "issue.md", progress=False)
-    text = path.read_text()
+    issue = report.issue("fault:softmax-row", tmp_path / "issue.md", progress=False)
+    text = issue.text
+    assert issue.path.read_text() == text and issue._repr_markdown_() == text  # (a notebook shows the markdown)
     repro = report.repros["fault:softmax-row"]
-    assert text.startswith("# fault:softmax-row: `F.softmax` diverges from float64 far past float32 round-off (")
+    assert re.match(
+        r"# fault:softmax-row: `F\.softmax` in `[\w.]+` diverges from float64 far past float32 round-off \(", text
+    ), text.splitlines()[0]
     assert f"- torch {torch.__version__}" in text and "- CPU: " in text
     assert "## What diverges" in text and "against float64 is" in text and "float32 eager's are" in text
     assert "Shrunk from 8x4x32x32" in text

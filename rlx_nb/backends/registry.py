@@ -9,7 +9,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from rlx_nb.backends.base import ORACLE, REFERENCE, Backend, BackendFn
-from rlx_nb.errors import BackendError, InputError
+from rlx_nb.errors import BackendError, InputError, did_you_mean
 from rlx_nb.numerics import formats
 
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.:+/@-]*$")
@@ -209,7 +209,8 @@ def get_backend(name: str) -> Backend:
         return _REGISTRY[name]
     except (KeyError, TypeError):
         known = ", ".join(sorted(_REGISTRY))
-        raise BackendError(f"unknown backend {name!r}; registered backends: {known}") from None
+        hint = did_you_mean(name, _REGISTRY)
+        raise BackendError(f"unknown backend {name!r}{hint}; registered backends: {known}") from None
 
 
 def available_backends(*, include_optin: bool = False) -> list[str]:

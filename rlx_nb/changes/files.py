@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from rlx_nb.changes.pure_ops import PURE_OPS
 from rlx_nb.errors import ReportFormatError
 from rlx_nb.report import files as report_files
 from rlx_nb.report import schema
@@ -61,7 +62,7 @@ class Stored:
             shape = schema.shape(spec.get("shape"), f"arrays[{entry!r}].shape")
             schema.one_of(spec.get("dtype"), schema.DTYPES, f"arrays[{entry!r}].dtype")
             self._loaders[entry] = report_files.checked_array(
-                zf, entry, shape, where, what="snapshot", kinds="biuf", old_scalars=False
+                zf, entry, shape, where, what="snapshot", kinds="biuf", old_scalars=False, declared=spec["dtype"]
             )
 
     def __contains__(self, entry: Any) -> bool:
@@ -129,6 +130,8 @@ def check_meta(meta: dict) -> None:
         schema.string(m.get("why"), f"{at}.why")
         if m.get("op") is not None:  # (an op's entry, ops=True: its function's public name, resolved on use)
             schema.string(m["op"], f"{at}.op")
+            if m.get("call") is not None and m["op"] not in PURE_OPS:  # (a recorder writes no call for those)
+                raise schema.fail(f"{at}.op", "an op on rlx_nb's list of pure tensor computations (PURE_OPS)", m["op"])
         inputs = m.get("inputs")
         if not isinstance(inputs, list) or not all(e is None or isinstance(e, str) for e in inputs):
             raise schema.fail(f"{at}.inputs", "a list of entries (or null)", inputs)

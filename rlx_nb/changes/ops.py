@@ -2,8 +2,10 @@
 
 An op is named as :func:`rlx_nb.localize` names one, ``"<module> :: F.softmax"`` (``#2``, ``#3`` ... for the same
 function called again by the same module), and stored as its function's public name (``F.softmax``,
-``torch.matmul``, ``Tensor.__add__``), which is resolved back to the function on load: nothing is unpickled, and an
-op whose function has no public name is recorded as one that cannot run alone.
+``torch.matmul``, ``Tensor.__add__``), which is resolved back to the function on load only when it is one of
+:data:`~rlx_nb.changes.pure_ops.PURE_OPS` (pure tensor computations): nothing is unpickled, a file never names a
+function to call outside that list, and an op whose function has no public name or is not on it is recorded as one
+that cannot run alone.
 """
 
 from __future__ import annotations
@@ -11,40 +13,37 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 
+from rlx_nb._support.kept import modes_kept
+from rlx_nb.changes.pure_ops import PURE_OPS
 from rlx_nb.errors import InputError
-from rlx_nb.localization.capture import _SKIP_OPS
-
-NAMESPACES: tuple[tuple[str, Any], ...] = (
-    ("F", torch.nn.functional),
-    ("torch.special", torch.special),
-    ("torch.linalg", torch.linalg),
-    ("torch.fft", torch.fft),
-    ("torch", torch),
-    ("Tensor", torch.Tensor),
-)
-"""Where an op's function is looked up by its public name, in this order."""
+from rlx_nb.localization.capture import _SKIP_OPS, NAMESPACES, op_name
 
 SEPARATOR = " :: "
 
 
-def op_name(func: Callable) -> str | None:
-    """``func``'s public name (``F.softmax``), or None when no namespace holds it under its own name."""
-    name = getattr(func, "__name__", None)
-    if not isinstance(name, str):
-        return None
-    for prefix, space in NAMESPACES:
-        if getattr(space, name, None) is func:
-            return f"{prefix}.{name}"
+def runnable(func: Callable) -> str | None:
+    """Why an op a module called cannot be written to run alone from a file, or None when it can: its public name
+    is on :data:`~rlx_nb.changes.pure_ops.PURE_OPS`."""
+    label = op_name(func)
+    if label is None:
+        return f"{getattr(func, '__name__', func)!s} has no public name to call it by"
+    if label not in PURE_OPS:
+        return f"{label} is not on rlx_nb's list of pure tensor computations a file may name"
     return None
 
 
 def resolve(label: str) -> Callable:
-    """The function an op's public name names (an :class:`InputError` for one this torch does not have)."""
+    """The function an op's public name names, when it is on :data:`~rlx_nb.changes.pure_ops.PURE_OPS` (an
+    :class:`InputError` for any other name, before anything is looked up: a file never names what is called)."""
+    if not isinstance(label, str) or label not in PURE_OPS:
+        raise InputError(
+            f"op {label!r} is not on rlx_nb's list of pure tensor computations (rlx_nb.changes.pure_ops.PURE_OPS); "
+            "a snapshot file may name only those, and this one is refused"
+        )
     prefix, _, name = label.rpartition(".")
     space = dict(NAMESPACES).get(prefix)
     func = getattr(space, name, None) if space is not None else None
@@ -101,10 +100,12 @@ class OpCalls(TorchFunctionMode):
             handles.append(module.register_forward_pre_hook(self._push(name, root=module is base)))
             handles.append(module.register_forward_hook(self._pop(root=module is base), always_call=True))
         try:
-            yield
+            with modes_kept():  # (torch runs always_call hooks on an Exception only: a Ctrl-C in the forward
+                yield  # would leave this mode on torch's stack)
         finally:
             for h in handles:
                 h.remove()
+            self.stack.clear()
 
     def _push(self, name: str, *, root: bool):
         def hook(module, args):
@@ -158,4 +159,4 @@ class OpCalls(TorchFunctionMode):
         return out
 
 
-__all__ = ["NAMESPACES", "OpCall", "OpCalls", "is_op", "module_of", "op_name", "resolve"]
+__all__ = ["SEPARATOR", "OpCall", "OpCalls", "is_op", "module_of", "resolve", "runnable"]

@@ -41,7 +41,7 @@ from rlx_nb.backends.eager import run_float64_streamed
 from rlx_nb.backends.registry import get_backend
 from rlx_nb.changes import files
 from rlx_nb.changes.environment import snapshot_environment
-from rlx_nb.changes.ops import OpCall, OpCalls, is_op, op_name, resolve
+from rlx_nb.changes.ops import OpCall, OpCalls, is_op, resolve, runnable
 from rlx_nb.errors import InputError, writing
 from rlx_nb.execution import fingerprints
 from rlx_nb.execution.prepare import normalize_inputs, prepare_model
@@ -392,8 +392,9 @@ def _record(
         entry = modules[op.name] = {"name": op.name, "order": len(modules), "depth": 0, "parent": op.module,
                                     "op": op.label, "call": None, "why": "", "inputs": [], "outputs": {},
                                     "reference": {}}  # fmt: skip
-        if op_name(op.func) is None:
-            entry["why"] = f"{op.label} has no public name to call it by: it cannot run alone"
+        cannot = runnable(op.func)
+        if cannot is not None:
+            entry["why"] = f"{cannot}: it cannot run alone"
         else:
             write_call(entry, op.args, op.kwargs)
         if outputs:

@@ -18,12 +18,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import re
+import shutil
 import time
+import traceback
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
 
+from rlx_nb._support.kept import inductor_tables_kept
 from rlx_nb._support.quiet import quiet
 from rlx_nb.backends.base import Backend
 from rlx_nb.backends.registry import get_backend
@@ -92,6 +95,29 @@ def attribute(culprit: Culprit, *, told: Callable[[str], None] | None = None) ->
     return dataclasses.replace(found, seconds=time.perf_counter() - start)
 
 
+@contextlib.contextmanager
+def _bisector_kept() -> Iterator[None]:
+    # CompilerBisector as it was, however the bisection ends: torch puts its state back only when an object in
+    # do_bisect's frame is collected, and a notebook keeps an interrupted call's traceback (and that frame) alive:
+    # the bisection would stay on, its status folder set, and the object would reset a later bisection midway.
+    from torch._inductor import compiler_bisector as cb
+
+    bisector = cb.CompilerBisector
+    saved = (bisector.bisection_enabled, bisector.in_process_cache, list(cb.BACKENDS["inductor"]))
+    try:
+        yield
+    except BaseException as exc:
+        traceback.clear_frames(exc.__traceback__)  # (torch's cleanup object goes now, with the frames below)
+        raise
+    finally:
+        folder = bisector.in_process_cache
+        bisector.bisection_enabled, bisector.in_process_cache = saved[0], saved[1]
+        cb.BACKENDS["inductor"][:] = saved[2]
+        cb.subsystem_call_counter.clear()
+        if folder and folder != saved[1]:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
 # -- Inductor ----------------------------------------------------------------------------------------------------
 
 
@@ -135,7 +161,7 @@ def bisect_compiler(culprit: Culprit, told: Callable[[str], None]) -> Attributio
         told(f"bisecting torch.compile: {CompilerBisector.get_backend()} {CompilerBisector.get_subsystem() or ''}")
         return culprit.judge(backend=step).verdict != SUSPECT
 
-    with quiet(), _no_compile_caches():
+    with quiet(), _no_compile_caches(), _bisector_kept(), inductor_tables_kept():
         result = CompilerBisector.do_bisect(good)
     b = culprit.backend
     if result is None:
@@ -177,7 +203,7 @@ def _workaround(culprit: Culprit, stage: str, subsystem: str, names: str, told: 
     for text, switch in _candidates(stage, subsystem, names):
         told(f"checking the workaround {text}")
         try:
-            with quiet(), _no_compile_caches(), switch():
+            with quiet(), _no_compile_caches(), inductor_tables_kept(), switch():
                 torch._dynamo.reset()
                 if culprit.judge().verdict != SUSPECT:
                     return text
@@ -223,36 +249,25 @@ def _candidates(stage: str, subsystem: str, names: str) -> list[tuple[str, Calla
 
 @contextlib.contextmanager
 def _fallback(op: Any) -> Iterator[None]:
-    # Inductor calls the eager ATen kernel for ``op`` instead of lowering it (undone after).
+    # Inductor calls the eager ATen kernel for ``op`` instead of lowering it (its tables put back after).
     from torch._inductor import lowering
 
-    saved = {k: v for k, v in lowering.lowerings.items() if getattr(k, "overloadpacket", k) is op}
-    try:
+    with inductor_tables_kept():
         lowering.make_fallback(op, warn=False)
         yield
-    finally:
-        for k in [k for k in lowering.lowerings if getattr(k, "overloadpacket", k) is op]:
-            del lowering.lowerings[k]
-        lowering.lowerings.update(saved)
-        lowering.fallbacks.difference_update(
-            k for k in list(lowering.fallbacks) if getattr(k, "overloadpacket", k) is op
-        )
 
 
 @contextlib.contextmanager
 def _undecomposed(op: Any) -> Iterator[None]:
-    # Inductor's decomposition table without ``op``'s overloads (put back after).
+    # Inductor's decomposition table without ``op``'s overloads; its tables put back after (lowering the op itself
+    # then adds it to the lowerings and the fallbacks: those go too).
     from torch._inductor import decomposition
 
-    saved = {k: v for k, v in decomposition.decompositions.items() if getattr(k, "overloadpacket", None) is op}
-    try:
-        for k in saved:
+    with inductor_tables_kept():
+        for k in [k for k in decomposition.decompositions if getattr(k, "overloadpacket", None) is op]:
             del decomposition.decompositions[k]
         _table_changed()
         yield
-    finally:
-        decomposition.decompositions.update(saved)
-        _table_changed()
 
 
 def _table_changed() -> None:

@@ -231,11 +231,35 @@ class RecordOps(TorchFunctionMode):
         return out
 
 
+NAMESPACES: tuple[tuple[str, Any], ...] = (
+    ("F", torch.nn.functional),
+    ("torch.special", torch.special),
+    ("torch.linalg", torch.linalg),
+    ("torch.fft", torch.fft),
+    ("torch", torch),
+    ("Tensor", torch.Tensor),
+)
+"""Where an op's function is looked up by its public name, in this order (``F.gelu``, not ``torch._C._nn``'s)."""
+
+
+def op_name(func: Callable) -> str | None:
+    """``func``'s public name, as code calls it (``F.softmax``, ``F.avg_pool2d``, ``Tensor.__add__``), or None when
+    no namespace holds it under its own name."""
+    name = getattr(func, "__name__", None)
+    if not isinstance(name, str):
+        return None
+    for prefix, space in NAMESPACES:
+        if getattr(space, name, None) is func:
+            return f"{prefix}.{name}"
+    return None
+
+
 def op_label(func: Callable) -> str:
+    """How a localization names an op: its public name (:func:`op_name`), else a name made from the function's."""
+    public = op_name(func)
+    if public is not None:
+        return public
     name = getattr(func, "__name__", str(func))
-    module = getattr(func, "__module__", "") or ""
-    if module == "torch.nn.functional":
-        return f"F.{name}"
     qual = getattr(func, "__qualname__", name)
     if qual.startswith("TensorBase.") or qual.startswith("Tensor."):
         return "Tensor." + name

@@ -62,6 +62,8 @@ class Culprit:
     template: Any = None
     lent: Backend | None = None
     """The backend object the search judged through, kept: one a report was given unregistered runs it after."""
+    root: str = ""
+    """The model's class name: what ``<root>`` in the label stands for."""
 
     @property
     def kind(self) -> str:

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import html
-import re
 import subprocess
 import sys
 from pathlib import Path
 
 from rlx_nb._support.progress import bar
+from rlx_nb._support.safe import file_stem, inside
 from rlx_nb.errors import InputError, writing
 from rlx_nb.localization.culprit import Culprit, crosses
 from rlx_nb.localization.shrink import Shrunk, shrink
@@ -43,6 +43,16 @@ class Repro:
     """What the script printed when it was run to check it ("" where it was not run)."""
     reproduces: bool | None = None
     """Whether that run crossed the line (exit 1); None where it was not run."""
+    model: str = ""
+    """The model's class name (what ``<root>`` stands for in the label)."""
+    options: tuple = ()
+    """The options it was made with that change what is written (:func:`reproduce`'s), to tell when it can be reused."""
+
+    @property
+    def data(self) -> Path | None:
+        """The ``.npz`` beside the script holding its inputs, or None where they are written in it."""
+        npz = self.path.with_suffix(".npz")
+        return npz if f"{npz.name!r}" in self.text else None
 
     @property
     def judgement(self):
@@ -77,11 +87,13 @@ class Repro:
 
 
 def script_path(path: str | Path, backend: str) -> Path:
-    """The script's file: ``path`` itself when it names a ``.py`` file, else ``repro_<backend>.py`` inside it."""
+    """The script's file: ``path`` itself when it names a ``.py`` file (any case), else ``repro_<backend>.py``
+    inside it, the backend's name made a safe file name (:func:`~rlx_nb._support.safe.file_stem`) and the file
+    checked to stay in the folder."""
     path = Path(path)
-    if path.suffix == ".py":
+    if path.suffix.lower() == ".py":
         return path
-    return path / f"repro_{re.sub(r'[^A-Za-z0-9_.-]+', '_', backend)}.py"
+    return inside(path, f"repro_{file_stem(backend)}.py", "the repro")
 
 
 WITHOUT_RLX_NB = (
@@ -157,7 +169,7 @@ def reproduce(
         # (exit 1 and the script's own last line: a crash exits 1 too)
         crossed = None if code is None else code == 1 and "PAST the line" in ran
         return Repro(script, culprit.backend, culprit.label, line_of(record), record, culprit.backward, shrunk,
-                     attribution, ran, crossed)  # fmt: skip
+                     attribution, ran, crossed, culprit.root, (shrink_inputs, attribute, check))  # fmt: skip
     finally:
         shown.close()
 

@@ -21,7 +21,7 @@ from rlx_nb.backends.base import ORACLE, REFERENCE
 from rlx_nb.backends.registry import get_backend
 from rlx_nb.comparison.compare import failed, judge_leaf
 from rlx_nb.errors import InputError
-from rlx_nb.execution.prepare import KeywordModule
+from rlx_nb.execution.prepare import CallableModule, KeywordModule
 from rlx_nb.execution.results import to_leaf
 from rlx_nb.localization.capture import Call, CallModule, OpModule, RecordOps
 from rlx_nb.localization.culprit import Culprit, judge_alone
@@ -64,6 +64,14 @@ def descend(
     return culprit, culprit_op, repro
 
 
+def model_name(base: torch.nn.Module) -> str:
+    """What a prepared model's root (``<root>`` in a module's name) is called: the user's class, or function, name."""
+    base = base.model if isinstance(base, KeywordModule) else base
+    if isinstance(base, CallableModule):
+        return getattr(base.fn, "__name__", type(base.fn).__name__)
+    return type(base).__name__
+
+
 def user_name(name: str, keys: list[str] | None) -> str:
     # Our keyword adapter adds a "model." level; users never see it.
     if keys is not None:
@@ -102,7 +110,7 @@ class State:
         """The culprit found, alone, for what comes after (a repro, a bisection); the backend object is kept, so
         one the registry lends only for the search (a report's own backend object) still runs it after."""
         return Culprit(label, self.backend, self.backward, adapter, tuple(t.detach() for t in tensors),
-                       lent=get_backend(self.backend), **op)  # fmt: skip
+                       lent=get_backend(self.backend), root=model_name(self.named[""]), **op)  # fmt: skip
 
     def _row(self, name: str, kind: str, order: int, depth: int, check: Check) -> None:
         r = check.record

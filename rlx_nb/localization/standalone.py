@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import math
 import re
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +20,7 @@ import numpy as np
 import torch
 
 from rlx_nb._support.quiet import quiet
+from rlx_nb._support.safe import code_text, docstring, write_new
 from rlx_nb._support.tree import flatten
 from rlx_nb._version import __version__
 from rlx_nb.backends.exported_faults import Faulty
@@ -86,7 +88,7 @@ def _op_source(culprit: Culprit) -> str | None:
     if where is None:
         return None
     names = ", ".join(f"t{i}" for i in range(len(culprit.tensors)))
-    return f"def program({names}):  # {culprit.label}\n    return {where}({call})\n"
+    return f"def program({names}):  # {code_text(culprit.label)}\n    return {where}({call})\n"
 
 
 def _traced(module: torch.nn.Module, tensors: tuple, name: str, what: str) -> tuple[str, dict[str, torch.Tensor]]:
@@ -211,13 +213,15 @@ def line_of(record: OutputRecord) -> tuple[float, float]:
 
 
 _HEAD = """\
-\"\"\"{backend} diverges from float64 on {label} ({direction}): a bug, not round-off.
+{backend} diverges from float64 on {label} ({direction}): a bug, not round-off.
 
 {how}
 {shrunk}{attribution}
-Needs only torch{needs}; written by rlx_nb {version} (torch {torch}). Exits 1 past the line.
-\"\"\"
+Needs only torch{needs}; exits 1 past the line. By rlx_nb {version}, torch {torch}.
 """
+
+DOC_WIDTH = 100
+"""The longest line of the script's docstring."""
 
 _MAIN = """\
 def judged(fn, tensors):  # {judged_what}
@@ -233,7 +237,7 @@ with torch.set_grad_enabled({backward}):
     eager = errors(judged(program, tensors), ref)
     mx, rms, bad = errors(judged(lambda *t: on_backend({backend_fn}, {backend_weights}, t[len(WEIGHTS):]), tensors), ref)
 print(f"float32 eager: largest |error| {{eager[0]:.3g}}, RMS {{eager[1]:.3g}} against float64")
-print(f"{backend}: largest |error| {{mx:.3g}}, RMS {{rms:.3g}}" + (f", {{bad}} non-finite" if bad else "")
+print(f"{{BACKEND}}: largest |error| {{mx:.3g}}, RMS {{rms:.3g}}" + (f", {{bad}} non-finite" if bad else "")
       + (f"; {{mx / eager[0]:.3g}}x and {{rms / eager[1]:.3g}}x eager's" if eager[0] and eager[1] else "; eager is exact"))
 past = mx > LINE_MAX or rms > LINE_RMS or bad > 0
 print(("PAST" if past else "within") + f" the line (largest {{LINE_MAX:.3g}}, RMS {{LINE_RMS:.3g}}): " + ("a bug" if past else "round-off"))
@@ -294,31 +298,46 @@ def write_standalone(
     text = _head(culprit, record, imports + ("import numpy\n" if on_disk else ""), shrunk, attribution)
     std = {*(["pathlib"] if on_disk else []), *(m.split()[1] for m in imports.splitlines() if m in _STD)}
     third = [m for m in imports.splitlines() if m and m not in _STD]
-    text += "".join(f"import {m}\n" for m in sorted(std)) + ("\n" if std else "")
+    text += f"import {', '.join(sorted(std))}\n\n" if std else ""  # (the standard library's, on one line)
     numpy = on_disk and "import numpy as np" not in third
     text += ("import numpy as np\n" if numpy else "") + "import torch\n" + "".join(f"{m}\n" for m in third)
-    text += f"\nLINE_MAX, LINE_RMS = {float(f'{line_max:.6g}')!r}, {float(f'{line_rms:.6g}')!r}  # (see above)\n"
+    text += (f"\nBACKEND, LINE_MAX, LINE_RMS = {culprit.backend!r}, {float(f'{line_max:.6g}')!r}, "
+             f"{float(f'{line_rms:.6g}')!r}  # (see above)\n")  # fmt: skip
     text += source + "\n" + program + "\n" + runner + "\n"
     what = f"the gradient rlx_nb judged: of tensor {k}" if culprit.backward else f"output {k}, the one rlx_nb judged"
     text += _MAIN.format(
         judged_what=what,
         judged_body=(_BACKWARD if culprit.backward else _FORWARD).format(k=k),
         backward=culprit.backward,
-        backend=culprit.backend,
         backend_fn=backend_fn,
         backend_weights=backend_weights,
     )
+    _check_source(text, culprit)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(text)
+    if not on_disk:  # (an .npz an earlier repro left under this name is not this one's)
+        path.with_suffix(".npz").unlink(missing_ok=True)
+    write_new(path, text)
     return path
+
+
+def _check_source(text: str, culprit: Culprit) -> None:
+    # The script compiles: every string from outside went in through repr() or code_text (a test feeds hostile
+    # names), and a failure here says so instead of leaving a script that only "does not reproduce".
+    try:
+        compile(text, "repro.py", "exec", dont_inherit=True)
+    except SyntaxError as exc:
+        raise InputError(
+            f"the repro of {culprit.backend} on {culprit.label!r} does not compile ({exc.msg}, line {exc.lineno}); "
+            "not written: please report it to rlx_nb"
+        ) from None
 
 
 def _head(culprit: Culprit, record: OutputRecord, imports: str, shrunk: str, attribution: str) -> str:
     needs = sorted({m.split()[1].split(".")[0] for m in imports.splitlines() if m.startswith(("import ", "from "))}
                    - {"contextlib", "io", "os", "tempfile"})  # fmt: skip
-    return _HEAD.format(
-        backend=culprit.backend,
-        label=culprit.label,
+    text = _HEAD.format(
+        backend=code_text(culprit.backend),
+        label=code_text(culprit.label),
         direction="its gradient" if culprit.backward else "forward",
         how=_how(record),
         shrunk=f"{shrunk} " if shrunk else "",
@@ -327,14 +346,15 @@ def _head(culprit: Culprit, record: OutputRecord, imports: str, shrunk: str, att
         version=__version__,
         torch=torch.__version__,
     )
+    wrapped = [textwrap.fill(line, DOC_WIDTH, break_on_hyphens=False) if line else "" for line in text.splitlines()]
+    return docstring("\n".join(wrapped) + "\n") + "\n"
 
 
 def _how(record: OutputRecord) -> str:
     # Two lines: how the line was measured.
     return (
-        f"The line (LINE_MAX, LINE_RMS): {MAX_LIMIT:g}x / {RMSE_LIMIT:g}x the round-off budget rlx_nb measured for this "
-        f"output's largest / RMS error\n(float32 eager's own error against float64 here, with room for chance); "
-        f"rlx_nb read {record.backend} at {record.judgement.line:.3g}x the line."
+        f"LINE_MAX, LINE_RMS: {MAX_LIMIT:g}x / {RMSE_LIMIT:g}x the round-off budget rlx_nb measured for this output's "
+        f"largest / RMS error (float32 eager's, with room for chance); rlx_nb read it at {record.judgement.line:.3g}x."
     )
 
 

@@ -291,7 +291,7 @@ class _Reader:
                 entry = out["array"]
                 if entry not in self.names:
                     raise schema.fail(f"{at}.outputs[{name!r}].array", "an entry of the file", entry)
-                loader = checked_array(self.zf, entry, out["shape"], self.where)
+                loader = checked_array(self.zf, entry, out["shape"], self.where, declared=out["dtype"])
                 outputs[name] = Leaf(None, out["dtype"], out["shape"], loader=loader)
             else:
                 outputs[name] = Leaf(out["value"], out["dtype"], None)
@@ -307,10 +307,12 @@ def checked_array(
     what: str = "report",
     kinds: str = "biufc",
     old_scalars: bool = True,
+    declared: str | None = None,
 ):
     """A loader of one ``.npy`` entry, its stored header checked now against the ``shape`` declared for it: numbers
     of ``kinds`` (numpy's kind letters), that shape, and exactly the bytes those elements take, so nothing is ever
-    allocated at a size its bytes do not back.  Anything else is a :class:`ReportFormatError` naming the ``what``.
+    allocated at a size its bytes do not back; with ``declared`` (a dtype name meta.json gives), the dtype rlx_nb
+    stores that one as (:data:`STORED_AS`).  Anything else is a :class:`ReportFormatError` naming the ``what``.
     ``old_scalars``: a scalar stored as shape (1,) (reports written before that was fixed) is read back 0-d."""
     info = zf.getinfo(entry)
     check_entry(info, where, what)
@@ -323,6 +325,8 @@ def checked_array(
         raise _fail(where, f"array {entry!r} is unreadable ({type(exc).__name__}: {exc})", what) from None
     if dtype.hasobject or dtype.kind not in kinds or dtype.fields is not None:
         raise _fail(where, f"array {entry!r} holds {dtype}, not numbers; refusing to read it", what)
+    if declared is not None and dtype.newbyteorder("=") != _stored_as(declared):
+        raise _fail(where, f"array {entry!r} holds {dtype}, but meta.json declares it {declared}", what)
     # Scalar outputs were written as shape (1,) before that was fixed: read them back 0-d.
     if stored != shape and not (old_scalars and shape == () and stored == (1,)):
         raise _fail(where, f"array {entry!r} has shape {stored}, meta.json says {shape}", what)
@@ -334,6 +338,18 @@ def checked_array(
             what,
         )
     return _array_loader(zf, entry, shape, where, what)
+
+
+STORED_AS = {"bfloat16": "float32"}
+"""The numpy dtype rlx_nb writes an array of each dtype name as, where it is not the same name (numpy has no
+bfloat16: its values are written in float32, exactly)."""
+
+
+def _stored_as(declared: str) -> np.dtype | None:
+    try:
+        return np.dtype(STORED_AS.get(declared, declared))
+    except TypeError:  # (a dtype numpy has none of, complex32: rlx_nb never writes one)
+        return None
 
 
 def _npy_header(f: Any) -> tuple[np.dtype, tuple[int, ...], int]:

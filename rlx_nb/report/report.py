@@ -18,7 +18,7 @@ from rlx_nb.comparison.tables import (
     summary_frame,
     timings_frame,
 )
-from rlx_nb.errors import InputError
+from rlx_nb.errors import InputError, did_you_mean
 from rlx_nb.execution.results import RunResults
 from rlx_nb.execution.source import WeakSource
 from rlx_nb.report import elements as lookups
@@ -118,11 +118,13 @@ class DivergenceReport:
 
         return repro_for(self, backend, path, **kwargs)
 
-    def issue(self, backend: str, path: str | Path, **kwargs: Any) -> Path:
+    def issue(self, backend: str, path: str | Path, **kwargs: Any):
         """Write markdown ready to file for ``backend``'s divergence (a ``.md`` path, or a directory): a title, the
         environment, what diverges and by how much against float64 (float32 eager's own error for scale), where it
         is born (the compiler pass, the runtime's layer), and the standalone repro inline (written beside it).
-        Reuses the repro :meth:`repro` wrote, or writes one (options as for :meth:`repro`).  Returns the path."""
+        Reuses the repro :meth:`repro` wrote where the options would write the same one (``progress`` changes
+        nothing), or writes one (options as for :meth:`repro`).  Returns an :class:`~rlx_nb.report.issue.Issue`:
+        its ``path`` and ``text``, shown as markdown in a notebook."""
         from rlx_nb.report.issue import issue_for
 
         return issue_for(self, backend, path, **kwargs)
@@ -276,14 +278,20 @@ class DivergenceReport:
         ''
         """
         if backend not in self.results.candidates:
-            raise InputError(f"no backend {backend!r} in this report; it has: {', '.join(self.results.candidates)}")
+            hint = did_you_mean(backend, self.results.candidates)
+            raise InputError(
+                f"no backend {backend!r} in this report{hint}; it has: {', '.join(self.results.candidates)}"
+            )
         return self.results.candidates[backend].detail
 
     def record(self, backend: str, output: str | None = None) -> OutputRecord:
         """The record of one (backend, output); ``output=None`` picks the backend's worst."""
         recs = [r for r in self.records if r.backend == backend]
         if not recs:
-            raise InputError(f"no backend {backend!r} in this report; it has: {', '.join(self.results.candidates)}")
+            hint = did_you_mean(backend, self.results.candidates)
+            raise InputError(
+                f"no backend {backend!r} in this report{hint}; it has: {', '.join(self.results.candidates)}"
+            )
         if output is None:
             return worst_record(recs)
         for r in recs:
