@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from rlx_nb._support.safe import file_stem, inside, write_new
 from rlx_nb.errors import InputError
 from rlx_nb.execution.run import run
 from rlx_nb.report.files import load_results, save_results
@@ -160,11 +161,12 @@ def gather_diffs(
 
     Each rank records :func:`rlx_nb.snapshot` of ``model`` on ``inputs`` on its own ``backend`` (node 0's with the
     float64 reference, which a diff of two snapshots needs); the file's bytes travel to rank 0 as a uint8 tensor, as
-    :func:`gather_report`'s do, and are written to ``directory`` (a new temporary folder by default) as
-    ``<node>.rlxsnap``.  Rank 0 returns ``{node: Diff}`` for every other node, each :func:`rlx_nb.diff` of node 0's
+    :func:`gather_report`'s do, and are written to ``directory`` (a new temporary folder by default).  Rank 0 returns ``{node: Diff}`` for every other node, each :func:`rlx_nb.diff` of node 0's
     snapshot against that node's (where the node parts from node 0, module by module, judged on round-off); a node
     whose run failed, died or timed out maps to the reason, a string.  Other ranks return None.  Node names are
-    ``$RLX_NB_NODE`` or ``node<rank>``.  The snapshot files stay in ``directory``, to be diffed again or sent on.
+    ``$RLX_NB_NODE`` or ``node<rank>`` (a name another rank gave already is told apart by its rank,
+    ``"n (rank 1)"``).  The snapshot files stay in ``directory`` as ``<node>.rank<k>.rlxsnap``, to be diffed again
+    or sent on.
     """
     import tempfile
 
@@ -197,14 +199,15 @@ def gather_diffs(
         received = [(name, memoryview(body.numpy())[1:] if body[0] == ord("S") else bytes(body[1:]).decode())]
         received += [(f"node{src}", _receive(src, timeout_s, device)) for src in range(1, world)]
         files: dict[str, Path | str] = {}
-        for fallback, item in received:
+        for src, (fallback, item) in enumerate(received):
             if isinstance(item, str):
-                files[fallback] = item
+                files[_unique(fallback, src, files)] = item
                 continue
             node, _, data = bytes(item).partition(b"\0")
-            node_label = node.decode(errors="replace") or fallback
-            target = folder / f"{_safe_name(node_label)}.rlxsnap"
-            target.write_bytes(data)
+            node = node.decode(errors="replace") or fallback
+            node_label = _unique(node, src, files)
+            target = inside(folder, f"{file_stem(node)}.rank{src}.rlxsnap", "a node's snapshot")
+            write_new(target, data)
             files[node_label] = target
         first = next(iter(files))
         base = files[first]
@@ -216,9 +219,10 @@ def gather_diffs(
             dist.destroy_process_group()
 
 
-def _safe_name(node: str) -> str:
-    # A node's name as a file name (a host name with a slash or a space still makes one file).
-    return "".join(c if c.isalnum() or c in "-_." else "_" for c in node) or "node"
+def _unique(node: str, rank: int, taken: dict) -> str:
+    # A node's name, told apart by its rank where another rank already gave it (two ranks of one node, or one
+    # RLX_NB_NODE set for both): each rank's snapshot is diffed, none is dropped.
+    return node if node not in taken else f"{node} (rank {rank})"
 
 
 def _wire_device() -> str:

@@ -22,12 +22,11 @@ Examples
 
 from __future__ import annotations
 
-import re
 import sys
 from pathlib import Path
 from typing import Any
 
-from rlx_nb._support.safe import term_text
+from rlx_nb._support.safe import file_stem, inside, term_text
 from rlx_nb.api import backend_divergence
 from rlx_nb.errors import InputError, RlxError
 from rlx_nb.report.report import DivergenceReport
@@ -45,7 +44,7 @@ def _plugin_state(key: str) -> Any:
 def _file_name(label: str) -> str:
     test = _plugin_state("test")
     stem = f"{test}--{label}" if test else label
-    return (re.sub(r"[^A-Za-z0-9_.+-]+", "_", stem).strip("_")[:180] or "report") + ".rlxnb"
+    return file_stem(stem) + ".rlxnb"
 
 
 def _save(report: DivergenceReport, target: Path) -> str:
@@ -54,10 +53,10 @@ def _save(report: DivergenceReport, target: Path) -> str:
     name = _file_name(report.label)
     try:
         target.mkdir(parents=True, exist_ok=True)
-        path, n = target / name, 1
+        path, n = inside(target, name, "the report"), 1
         while path.exists():
             n += 1
-            path = target / f"{name.removesuffix('.rlxnb')}-{n}.rlxnb"
+            path = inside(target, f"{name.removesuffix('.rlxnb')}-{n}.rlxnb", "the report")
         path = report.save(path)
     except (OSError, RlxError) as exc:
         return f"report NOT saved: {target / name} could not be written ({type(exc).__name__}: {exc})"

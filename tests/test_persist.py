@@ -249,10 +249,12 @@ def test_torchrun_each_nodes_snapshot_is_diffed_against_node_0s_and_the_broken_n
     # #49's cluster path: node 1's runtime has a softmax bug in block 1, node 2 runs ATen's kernels, not oneDNN.
     p = _torchrun(tmp_path, job="_torchrun_diff_job.py")
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
-    assert "== node1: culprit=blocks.1.attn" in p.stdout  # (parted there, its inputs bit for bit node 0's)
-    assert "== node2: culprit=None" in p.stdout  # (a legitimate difference: within round-off everywhere)
-    assert sorted(f.name for f in tmp_path.glob("*.rlxsnap")) == ["node0.rlxsnap", "node1.rlxsnap", "node2.rlxsnap"]
-    again = rlx_nb.diff(tmp_path / "node0.rlxsnap", tmp_path / "node1.rlxsnap")  # (the files stay, to diff again)
+    # Ranks 1 and 2 share one node name: each is diffed, told apart by its rank (#62: one was dropped silently).
+    assert "== worker: culprit=blocks.1.attn" in p.stdout  # (parted there, its inputs bit for bit node 0's)
+    assert "== worker (rank 2): culprit=None" in p.stdout  # (a legitimate difference: within round-off everywhere)
+    files = sorted(f.name for f in tmp_path.glob("*.rlxsnap"))
+    assert files == ["node0.rank0.rlxsnap", "worker.rank1.rlxsnap", "worker.rank2.rlxsnap"]
+    again = rlx_nb.diff(tmp_path / files[0], tmp_path / files[1])  # (the files stay, to diff again)
     assert again.culprit == "blocks.1.attn" and again.past_line
 
 
