@@ -142,3 +142,37 @@ def test_kept_preparations_are_held_to_a_byte_budget_least_recently_used_out(net
     preparations.fit(None)  # (no budget known: nothing dropped)
     assert len(preparations._CACHE) == 1
     rlx_nb.clear_preparations()
+
+
+def _public_callables():
+    # Every public function of torch, torch.nn.functional and torch.Tensor (dunders included), once each.
+    seen, out = set(), []
+    for space in (torch, torch.nn.functional, torch.special, torch.linalg, torch.Tensor):
+        for name in dir(space):
+            f = getattr(space, name, None)
+            if callable(f) and not isinstance(f, type) and id(f) not in seen:
+                seen.add(id(f))
+                out.append((f"{getattr(space, '__name__', space)}.{name}", f))
+    return out
+
+
+def test_no_two_distinct_callables_share_a_preparation_key():
+    # #62: Tensor methods were keyed by their type alone (Tensor.abs == Tensor.neg, __mul__ == __add__), so a
+    # localization reused one op's compiled or exported preparation for another and named the wrong culprit.
+    from rlx_nb.execution.cache import model_key
+    from rlx_nb.localization.capture import OpModule, Slot
+
+    template = ((Slot(0),), {})
+    keys: dict = {}
+    for name, f in _public_callables():
+        key = model_key(OpModule(f, template))
+        assert key not in keys, f"{name} and {keys[key]} share a key"
+        keys[key] = name
+    assert len(keys) > 1500
+    abs_, neg = (model_key(OpModule(f, template)) for f in (torch.Tensor.abs, torch.Tensor.neg))
+    assert abs_ != neg and model_key(OpModule(torch.Tensor.abs, template)) == abs_  # (the same op: the same key)
+    import copy
+
+    module = OpModule(torch.Tensor.__mul__, template)
+    assert model_key(copy.deepcopy(module)) == model_key(module)  # (a deep copy reuses it)
+    assert model_key(OpModule(torch.Tensor.__add__, template)) != model_key(module)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 import gc
 import threading
 import time
@@ -81,27 +82,51 @@ def _tensor_key(t: torch.Tensor) -> tuple:
     return (str(t.device), t.requires_grad, str(t.dtype), tuple(t.shape), crc)
 
 
+class _Same:
+    """A key part that is equal only to the same object, which it holds (so its id cannot be reused while the key
+    lives): what a deep copy shares (a function, a class, a Tensor method) and what no value key can read."""
+
+    __slots__ = ("obj",)
+
+    def __init__(self, obj: Any) -> None:
+        self.obj = obj
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Same) and other.obj is self.obj
+
+    def __hash__(self) -> int:
+        return id(self.obj)
+
+    def __repr__(self) -> str:
+        return f"<the same {type(self.obj).__name__} at {id(self.obj):#x}>"
+
+
 def _value_key(v: Any, depth: int = 0) -> Any:
-    # Equal for equal values, also across deep copies: plain values and tensors by value, containers
-    # item by item, functions and classes by identity (a deep copy keeps them), other objects by their
-    # attributes (a few levels deep, then by type).
+    # Equal for equal values, also across deep copies: plain values and tensors by value, containers item by item,
+    # functions, classes and every other callable by identity (a deep copy keeps them; two distinct ones never
+    # share a key: Tensor.abs and Tensor.neg were both "a method_descriptor"), other objects by their attributes (a
+    # few levels deep, then by identity).
     if isinstance(v, _PLAIN):
         return (type(v), v)
     if isinstance(v, torch.Tensor):
         return _tensor_key(v)
+    if isinstance(v, functools.partial):
+        return (functools.partial, *(_value_key(x, depth + 1) for x in (v.func, v.args, v.keywords)))
+    if isinstance(v, (type, types.ModuleType, types.FunctionType, types.MethodType)) or (
+        callable(v) and not getattr(v, "__dict__", None)  # (a builtin, a method descriptor, a wrapper: no state)
+    ):
+        return (type(v), _Same(v))
     if depth > 3:
-        return (type(v),)
+        return (type(v), _Same(v))
     if isinstance(v, (tuple, list)):
         return (type(v), tuple(_value_key(x, depth + 1) for x in v))
     if isinstance(v, (set, frozenset)):
-        return (type(v), tuple(sorted(repr(_value_key(x, depth + 1)) for x in v)))
+        return (type(v), tuple(sorted((_value_key(x, depth + 1) for x in v), key=repr)))
     if isinstance(v, dict):
-        return (dict, tuple(sorted((repr(k), repr(_value_key(x, depth + 1))) for k, x in v.items())))
-    if isinstance(v, (type, types.FunctionType, types.BuiltinFunctionType, types.MethodType, types.ModuleType)):
-        return (type(v), id(v))  # deep copies share these; the cache keeps them alive, so ids stay unique
+        return (dict, tuple(sorted(((repr(k), _value_key(x, depth + 1)) for k, x in v.items()), key=repr)))
     if hasattr(v, "__dict__"):
         return (type(v), _value_key(vars(v), depth + 1))
-    return (type(v),)
+    return (type(v), _Same(v))
 
 
 def _graph_key(module: torch.fx.GraphModule) -> tuple:
@@ -122,7 +147,7 @@ def _graph_key(module: torch.fx.GraphModule) -> tuple:
 def model_key(model: Any) -> tuple:
     """What a preparation depends on in ``model``: structure, plain attributes, hooks, tensor values."""
     if not isinstance(model, torch.nn.Module):
-        return (type(model), id(model))
+        return (type(model), _Same(model))
     parts: list[Any] = []
     for name, module in model.named_modules(remove_duplicate=False):
         if isinstance(module, torch.fx.GraphModule):

@@ -1,0 +1,143 @@
+"""Ctrl-C at any point of a call, and torch's process-wide state compared before and after (#62).
+
+:func:`interrupt_at` raises ``KeyboardInterrupt`` at the n-th Python call made on the calling thread inside torch or
+rlx_nb (``sys.settrace``: the place a real Ctrl-C reaches Python is the next bytecode of that thread, anywhere);
+:func:`count_calls` gives the number of such calls a whole call makes, so a test can spread its interrupts over it.
+:func:`torch_state` is every piece of torch's state rlx_nb's calls enter or edit, as comparable values.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+_WATCHED = (os.path.dirname(torch.__file__), os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + "/rlx_nb")
+
+
+def _watched(frame: Any) -> bool:
+    return frame.f_code.co_filename.startswith(_WATCHED)
+
+
+def count_calls(fn: Callable[[], Any]) -> int:
+    """How many Python calls inside torch or rlx_nb ``fn()`` makes on this thread."""
+    n = 0
+
+    def trace(frame, event, arg):
+        nonlocal n
+        if event == "call" and _watched(frame):
+            n += 1
+
+    sys.settrace(trace)
+    try:
+        fn()
+    finally:
+        sys.settrace(None)
+    return n
+
+
+def interrupt_at(fn: Callable[[], Any], n: int) -> bool | None:
+    """Run ``fn()`` with a ``KeyboardInterrupt`` raised at its ``n``-th call inside torch or rlx_nb: True when the
+    interrupt came out of it, False when it was raised and the call still returned (swallowed), None when the call
+    ended before its ``n``-th call (a call's count varies a little from run to run: caches, retries)."""
+    seen = 0
+
+    def trace(frame, event, arg):
+        nonlocal seen
+        if event == "call" and _watched(frame):
+            seen += 1
+            if seen == n:
+                sys.settrace(None)
+                raise KeyboardInterrupt(f"test interrupt at call {n}")
+
+    sys.settrace(trace)
+    try:
+        fn()
+    except KeyboardInterrupt:
+        return True
+    finally:
+        sys.settrace(None)
+    return False if seen >= n else None
+
+
+def _ids(namespace: dict) -> dict[str, int]:
+    return {k: id(v) for k, v in namespace.items()}
+
+
+def torch_state() -> dict[str, Any]:
+    """torch's process-wide state that rlx_nb enters or edits, each part as a value that compares by content."""
+    import torch._dynamo.config as dynamo_config
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+    from torch._inductor import compiler_bisector as cb
+    from torch._inductor import decomposition, lowering
+    from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
+
+    attributes = {}
+    for owner in (torch, torch.nn.functional, torch._ops, torch.export, torch.onnx, torch.Tensor, torch.nn.Module):
+        space = {k: v for c in owner.__mro__ for k, v in vars(c).items()} if isinstance(owner, type) else vars(owner)
+        attributes[getattr(owner, "__name__", str(owner))] = _ids(space)
+    module_hooks = torch.nn.modules.module
+    return {
+        "function modes": [torch._C._get_function_stack_at(i) for i in range(torch._C._len_torch_function_stack())],
+        "dispatch modes": list(_get_current_dispatch_mode_stack()),
+        "inductor config": inductor_config.get_config_copy(),
+        "functorch config": functorch_config.get_config_copy(),
+        "dynamo config": {
+            k: v for k, v in dynamo_config.get_config_copy().items() if k != "traceable_tensor_subclasses"
+        },
+        "decompositions": _ids(decomposition.decompositions),
+        "core decompositions": _ids(torch._decomp.decomposition_table),
+        "lowerings": _ids(lowering.lowerings),
+        "fallbacks": set(lowering.fallbacks),
+        "bisector": (
+            cb.CompilerBisector.bisection_enabled,
+            cb.CompilerBisector.in_process_cache,
+            [s.name for s in cb.BACKENDS["inductor"]],
+        ),
+        "environ": dict(os.environ),
+        "switches": {
+            "grad": torch.is_grad_enabled(),
+            "inference": torch.is_inference_mode_enabled(),
+            "default dtype": torch.get_default_dtype(),
+            "threads": torch.get_num_threads(),
+            "mkldnn": torch.backends.mkldnn.enabled,
+            "nnpack": torch._C._get_nnpack_enabled(),
+            "deterministic": torch.are_deterministic_algorithms_enabled(),
+            "matmul precision": torch.get_float32_matmul_precision(),
+            "autocast": (torch.is_autocast_enabled("cpu"), torch.get_autocast_dtype("cpu")),
+            "anomaly": torch.is_anomaly_enabled(),
+        },
+        "global hooks": [
+            len(getattr(module_hooks, n))
+            for n in dir(module_hooks)
+            if n.startswith("_global_") and isinstance(getattr(module_hooks, n), dict)
+        ],
+        "attributes": attributes,
+    }
+
+
+def differences(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """What changed between two :func:`torch_state` values (attributes: only the ones replaced, not those a lazy
+    import added)."""
+    out = {}
+    for key, was in before.items():
+        now = after[key]
+        if key == "attributes":
+            replaced = {f"{o}.{k}" for o, names in was.items() for k, v in names.items()
+                        if k in now[o] and now[o][k] != v}  # fmt: skip
+            if replaced:
+                out[key] = sorted(replaced)
+        elif isinstance(was, dict) and isinstance(now, dict) and key != "switches":
+            changed = {k for k in set(was) | set(now) if was.get(k, "<absent>") != now.get(k, "<absent>")}
+            if changed:
+                out[key] = sorted(map(str, changed))[:10]
+        elif was != now:
+            out[key] = (was, now)
+    return out
+
+
+__all__ = ["count_calls", "differences", "interrupt_at", "torch_state"]

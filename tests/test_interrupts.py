@@ -1,0 +1,113 @@
+"""Ctrl-C at several points of each long call leaves torch as it was (#62): its mode stacks, Inductor's config,
+decomposition table, lowerings and fallbacks, the compiler bisector, the switches, os.environ, and the functions
+of torch's namespaces.  The interrupts fall at spread points of the call (tests/interrupts.py); after each, torch
+still computes what it computed before, and the same call runs whole."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import rlx_nb
+from rlx_nb.backends.registry import get_backend
+from rlx_nb.localization.attribution import bisect_compiler
+from rlx_nb.localization.capture import OpModule, Slot
+from rlx_nb.localization.culprit import Culprit
+from rlx_nb.models import demo
+from tests.conftest import compiler_caches_off, require_live
+from tests.interrupts import count_calls, differences, interrupt_at, torch_state
+
+SPREAD = (0.03, 0.2, 0.45, 0.7, 0.93)
+"""Where in a call the interrupts fall, as shares of its Python calls inside torch and rlx_nb."""
+
+
+def _still_computes() -> torch.Tensor:
+    torch.manual_seed(0)
+    return torch.nn.Linear(8, 8)(torch.randn(2, 8))
+
+
+def _interrupted_everywhere(call, spread=SPREAD) -> list[bool | None]:
+    # The call once whole (what it warms up is torch's state from then on), once counted, then interrupted at each
+    # point: torch's state after each as before it; every interrupt raised comes out of the call (none swallowed),
+    # and all but one at most are raised (a call's first run makes more calls than the next: its lazy imports, its
+    # caches; the count varies a little from run to run).
+    call()
+    total = count_calls(call)
+    before, computes = torch_state(), _still_computes()
+    outcomes = []
+    for share in spread:
+        outcomes.append(interrupt_at(call, max(1, int(total * share))))
+        assert differences(before, torch_state()) == {}, f"after an interrupt at {share:.0%} of the call"
+        assert torch.equal(_still_computes(), computes)
+    call()  # (and the call runs whole again)
+    assert differences(before, torch_state()) == {}
+    assert False not in outcomes, f"an interrupt was swallowed: {outcomes}"
+    assert outcomes.count(None) <= 1, f"the interrupts did not fall inside the call: {outcomes}"
+    return outcomes
+
+
+def test_ctrl_c_during_a_snapshot_with_its_reference_and_ops_leaves_torch_as_it_was(tmp_path):
+    model, inputs = demo.layered(fault_layer=1)
+    n = [0]
+
+    def call():
+        n[0] += 1
+        rlx_nb.snapshot(model, inputs, tmp_path / f"s{n[0]}", reference=True, ops=True)
+
+    _interrupted_everywhere(call)
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".")]  # (no partial file or scratch folder left)
+
+
+def test_ctrl_c_during_a_diff_leaves_torch_as_it_was(tmp_path):
+    model, inputs = demo.layered(fault_layer=1)
+    path = rlx_nb.snapshot(model, inputs, tmp_path / "s", reference=True, ops=True)
+    _interrupted_everywhere(lambda: rlx_nb.diff(path, model, inputs, local="all", backend="fault:softmax-row"))
+
+
+def test_ctrl_c_during_a_repro_and_its_shrinking_leaves_torch_as_it_was(tmp_path):
+    model, inputs = demo.layered(fault_layer=1)
+    loc = rlx_nb.localize(model, inputs, backend="fault:softmax-row")
+    _interrupted_everywhere(lambda: loc.repro(tmp_path, attribute=False, check=False))
+
+
+@contextlib.contextmanager
+def _planted_gelu_decomposition():
+    from torch._inductor import decomposition
+
+    aten = torch.ops.aten
+    saved = decomposition.decompositions[aten.gelu.default]
+    decomposition.decompositions[aten.gelu.default] = lambda x, approximate="none": x * torch.sigmoid(1.702 * x)
+    decomposition.fast_random_decomps.cache_clear()
+    try:
+        yield
+    finally:
+        decomposition.decompositions[aten.gelu.default] = saved
+        decomposition.fast_random_decomps.cache_clear()
+
+
+@pytest.mark.slow
+def test_ctrl_c_during_a_compiler_bisection_and_its_workaround_leaves_torch_as_it_was():
+    # A wrong decomposition: the bisection walks torch.compile's stages, bisects the decompositions, then checks the
+    # workaround (the op taken out of the table, compiled by Inductor: it adds the op to its lowerings and fallbacks).
+    require_live("cpu-inductor")
+    op = OpModule(torch.nn.functional.gelu, ((Slot(0),), {}))
+    culprit = Culprit("gelu", "cpu-inductor", False, op, (torch.randn(4, 8),), lent=get_backend("cpu-inductor"))
+    found = []
+    with _planted_gelu_decomposition(), compiler_caches_off():
+        _interrupted_everywhere(lambda: found.append(bisect_compiler(culprit, lambda _: None)), spread=(0.05, 0.4, 0.8))
+    assert "in its decompositions, at aten.gelu" in found[-1].sentence and found[-1].workaround
+
+
+def test_the_mode_guard_takes_back_a_mode_a_hook_left_on_torchs_stack():
+    # What tripped the snapshot: torch runs an always_call forward hook on an Exception, not on a KeyboardInterrupt.
+    from rlx_nb._support.kept import modes_kept
+    from rlx_nb.changes.ops import OpCalls
+
+    model = torch.nn.Sequential(torch.nn.Linear(2, 2))
+    recorder = OpCalls(lambda op: None)
+    model.register_forward_hook(lambda *a: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt), modes_kept(), recorder.attached(model):
+        model(torch.randn(1, 2))
+    assert torch._C._len_torch_function_stack() == 0
