@@ -290,3 +290,54 @@ def test_a_forged_snapshot_is_refused_by_the_command_line_too(with_ops, tmp_path
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)  # fmt: skip
     assert done.returncode == 2 and "list of pure tensor computations" in done.stderr, done.stderr
     assert not list(tmp_path.glob("PWNED*"))
+
+
+def _rewritten(path, where, edit):
+    # The file at ``path`` with its meta.json edited by ``edit(meta)``, written to ``where``.
+    with zipfile.ZipFile(path) as zf:
+        meta = json.loads(zf.read("meta.json"))
+        entries = {n: zf.read(n) for n in zf.namelist() if n != "meta.json"}
+    edit(meta)
+    with zipfile.ZipFile(where, "w") as zf:
+        zf.writestr("meta.json", json.dumps(meta))
+        for n, data in entries.items():
+            zf.writestr(n, data)
+    return where
+
+
+@pytest.mark.parametrize("declared", ["complex128", "float64", "int32", "float16", "uint8"])
+def test_a_declared_dtype_the_stored_array_does_not_have_is_refused(declared, with_ops, tmp_path):
+    # #62: a complex128 declared over float32 data was read as is.  Snapshots and reports alike (bfloat16 is the one
+    # dtype stored as another: float32, exactly).
+    model, x, path = with_ops
+
+    def snapshot_edit(meta):
+        for spec in meta["arrays"].values():
+            spec["dtype"] = declared
+
+    forged = _rewritten(path, tmp_path / "dtype.rlxsnap", snapshot_edit)
+    with pytest.raises(ReportFormatError, match=f"holds float32, but meta.json declares it {declared}"):
+        rlx_nb.load_snapshot(forged)
+    report = rlx_nb.backend_divergence(model, x, backends=["cpu-nomkldnn"], progress=False)
+
+    def report_edit(meta):
+        for out in meta["runs"]["oracle"]["outputs"].values():
+            out["dtype"] = declared
+
+    forged = _rewritten(report.save(tmp_path / "r.rlxnb"), tmp_path / "dtype.rlxnb", report_edit)
+    with pytest.raises(ReportFormatError, match=f"holds float32, but meta.json declares it {declared}"):
+        rlx_nb.load_report(forged)
+
+
+def test_a_snapshot_to_a_folder_is_refused_before_the_model_runs(tmp_path):
+    ran = []
+
+    def model(x):
+        ran.append(1)
+        return x * 2
+
+    (tmp_path / "there.rlxsnap").mkdir()
+    for path in (tmp_path, tmp_path / "there.rlxsnap", tmp_path / "there"):
+        with pytest.raises(InputError, match="is a folder; give a file to write"):
+            rlx_nb.snapshot(model, torch.ones(2), path)
+    assert ran == []

@@ -506,6 +506,10 @@ def test_every_public_verb_of_a_forward_report_works_on_an_int8_report(tmp_path)
     assert rlx_nb.explore(report) is not None
     merged = rlx_nb.merge_reports([path, path], names=["a", "b"])
     assert merged.suspects == [f"a/{fault.name}", f"b/{fault.name}"]
+    assert merged.int8 == report.int8  # (the oracle node's budget kept: the merged report speaks quanta too)
+    floating = rlx_nb.backend_divergence(*demo.mlp(), backends=["cpu-nomkldnn"], progress=False)
+    with pytest.raises(InputError, match=r"two kinds \('a' an int8, 'b' a float one\)"):  # (#62: merged without a word)
+        rlx_nb.merge_reports([path, floating], names=["a", "b"])
     assert not rlx_nb.compare_reports(path, report).any_worse
     assert assert_backends_agree(converted, inputs, int8=True, backends=["executorch-portable"]).int8 is not None
     with pytest.raises(AssertionError, match=r"SUSPECT: int8-fault"):

@@ -303,6 +303,10 @@ def snapshot(
     if reason:
         raise InputError(f"backend {backend!r} is not available here: {reason}")
     path = Path(path)
+    for where in (path, path if path.suffix else path.with_suffix(files.SUFFIX)):
+        if where.is_dir():  # (said before the model runs, not after)
+            raise InputError(f"the snapshot's path {str(where)!r} is a folder; give a file to write, e.g. "
+                             f"{str(where / 'run.rlxsnap')!r}")  # fmt: skip
     if not path.suffix:
         path = path.with_suffix(files.SUFFIX)
     env = snapshot_environment()

@@ -29,6 +29,13 @@ def merge_results(nodes: Sequence[tuple[str, RunResults | str]], *, oracle: str 
     base = dict(ok).get(oracle)
     if base is None:
         raise InputError(f"oracle node {oracle!r} has no results; nodes with results: {', '.join(n for n, _ in ok)}")
+    kinds = {n: "an int8" if "int8" in r.environment else "a float" for n, r in ok}
+    if len(set(kinds.values())) > 1:
+        said = ", ".join(f"{n!r} {k}" for n, k in kinds.items())
+        raise InputError(
+            f"these nodes hold reports of two kinds ({said} one): an int8 report's runtimes are judged against its "
+            "Q/DQ simulation in quanta, a float one's against the float32 oracle; merge reports of one kind"
+        )
     want = base.fingerprints.get("inputs")
     candidates: dict[str, BackendRun] = {}
     for node, res in nodes:
@@ -53,6 +60,8 @@ def merge_results(nodes: Sequence[tuple[str, RunResults | str]], *, oracle: str 
         for name, diff in (res.environment.get("nondeterministic") or {}).items():
             unstable[name] = max(unstable.get(name, 0.0), diff)
     environment = {"nodes": {n: r.environment for n, r in ok}, "oracle_node": oracle, "nondeterministic": unstable}
+    if "int8" in base.environment:  # (the oracle node's budget, as its trials)
+        environment["int8"] = base.environment["int8"]
     return RunResults(
         label=base.label,
         oracle=base.oracle,
