@@ -337,3 +337,44 @@ def test_two_ctrl_c_while_a_backend_is_inside_a_long_cpp_call_keep_what_finished
                           env=dict(os.environ, RLX_NB_PROGRESS="0"))  # fmt: skip
     assert done.returncode == 0 and "Fatal Python error" not in done.stderr, (done.returncode, done.stderr[-2000:])
     assert "KEPT ['cpu-nomkldnn']" in done.stdout and "AFTER" in done.stdout
+
+
+def test_a_stop_swallowed_by_a_destructor_is_raised_again_until_the_abandoned_thread_stops(tmp_path):
+    # #62: a timed-out runtime's thread took the Stopped inside jax's garbage-collector callback, which printed
+    # "Exception ignored ... Stopped" and ran on -- beside the next backend's export, or into the interpreter's
+    # shutdown (SIGABRT once in several runs of executorch-xnnpack then litert at timeout_s=0.5).  Here the
+    # backend spends its time in destructors: the Stopped lands there, is raised again at its next step, and the
+    # thread stops within the wait; nothing is printed.
+    script = tmp_path / "swallowed.py"
+    script.write_text(
+        "import threading\n"
+        "from rlx_nb._support import switches\n"
+        "entered = threading.Event()\n"
+        "class Slow:\n"
+        "    def __del__(self):\n"
+        "        total = 0\n"
+        "        for i in range(3000):\n"
+        "            total += i\n"
+        "def backend():\n"
+        "    entered.set()\n"
+        "    try:\n"
+        "        while True:\n"
+        "            Slow()\n"
+        "            for i in range(300):\n"
+        "                pass\n"
+        "    except BaseException as exc:  # (as rlx_nb's backend threads take it)\n"
+        "        print('RAISED', type(exc).__name__, flush=True)\n"
+        "thread = switches.worker(backend, 'rlx_nb:destructors')\n"
+        "thread.start()\n"
+        "entered.wait()\n"
+        "stopped = switches.abandon(thread, {}, wait_s=20.0)\n"
+        "thread.join(5.0)\n"
+        "print('STOPPED', stopped, thread.is_alive(), flush=True)\n"
+    )
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "RAISED Stopped\nSTOPPED True False" in done.stdout, done.stdout + done.stderr[-2000:]
+    assert "Exception ignored" not in done.stderr, done.stderr[-2000:]

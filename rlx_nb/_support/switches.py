@@ -291,6 +291,38 @@ EXIT_WAIT_S = 60.0
 """How long the interpreter's exit waits, in all, for abandoned backend threads to stop."""
 
 
+_HOOK_LOCK = threading.Lock()
+_SWALLOWED: list[int] = []  # threads whose Stopped a destructor swallowed, to be raised into again
+
+
+def _again_where_swallowed(unraisable: Any) -> None:
+    # sys.unraisablehook: a Stopped that landed in a destructor or a garbage-collector callback (jax's runs on every
+    # collection) is printed and dropped there, and the abandoned thread ran on -- under the next backend's export,
+    # or past the exit's wait into the interpreter's shutdown, which aborts the process.  It is raised again (by
+    # _stopper, from outside: raised here it would land in this hook), and not printed; anything else goes to the
+    # hook that was there before.
+    if unraisable.exc_type is not None and issubclass(unraisable.exc_type, Stopped) and abandoned():
+        _SWALLOWED.append(threading.get_ident())
+        return
+    _again_where_swallowed.previous(unraisable)
+
+
+def _stopper() -> None:
+    # Raises Stopped again into each thread that swallowed one, a moment after (the destructor has returned).
+    while True:
+        time.sleep(0.002)
+        while _SWALLOWED:
+            raise_in(_SWALLOWED.pop(), Stopped)
+
+
+def _hook_swallowed_stops() -> None:
+    with _HOOK_LOCK:
+        if sys.unraisablehook is not _again_where_swallowed:
+            _again_where_swallowed.previous = sys.unraisablehook
+            sys.unraisablehook = _again_where_swallowed
+            threading.Thread(target=_stopper, name="rlx_nb:stopper", daemon=True).start()
+
+
 def abandon(thread: threading.Thread, saved: dict[str, Any], *, wait_s: float = 0.0) -> bool:
     """Give up on ``thread`` (still running a backend): put every switch back to ``saved`` at once, end its part in
     any output capture (:func:`rlx_nb._support.quiet.release`), raise :class:`Stopped` in it (it lands at its next
@@ -309,6 +341,7 @@ def abandon(thread: threading.Thread, saved: dict[str, Any], *, wait_s: float = 
     if _finished(thread, 0.0):
         _LEFT_RUNNING.discard(thread)
         return True
+    _hook_swallowed_stops()
     raise_in(thread.ident, Stopped)
     if _finished(thread, wait_s):
         _LEFT_RUNNING.discard(thread)
