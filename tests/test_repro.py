@@ -11,6 +11,7 @@ import sys
 import pytest
 import torch
 import torch._inductor.config as inductor_config
+from torch.overrides import TorchFunctionMode
 
 import rlx_nb
 from rlx_nb.backends.exported_faults import fault_through
@@ -325,3 +326,82 @@ def test_the_real_litert_multi_query_attention_bug_reproduces_from_the_module(tm
     _check(repro, shrunk_at_least=2)
     assert repro.path.with_suffix(".npz").exists() and "torch.ops.aten.expand" in repro.text
     assert repro.attribution.startswith("Born in the converter")
+
+
+# -- shrinking keeps a margin and the operands' relations (#62) ------------------------------------------------
+
+
+class _Fading(TorchFunctionMode):
+    # A GELU off by an amount that fades with the input's size: far past the line on the whole case, just past it
+    # on a tiny one (as XNNPACK's tanh GELU, which shrank to one element at 1.03x the line).
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.nn.functional.gelu:
+            out = out.clone()
+            out.view(-1)[0] += 1e-7 * out.numel()
+        return out
+
+
+def _fading(model, inputs):
+    with _Fading():
+        return model(*inputs)
+
+
+def test_shrinking_stops_while_the_case_is_still_well_past_the_line(tmp_path):
+    from rlx_nb.localization.shrink import SHRINK_MARGIN, strength
+
+    rlx_nb.register_backend("test:fading-gelu", _fading, default=False, replace=True)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.GELU())
+    loc = rlx_nb.localize(model, torch.randn(64, 64), backend="test:fading-gelu")
+    whole = loc._culprit.judge()
+    assert strength(whole) > 20 * SHRINK_MARGIN
+    repro = loc.repro(tmp_path, attribute=False, check=False, progress=False)
+    n0, n1 = repro.shrunk.elements
+    assert n1 < n0 and strength(repro.record) >= SHRINK_MARGIN, (repro.shrunk, strength(repro.record))
+    # (one more halving would have gone under the margin: the fault fades with the size)
+    assert strength(repro.record) < 2 * 2 * SHRINK_MARGIN
+
+
+def test_a_cut_never_makes_an_operand_broadcast_where_it_did_not():
+    from rlx_nb.localization.shrink import consistent
+
+    q, k, v = (1, 2, 10, 4), (1, 2, 10, 4), (1, 2, 10, 4)
+    assert consistent([q, k, v], [(1, 2, 5, 4), (1, 2, 5, 4), (1, 2, 5, 4)])  # (a shared size, cut in all)
+    assert consistent([q, k, v], [(1, 2, 10, 4), (1, 2, 10, 4), (1, 2, 10, 2)])  # (v's width alone: no broadcast)
+    assert not consistent([q, k, v], [(1, 2, 10, 4), (1, 1, 10, 4), (1, 2, 10, 4)])  # (k's heads 1: it broadcasts)
+    assert not consistent([(2, 1, 5, 2), (2, 1, 5, 2)], [(1, 1, 5, 2), (2, 1, 5, 2)])  # (a batch of 1 broadcasts)
+    assert consistent([(8, 32), (1, 32)], [(4, 32), (1, 32)])  # (an operand that broadcast already)
+    assert consistent([(8, 32), (16, 32)], [(4, 32), (16, 32)])  # (sizes that differed may go on differing)
+
+
+def test_sdpa_operands_shrink_together():
+    # The attention culprit's q, k and v keep shapes that agree without broadcasting (#62: q 1x1x5x2, k 2x1x1x2,
+    # v 1x1x1x1 came out of a shrink).
+    from rlx_nb.localization.shrink import shrink
+
+    class Sdpa(torch.nn.Module):
+        def forward(self, q, k, v):
+            return torch.nn.functional.scaled_dot_product_attention(q, k, v)
+
+    rlx_nb.register_backend("test:fading-sdpa", _fading_sdpa, default=False, replace=True)
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 10, 4) for _ in range(3))
+    loc = rlx_nb.localize(Sdpa(), (q, k, v), backend="test:fading-sdpa")
+    done = shrink(loc._culprit)
+    shapes = [tuple(t.shape) for t in done.culprit.tensors]
+    assert done.elements[1] < done.elements[0]
+    assert shapes[0][:2] == shapes[1][:2] == shapes[2][:2] and shapes[1][2] == shapes[2][2], shapes
+
+
+class _WrongSdpa(TorchFunctionMode):
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if func is torch.nn.functional.scaled_dot_product_attention:
+            out = out * 1.01
+        return out
+
+
+def _fading_sdpa(model, inputs):
+    with _WrongSdpa():
+        return model(*inputs)

@@ -145,7 +145,7 @@ def reproduce(
             )
         shrunk = None
         if shrink_inputs:
-            shrunk = shrink(culprit, told=told)
+            shrunk = shrink(culprit, told=told, record=record)
             if shrunk.record is not None:  # (its last accepted step's verdict: the smallest case, judged once)
                 culprit, record = shrunk.culprit, shrunk.record
         attribution = ""

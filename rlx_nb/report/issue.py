@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.metadata
+import math
 import platform
 from pathlib import Path
 from typing import Any
@@ -130,12 +131,14 @@ def _what(repro: Any) -> str:
                  "eager's own)")  # fmt: skip
     bad = j.events.nonfinite_unexplained
     nonfinite = f"{bad} values are NaN or infinite where float64's are finite; past them, its " if bad else ""
+    where = (f"That is {j.line:.3g}x the SUSPECT line rlx_nb measured" if math.isfinite(j.line) else
+             "A NaN or an infinity where float64 has none is past the SUSPECT line at any size")  # fmt: skip
     return (
         f"On {md_code(repro.label)} alone ({'its gradient' if repro.backward else 'forward'}), "
         f"{md_text(repro.backend)}'s {nonfinite}largest error against float64 is {e.backend_max_err:.3g} and its "
         f"RMS error {e.backend_rmse:.3g}; float32 eager's are {e.oracle_max_err:.3g} and {e.oracle_rmse:.3g}{scale}. "
-        f"That is {j.line:.3g}x the SUSPECT line rlx_nb measured (a largest error past {repro.line[0]:.3g}, an RMS "
-        f"error past {repro.line[1]:.3g} or a NaN or infinity where float64 has none is a bug, not round-off)."
+        f"{where} (a largest error past {repro.line[0]:.3g}, an RMS error past {repro.line[1]:.3g} or a NaN or "
+        "infinity where float64 has none is a bug, not round-off)."
     )
 
 
@@ -149,10 +152,9 @@ def title(repro: Any) -> str:
         module = repro.model
     where = f"{md_code(op)} in {md_code(module)}" if op else md_code(module)
     what = "the gradient of " if repro.backward else ""
-    return (
-        f"{md_text(repro.backend)}: {what}{where} diverges from float64 far past float32 round-off "
-        f"({repro.judgement.line:.3g}x)"
-    )
+    line = repro.judgement.line
+    how = f"far past float32 round-off ({line:.3g}x)" if math.isfinite(line) else "with NaN or infinity"
+    return f"{md_text(repro.backend)}: {what}{where} diverges from float64 {how}"
 
 
 def issue_text(report: Any, record: Any, repro: Any) -> str:
