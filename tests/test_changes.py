@@ -424,3 +424,22 @@ def test_a_model_that_fails_leaves_no_file_behind(tmp_path):
     with pytest.raises(InputError, match="the model failed on 'cpu': RuntimeError: boom"):
         rlx_nb.snapshot(Fails(), (torch.zeros(1),), tmp_path / "s", reference=True)
     assert list(tmp_path.iterdir()) == []  # (no snapshot, no half-written zip, no scratch folder)
+
+
+def test_the_top_level_modules_own_ops_are_named_root_everywhere(tmp_path):
+    # #62: ops the top-level module calls itself were " :: F.silu" (a blank module), and change.report("<root> ::
+    # F.silu") failed; they read "<root> :: F.silu" in the frame, the lines and report().
+    class Top(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(8, 8)
+
+        def forward(self, x):
+            return torch.nn.functional.silu(self.lin(x)) * 2
+
+    torch.manual_seed(0)
+    model, x = Top(), torch.randn(4, 8)
+    path = rlx_nb.snapshot(model, x, tmp_path / "top", ops=True)
+    d = rlx_nb.diff(path, model, x, backend="cpu-nomkldnn", local="all")
+    assert "<root> :: F.silu" in list(d.frame.module) and not any(m.startswith(" ") for m in d.frame.module)
+    assert d.report("<root> :: F.silu").suspects == []

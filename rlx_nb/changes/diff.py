@@ -29,7 +29,7 @@ from rlx_nb.backends.base import REFERENCE
 from rlx_nb.backends.eager import run_float64_streamed
 from rlx_nb.backends.registry import get_backend
 from rlx_nb.changes.environment import differences, snapshot_environment
-from rlx_nb.changes.ops import module_of
+from rlx_nb.changes.ops import module_of, shown
 from rlx_nb.changes.record import alone, watched_run
 from rlx_nb.changes.result import Diff, row
 from rlx_nb.changes.snapshot_file import Snapshot, as_snapshot
@@ -209,7 +209,7 @@ def _same_inputs(a: Snapshot, b: Snapshot, name: str) -> bool:
 
 
 def _shown(name: str, a: Snapshot) -> str:
-    return (name.removeprefix("model.") if a.meta["keyword"] else name) or "<root>"
+    return shown(name, a.meta["keyword"])
 
 
 def _against_model(

@@ -52,6 +52,24 @@ def resolve(label: str) -> Callable:
     return func
 
 
+ROOT = "<root>"
+
+
+def shown(name: str, keyword: bool) -> str:
+    """A recorded module's or op's name as the user reads it: without the keyword adapter's ``model.`` level, the
+    top-level module named ``<root>`` (its own ops ``"<root> :: F.silu"``, as :func:`rlx_nb.localize` names them).
+
+    Examples
+    --------
+    >>> shown("", False), shown(" :: F.silu", False), shown("model.blocks.0 :: F.softmax", True)
+    ('<root>', '<root> :: F.silu', 'blocks.0 :: F.softmax')
+    """
+    module, sep, op = name.partition(SEPARATOR)
+    if keyword:
+        module = module.removeprefix("model.")
+    return f"{module or ROOT}{sep}{op}"
+
+
 def is_op(name: str) -> bool:
     return SEPARATOR in name
 
@@ -159,4 +177,4 @@ class OpCalls(TorchFunctionMode):
         return out
 
 
-__all__ = ["SEPARATOR", "OpCall", "OpCalls", "is_op", "module_of", "resolve", "runnable"]
+__all__ = ["ROOT", "SEPARATOR", "OpCall", "OpCalls", "is_op", "module_of", "resolve", "runnable", "shown"]

@@ -12,6 +12,7 @@ from typing import Any
 
 import pandas as pd
 
+from rlx_nb.changes.ops import shown
 from rlx_nb.comparison.tables import Table
 from rlx_nb.errors import InputError, writing
 from rlx_nb.verdict.records import OutputRecord
@@ -83,7 +84,7 @@ class Diff:
         self._arrays = arrays  # (name, side) -> (old outputs, new outputs, float64 outputs): what report() shows
         self.environment, self.notes, self.checked_alone = environment, notes, checked_alone
         for r in rows:
-            r["module"] = (r["name"].removeprefix("model.") if keyword else r["name"]) or "<root>"
+            r["module"] = shown(r["name"], keyword)
         self._rows = rows
         self.frame = Table(sorted(rows, key=lambda r: r["order"]), columns=COLUMNS)
         self.culprit = _innermost(rows, "local_verdict")
