@@ -335,3 +335,64 @@ def test_a_backend_identical_to_the_oracle_has_no_worst_element_marked(rng):
     b[1, 2, 3] += 1e-3
     off = heatmap(o, b, r, metric="line", budget=1e-7)
     assert off.worst == (1, 2, 3)
+
+
+def _texts_outside(fig) -> list[str]:
+    # Every drawn text (titles, tick labels, annotations, legends) whose box leaves the figure: what a reader would
+    # see cut.  Axes' tight boxes hold only what is drawn (a tick label outside the view is not).
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.text import Text
+
+    canvas = FigureCanvasAgg(fig)
+    canvas.draw()
+    renderer, fb = canvas.get_renderer(), fig.bbox
+    out = []
+    for ax in fig.axes:
+        for t in [*ax.texts, ax.title, ax._left_title, ax._right_title, *ax.get_xticklabels(), *ax.get_yticklabels()]:
+            if not isinstance(t, Text) or not t.get_visible() or not t.get_text() or not t.get_in_layout():
+                continue
+            if t in ax.get_xticklabels() or t in ax.get_yticklabels():
+                bb = ax.get_tightbbox(renderer)  # (tick labels: the ones drawn, through the axes' own box)
+                words = f"{ax.get_label() or 'axes'} tick labels"
+            else:
+                bb, words = t.get_window_extent(renderer), t.get_text()
+            if bb.x0 < fb.x0 - 0.5 or bb.x1 > fb.x1 + 0.5 or bb.y0 < fb.y0 - 0.5 or bb.y1 > fb.y1 + 0.5:
+                out.append(words)
+    return sorted(set(out))
+
+
+@pytest.mark.parametrize("shape", [(16, 10), (64, 2), (2, 64), (10, 16), (3, 400), (400, 3)])
+def test_no_label_of_a_heatmap_is_cut_at_any_size_the_explorer_or_the_page_draws_it(shape):
+    # #62: notebook 08's explorer read "3% of the error; worst (31, 1)" where the heatmap said "[:, 1]: 53% of the
+    # error": the band's label, centred on a column near the edge, ran out of the 5-inch figure and was cut.
+    from matplotlib.figure import Figure
+    from torch.overrides import TorchFunctionMode
+
+    from rlx_nb.plot.style import HEATMAP_MARGINS
+
+    class Column(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.nn.functional.linear:
+                out = out.clone()
+                out[..., 1] *= 1.0001
+                out[-1, -1] *= 1.00001
+            return out
+
+    def faulty(model, inputs):
+        with Column():
+            return model(*inputs)
+
+    rlx_nb.register_backend("test:column", faulty, default=False, replace=True)
+    torch.manual_seed(0)
+    report = rlx_nb.backend_divergence(torch.nn.Linear(8, shape[1]), torch.randn(shape[0], 8),
+                                       backends=["test:column"], progress=False)  # fmt: skip
+    # (the explorer's figure and report.plot.heatmap's; the HTML page saves its figures with bbox_inches="tight",
+    # which grows the image to hold every text)
+    for width, height in ((5.0, 4.0), (6.0, 4.5)):
+        fig = Figure(figsize=(width, height))
+        fig.subplots_adjust(**HEATMAP_MARGINS)
+        report.plot.heatmap(ax=fig.add_subplot())
+        assert _texts_outside(fig) == [], (shape, width)
+    explorer = rlx_nb.explore(report)
+    assert _texts_outside(explorer._heatmap_ax.figure) == []

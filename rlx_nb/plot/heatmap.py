@@ -23,6 +23,7 @@ from rlx_nb.plot.style import (
     HEATMAP_MARGINS,
     METRIC_LABELS,
     SUSPECT_COLOUR,
+    inside_annotation,
     log_ticks,
     new_axes,
     pixel_budget,
@@ -232,11 +233,11 @@ def draw_heatmap(
         if band is None:
             dy = 14 if by < data.shape[0] * 0.15 else -14
             dx, ha = (-8, "right") if bx > data.shape[1] * 0.6 else (8, "left")
-            ax.annotate(
+            inside_annotation(
+                ax,
                 f"worst {index}",
                 (bx, by),
                 xytext=(dx, -dy),
-                textcoords="offset points",
                 color="cyan",
                 fontsize=9,
                 fontweight="bold",
@@ -397,8 +398,8 @@ def _band(ax: Axes, shape: tuple[int, int], cell: tuple[str, int], label: str, *
             (-4 if label_right else 4, -2 if below else 2),
             "top" if below else "bottom",
         )
-    ax.annotate(plot_text(label), at, xytext=offset, textcoords="offset points", color="cyan", fontsize=8,
-                fontweight="bold", ha=ha, va=va, bbox={"boxstyle": "round", "fc": "black", "alpha": 0.65, "lw": 0})  # fmt: skip
+    inside_annotation(ax, plot_text(label), at, xytext=offset, color="cyan", fontsize=8, fontweight="bold", ha=ha,
+                      va=va, bbox={"boxstyle": "round", "fc": "black", "alpha": 0.65, "lw": 0})  # fmt: skip
     ax.set_xlim(*limits[0])
     ax.set_ylim(*limits[1])
 
