@@ -306,6 +306,7 @@ def _snapshot(args: argparse.Namespace) -> int:
 
 def _diff(args: argparse.Namespace) -> int:
     from rlx_nb.changes.diff import diff
+    from rlx_nb.changes.result import IDENTICAL, WITHIN
 
     if args.html:
         _check_writable(args.html, "--html", directory=False)
@@ -322,7 +323,7 @@ def _diff(args: argparse.Namespace) -> int:
         print(f"wrote {result.to_html(args.html)}")
     if result.past_line:
         return EXIT_SUSPECT
-    if not (result.frame.change == "moved within round-off").any():
+    if not result.frame.change.isin([WITHIN, IDENTICAL]).any():
         print("rlx-nb: judged nothing, so this cannot pass: no module was judged", file=sys.stderr)
         return EXIT_BACKEND_FAILED
     return EXIT_OK

@@ -52,7 +52,7 @@ class DiffExplorer(Explorer):
         e = html.escape
         envs = "".join(f"<li>{e(d)}</li>" for d in diff.environment[:8])
         self.diff_head = W.HTML(
-            f"<h4>{e(diff.old_label)} &rarr; {e(diff.new_label)} ({e(diff.backend)})</h4><p><b>{e(diff.finding)}</b></p>"
+            f"<h4>{e(diff.heading).replace(' -&gt; ', ' &rarr; ')}</h4><p><b>{e(diff.finding)}</b></p>"
             + (f"<p>Environment differences:</p><ul>{envs}</ul>" if envs else "")
         )
         self.diff_bars = W.Output()

@@ -22,6 +22,8 @@ from rlx_nb.models import demo
 from tests.conftest import compiler_caches_off
 
 ROOT = Path(__file__).resolve().parent.parent
+UNTOUCHED = {"moved within round-off", "bit for bit identical"}
+"""A module whose change is within round-off: moved within it, or not at all."""
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +41,7 @@ def test_a_planted_kernel_fault_is_local_in_its_module_and_propagated_in_every_o
     assert d.culprit == "blocks.1.attn"
     assert change["blocks.1.attn"] == change["blocks.1"] == "changed here"
     for before in ("blocks.0", "blocks.1.ln1", "blocks.1.attn.qkv"):  # upstream of the softmax: untouched
-        assert change[before] == "moved within round-off", before
+        assert change[before] == "bit for bit identical", before  # (the same kernels before the fault)
     for after in ("blocks.1.attn.proj", "blocks.1.mlp", "blocks.2", "head"):  # fed the changed values
         assert change[after] == "carried in", after
     assert d.past_line and "blocks.1.attn computes differently here" in d.finding
@@ -59,11 +61,11 @@ def test_with_ops_the_diff_descends_from_the_module_into_its_own_op(layered, tmp
     d = rlx_nb.diff(path, model, inputs, backend="fault:softmax-row")
     change = dict(zip(d.frame.module, d.frame.change, strict=True))
     assert d.culprit == "blocks.1.attn :: F.softmax" and change["blocks.1.attn"] == "changed here"
-    assert change["blocks.1.attn :: Tensor.matmul"] == "moved within round-off"
+    assert change["blocks.1.attn :: Tensor.matmul"] == "bit for bit identical"
     assert change["blocks.1.attn :: Tensor.matmul#2"] == "carried in"
-    assert d.report().suspects == ["fault:softmax-row here"]  # (the explorer's view of the op, alone)
+    assert d.report().suspects == [d.new_label]  # (the explorer's view of the op, alone)
     legit = rlx_nb.diff(path, model, inputs, backend="cpu-nomkldnn", local="all")
-    assert set(legit.frame.change) == {"moved within round-off"} and len(legit.frame) == len(snap.modules)
+    assert set(legit.frame.change) <= UNTOUCHED and len(legit.frame) == len(snap.modules)
     # Two snapshots with their ops: the softmax was fed bit for bit the same inputs, so its change is its own.
     faulty = rlx_nb.snapshot(model, inputs, tmp_path / "faulty", ops=True, backend="fault:softmax-row")
     reference = rlx_nb.snapshot(model, inputs, tmp_path / "reference", ops=True, reference=True)
@@ -109,8 +111,8 @@ def test_the_explorer_walks_a_diff_from_its_culprit_to_the_element_on_either_sid
     d = rlx_nb.diff(path, model, inputs, backend="fault:softmax-row")
     ex = rlx_nb.explore(d)
     assert (ex.module_picker.value, ex.side_picker.value) == ("blocks.1.attn", "local")
-    assert ex.report.suspects == ["fault:softmax-row here"] and "SUSPECT" in ex.status.value
-    alone = ex.report.record("fault:softmax-row here", "out")
+    assert ex.report.suspects == [d.new_label] and "SUSPECT" in ex.status.value
+    alone = ex.report.record(d.new_label, "out")
     assert alone.judgement.line == pytest.approx(d.frame.set_index("module").local_line["blocks.1.attn"], rel=1e-6)
     assert "old run (" in ex.inspector.value and ex.heatmap_data is not None and ex.heatmap_data.max() > 1
     ex.module_picker.value = "blocks.0"  # upstream: its whole-run output is the old one, bit for bit
@@ -151,7 +153,7 @@ def test_a_legitimate_change_in_the_same_process_reads_as_round_off_and_names_wh
     finally:
         torch.set_num_threads(threads)
     assert d.culprit is None and d.first_parted is None and not d.past_line
-    assert set(d.frame.change) == {"moved within round-off"}
+    assert set(d.frame.change) <= UNTOUCHED
     assert d.frame.local_line.notna().all() and d.frame.propagated_line.notna().all()
     assert any(e.startswith("threads: ") for e in d.environment)
 
@@ -222,7 +224,7 @@ def test_an_edit_of_the_models_code_with_the_same_weights_is_found_in_the_edited
     d = rlx_nb.diff(path, new, (x,))
     assert d.culprit == "1"
     assert dict(zip(d.frame.module, d.frame.change, strict=True)) == {
-        "<root>": "carried in", "0": "moved within round-off", "1": "changed here", "2": "carried in"}  # fmt: skip
+        "<root>": "carried in", "0": "bit for bit identical", "1": "changed here", "2": "carried in"}  # fmt: skip
     assert not d.notes  # same weights, same inputs
 
 
@@ -261,15 +263,15 @@ def test_a_compiler_upgrade_is_diffed_module_by_module_though_it_compiles_the_wh
     assert snap.meta["alone"] and snap.backend == "cpu-inductor" and snap.has_reference
     assert set(snap.modules) == {"", "0", "1", "2"} and all(snap.outputs(n) for n in snap.modules)
     same = rlx_nb.diff(path, model, (x,))
-    assert same.culprit is None and set(same.frame.change) - {"not judged"} == {"moved within round-off"}
+    assert same.culprit is None and set(same.frame.change) - {"not judged"} <= UNTOUCHED
     assert any("ran each module alone on cpu-inductor" in n for n in same.notes)
     with _inductor_upgrade_that_breaks_gelu():
         upgraded = rlx_nb.diff(path, model, (x,), local="all")
         report = upgraded.report()
     change = dict(zip(upgraded.frame.module, upgraded.frame.change, strict=True))
-    assert upgraded.culprit == "1" and change == {"<root>": "changed here", "0": "moved within round-off",
-                                                  "1": "changed here", "2": "moved within round-off"}  # fmt: skip
-    assert report.suspects == ["cpu-inductor here"]
+    assert upgraded.culprit == "1" and change == {"<root>": "changed here", "0": "bit for bit identical",
+                                                  "1": "changed here", "2": "bit for bit identical"}  # fmt: skip
+    assert report.suspects == [upgraded.new_label]
     with pytest.raises(InputError, match="1 has no propagated change judged"):
         upgraded.report("1", "propagated")
 
@@ -296,7 +298,7 @@ def test_each_module_alone_on_an_exporting_runtime_is_its_own_export(tmp_path):
     # Two such snapshots compare where a module was fed the same inputs in both; elsewhere its change needs the model.
     again = rlx_nb.snapshot(model, (snap.tensors("")[0],), tmp_path / "again", backend="onnxruntime", reference=True,
                             progress=False)  # fmt: skip
-    assert set(rlx_nb.diff(again, path).frame.change) == {"moved within round-off"}
+    assert set(rlx_nb.diff(again, path).frame.change) <= UNTOUCHED
     eager_run = rlx_nb.snapshot(model, (snap.tensors("")[0] + 1,), tmp_path / "eager")
     apart = rlx_nb.diff(again, eager_run)
     assert set(apart.frame.change) == {"not judged"} and apart.finding.startswith("no module could be judged")
@@ -311,7 +313,7 @@ def test_two_snapshots_compare_without_the_model(layered, tmp_path):
     # blocks.1.attn was fed bit for bit the inputs it had before, and its output moved: it changed itself.
     assert change["blocks.1.attn"] == "changed here" and d.culprit == "blocks.1.attn"
     assert change["blocks.1.attn.proj"] == change["head"] == "carried in"
-    assert change["blocks.0"] == "moved within round-off"
+    assert change["blocks.0"] in UNTOUCHED
     assert rlx_nb.diff(path, path).culprit is None
     with pytest.raises(InputError, match="neither snapshot holds its float64 reference"):
         rlx_nb.diff(faulty, faulty)
@@ -331,7 +333,7 @@ def test_a_model_that_steps_its_state_is_diffed_from_the_state_it_had(tmp_path):
     model, x = Counting(), torch.randn(2, 8)
     path = rlx_nb.snapshot(model, (x,), tmp_path / "s")
     d = rlx_nb.diff(path, model, (x,), local="all")
-    assert set(d.frame.change) == {"moved within round-off"}, d.frame
+    assert set(d.frame.change) <= UNTOUCHED, d.frame
 
 
 def test_the_file_is_checked_on_load_and_never_unpickled(layered, tmp_path):
@@ -374,7 +376,7 @@ def test_a_byte_budget_leaves_later_modules_out_and_the_diff_says_so(tmp_path):
     d = rlx_nb.diff(part, model, inputs, local="all")
     left_out = d.frame[d.frame.note.str.contains("byte budget")]
     assert len(left_out) and not d.past_line
-    assert (d.frame.change == "moved within round-off").sum() >= 1
+    assert d.frame.change.isin(UNTOUCHED).sum() >= 1
 
 
 def test_bad_arguments_are_named(layered, tmp_path):
@@ -412,7 +414,7 @@ def test_the_readme_block_runs_as_written(tmp_path, monkeypatch):
     shown = {}
     exec(compile(block, "README.md", "exec"), shown)
     change = shown["change"]
-    assert change.culprit is None and set(change.frame.change) == {"moved within round-off"}
+    assert change.culprit is None and set(change.frame.change) <= UNTOUCHED
     assert (tmp_path / "before.rlxsnap").is_file()
 
 
@@ -443,3 +445,40 @@ def test_the_top_level_modules_own_ops_are_named_root_everywhere(tmp_path):
     d = rlx_nb.diff(path, model, x, backend="cpu-nomkldnn", local="all")
     assert "<root> :: F.silu" in list(d.frame.module) and not any(m.startswith(" ") for m in d.frame.module)
     assert d.report("<root> :: F.silu").suspects == []
+
+
+def test_a_changes_words_follow_the_diffs_reading_in_lines_page_and_explorer(layered, tmp_path):
+    # #62: carried-in modules and an edited one were "likely a kernel bug" (in to_html and the diff explorer's
+    # heading); with local="all" every ancestor of the culprit was a "changed here" line of its own; a module bit
+    # for bit the same read "moved within round-off" beside "bit for bit identical".
+    model, inputs, path = layered
+    d = rlx_nb.diff(path, model, inputs, backend="fault:softmax-row", local="all")
+    change = dict(zip(d.frame.module, d.frame.change, strict=True))
+    assert change["blocks.1.mlp"] == "carried in" and change["blocks.0"] == "bit for bit identical"
+    carried = d.report("blocks.1.mlp", "propagated").record(d.new_label).reason
+    assert "likely a kernel bug" not in carried and "carried in: within round-off alone" in carried
+    here = d.report("blocks.1.attn").record(d.new_label).reason
+    assert "computes differently here on its own" in here and "likely a kernel bug" not in here
+    changed_lines = [ln for ln in d.lines() if ln.startswith("  changed here:")]
+    assert [ln.split()[2] for ln in changed_lines] == ["blocks.0.attn", "blocks.1.attn", "blocks.2.attn"]
+    assert "holding it: blocks.1, <root>" in changed_lines[1]  # (the ancestors, said with what they hold)
+    for _, r in d.frame.iterrows():
+        assert not (r.change == "moved within round-off" and "bit for bit identical" in r.reason), r.module
+    page = d.to_html(tmp_path / "diff.html").read_text()
+    assert "likely a kernel bug" not in page and "<h1>rlx_nb diff: " in page and "<h2>Environment</h2>" in page
+    assert "<td class='changed'>changed here</td>" in page and "<td class='carried'>carried in</td>" in page
+    assert "<td class='identical'>bit for bit identical</td>" in page
+    assert d.new_label.startswith(d.environments[1]["host"]) and "torch " in d.new_label and " here" not in d.new_label
+    explorer = rlx_nb.explore(d, module="blocks.1.mlp", side="propagated")
+    assert "likely a kernel bug" not in explorer.status.value and "carried in" in explorer.status.value
+
+
+def test_environment_differences_put_torch_and_the_backends_packages_first():
+    from rlx_nb.changes.environment import differences
+
+    old = {"torch": "2.12", "onnxruntime": "1.31", "openvino": "2026.3", "threads": 2, "zzz": 1, "litert-torch": "0.9"}
+    new = {"torch": "2.13", "onnxruntime": "1.32", "threads": 4, "zzz": 2}
+    lines = differences(old, new, "onnxruntime")
+    assert [ln.split(":")[0] for ln in lines[:4]] == ["torch", "onnxruntime", "threads", "zzz"]
+    assert lines[-1] == "packages onnxruntime does not run on: litert-torch 0.9 -> unset; openvino 2026.3 -> unset"
+    assert differences(old, new, "cpu")[0].startswith("torch: 2.12 -> 2.13")

@@ -25,7 +25,7 @@ import torch
 from rlx_nb._support import switches
 from rlx_nb._support.progress import bar
 from rlx_nb._support.tree import flatten
-from rlx_nb.backends.base import REFERENCE
+from rlx_nb.backends.base import ORACLE, REFERENCE
 from rlx_nb.backends.eager import run_float64_streamed
 from rlx_nb.backends.registry import get_backend
 from rlx_nb.changes.environment import differences, snapshot_environment
@@ -36,6 +36,7 @@ from rlx_nb.changes.snapshot_file import Snapshot, as_snapshot
 from rlx_nb.comparison.compare import failed, judge_leaf
 from rlx_nb.errors import InputError
 from rlx_nb.execution import fingerprints
+from rlx_nb.execution.environment import packages_of
 from rlx_nb.execution.prepare import normalize_inputs, prepare_model
 from rlx_nb.execution.results import Leaf, to_leaf
 from rlx_nb.report.baseline import fingerprint_differences
@@ -196,8 +197,10 @@ def _two_snapshots(a: Snapshot, b: Snapshot) -> Diff:
     def arrays(name: str, side: str) -> tuple[dict, dict, dict]:
         return a.outputs(name), b.outputs(name), a.reference(name) if a.has_reference else b.reference(name)
 
-    return Diff(rows, a, new_label=b.label, backend=b.backend, environment=differences(a.environment, b.environment),
-                notes=[*notes, *unchecked], checked_alone=False, keyword=a.meta["keyword"], arrays=arrays)  # fmt: skip
+    return Diff(rows, a, new_label=b.label, backend=b.backend,
+                environment=differences(a.environment, b.environment, b.backend), notes=[*notes, *unchecked],
+                checked_alone=False, keyword=a.meta["keyword"], arrays=arrays,
+                environments=(a.environment, b.environment))  # fmt: skip
 
 
 def _same_inputs(a: Snapshot, b: Snapshot, name: str) -> bool:
@@ -233,7 +236,7 @@ def _against_model(
                "model_structure": fingerprints.structure(dict(base.state_dict()))}  # fmt: skip
         notes, unchecked = fingerprint_differences(a.fingerprints, now)
         named = dict(base.named_modules())
-        label = f"{backend} here"
+        label = _label_here(env, backend, a.label)
         shown = bar(f"rlx_nb diff {backend}", unit="check", enabled=progress)
         try:
             whole = chosen.hookable and not a.meta["alone"]  # (outputs in one run, to set against the old run's)
@@ -277,9 +280,17 @@ def _against_model(
             ref = a.reference(name) if a.has_reference else _reference_here(a, base, args, only=name).get(name, {})
             return a.outputs(name), got, ref
 
-    return Diff(rows, a, new_label=label, backend=backend, environment=differences(a.environment, env),
-                notes=[*notes, *unchecked], checked_alone=True, keyword=a.meta["keyword"],
-                arrays=arrays)  # fmt: skip
+    return Diff(rows, a, new_label=label, backend=backend, environment=differences(a.environment, env, backend),
+                notes=[*notes, *unchecked], checked_alone=True, keyword=a.meta["keyword"], arrays=arrays,
+                environments=(a.environment, env))  # fmt: skip
+
+
+def _label_here(env: dict, backend: str, old: str) -> str:
+    # This environment's name: its host and versions (torch's, the backend's runtime's), the backend where it is not
+    # the oracle; told apart from the snapshot's where both would read the same.
+    versions = [f"torch {env.get('torch')}", *(f"{p} {env[p]}" for p in packages_of(backend) if env.get(p))]
+    label = f"{env.get('host')} {', '.join(versions)}" + ("" if backend == ORACLE else f" ({backend})")
+    return label if label != old else f"{label}, here"
 
 
 def _whole_run(a: Snapshot, base: torch.nn.Module, run: Any, on_output: Any, failed: str) -> None:

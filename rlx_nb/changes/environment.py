@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from rlx_nb.execution.environment import environment
+from rlx_nb.execution.environment import environment, packages_of, runtime_packages
 
 VARIABLES = (
     "MKL_CBWR", "MKL_ENABLE_INSTRUCTIONS", "MKL_DEBUG_CPU_TYPE", "MKL_NUM_THREADS", "MKL_DYNAMIC",
@@ -82,17 +82,29 @@ def _flat(env: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
-def differences(old: dict, new: dict) -> list[str]:
-    """Each way the two environments differ, as ``key: old -> new (what it can move)``, the ones that change
-    kernels first; the hosts' names only when nothing else differs."""
+def differences(old: dict, new: dict, backend: str | None = None) -> list[str]:
+    """Each way the two environments differ, as ``key: old -> new (what it can move)``: torch first, then the
+    packages ``backend`` runs on, then what changes kernels, then the rest; runtime packages ``backend`` never uses
+    last, on one line; the hosts' names only when nothing else differs."""
     a, b = _flat(old), _flat(new)
-    lines = []
-    for key in sorted(set(a) | set(b), key=lambda k: (k not in _WHAT, k)):
+    own = packages_of(backend) if backend else runtime_packages()
+    unused = [k for k in runtime_packages() if k not in own]
+
+    def rank(key: str) -> tuple:
+        return (key != "torch", key not in own, key not in _WHAT, key)
+
+    lines, aside = [], []
+    for key in sorted(set(a) | set(b), key=rank):
         if key in _IGNORED or a.get(key) == b.get(key):
             continue
         shown = "unset" if key not in a else _short(a[key]), "unset" if key not in b else _short(b[key])
+        if key in unused:
+            aside.append(f"{key} {shown[0]} -> {shown[1]}")
+            continue
         what = _WHAT.get(key, "")
         lines.append(f"{key}: {shown[0]} -> {shown[1]}" + (f" ({what})" if what else ""))
+    if aside:
+        lines.append(f"packages {backend} does not run on: {'; '.join(aside)}")
     if not lines and a.get("host") != b.get("host"):
         lines.append(f"host: {a.get('host')} -> {b.get('host')} (another machine, same software and settings)")
     return lines

@@ -4,9 +4,11 @@ whose own change is past the line, and the environment differences beside it."""
 from __future__ import annotations
 
 import base64
+import dataclasses
 import html
 import io
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +19,7 @@ from rlx_nb.comparison.tables import Table
 from rlx_nb.errors import InputError, writing
 from rlx_nb.verdict.records import OutputRecord
 from rlx_nb.verdict.types import ROUNDOFF, SUSPECT, VERDICT_ERROR
+from rlx_nb.verdict.words import Cause
 
 COLUMNS = [
     "order", "module", "depth", "change", "local_verdict", "local_line", "propagated_verdict", "propagated_line",
@@ -28,7 +31,26 @@ COLUMNS = [
 CHANGED_HERE = "changed here"
 CARRIED_IN = "carried in"
 WITHIN = "moved within round-off"
+IDENTICAL = "bit for bit identical"
 NOT_JUDGED = "not judged"
+
+_KERNEL_BUG = re.compile(r" — likely a (?:kernel )?bug.*$")
+EDITED = "the old output against the float64 value here"
+"""How a judgement turned round reads (the old output past the line against the float64 value here)."""
+
+
+def reading(change: str, reason: str, *, edit: bool | None = None) -> str:
+    """A module's reason in the diff's own words: the verdict's "likely a kernel bug" is a backend's reading; a
+    change between environments is computed differently here (a kernel), an edit of its function, or carried in."""
+    edit = reason.startswith(EDITED) if edit is None else edit
+    if change == CHANGED_HERE:
+        words = ("its function changed: an edit of its code, or an op that now computes another function" if edit
+                 else "it computes differently here on its own, fed the old inputs: a kernel that changed")  # fmt: skip
+    elif change == CARRIED_IN:
+        words = "carried in: within round-off alone, fed the old inputs, so the change came from before it"
+    else:
+        return reason
+    return f"{_KERNEL_BUG.sub('', reason)} — {words}"
 
 
 def row(m: dict, *, local: OutputRecord | None = None, propagated: OutputRecord | None = None, note: str = "") -> dict:
@@ -46,16 +68,20 @@ def row(m: dict, *, local: OutputRecord | None = None, propagated: OutputRecord 
     out["reason"] = (decisive.reason or "").replace("the oracle", "the snapshot's run") if decisive is not None else ""
     out["note"] = note
     lv, pv = out["local_verdict"], out["propagated_verdict"]
+    judged = [rec for rec in (local, propagated) if rec is not None]
     if lv == SUSPECT:
         out["change"] = CHANGED_HERE
     elif pv == SUSPECT:
         out["change"] = CARRIED_IN
     elif VERDICT_ERROR in (lv, pv):
         out["change"] = "error"
+    elif judged and all(rec.judgement.cause == Cause.IDENTICAL for rec in judged):
+        out["change"] = IDENTICAL
     elif ROUNDOFF in (lv, pv):
         out["change"] = WITHIN
     else:
         out["change"] = NOT_JUDGED
+    out["reason"] = reading(out["change"], out["reason"])
     return out
 
 
@@ -79,8 +105,11 @@ class Diff:
     """
 
     def __init__(self, rows: list[dict], old: Any, *, new_label: str, backend: str, environment: list[str],
-                 notes: list[str], checked_alone: bool, keyword: bool, arrays: Any = None) -> None:  # fmt: skip
+                 notes: list[str], checked_alone: bool, keyword: bool, arrays: Any = None,
+                 environments: tuple[dict, dict] = ({}, {})) -> None:  # fmt: skip
         self.old_label, self.new_label, self.backend = old.label, new_label, backend
+        self.environments = environments
+        """The two environments whole (old, new): what the HTML page lists."""
         self._arrays = arrays  # (name, side) -> (old outputs, new outputs, float64 outputs): what report() shows
         self.environment, self.notes, self.checked_alone = environment, notes, checked_alone
         for r in rows:
@@ -127,10 +156,13 @@ class Diff:
                 else "local changes need the model"
             )
             return f"the runs first part at {self.first_parted} ({r.propagated_line:.3g}x the line); {how}"
-        judged = int((self.frame.change == WITHIN).sum())
+        judged = int(self.frame.change.isin([WITHIN, IDENTICAL]).sum())
         if not judged:
             return f"no module could be judged ({n} not judged: the notes say why)"
-        return f"every module moved within round-off ({judged} of {n} judged)"
+        same = int((self.frame.change == IDENTICAL).sum())
+        if same == judged:
+            return f"every module is bit for bit identical ({judged} of {n} judged)"
+        return f"every module moved within round-off ({judged} of {n} judged{f', {same} bit for bit identical' if same else ''})"
 
     def report(self, module: str | None = None, side: str | None = None) -> Any:
         """One module's change as a report: its old output as the oracle, its new one as the backend, the float64
@@ -184,9 +216,9 @@ class Diff:
 
         forward = build(old, new, self.new_label)
         if forward.suspects or r[f"{side}_verdict"] != SUSPECT:
-            return forward
+            return _reworded(forward, r["change"], edit=False)
         back = build(new, old, f"{self.old_label} (old)")  # (past the line only the other way round: an edit)
-        return back if back.suspects else forward
+        return _reworded(back, r["change"], edit=True) if back.suspects else _reworded(forward, r["change"], edit=False)
 
     def _row(self, module: str | None) -> dict:
         # A row by its module's name as the frame shows it (default: the culprit, where the runs part, the worst).
@@ -203,7 +235,7 @@ class Diff:
 
     def lines(self) -> list[str]:
         """The diff as text lines (what ``rlx-nb diff`` prints)."""
-        out = [f"rlx_nb diff: {self.old_label} -> {self.new_label} ({self.backend}): {self.finding}"]
+        out = [f"rlx_nb diff: {self.heading}: {self.finding}"]
         counts = self.frame.change.value_counts()
         out.append("  modules: " + ", ".join(f"{counts[k]} {k}" for k in counts.index))
         if self.environment:
@@ -212,14 +244,29 @@ class Diff:
         else:
             out.append("  environment: no difference recorded")
         out += [f"  note: {n}" for n in self.notes]
-        for _, r in self.frame[self.frame.change == CHANGED_HERE].iterrows():
-            out.append(f"  changed here: {r.module} ({r.local_line:.3g}x the line) {r.reason}".rstrip())
+        changed = [r for r in self._rows if r["change"] == CHANGED_HERE]
+        holders = _ancestors(changed, self._rows)
+        for r in sorted(changed, key=lambda r: r["order"]):
+            if r["name"] in holders:
+                continue  # (a module that holds a changed one: its change is that one's, said with it)
+            around = [self._module(a) for a in _chain(r, self._rows) if a in holders]
+            held = f" (so {len(around)} module(s) holding it: {', '.join(around)})" if around else ""
+            out.append(f"  changed here: {r['module']} ({r['local_line']:.3g}x the line){held} {r['reason']}".rstrip())
         carried = self.frame[self.frame.change == CARRIED_IN]
         if len(carried):
             top = carried.loc[carried.propagated_line.idxmax()]
             out.append(f"  carried in: {len(carried)} {self._units}, the furthest {top.module} at "
                        f"{top.propagated_line:.3g}x the line (within it alone)")  # fmt: skip
         return out
+
+    @property
+    def heading(self) -> str:
+        """``old -> new (backend)``: the two environments by name (the backend said once)."""
+        on = "" if f"({self.backend})" in self.new_label else f" ({self.backend})"
+        return f"{self.old_label} -> {self.new_label}{on}"
+
+    def _module(self, name: str) -> str:
+        return next((r["module"] for r in self._rows if r["name"] == name), name)
 
     def __str__(self) -> str:
         return "\n".join(self.lines())
@@ -244,25 +291,30 @@ class Diff:
         return plot_localization(frame, ax=ax, culprit=self.culprit or self.first_parted, labels=labels,
                                  title=f"{self.old_label} -> {self.new_label}: where the runs part")  # fmt: skip
 
-    def to_html(self, path: str | Path) -> Path:
-        """Write the diff as one self-contained HTML file (the finding, the environment differences, the plot and
-        the table); returns the path (``.html`` appended when it has no suffix)."""
+    def to_html(self, path: str | Path, *, title: str | None = None) -> Path:
+        """Write the diff as one self-contained HTML file (a title, the finding, the environment differences, the
+        plot, the table with its change column coloured, and both environments whole); returns the path (``.html``
+        appended when it has no suffix)."""
+        from rlx_nb.report.html import STYLE, environment_html
+
         path = Path(path)
-        if not path.suffix:
-            path = path.with_suffix(".html")
-        page = ("<!DOCTYPE html><html><head><meta charset='utf-8'><title>rlx_nb diff</title><style>"
-                "body{font-family:sans-serif;max-width:1100px;margin:2em auto;padding:0 1em}"
-                "table{border-collapse:collapse;font-size:13px}td,th{border:1px solid #ddd;padding:2px 6px}"
-                ".SUSPECT{background:#f8d0d0}.round-off{background:#e6f2e6}img{max-width:100%}"
-                "</style></head><body>" + self._body(figure=True) + "</body></html>")  # fmt: skip
+        if path.suffix.lower() not in (".html", ".htm"):
+            path = path.with_name(path.name + ".html")
+        title = title or f"rlx_nb diff: {self.old_label} -> {self.new_label}"
+        old, new = self.environments
+        envs = "".join(f"<h3>{html.escape(label)}</h3>{environment_html(env)}"
+                       for label, env in ((self.old_label, old), (self.new_label, new)) if env)  # fmt: skip
+        page = (f"<!DOCTYPE html><html><head><meta charset='utf-8'><title>{html.escape(title)}</title>"
+                f"<style>{STYLE}{_CHANGE_STYLE}</style></head><body><h1>{html.escape(title)}</h1>"
+                + self._body(figure=True) + (f"<h2>Environment</h2>{envs}" if envs else "") + "</body></html>")  # fmt: skip
         with writing(path, "the diff"):
             path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(page, encoding="utf-8")
+            path.write_text(page, encoding="utf-8", errors="replace")
         return path
 
     def _body(self, *, figure: bool) -> str:
         e = html.escape
-        parts = [f"<h3>{e(self.old_label)} &rarr; {e(self.new_label)} ({e(self.backend)})</h3>",
+        parts = [f"<h3>{e(self.heading).replace(' -&gt; ', ' &rarr; ')}</h3>",
                  f"<p><b>{e(self.finding)}</b></p>"]  # fmt: skip
         if self.environment:
             parts.append("<p>Environment differences:</p><ul>" + "".join(f"<li>{e(d)}</li>" for d in self.environment)
@@ -286,10 +338,44 @@ class Diff:
                 v = r[c]
                 text = "" if isinstance(v, float) and v != v else f"{v:.3g}" if isinstance(v, float) else str(v)
                 cls = f" class='{e(str(v))}'" if c.endswith("_verdict") and v in (SUSPECT, ROUNDOFF) else ""
+                if c == "change" and v in _CHANGE_CLASSES:
+                    cls = f" class='{_CHANGE_CLASSES[v]}'"
                 cells.append(f"<td{cls}>{e(text)}</td>")
             body.append("<tr>" + "".join(cells) + "</tr>")
-        parts.append(f"<table><tr>{head}</tr>{''.join(body)}</table>")
+        parts.append(f"<div class='wide'><table><tr>{head}</tr>{''.join(body)}</table></div>")
         return "".join(parts)
+
+
+_CHANGE_CLASSES = {CHANGED_HERE: "changed", CARRIED_IN: "carried", WITHIN: "within", IDENTICAL: "identical"}
+_CHANGE_STYLE = (
+    "td.changed{background:#f8d0d0;color:#b00020;font-weight:bold}td.carried{background:#fde8c8}"
+    "td.within{background:#e6f2e6}td.identical{background:#eeeeee;color:#555}"
+    ".SUSPECT{background:#f8d0d0}.round-off{background:#e6f2e6}img{max-width:100%}td{text-align:left}"
+)
+
+
+def _reworded(report: Any, change: str, *, edit: bool) -> Any:
+    # A module's change as a report, its words the diff's own (reading): never "likely a kernel bug" for a module
+    # whose change was carried in, or whose function was edited.
+    records = [dataclasses.replace(r, reason=reading(change, r.reason, edit=edit)) for r in report.records]
+    return type(report)(report.results, records, rule=report.rule, tol_rel=report.tol_rel)
+
+
+def _chain(r: dict, rows: list[dict]) -> list[str]:
+    # The modules holding row ``r``, innermost first.
+    parents = {x["name"]: x.get("parent") for x in rows}
+    out, p = [], parents.get(r["name"])
+    while p is not None and p not in out:
+        out.append(p)
+        p = parents.get(p)
+    return out
+
+
+def _ancestors(changed: list[dict], rows: list[dict]) -> set[str]:
+    # Every changed module that holds another changed one (with local="all", each ancestor of a changed module is
+    # changed too: it runs that module).
+    names = {r["name"] for r in changed}
+    return {a for r in changed for a in _chain(r, rows) if a in names}
 
 
 def default_side(row: dict) -> str:
@@ -315,4 +401,4 @@ def _innermost(rows: list[dict], column: str) -> str | None:
     return min(inner, key=lambda r: r["order"])["module"] if inner else None
 
 
-__all__ = ["COLUMNS", "Diff", "default_side", "row"]
+__all__ = ["CARRIED_IN", "CHANGED_HERE", "COLUMNS", "IDENTICAL", "WITHIN", "Diff", "default_side", "reading", "row"]

@@ -70,6 +70,32 @@ def backend_versions() -> dict[str, str]:
 
 _RUNTIMES = ("onnxruntime", "openvino", "onnx", "executorch", "ai-edge-litert", "litert-torch")
 
+RUNTIME_PACKAGES = {
+    "onnxruntime": ("onnxruntime", "onnx"),
+    "openvino": ("openvino",),
+    "executorch": ("executorch", "torchao"),
+    "litert": ("litert-torch", "ai-edge-litert"),
+}
+"""The packages a backend runs on, by its name's first part (a fault carried through one, ``onnxruntime+...``,
+too); torch's own backends need torch alone."""
+
+
+def packages_of(backend: str) -> tuple[str, ...]:
+    """The runtime packages ``backend`` runs on (:data:`RUNTIME_PACKAGES`), ``()`` for torch's own.
+
+    Examples
+    --------
+    >>> packages_of("onnxruntime+softmax-row"), packages_of("cpu-inductor")
+    (('onnxruntime', 'onnx'), ())
+    """
+    family = next((k for k in RUNTIME_PACKAGES if backend.startswith(k)), None)
+    return RUNTIME_PACKAGES.get(family, ())
+
+
+def runtime_packages() -> tuple[str, ...]:
+    """Every runtime package an environment may record (:func:`backend_versions`)."""
+    return _RUNTIMES
+
 
 @functools.lru_cache(maxsize=8)
 def _versions(loaded: tuple[bool, ...]) -> tuple[tuple[str, str], ...]:

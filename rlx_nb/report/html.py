@@ -30,7 +30,7 @@ SUMMARY_COLUMNS = (
 )  # fmt: skip
 """The summary's columns in the file (the whole row of every output: the ``.rlxnb`` file)."""
 
-_STYLE = """
+STYLE = """
 body { font-family: system-ui, sans-serif; margin: 2em; color: #222; max-width: 1200px; }
 pre { background: #f6f6f6; padding: 0.8em; white-space: pre-wrap; font-size: 12px; }
 .wide { max-width: 100%; overflow-x: auto; }
@@ -71,7 +71,8 @@ def table_html(frame: Any) -> str:
     return f"<div class='wide'>{html_of(frame, index=False)}</div>"
 
 
-def _environment(env: dict[str, Any]) -> str:
+def environment_html(env: dict[str, Any]) -> str:
+    """An environment as the page shows it: a table of keys and values, a mapping as its own small table."""
     rows = "".join(
         f"<tr><th>{html.escape(str(key))}</th><td class='value'>{_value(value)}</td></tr>" for key, value in env.items()
     )
@@ -193,7 +194,7 @@ def report_html(report: Any, *, localization: Any = None, title: str | None = No
     rest = suspects[MAX_SECTIONS:]
     parts = [
         "<!DOCTYPE html><html><head><meta charset='utf-8'>",
-        f"<title>{html_text(title)}</title><style>{_STYLE}</style></head><body>",
+        f"<title>{html_text(title)}</title><style>{STYLE}</style></head><body>",
         f"<h1>{html_text(title)}</h1>",
         f"<p>{len(report.results.candidates)} backend(s) against the CPU oracle, judged by the "
         f"<i>{html.escape(report.rule)}</i> rule; suspects: <span class='suspect'>"
@@ -216,7 +217,7 @@ def report_html(report: Any, *, localization: Any = None, title: str | None = No
         parts.append(_repros(report))
     parts += [
         "<h2>Environment</h2>",
-        _environment(dict(report.results.environment)),
+        environment_html(dict(report.results.environment)),
         "<p>No model weights are in this file: outputs' statistics, a few elements' values and pictures of the "
         "errors only. Every output's arrays are in the report itself: <code>report.save('name.rlxnb')</code> "
         "writes them, <code>rlx_nb.load_report</code> reads them back.</p></body></html>",
@@ -238,4 +239,4 @@ def write_html(
     return path
 
 
-__all__ = ["MAX_SECTIONS", "MAX_SUMMARY_ROWS", "report_html", "write_html"]
+__all__ = ["MAX_SECTIONS", "MAX_SUMMARY_ROWS", "STYLE", "environment_html", "report_html", "write_html"]

@@ -17,16 +17,8 @@ from typing import Any
 
 from rlx_nb._support.safe import file_stem, inside, md_code, md_fence, md_text, write_new
 from rlx_nb.errors import InputError, writing
+from rlx_nb.execution.environment import packages_of
 from rlx_nb.verdict.types import SUSPECT
-
-RUNTIME_PACKAGES = {
-    "onnxruntime": ("onnxruntime", "onnx"),
-    "openvino": ("openvino",),
-    "executorch": ("executorch", "torchao"),
-    "litert": ("litert-torch", "ai-edge-litert"),
-    "cuda": (),
-}
-"""The packages whose versions an issue names, by the backend name's first part."""
 
 
 def repro_for(report: Any, backend: str, path: str | Path, **kwargs: Any) -> Any:
@@ -112,9 +104,8 @@ def where_born(report: Any, backend: str) -> str:
 
 
 def _versions(backend: str) -> list[str]:
-    family = next((k for k in RUNTIME_PACKAGES if backend.startswith(k)), None)
     out = []
-    for name in RUNTIME_PACKAGES.get(family, ()):
+    for name in packages_of(backend):
         try:
             out.append(f"{name} {importlib.metadata.version(name)}")
         except importlib.metadata.PackageNotFoundError:
