@@ -39,6 +39,9 @@ the SUSPECT line; an exact match to the oracle is an error of 0 on the oracle-ba
 matches it bit for bit would open on an empty map)."""
 FP64_METRICS = ("line", "budget")
 """The metrics that need the fp64 reference (the others are offered where it did not run)."""
+INT8_METRIC_OPTIONS = [("quanta", "quanta"), ("x SUSPECT line", "line"), ("abs", "abs")]
+"""An int8 report's: its errors in quanta of the output first (float32's ULP and the seed's relative error read a
+one-quantum gap as millions of ULPs)."""
 
 
 def _require_widgets() -> None:
@@ -276,7 +279,9 @@ class Explorer(W.VBox if W is not None else object):
         )
         has_ref = rec.judgement.budget.budget_rmse == rec.judgement.budget.budget_rmse
         self._busy = True
-        options = METRIC_OPTIONS if has_ref else [o for o in METRIC_OPTIONS if o[1] not in FP64_METRICS]
+        quantum = self.report.plot._quantum(output)
+        choices = INT8_METRIC_OPTIONS if quantum else METRIC_OPTIONS
+        options = choices if has_ref else [o for o in choices if o[1] not in FP64_METRICS]
         if self.metric_toggle.options != tuple(options):
             self.metric_toggle.options = options
             self.metric_toggle.value = options[0][1]
@@ -476,14 +481,16 @@ class Explorer(W.VBox if W is not None else object):
         e = self.report.element(backend, output, index).iloc[0]  # (an InputError for an index outside the output)
         self.selected_index = index
         drawn = self._heatmap
+        quantum = self.report.plot._quantum(output)
+        measures = ([("error in quanta", f"{e.abs_err / quantum:.3g} (a quantum is {quantum:.4g})")] if quantum else
+                    [("rel error (seed)", f"{e.rel_err:.3e}"), ("ULP distance", str(int(e.ulp_err)))])  # fmt: skip
         rows = [
             ("index", str(index)),
             (html.escape(getattr(self, "oracle_name", "oracle (cpu fp32)")), f"{float(e.oracle):.9g}"),
             (f"backend ({html.escape(backend)})", f"{float(e.backend):.9g}"),
             ("fp64 reference", f"{float(e.reference):.12g}"),
             ("abs error", f"{e.abs_err:.3e}"),
-            ("rel error (seed)", f"{e.rel_err:.3e}"),
-            ("ULP distance", str(int(e.ulp_err))),
+            *measures,
             ("oracle - fp64", f"{e.oracle_err_fp64:.3e}"),
             ("backend - fp64", f"{e.backend_err_fp64:.3e}"),
         ]

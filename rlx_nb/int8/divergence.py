@@ -131,10 +131,7 @@ def quantized_divergence(
                              **kwargs)  # fmt: skip
 
     report.localizer = localize
-    if progress:
-        for line in report.lines():
-            print(line)
-    return report
+    return report  # (its lines are its repr's: printed here too, a notebook showed them twice)
 
 
 __all__ = ["CANDIDATES", "TRIALS", "is_quantized", "quantized_divergence"]

@@ -13,12 +13,14 @@ import numpy as np
 
 from rlx_nb.errors import InputError
 from rlx_nb.execution.results import RunResults
+from rlx_nb.numerics.formats import INT8
 from rlx_nb.plot.charts import plot_effective_bits, plot_histogram, plot_scatter, plot_tolerance_curve
 from rlx_nb.plot.heatmap import Heatmap, heatmap
 from rlx_nb.plot.style import METRIC_LABELS
 from rlx_nb.verdict.readings import localized_slice
 from rlx_nb.verdict.records import OutputRecord
-from rlx_nb.verdict.types import MAX_LIMIT, VERDICT_SKIPPED
+from rlx_nb.verdict.types import MAX_LIMIT, SUSPECT, VERDICT_SKIPPED
+from rlx_nb.verdict.words import Cause
 
 
 class Plottable(Protocol):
@@ -36,15 +38,26 @@ class Plottable(Protocol):
 
 
 def record_heatmap(
-    rec: OutputRecord, o: np.ndarray, b: np.ndarray, ref: np.ndarray | None, *, metric: str | None = None, **kwargs: Any
+    rec: OutputRecord,
+    o: np.ndarray,
+    b: np.ndarray,
+    ref: np.ndarray | None,
+    *,
+    metric: str | None = None,
+    quantum: float | None = None,
+    **kwargs: Any,
 ) -> Heatmap:
     """The heatmap of one judged (backend, output): on the SUSPECT line's scale where the fp64 reference ran
-    (``metric=None``: ``"line"``, else ``"abs"``), titled with what it is, the record's worst element marked and
-    a localized error's slice outlined; :meth:`ReportPlotter.heatmap` and a localization's module heatmaps."""
+    (``metric=None``: ``"line"``, else ``"abs"``; an int8 output, ``quantum`` given: ``"quanta"``, each element's
+    error against the Q/DQ simulation in quanta), titled with what it is, the record's worst element marked and the
+    slice a verdict rests on (one judged slice, or a localized error's) outlined with its figure; what
+    :meth:`ReportPlotter.heatmap` and a localization's module heatmaps draw."""
     j = rec.judgement
     if metric is None:
         metric = (
-            "line"
+            "quanta"
+            if quantum
+            else "line"
             if ref is not None and j.budget.budget_max == j.budget.budget_max and j.budget.budget_max > 0
             else "abs"
         )
@@ -54,14 +67,38 @@ def record_heatmap(
     kwargs.setdefault("title", f"{rec.backend} · {rec.output}{what} · {METRIC_LABELS.get(metric, metric)}")
     if rec.pair.worst_index is not None and not complex_:  # the record's worst element, on every metric
         kwargs.setdefault("worst", rec.pair.worst_index)
-    where = localized_slice(j)
-    if where is not None and not complex_ and "fold" not in kwargs and "select" not in kwargs:
-        # A localized error's slice (one position of every batch x head, one channel) outlined as what it is.
-        kwargs.setdefault(
-            "band", (*where, f"{j.where.slice_share_at}: {j.where.slice_share:.0%} of the error")
-        )  # (axes, indices)
-    budget = MAX_LIMIT * j.budget.budget_max if metric == "line" else j.budget.budget_rmse
+    band = judged_band(rec)
+    if band is not None and not complex_ and "fold" not in kwargs and "select" not in kwargs:
+        kwargs.setdefault("band", band)  # (axes, indices, words)
+    budget = (MAX_LIMIT * j.budget.budget_max if metric == "line" else quantum if metric == "quanta"
+              else j.budget.budget_rmse)  # fmt: skip
     return heatmap(o, b, ref, metric=metric, budget=budget, **kwargs)
+
+
+def judged_band(rec: OutputRecord) -> tuple[tuple[int, ...], tuple[int, ...], str] | None:
+    """``(axes, indices, words)`` of the slice a record's verdict rests on, to outline: the one slice a SUSPECT
+    verdict judged (its figure on the line's scale: past the line when no element alone is), else the slice a
+    localized error sits on (its share of the error); None where there is none."""
+    j = rec.judgement
+    if rec.verdict == SUSPECT and j.cause == Cause.SLICE:
+        where = _slice_of(j.where.slice_at)
+        if where is not None:
+            what = "RMS" if rec.compute_dtype == INT8 else "mean"
+            return (*where, f"{j.where.slice_at}: {j.line:.3g}x the line; its {what} error "
+                            f"{j.where.slice_ratio:.3g}x the round-off there")  # fmt: skip
+    where = localized_slice(j)
+    if where is not None:
+        return (*where, f"{j.where.slice_share_at}: {j.where.slice_share:.0%} of the error")
+    return None
+
+
+def _slice_of(at: str) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+    # ``[:, 1]`` -> ((1,), (1,)); None for anything else.
+    parts = [p.strip() for p in at.strip("[]").split(",")]
+    if not at or not all(p == ":" or p.isdigit() for p in parts) or not any(p.isdigit() for p in parts):
+        return None
+    axes = tuple(a for a, p in enumerate(parts) if p != ":")
+    return axes, tuple(int(parts[a]) for a in axes)
 
 
 class ReportPlotter:
@@ -100,7 +137,14 @@ class ReportPlotter:
         and marked element: what the explorer reads back)."""
         backend, output = self._pick(backend, output)
         o, b, ref = self._report.arrays(backend, output)
-        return record_heatmap(self._report.record(backend, output), o, b, ref, metric=metric, **kwargs)
+        return record_heatmap(self._report.record(backend, output), o, b, ref, metric=metric,
+                              quantum=self._quantum(output), **kwargs)  # fmt: skip
+
+    def _quantum(self, output: str) -> float | None:
+        # An int8 report's quantum of ``output`` (what its pictures measure errors in); None for a float report.
+        int8 = getattr(self._report, "int8", None)
+        q = (int8.get("quanta") or {}).get(output) if int8 else None
+        return float(q) if q else None
 
     def _pairs(self, output: str | None, backends: Sequence[str] | None) -> tuple[str, dict]:
         r = self._report
@@ -127,7 +171,7 @@ class ReportPlotter:
         output: str | None = None,
         backends: Sequence[str] | None = None,
         *,
-        metric: str = "abs",
+        metric: str | None = None,
         highlight: str | None = None,
         **kwargs: Any,
     ):
@@ -135,11 +179,16 @@ class ReportPlotter:
 
         The dashed line is the largest error the verdict allows: the SUSPECT line (``line``: at 1, each
         element's error against fp64 in units of it), the max-based budget's limit (``abs``; ``budget``: in
-        budgets), or ``tol_rel`` (``rel``); none for ``ulp``.
+        budgets; ``quanta``: an int8 output's, in quanta of it), or ``tol_rel`` (``rel``); none for ``ulp``.
+        ``metric=None``: ``"quanta"`` for an int8 report, else ``"abs"``.
         """
         output, pairs = self._pairs(output, backends)
         lines, scales = {}, {}
         r = self._report
+        quantum = self._quantum(output)
+        metric = metric or ("quanta" if quantum else "abs")
+        if metric == "quanta" and not quantum:
+            raise InputError(f"the 'quanta' histogram is an int8 report's; {output!r} has no quantum")
         if metric in ("budget", "line"):
             reference = r.results.reference.outputs.get(output)
             if reference is None or not reference.is_array:
@@ -154,6 +203,9 @@ class ReportPlotter:
             elif metric == "budget":
                 scales[name] = 1.0 / rec.judgement.budget.budget_rmse if rec.judgement.budget.budget_rmse > 0 else 1.0
                 lines[name] = MAX_LIMIT * rec.judgement.budget.budget_max * scales[name]
+            elif metric == "quanta":
+                scales[name] = 1.0 / quantum
+                lines[name] = MAX_LIMIT * rec.judgement.budget.budget_max / quantum
             elif metric in ("abs", "rel"):
                 lines[name] = (
                     rec.judgement.rules.tol_rel if metric == "rel" else MAX_LIMIT * rec.judgement.budget.budget_max

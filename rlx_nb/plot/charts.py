@@ -60,7 +60,7 @@ def plot_histogram(
     if not pairs:
         raise InputError("plot_histogram needs at least one (oracle, backend) pair")
     scales = scales or {}
-    kind = "abs" if metric in ("budget", "line") else metric
+    kind = "abs" if metric in ("budget", "line", "quanta") else metric
     ax = new_axes(ax, figsize=(7.5, 4.2), margins=HISTOGRAM_MARGINS)
     hi, lo = 0.0, math.inf
     for name, (o, b) in pairs.items():

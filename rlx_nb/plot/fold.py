@@ -33,7 +33,7 @@ from rlx_nb.numerics import fused as _fused
 from rlx_nb.numerics.elements import ulp_distance
 from rlx_nb.numerics.pairs import REL_EPS
 
-METRICS = ("line", "abs", "rel", "ulp", "budget")
+METRICS = ("line", "abs", "rel", "ulp", "budget", "quanta")
 BAND_ELEMENTS = 1 << 20
 
 
@@ -171,6 +171,8 @@ def _element_error(o: np.ndarray, b: np.ndarray, r: np.ndarray | None, metric: s
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
         if metric in ("budget", "line"):
             return np.abs(b.astype(np.float64) - r) / budget
+        if metric == "quanta":  # (an int8 output: its error against the Q/DQ simulation, in quanta of it)
+            return np.abs(b.astype(np.float64) - o) / budget
         # abs/rel in the outputs' own precision (float32 for float32): half the memory traffic.
         work = np.float64 if np.float64 in (o.dtype, b.dtype) else np.float32
         d = np.subtract(b, o, dtype=work)
@@ -196,13 +198,16 @@ def error_map(
     ``ulp`` (ULP distance in the oracle's dtype), ``budget`` (|b - r| over the
     output's round-off budget, so 1 is the oracle's own error) or ``line`` (|b - r| in units of the
     SUSPECT line, ``budget`` the error at which one element alone makes the output SUSPECT: 1 is the line);
-    ``budget`` and ``line`` need the fp64 ``reference`` and ``budget``.  Returns ``(map, (fy, fx), fold)`` where
+    ``budget`` and ``line`` need the fp64 ``reference`` and ``budget``; ``quanta`` (an int8 output: |b - o| in quanta
+    of the output, ``budget`` the quantum) needs ``budget``.  Returns ``(map, (fy, fx), fold)`` where
     ``(fy, fx)`` are the pooling block sizes.  NaN/Inf disagreements are +inf.
     """
     if metric not in METRICS:
         raise InputError(f"metric must be one of {METRICS}, got {metric!r}")
     if metric in ("budget", "line") and (reference is None or not budget):
         raise InputError(f"the {metric!r} metric needs the fp64 reference and the output's budget")
+    if metric == "quanta" and not budget:
+        raise InputError("the 'quanta' metric needs the output's quantum (an int8 report's: report.int8['quanta'])")
     if oracle.shape != backend.shape:
         raise InputError(f"shapes differ: {oracle.shape} vs {backend.shape}")
     fold = fold or make_fold(oracle.shape)

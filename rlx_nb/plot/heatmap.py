@@ -163,7 +163,7 @@ def draw_heatmap(
     except ValueError as exc:
         raise InputError(str(exc)) from None
     finite = data[np.isfinite(data) & (data > 0)]
-    centred = metric in ("budget", "line")
+    centred = metric in ("budget", "line", "quanta")  # (one quantum: what a correct int8 kernel may move an element)
     if centred:  # 1 (the oracle's round-off, or the SUSPECT line) in the middle of the colours, whatever the range
         vmax = max(10.0, float(finite.max()) if finite.size else 10.0)
         vmin = min(0.1, max(float(finite.min()) if finite.size else 0.1, vmax * 1e-9))
@@ -388,7 +388,10 @@ def _band(ax: Axes, shape: tuple[int, int], cell: tuple[str, int], label: str, *
     pad = 0.6  # of a cell: the frame sits outside the slice, which keeps its colour
     if side == "cols":
         ax.add_patch(Rectangle((k - 0.5 - pad, -0.5), 1 + 2 * pad, shape[0], **kw))
-        at, offset, ha, va = (k, shape[0] - 0.5), (0, 10), "center", "top"
+        # (inside the map, just above its bottom edge, beside the column: never over the tick labels)
+        ha = "left" if k < shape[1] * 0.3 else "right" if k > shape[1] * 0.7 else "center"
+        x = k + 0.5 + pad if ha == "left" else k - 0.5 - pad if ha == "right" else k
+        at, offset, va = (x, shape[0] - 0.5), ({"left": 4, "right": -4, "center": 0}[ha], 4), "bottom"
     else:
         ax.add_patch(Rectangle((-0.5, k - 0.5 - pad), shape[1], 1 + 2 * pad, **kw))
         below = k < shape[0] * 0.7
@@ -399,7 +402,8 @@ def _band(ax: Axes, shape: tuple[int, int], cell: tuple[str, int], label: str, *
             "top" if below else "bottom",
         )
     inside_annotation(ax, plot_text(label), at, xytext=offset, color="cyan", fontsize=8, fontweight="bold", ha=ha,
-                      va=va, bbox={"boxstyle": "round", "fc": "black", "alpha": 0.65, "lw": 0})  # fmt: skip
+                      va=va, multialignment="left",
+                      bbox={"boxstyle": "round", "fc": "black", "alpha": 0.65, "lw": 0})  # fmt: skip
     ax.set_xlim(*limits[0])
     ax.set_ylim(*limits[1])
 

@@ -20,6 +20,7 @@ METRIC_LABELS = {
     "ulp": "ULP distance",
     "budget": "|backend - fp64| / round-off budget",
     "line": "|backend - fp64|, x of the SUSPECT line",
+    "quanta": "|backend - Q/DQ simulation|, in quanta of the output",
 }
 
 COLORBAR_LABELS = {
@@ -28,6 +29,7 @@ COLORBAR_LABELS = {
     "ulp": "ULP distance",
     "budget": "x round-off budget",
     "line": "x of the SUSPECT line",
+    "quanta": "quanta",
 }
 """Short names for the colour bar (the title spells the metric out): a long one ran off a short figure."""
 
@@ -151,8 +153,9 @@ def _inside_class() -> type:
             self.xyann = self.given_offset
             fb = self.figure.bbox
             bb = self.get_window_extent(renderer)
-            if bb.width > fb.width - 2 * INSIDE_PX and "; " in self.given_text:
-                self.set_text(self.given_text.replace("; ", "\n", 1))
+            room = self.axes.bbox.width if self.axes is not None else fb.width  # (over the map, not past it)
+            if bb.width > room - 2 * INSIDE_PX and "; " in self.given_text:
+                self.set_text(self.given_text.replace("; ", "\n"))
                 bb = self.get_window_extent(renderer)
             box = 0.3 * self.get_fontsize() * self.figure.dpi / 72 if self.get_bbox_patch() is not None else 0.0
             margin = INSIDE_PX + box  # (the rounded box around the words, whose pad is 0.3 of the font size)
@@ -167,8 +170,8 @@ def _inside_class() -> type:
 
 def inside_annotation(ax: Axes, text: str, xy: tuple[float, float], **kwargs: Any) -> Any:
     """``ax.annotate(text, xy, **kwargs)`` that keeps itself whole inside the figure: at every draw (at the size and
-    layout the figure has then) it is measured and moved in, and a label wider than the figure is broken at its
-    first "; ".  A label clipped at the edge changed what it said (``[:, 1]: 53% of the error`` read ``3% of the
+    layout the figure has then) it is measured and moved in, and a label wider than its axes is broken at its
+    "; ".  A label clipped at the edge changed what it said (``[:, 1]: 53% of the error`` read ``3% of the
     error``)."""
     kwargs.setdefault("xytext", (0, 0))
     kwargs.setdefault("textcoords", "offset points")

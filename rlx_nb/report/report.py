@@ -351,7 +351,7 @@ class DivergenceReport:
         out = []
         for name in self.results.candidates:
             recs = [r for r in self.records if r.backend == name]
-            out.append(seed_line(label, name, recs))
+            out.append(seed_line(label, name, recs, (self.int8 or {}).get("quanta") if self.int8 else None))
         if self.incomplete:
             out.append(f"[{label}] INCOMPLETE: {self.incomplete}")
         return out

@@ -352,8 +352,10 @@ def nondeterministic_reason(difference: float) -> str:
     )
 
 
-def seed_line(label: str, name: str, recs: list[OutputRecord]) -> str:
-    """The seed's line for one backend: ``[label] name vs cpu: max_abs=... max_rel=... (output #i name) — verdict``."""
+def seed_line(label: str, name: str, recs: list[OutputRecord], quanta: dict[str, float] | None = None) -> str:
+    """The seed's line for one backend: ``[label] name vs cpu: max_abs=... max_rel=... (output #i name) — verdict``;
+    an int8 report's (``quanta``: each output's quantum) reads ``max_quanta=`` where a float one reads ``max_rel=``
+    (the seed's relative error reads a one-quantum gap as thousands)."""
     worst = worst_record(recs)
     if worst.verdict in (VERDICT_ERROR, VERDICT_SKIPPED) and worst.output is None:
         return f"[{label}] {name:>6} vs cpu: {worst.verdict.upper()} — {worst.reason}"
@@ -378,4 +380,9 @@ def seed_line(label: str, name: str, recs: list[OutputRecord]) -> str:
         if skipped:
             count = f"{len(skipped)} output(s) " if len(skipped) > 1 else ""
             tail += f"; {count}{skipped[0].verdict}: {skipped[0].reason}"
+    if quanta:
+        worst_q = max(((r.pair.max_abs / quanta[r.output], r) for r in arrays if quanta.get(r.output)),
+                      default=(math.nan, worst), key=lambda qr: qr[0] if qr[0] == qr[0] else -1.0)  # fmt: skip
+        where = f"(output #{worst_q[1].output_index} {worst_q[1].output})"
+        return f"[{label}] {name:>6} vs cpu: max_abs={max_abs:.3e} max_quanta={worst_q[0]:.3g} {where} — {tail}"
     return f"[{label}] {name:>6} vs cpu: max_abs={max_abs:.3e} max_rel={rel.pair.max_rel:.3e} {where} — {tail}"
