@@ -15,6 +15,7 @@ from rlx_nb.changes.result import Diff
 from rlx_nb.changes.snapshot_file import Snapshot, load_snapshot
 from rlx_nb.comparison.compare import compare
 from rlx_nb.errors import BackendError, InputError, ReportFormatError, RlxError
+from rlx_nb.errors import short_tracebacks_in_ipython as _short_tracebacks
 from rlx_nb.execution.cache import clear_preparations, kept_preparations
 from rlx_nb.execution.results import RunResults
 from rlx_nb.execution.run import run
@@ -31,6 +32,7 @@ from rlx_nb.report.report import DivergenceReport
 from rlx_nb.verdict.records import OutputRecord
 
 _warmup.start()  # the numba kernels load in the background (rlx_nb/numerics/warmup.py)
+_short_tracebacks()  # in a notebook, an RlxError shows as the user's line and its message (rlx_nb/errors.py)
 
 
 def explore(report, **kwargs):

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import re
+import sys
 import traceback
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import Any
 
 
 class RlxError(Exception):
@@ -43,6 +45,33 @@ def did_you_mean(name: object, choices: Iterable[str]) -> str:
     close = difflib.get_close_matches(name, choices, n=1, cutoff=0.6)
     close = close or [c for c in choices if name and (c.endswith(f"-{name}") or c.startswith(f"{name}-"))][:1]
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+_PACKAGE = str(Path(__file__).resolve().parent)
+
+
+def _short_traceback(shell: Any, etype: type, value: BaseException, tb: Any, tb_offset: Any = None) -> list[str]:
+    # IPython's handler for rlx_nb's own errors: the user's line that called rlx_nb, then the message -- not ~25 lines
+    # of rlx_nb's source before it.  %tb shows the whole traceback (IPython keeps it as sys.last_traceback).
+    frames = [f for f in traceback.extract_tb(tb) if not str(Path(f.filename).resolve()).startswith(_PACKAGE)]
+    lines = [f"{frames[-1].filename}, line {frames[-1].lineno}: {frames[-1].line}"] if frames else []
+    red, plain = "\x1b[0;31m", "\x1b[0m"
+    stb = [*lines, f"{red}{etype.__module__}.{etype.__name__}{plain}: {value}",
+           "(rlx_nb's own error, said in full above; %tb shows where in rlx_nb it was raised)"]
+    sys.last_type, sys.last_value, sys.last_traceback = etype, value, tb  # (what %tb and %debug read)
+    shell._showtraceback(etype, value, stb)  # (IPython shows what a custom handler shows itself)
+    return stb
+
+
+def short_tracebacks_in_ipython() -> bool:
+    """In IPython (a notebook's kernel), show an :class:`RlxError` as the user's line and the message, without
+    rlx_nb's source; whether it was set (never over a custom handler the user set)."""
+    ipython = sys.modules.get("IPython")
+    shell = ipython.get_ipython() if ipython is not None and hasattr(ipython, "get_ipython") else None
+    if shell is None or not hasattr(shell, "set_custom_exc") or getattr(shell, "custom_exceptions", ()) not in ((),):
+        return False
+    shell.set_custom_exc((RlxError,), _short_traceback)
+    return True
 
 
 class NotApplicable(Exception):

@@ -271,10 +271,11 @@ class Explorer(W.VBox if W is not None else object):
             self.status.value = f"<i>{html.escape(backend)} has no array outputs to show</i>"
             return
         rec = self.report.record(backend, output)
+        reason = rec.reason.removeprefix(f"{rec.verdict}, ").removeprefix(f"{rec.verdict} ")  # ("round-off — round-off")
         self.status.value = (
             f"<b>{html.escape(backend)}</b> · <code>{html.escape(output)}</code>: "
             f"<span style='color:{'#b00020' if rec.verdict == SUSPECT else '#1b5e20'}'><b>{html.escape(rec.verdict)}</b></span> — "
-            f"{html.escape(rec.reason)}{'<br>' if where_born(self.report, backend) else ''}"
+            f"{html.escape(reason)}{'<br>' if where_born(self.report, backend) else ''}"
             f"{html.escape(where_born(self.report, backend))}"
         )
         has_ref = rec.judgement.budget.budget_rmse == rec.judgement.budget.budget_rmse

@@ -178,3 +178,28 @@ def test_a_new_users_hugging_face_notebook_reaches_the_element_and_module_in_six
     assert "application/vnd.jupyter.widget-view+json" in explorer[1].data
     assert "CULPRIT transformer.h.0.ln_1 :: F.layer_norm" in shown[5]  # the first module the fault touches
     assert f"worst {index}" in explorer[0].data["text/html"] or str(index) in explorer[0].data["text/html"]
+
+
+def test_an_rlx_nb_error_shows_the_users_line_and_the_message_not_rlx_nbs_source():
+    # #62: a notebook showed ~25 lines of rlx_nb's source before the message.  In a real kernel: the cell's line and
+    # the message, with "did you mean" for a backend name off by a dash; %tb still shows the whole traceback.
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [
+        nbformat.v4.new_code_cell("import torch, rlx_nb"),
+        nbformat.v4.new_code_cell(
+            "model = torch.nn.Linear(2, 2)\n"
+            "rlx_nb.backend_divergence(model, torch.randn(1, 2), backends=['onnx-runtime'], progress=False)"
+        ),
+        nbformat.v4.new_code_cell("%tb"),
+        nbformat.v4.new_code_cell("1 / 0"),  # (any other error: IPython's own traceback, as before)
+    ]
+    nbclient.NotebookClient(nb, timeout=300, kernel_name="python3", allow_errors=True).execute()
+    error = next(o for o in nb.cells[1].outputs if o.output_type == "error")
+    shown = "\n".join(error.traceback)
+    assert error.ename == "BackendError" and "did you mean 'onnxruntime'" in error.evalue
+    assert len(error.traceback) <= 3 and "backends=['onnx-runtime']" in shown, shown
+    assert "rlx_nb/" not in shown and "def " not in shown  # (none of rlx_nb's source)
+    full = "".join(o.get("text", "") + "\n".join(o.get("traceback", [])) for o in nb.cells[2].outputs)
+    assert "Traceback" in full and "rlx_nb" in full  # (%tb: the whole traceback, into rlx_nb)
+    other = next(o for o in nb.cells[3].outputs if o.output_type == "error")
+    assert other.ename == "ZeroDivisionError" and len(other.traceback) > 1

@@ -261,14 +261,31 @@ def _float64_inputs(inputs: Any) -> list[str]:
 
 
 def dtype_hint(inputs: Any) -> str:
-    # What to change when the oracle fails and an input is float64 (the parameters were cast to float32).
-    wide = _float64_inputs(inputs)
-    if not wide:
+    # What to change when the oracle fails and an input is not float32 (the parameters were cast to float32).
+    args, keys = normalize_inputs(inputs)
+    named = dict(zip(keys or [f"input[{i}]" for i in range(len(args))], args, strict=True))
+    other = {n: str(t.dtype).removeprefix("torch.") for n, t in flatten(named)
+             if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float32}  # fmt: skip
+    if not other:
         return ""
+    said = ", ".join(f"{n} is {d}" for n, d in other.items())
     return (
-        f" — {', '.join(wide)} {'is' if len(wide) == 1 else 'are'} float64, while the oracle runs the model in "
-        "float32 (its parameters are cast to float32): pass float32 inputs"
+        f" — {said}, while the oracle runs the model in float32 (its parameters are cast to float32): pass float32 "
+        "inputs; a reduced precision is a backend judged on its own budget (cpu-bf16, cpu-fp16, or your own)"
     )
+
+
+def narrowed_weights(model: Any) -> str:
+    """What a model's floating weights are cast from to float32 for the oracle ("" when they are float32): said,
+    never done silently (a bfloat16 model is judged as its float32 copy computes)."""
+    if not isinstance(model, torch.nn.Module):
+        return ""
+    found: dict[str, int] = {}
+    for t in (*model.parameters(), *model.buffers()):
+        if t.is_floating_point() and t.dtype != torch.float32 and not t.is_meta:
+            name = str(t.dtype).removeprefix("torch.")
+            found[name] = found.get(name, 0) + 1
+    return ", ".join(f"{n} {name} weight(s)" for name, n in found.items()) + " cast to float32" if found else ""
 
 
 def tensors_crc(model: torch.nn.Module) -> int:

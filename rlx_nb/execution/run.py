@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -37,6 +38,7 @@ from rlx_nb.execution.prepare import (
     PrivateModel,
     dtype_hint,
     float32_default,
+    narrowed_weights,
     no_meta_inputs,
     normalize_inputs,
     prepare_model,
@@ -128,6 +130,11 @@ def run(
     with switches.exclusive(say) as saved, phases.measuring(meter), _exports_deleted(), contextlib.ExitStack() as stack:
         stack.push(lambda kind, exc, _tb: interrupted.nothing_finished(exc, running[0]))
         cast = float32_default(inputs, saved)
+        narrowed = narrowed_weights(model)
+        if narrowed:
+            warnings.warn(f"rlx_nb: the model's {narrowed}: the oracle runs it in float32 and every backend is given "
+                          "that copy; its own reduced precision is a backend judged on its own budget (cpu-bf16, "
+                          "cpu-fp16)", UserWarning, stacklevel=3)  # fmt: skip
         args, keys = normalize_inputs(inputs)
         with meter.phase("private copy"):
             private = PrivateModel(lambda: prepare_model(model, params, keys))
@@ -140,7 +147,7 @@ def run(
         task = Task(backward, loss, tuple(grad_inputs), tuple(input_names))
         call = _Call(private, PrivateInputs(args, cast=cast), task, candidates, meter=meter,
                      memory=Memory(private.model, memory_budget), saved=saved, say=say, timeout_s=timeout_s)  # fmt: skip
-        call.what = {"label": label or default_label(model), "cast": cast, "model": model,
+        call.what = {"label": label or default_label(model), "cast": cast, "model": model, "narrowed": narrowed,
                      "prints": Fingerprints(fingerprints.later(args, model, params))}  # fmt: skip
         call.run_oracle(inputs)
         call.run_helpers(anchors_now=on_backend is None or call.anchors_cheap())
@@ -373,6 +380,7 @@ class _Call:
                 **probe_environment(),
                 **({"sequential_failed": failed} if failed else {}),
                 **({"inputs_cast": what["cast"]} if what["cast"] else {}),
+                **({"weights_cast": what["narrowed"]} if what["narrowed"] else {}),
                 **({"incomplete": incomplete} if incomplete else {}),
                 "nondeterministic": self.unstable,
                 "extra_runs": self._extra_runs(),

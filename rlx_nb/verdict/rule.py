@@ -176,7 +176,9 @@ def judge(e: Evidence) -> Judgement:
         verdict, cause, line = SUSPECT, Cause.NONFINITE, math.inf
     elif verdict == ROUNDOFF:
         if e.max_abs == 0 and sb.rmse == so.rmse and not e.oracle_outliers:
-            cause = Cause.IDENTICAL
+            # (bit for bit the oracle's output: no gap to place on the line, which the oracle's own error against
+            # fp64 would put at a fraction of it beside "identical")
+            cause, line = Cause.IDENTICAL, 0.0
         elif e.discrete_events:
             cause = Cause.DISCRETE
         elif e.oracle_outliers or _oracle_is_the_outlier(e, units):

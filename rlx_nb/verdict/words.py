@@ -373,7 +373,9 @@ def seed_line(label: str, name: str, recs: list[OutputRecord], quanta: dict[str,
         line = max((r.judgement.line for r in recs if r.judgement.line == r.judgement.line), default=math.nan)
         # The seed's words stay whole ("round-off (explainable)", which CI logs are grepped for); the one
         # number on the SUSPECT-line scale follows them.
-        tail = "round-off (explainable)" + (f", {on_line(line)}" if line == line else "")
+        same = bool(arrays) and all(r.judgement.cause == Cause.IDENTICAL for r in arrays)
+        tail = "round-off (explainable)" + (", bit for bit identical" if same else f", {on_line(line)}" if line == line
+                                            else "")  # fmt: skip
         if off:
             tail += f"; the oracle itself is off the fp64 reference on {off[0].output}" + (
                 f" and {len(off) - 1} more output(s)" if len(off) > 1 else "")  # fmt: skip
