@@ -6,6 +6,7 @@ this machine, and judge each backend's gap against a float64 reference.
 
 from __future__ import annotations
 
+from rlx_nb._support.loud_imports import quiet_noisy_imports as _quiet_noisy_imports
 from rlx_nb._version import __version__  # (first: it stops a torch older than the tested range, clearly)
 from rlx_nb.api import backend_divergence, interrupted_report, load_report, report_backend_divergence
 from rlx_nb.backends.registry import available_backends, register_backend, unregister_backend
@@ -33,6 +34,7 @@ from rlx_nb.verdict.records import OutputRecord
 
 _warmup.start()  # the numba kernels load in the background (rlx_nb/numerics/warmup.py)
 _short_tracebacks()  # in a notebook, an RlxError shows as the user's line and its message (rlx_nb/errors.py)
+_quiet_noisy_imports()  # torchao's "Failed to load" lines kept out, whoever imports it (rlx_nb/_support/loud_imports.py)
 
 
 def explore(report, **kwargs):

@@ -65,7 +65,9 @@ class DiffExplorer(Explorer):
         longest = max((len(label) for label, _ in options), default=20)
         self.module_picker = W.Dropdown(options=options, value=row["module"], description="module",
                                         layout=W.Layout(width=f"calc({longest + 4}ch + 8em)", max_width="100%"))  # fmt: skip
-        self.side_picker = W.ToggleButtons(options=SIDES, value=side, description="change")
+        self.side_picker = W.ToggleButtons(
+            options=SIDES, value=side, description="change", style={"button_width": "auto"}
+        )  # (its words whole, never cut)
         self.children = (self.diff_head, self.diff_bars, W.HBox([self.module_picker, self.side_picker],
                          layout=W.Layout(flex_flow="row wrap")), *self.children)  # fmt: skip
         self.module_picker.observe(self._on_module, names="value")

@@ -56,8 +56,11 @@ def _short_traceback(shell: Any, etype: type, value: BaseException, tb: Any, tb_
     frames = [f for f in traceback.extract_tb(tb) if not str(Path(f.filename).resolve()).startswith(_PACKAGE)]
     lines = [f"{frames[-1].filename}, line {frames[-1].lineno}: {frames[-1].line}"] if frames else []
     red, plain = "\x1b[0;31m", "\x1b[0m"
-    stb = [*lines, f"{red}{etype.__module__}.{etype.__name__}{plain}: {value}",
-           "(rlx_nb's own error, said in full above; %tb shows where in rlx_nb it was raised)"]
+    stb = [
+        *lines,
+        f"{red}{etype.__module__}.{etype.__name__}{plain}: {value}",
+        "(rlx_nb's own error, said in full above; %tb shows where in rlx_nb it was raised)",
+    ]
     sys.last_type, sys.last_value, sys.last_traceback = etype, value, tb  # (what %tb and %debug read)
     shell._showtraceback(etype, value, stb)  # (IPython shows what a custom handler shows itself)
     return stb

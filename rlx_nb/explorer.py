@@ -139,7 +139,9 @@ class Explorer(W.VBox if W is not None else object):
             layout=wide,
         )
         self.output_picker = W.Dropdown(description="output", layout=wide)
-        self.metric_toggle = W.ToggleButtons(options=METRIC_OPTIONS, value="line", description="metric")
+        self.metric_toggle = W.ToggleButtons(
+            options=METRIC_OPTIONS, value="line", description="metric", style={"button_width": "auto"}
+        )  # (its words whole, never cut)
         self.heatmap_out = W.Output()
         self.histogram_out = W.Output()
         self.element_picker = W.Select(description="worst", rows=10, layout=W.Layout(width="340px"))
@@ -194,11 +196,10 @@ class Explorer(W.VBox if W is not None else object):
         images = [self._image(out) for out in (self.heatmap_out, self.histogram_out)]
         if self.interactive and self._heatmap_ax is not None:
             images[0] = base64.b64encode(_png(self._heatmap_ax.figure)).decode("ascii")
-        shown = "".join(
-            f"<img src='data:image/png;base64,{png}' style='max-width:48%;vertical-align:top'/>"
-            for png in images
-            if png
-        )
+        # Side by side where they fit at their own size, one below the other where not: never shrunk to half the
+        # cell (a histogram's legend read 6 px high at 48%).
+        shown = "".join(f"<img src='data:image/png;base64,{png}' style='max-width:100%;flex:0 0 auto'/>"
+                        for png in images if png)  # fmt: skip
         caption = (
             "<p style='color:#555;font-size:smaller'>rlx_nb explorer — a static copy of its view, for readers "
             "without a running kernel (the live explorer, when a kernel runs, is below)</p>"
@@ -207,7 +208,8 @@ class Explorer(W.VBox if W is not None else object):
         # (a squeezed table wrapped its indices and numbers and cut its last column).
         box = "flex:0 0 auto;max-width:100%;overflow-x:auto"
         body = (
-            f"<div class='rlx-snapshot'>{caption}<p>{self.status.value}</p><div>{shown}</div>"
+            f"<div class='rlx-snapshot'>{caption}<p>{self.status.value}</p>"
+            f"<div style='display:flex;flex-wrap:wrap;gap:0.5em;align-items:flex-start'>{shown}</div>"
             f"<div style='display:flex;flex-wrap:wrap;gap:1em 2em'><div style='{box}'>{self.table.value}</div>"
             f"<div style='{box}'>{self.inspector.value}</div></div>{self._localization_snapshot()}</div>"
         )
@@ -271,7 +273,9 @@ class Explorer(W.VBox if W is not None else object):
             self.status.value = f"<i>{html.escape(backend)} has no array outputs to show</i>"
             return
         rec = self.report.record(backend, output)
-        reason = rec.reason.removeprefix(f"{rec.verdict}, ").removeprefix(f"{rec.verdict} ")  # ("round-off — round-off")
+        reason = rec.reason.removeprefix(f"{rec.verdict}, ").removeprefix(
+            f"{rec.verdict} "
+        )  # ("round-off — round-off")
         self.status.value = (
             f"<b>{html.escape(backend)}</b> · <code>{html.escape(output)}</code>: "
             f"<span style='color:{'#b00020' if rec.verdict == SUSPECT else '#1b5e20'}'><b>{html.escape(rec.verdict)}</b></span> — "

@@ -285,11 +285,46 @@ def _check_figures(page, notebook: str) -> int:
         assert g["x"] >= g["ox"] - 1 and g["x"] + g["width"] <= g["ox"] + g["owidth"] + 1, (
             f"{notebook} figure {i} is cut off at the side: { {k: v for k, v in g.items() if k != 'src'} }"
         )
+        # (drawn at its own size, or as wide as its cell: a figure shrunk to half the cell drew 6-pixel legends)
+        assert g["width"] >= 0.95 * min(g["natural"], g["owidth"]), (
+            f"{notebook} figure {i} is shrunk: { {k: v for k, v in g.items() if k != 'src'} }"
+        )
         png = base64.b64decode(g["src"].partition(",")[2]) if g["src"] else images.nth(i).screenshot()
         pixels = _pixels(png)
         assert pixels.std() > 8, f"{notebook} figure {i} is blank (pixel spread {pixels.std():.1f})"
         _keep(png, f"{notebook.removesuffix('.ipynb')}-figure{i}.png")
     return count
+
+
+OVERFLOWING = """() => {
+    // Tables wider than their cell and not in a box that scrolls; toggle buttons whose words are cut.
+    const out = [];
+    for (const t of document.querySelectorAll('.jp-OutputArea-output table')) {
+        if (!t.offsetParent) continue;
+        const area = t.closest('.jp-OutputArea-output').getBoundingClientRect();
+        let box = t.parentElement, scrolls = false;
+        while (box) {
+            const o = getComputedStyle(box).overflowX;
+            if ((o === 'auto' || o === 'scroll') && box.getBoundingClientRect().right <= area.right + 1) {
+                scrolls = true; break;
+            }
+            if (box.classList.contains('jp-OutputArea-output')) break;
+            box = box.parentElement;
+        }
+        if (!scrolls && t.getBoundingClientRect().right > area.right + 1) out.push('table: ' + t.innerText.slice(0, 60));
+    }
+    for (const b of document.querySelectorAll('.widget-toggle-button')) {
+        if (b.offsetParent && b.scrollWidth > b.clientWidth + 1) out.push('toggle: ' + b.innerText);
+    }
+    return out;
+}"""
+
+
+def _check_layout(page, notebook: str) -> None:
+    # What a reader would see cut: a table running past its cell, a toggle's words cut (#62: the worst-elements
+    # table was wider than the cell, the diff explorer's toggle truncated).
+    cut = page.evaluate(OVERFLOWING)
+    assert cut == [], f"{notebook}: {cut}"
 
 
 def _shows_widgets(path: Path) -> bool:
@@ -310,6 +345,7 @@ def test_every_notebook_shows_every_figure_whole(lab, executed_notebook, noteboo
         page.goto(_url(base, token, f"executed/{notebook}"))
         playwright_api.expect(page.locator(".jp-OutputArea-output img").first).to_be_visible(timeout=TIMEOUT_MS)
         assert _check_figures(page, notebook) >= 1
+        _check_layout(page, notebook)
         assert not page.locator(".jp-OutputArea-output", has_text=re.compile(r"^<Axes: ")).count()  # no stray reprs
         # Every explorer picker shows its choice whole (#46: the module picker cut long module names).
         for select in page.locator(".rlx-explorer .widget-dropdown select").all():
@@ -452,6 +488,7 @@ def test_committed_notebooks_show_pictures_without_running(lab, notebook):
         page.goto(_url(base, token, f"notebooks/{notebook}"))
         playwright_api.expect(page.locator(".jp-OutputArea-output img").first).to_be_visible(timeout=TIMEOUT_MS)
         assert _check_figures(page, f"committed-{notebook}") >= 1
+        _check_layout(page, f"committed-{notebook}")
         # (what Lab shows for a widget whose kernel is gone takes a moment to replace the bundle: read once the
         # figures have settled, seconds after the page opened)
         texts = page.locator(".jp-OutputArea-output").all_inner_texts()

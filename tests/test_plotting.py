@@ -396,3 +396,22 @@ def test_no_label_of_a_heatmap_is_cut_at_any_size_the_explorer_or_the_page_draws
         assert _texts_outside(fig) == [], (shape, width)
     explorer = rlx_nb.explore(report)
     assert _texts_outside(explorer._heatmap_ax.figure) == []
+
+
+def test_a_heatmaps_frames_stay_on_the_map():
+    # #62: the band's frame on a 16 x 10 output's first row reached past the map's top edge and ran over the column
+    # profile above it, where it read as a stray line.
+    from matplotlib.patches import Rectangle
+
+    o = np.zeros((16, 10), np.float32)
+    b = o.copy()
+    b[0, :] = 1e-3  # (a bad first row)
+    b[:, 9] += 1e-4  # (and a column that stands out at the right edge)
+    h = heatmap(o, b, band=((0,), (0,), "[0]: a bad row"))
+    rows, cols = h.pooled.shape
+    for p in h.ax.patches:
+        if isinstance(p, Rectangle):
+            x0, y0, w, ht = p.get_x(), p.get_y(), p.get_width(), p.get_height()
+            assert -0.5 - 1e-9 <= x0 and x0 + w <= cols - 0.5 + 1e-9, (x0, w)
+            assert -0.5 - 1e-9 <= y0 and y0 + ht <= rows - 0.5 + 1e-9, (y0, ht)
+    plt.close(h.ax.figure)

@@ -54,7 +54,9 @@ def test_text_lines_follow_the_seed_format():
     for line in lines:
         assert LINE.match(line), line
     # (a backend bit for bit the oracle's says so, not "0.23 of the line": #62)
-    assert re.search(r"round-off \(explainable\), (0\.\d+ of the SUSPECT line|bit for bit identical)$", lines[0]), lines[0]
+    assert re.search(r"round-off \(explainable\), (0\.\d+ of the SUSPECT line|bit for bit identical)$", lines[0]), (
+        lines[0]
+    )
     rec = _report().record("cpu-nomkldnn")
     assert (rec.judgement.line == 0.0) == (rec.judgement.cause == "identical")
     assert "SUSPECT" in lines[1] and "likely a kernel bug" in lines[1]

@@ -290,7 +290,9 @@ def resolve_backends(backends: str | Iterable[str | Backend] | None) -> list[Bac
             raise BackendError(f"backend names must be strings or Backend objects, got {n!r}")
         if n not in _REGISTRY:
             live = available_backends(include_optin=True)
-            raise BackendError(f"unknown backend {n!r}{did_you_mean(n, [*live, *_REGISTRY])}; live here: {', '.join(live)}")
+            raise BackendError(
+                f"unknown backend {n!r}{did_you_mean(n, [*live, *_REGISTRY])}; live here: {', '.join(live)}"
+            )
         if n in (ORACLE, REFERENCE):
             continue  # always run as oracle / reference, never as a candidate
         if n not in [b.name for b in out]:

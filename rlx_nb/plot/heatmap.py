@@ -355,13 +355,21 @@ def _outline(ax: Axes, shape: tuple[int, int], standout: dict) -> None:
     pad = 1.0  # of a cell: the frame sits outside the band, which keeps its colour
     limits = ax.get_xlim(), ax.get_ylim()
     for i in standout["rows"]:
-        ax.add_patch(Rectangle((-0.5, i - 0.5 - pad), shape[1], 1 + 2 * pad, fill=False, edgecolor="cyan",
+        lo, hi = _within(i, pad, shape[0])
+        ax.add_patch(Rectangle((-0.5, lo), shape[1], hi - lo, fill=False, edgecolor="cyan",
                                linewidth=1.2, linestyle="--", clip_on=False))  # fmt: skip
     for j in standout["cols"]:
-        ax.add_patch(Rectangle((j - 0.5 - pad, -0.5), 1 + 2 * pad, shape[0], fill=False, edgecolor="cyan",
+        lo, hi = _within(j, pad, shape[1])
+        ax.add_patch(Rectangle((lo, -0.5), hi - lo, shape[0], fill=False, edgecolor="cyan",
                                linewidth=1.2, linestyle="--", clip_on=False))  # fmt: skip
     ax.set_xlim(*limits[0])  # the frames reach past the map's edge; the view stays on the map
     ax.set_ylim(*limits[1])
+
+
+def _within(k: int, pad: float, n: int) -> tuple[float, float]:
+    # A frame's two sides around cell ``k`` (``pad`` cells out), kept on the map's ``n`` cells: a frame past the map's
+    # edge ran over the profile beside it and read as a stray line (a 16 x 10 output's first row).
+    return max(k - 0.5 - pad, -0.5), min(k + 0.5 + pad, n - 0.5)
 
 
 def _band_cell(folded: Any, factors: tuple[int, int], band: tuple) -> tuple[str, int] | None:
@@ -387,13 +395,15 @@ def _band(ax: Axes, shape: tuple[int, int], cell: tuple[str, int], label: str, *
     kw = {"fill": False, "edgecolor": "cyan", "linewidth": 2.0, "clip_on": False}
     pad = 0.6  # of a cell: the frame sits outside the slice, which keeps its colour
     if side == "cols":
-        ax.add_patch(Rectangle((k - 0.5 - pad, -0.5), 1 + 2 * pad, shape[0], **kw))
+        lo, hi = _within(k, pad, shape[1])
+        ax.add_patch(Rectangle((lo, -0.5), hi - lo, shape[0], **kw))
         # (inside the map, just above its bottom edge, beside the column: never over the tick labels)
         ha = "left" if k < shape[1] * 0.3 else "right" if k > shape[1] * 0.7 else "center"
         x = k + 0.5 + pad if ha == "left" else k - 0.5 - pad if ha == "right" else k
         at, offset, va = (x, shape[0] - 0.5), ({"left": 4, "right": -4, "center": 0}[ha], 4), "bottom"
     else:
-        ax.add_patch(Rectangle((-0.5, k - 0.5 - pad), shape[1], 1 + 2 * pad, **kw))
+        lo, hi = _within(k, pad, shape[0])
+        ax.add_patch(Rectangle((-0.5, lo), shape[1], hi - lo, **kw))
         below = k < shape[0] * 0.7
         x, ha = (shape[1] - 0.5, "right") if label_right else (-0.5, "left")
         at, offset, va = (
