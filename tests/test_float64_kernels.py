@@ -148,3 +148,42 @@ def test_xglm_gets_its_fp64_reference():
     report = rlx_nb.backend_divergence(model, ids, backends=["cpu-bf16"], progress=False)
     assert report.results.reference.status == "ok", report.results.reference.message
     assert report.suspects == []
+
+
+def test_large_float64_pointwise_results_take_huge_pages_and_the_same_bits():
+    # #62: the reference's float64 temporaries were torch's 4 KB pages, faulted in one at a time (a SiLU then a scale
+    # over 5e7 elements: 0.45 s, 0.17 s on huge pages).  The out= overload runs the same kernel: the same bits.
+    import rlx_nb.backends.float64_kernels as fk
+
+    x = torch.randn(1024, 1024, dtype=torch.float64)  # (8 MB: past HUGE_COPY_BYTES)
+    y = torch.randn(1, 1024, dtype=torch.float64)
+    taken = []
+    original = fk._huge_result
+
+    def spy(func, args, kwargs):
+        got = original(func, args, kwargs)
+        taken.append((str(func), got is not None))
+        return got
+
+    fk._huge_result = spy
+    try:
+        cases = [lambda a: torch.nn.functional.silu(a) * 1.5, lambda a: torch.nn.functional.gelu(a, approximate="tanh"),
+                 lambda a: torch.exp(a) + y, lambda a: torch.where(a > 0, a, y), lambda a: a.tanh().clamp(-0.5, 0.5)]  # fmt: skip
+        for f in cases:
+            with fk.Float64Kernels():
+                got = f(x)
+            assert torch.equal(got, f(x)) and got.dtype == torch.float64
+        assert ("aten.silu.default", True) in taken and ("aten.mul.Tensor", True) in taken
+        assert ("aten.gelu.default", True) in taken and ("aten.add.Tensor", True) in taken
+        taken.clear()
+        with fk.Float64Kernels():
+            torch.nn.functional.silu(x[:, :8])  # (small, and not contiguous: as it is)
+        assert not any(hit for _, hit in taken)
+        w = x.clone().requires_grad_()  # (below autograd: a backward through it gives the same gradient, bit for bit)
+        with fk.Float64Kernels():
+            (torch.nn.functional.silu(w) * 1.5).sum().backward()
+        grad, w.grad = w.grad, None
+        (torch.nn.functional.silu(w) * 1.5).sum().backward()
+        assert torch.equal(grad, w.grad) and any(hit for _, hit in taken)
+    finally:
+        fk._huge_result = original

@@ -19,6 +19,14 @@ HUGE_COPY_BYTES = 1 << 22  # below 4 MB the page faults are negligible: plain to
 _ALIGN = 64
 
 
+def huge_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised contiguous CPU tensor on numpy's (transparent huge page) memory, 64-byte aligned as torch's."""
+    nbytes = max(1, int(np.prod(shape, dtype=np.int64))) * dtype.itemsize
+    raw = np.empty(nbytes + _ALIGN, np.uint8)
+    start = -raw.ctypes.data % _ALIGN
+    return torch.from_numpy(raw[start : start + nbytes]).view(dtype).view(shape)
+
+
 def private_copy(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
     """A detached copy of ``t`` (cast to ``dtype`` if given) with the same values, shape and strides.
 
@@ -50,9 +58,7 @@ def private_copy(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Ten
         return _same_layout(d, dtype)
     if not plain or not d.is_contiguous() or nbytes < HUGE_COPY_BYTES:
         return d.to(dtype) if dtype != d.dtype else d.clone()  # (both keep a dense layout: channels-last)
-    raw = np.empty(nbytes + _ALIGN, np.uint8)
-    start = -raw.ctypes.data % _ALIGN
-    out = torch.from_numpy(raw[start : start + nbytes]).view(dtype).view(d.shape)
+    out = huge_empty(tuple(d.shape), dtype)
     out.copy_(d)
     return out
 
