@@ -405,3 +405,23 @@ class _WrongSdpa(TorchFunctionMode):
 def _fading_sdpa(model, inputs):
     with _WrongSdpa():
         return model(*inputs)
+
+
+def test_an_issues_title_names_the_function_as_called_the_models_class_and_a_gradient():
+    # #62: titles read "`torch.avg_pool2d`" (F.avg_pool2d as the code calls it), "`<root>`" for the model, and
+    # never said when the divergence was in a gradient.
+    from types import SimpleNamespace
+
+    from rlx_nb.localization.capture import op_label
+    from rlx_nb.report.issue import title
+
+    assert op_label(torch.nn.functional.avg_pool2d) == "F.avg_pool2d" and op_label(torch.nn.functional.gelu) == "F.gelu"
+    assert op_label(torch.Tensor.__mul__) == "Tensor.__mul__" and op_label(torch.matmul) == "torch.matmul"
+    j = SimpleNamespace(line=12.5)
+    repro = SimpleNamespace(label="<root> :: F.avg_pool2d", backward=True, model="Pooling", backend="cpu-inductor",
+                            judgement=j)  # fmt: skip
+    assert title(repro) == ("cpu-inductor: the gradient of `F.avg_pool2d` in `Pooling` diverges from float64 far past "
+                            "float32 round-off (12.5x)")  # fmt: skip
+    nan = SimpleNamespace(label="blocks.1 :: F.softmax", backward=False, model="M", backend="b",
+                          judgement=SimpleNamespace(line=float("inf")))  # fmt: skip
+    assert title(nan) == "b: `F.softmax` in `blocks.1` diverges from float64 with NaN or infinity"
