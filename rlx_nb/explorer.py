@@ -39,9 +39,7 @@ the SUSPECT line; an exact match to the oracle is an error of 0 on the oracle-ba
 matches it bit for bit would open on an empty map)."""
 FP64_METRICS = ("line", "budget")
 """The metrics that need the fp64 reference (the others are offered where it did not run)."""
-INT8_METRIC_OPTIONS = [("quanta", "quanta"), ("x SUSPECT line", "line"), ("abs", "abs")]
-"""An int8 report's: its errors in quanta of the output first (float32's ULP and the seed's relative error read a
-one-quantum gap as millions of ULPs)."""
+INT8_METRIC_OPTIONS = [("quanta", "quanta"), ("x SUSPECT line", "line"), ("abs", "abs")]  # (no float32 ULP: #62)
 
 
 def _require_widgets() -> None:
@@ -486,19 +484,8 @@ class Explorer(W.VBox if W is not None else object):
         e = self.report.element(backend, output, index).iloc[0]  # (an InputError for an index outside the output)
         self.selected_index = index
         drawn = self._heatmap
-        quantum = self.report.plot._quantum(output)
-        measures = ([("error in quanta", f"{e.abs_err / quantum:.3g} (a quantum is {quantum:.4g})")] if quantum else
-                    [("rel error (seed)", f"{e.rel_err:.3e}"), ("ULP distance", str(int(e.ulp_err)))])  # fmt: skip
-        rows = [
-            ("index", str(index)),
-            (html.escape(getattr(self, "oracle_name", "oracle (cpu fp32)")), f"{float(e.oracle):.9g}"),
-            (f"backend ({html.escape(backend)})", f"{float(e.backend):.9g}"),
-            ("fp64 reference", f"{float(e.reference):.12g}"),
-            ("abs error", f"{e.abs_err:.3e}"),
-            *measures,
-            ("oracle - fp64", f"{e.oracle_err_fp64:.3e}"),
-            ("backend - fp64", f"{e.backend_err_fp64:.3e}"),
-        ]
+        oracle = html.escape(getattr(self, "oracle_name", "oracle (cpu fp32)"))
+        rows = lookups.inspector_rows(e, index, oracle, html.escape(backend), self.report.plot._quantum(output))
         body = "".join(f"<tr><th style='text-align:left'>{k}</th><td>{v}</td></tr>" for k, v in rows)
         hood = ""
         rec = self.report.record(backend, output)

@@ -67,6 +67,13 @@ def _ids(namespace: dict) -> dict[str, int]:
     return {k: id(v) for k, v in namespace.items()}
 
 
+def _cia_kernels() -> dict[str, tuple]:
+    # The Python kernels of the ops torch.export may keep whole (run_decompositions overrides them for its duration).
+    from torch._export.utils import _collect_all_valid_cia_ops
+
+    return {str(op): tuple(sorted(map(str, op.py_kernels))) for op in _collect_all_valid_cia_ops()}
+
+
 def torch_state() -> dict[str, Any]:
     """torch's process-wide state that rlx_nb enters or edits, each part as a value that compares by content."""
     import torch._dynamo.config as dynamo_config
@@ -92,6 +99,7 @@ def torch_state() -> dict[str, Any]:
         "decompositions": _ids(decomposition.decompositions),
         "core decompositions": _ids(torch._decomp.decomposition_table),
         "lowerings": _ids(lowering.lowerings),
+        "op kernels": _cia_kernels(),
         "fallbacks": set(lowering.fallbacks),
         "bisector": (
             cb.CompilerBisector.bisection_enabled,

@@ -103,4 +103,25 @@ def cia_ops_kept() -> Iterator[None]:
     ours += [] if real is None else [(torch._ops, "Callable", subscripts_kept(real), real)]
     # (each where it is still torch's own)
     with _HELD.replaced(lambda: [(m, name, new) for m, name, new, old in ours if m.__dict__.get(name) is old]):
+        with kernels_kept(kept()):
+            yield
+
+
+@contextlib.contextmanager
+def kernels_kept(ops: set) -> Iterator[None]:
+    """The Python kernels of ``ops`` (the ops torch.export may keep whole) as they were, after a block that raised.
+
+    ``run_decompositions`` overrides each such op's CompositeImplicitAutograd kernel for its duration and puts them
+    back in a ``finally``, but sets them up before it: a Ctrl-C there left ``aten.conv2d`` kept whole for good, and
+    every later export in the process failed ("aten.conv2d.default is not in Core ATen opset").  Ends that do not
+    raise leave them as torch left them."""
+    saved = {op: dict(op.py_kernels) for op in ops if hasattr(op, "py_kernels")}
+    try:
         yield
+    except BaseException:
+        for op, kernels in saved.items():
+            if op.py_kernels != kernels:
+                op.py_kernels.clear()
+                op.py_kernels.update(kernels)
+                op._dispatch_cache.clear()
+        raise

@@ -19,7 +19,6 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from rlx_nb._support import switches
 from rlx_nb._support.copies import module_copy, shared_copy
 from rlx_nb._support.hugepages import private_copy, raw_bytes
 from rlx_nb._support.tree import flatten, map_tensors
@@ -231,61 +230,6 @@ def user_name(model: torch.nn.Module, name: str) -> str:
 def named_params(model: torch.nn.Module) -> Iterable[tuple[str, torch.Tensor]]:
     for name, p in model.named_parameters():
         yield user_name(model, name), p
-
-
-def float32_default(inputs: Any, during: dict[str, Any]) -> str:
-    # The oracle computes in float32: under a float64 default dtype (torch.set_default_dtype), tensors a
-    # forward creates would be float64 and clash with the float32 parameters.  For the rest of the run the
-    # default is float32 (the user's is restored at its end, rlx_nb._support.switches) and float64 inputs are cast
-    # to float32; returns what is cast ("" if nothing).
-    default = torch.get_default_dtype()
-    if default == torch.float32:
-        return ""
-    wide = _float64_inputs(inputs)
-    cast = f"{', '.join(wide)} cast from float64 to float32" if wide else ""
-    warnings.warn(
-        f"rlx_nb: torch's default dtype is {str(default).removeprefix('torch.')}; the oracle runs the model in "
-        "float32, so the run uses float32 as the default dtype (yours is restored after)"
-        + (f" and {cast}" if cast else ""),
-        UserWarning,
-        stacklevel=4,
-    )
-    switches.hold(during, "default_dtype", torch.float32)
-    return cast
-
-
-def _float64_inputs(inputs: Any) -> list[str]:
-    args, keys = normalize_inputs(inputs)
-    named = dict(zip(keys or [f"input[{i}]" for i in range(len(args))], args, strict=True))
-    return [n for n, t in flatten(named) if isinstance(t, torch.Tensor) and t.dtype == torch.float64]
-
-
-def dtype_hint(inputs: Any) -> str:
-    # What to change when the oracle fails and an input is not float32 (the parameters were cast to float32).
-    args, keys = normalize_inputs(inputs)
-    named = dict(zip(keys or [f"input[{i}]" for i in range(len(args))], args, strict=True))
-    other = {n: str(t.dtype).removeprefix("torch.") for n, t in flatten(named)
-             if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != torch.float32}  # fmt: skip
-    if not other:
-        return ""
-    said = ", ".join(f"{n} is {d}" for n, d in other.items())
-    return (
-        f" — {said}, while the oracle runs the model in float32 (its parameters are cast to float32): pass float32 "
-        "inputs; a reduced precision is a backend judged on its own budget (cpu-bf16, cpu-fp16, or your own)"
-    )
-
-
-def narrowed_weights(model: Any) -> str:
-    """What a model's floating weights are cast from to float32 for the oracle ("" when they are float32): said,
-    never done silently (a bfloat16 model is judged as its float32 copy computes)."""
-    if not isinstance(model, torch.nn.Module):
-        return ""
-    found: dict[str, int] = {}
-    for t in (*model.parameters(), *model.buffers()):
-        if t.is_floating_point() and t.dtype != torch.float32 and not t.is_meta:
-            name = str(t.dtype).removeprefix("torch.")
-            found[name] = found.get(name, 0) + 1
-    return ", ".join(f"{n} {name} weight(s)" for name, n in found.items()) + " cast to float32" if found else ""
 
 
 def tensors_crc(model: torch.nn.Module) -> int:

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -30,15 +29,13 @@ from rlx_nb.backends.sequential import CountCalls, SequentialSums
 from rlx_nb.errors import InputError
 from rlx_nb.execution import cache as preparations
 from rlx_nb.execution import fingerprints, interrupted
+from rlx_nb.execution.dtypes import dtype_hint, float32_default, say_narrowed
 from rlx_nb.execution.environment import environment as probe_environment
 from rlx_nb.execution.execute import Given, Task, execute
 from rlx_nb.execution.memory import Memory
 from rlx_nb.execution.prepare import (
     PrivateInputs,
     PrivateModel,
-    dtype_hint,
-    float32_default,
-    narrowed_weights,
     no_meta_inputs,
     normalize_inputs,
     prepare_model,
@@ -129,12 +126,7 @@ def run(
     meter = phases.Meter()
     with switches.exclusive(say) as saved, phases.measuring(meter), _exports_deleted(), contextlib.ExitStack() as stack:
         stack.push(lambda kind, exc, _tb: interrupted.nothing_finished(exc, running[0]))
-        cast = float32_default(inputs, saved)
-        narrowed = narrowed_weights(model)
-        if narrowed:
-            warnings.warn(f"rlx_nb: the model's {narrowed}: the oracle runs it in float32 and every backend is given "
-                          "that copy; its own reduced precision is a backend judged on its own budget (cpu-bf16, "
-                          "cpu-fp16)", UserWarning, stacklevel=3)  # fmt: skip
+        cast, narrowed = float32_default(inputs, saved), say_narrowed(model)
         args, keys = normalize_inputs(inputs)
         with meter.phase("private copy"):
             private = PrivateModel(lambda: prepare_model(model, params, keys))

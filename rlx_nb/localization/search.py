@@ -26,7 +26,7 @@ from rlx_nb.execution.results import to_leaf
 from rlx_nb.localization.capture import Call, CallModule, OpModule, RecordOps
 from rlx_nb.localization.culprit import Culprit, judge_alone
 from rlx_nb.verdict.records import OutputRecord
-from rlx_nb.verdict.types import SUSPECT, VERDICT_ERROR
+from rlx_nb.verdict.types import SUSPECT, VERDICT_ERROR, whole_excess
 
 
 @dataclasses.dataclass
@@ -262,6 +262,8 @@ class State:
             )
             row["propagated_line"] = rec.judgement.line
             local = row["local_line"]
+            if local == 0:  # (bit for bit the oracle's alone: at the oracle's own round-off, what it adds is that)
+                local = whole_excess(row["local_ratio_rmse"], row["local_ratio_max"])
             row["amplification"] = rec.judgement.line / local if local and local == local and local > 0 else math.nan
 
 

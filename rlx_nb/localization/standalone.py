@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from rlx_nb._support.decomp_tables import cia_ops_kept
 from rlx_nb._support.quiet import quiet
 from rlx_nb._support.safe import code_text, docstring, write_new
 from rlx_nb._support.tree import flatten
@@ -95,7 +96,7 @@ def _traced(module: torch.nn.Module, tensors: tuple, name: str, what: str) -> tu
     # ``def <name>(*weights, *inputs)`` from torch.export's graph (aten ops), and the weights it lifted, in order,
     # by their names in the module.
     try:
-        with quiet(), torch.no_grad():
+        with quiet(), torch.no_grad(), cia_ops_kept():
             # (functional ATen, decomposed no further: an exporter reading the program meets no in-place op on a view)
             ep = torch.export.export(module, tensors, strict=False).run_decompositions({})
     except Exception as exc:

@@ -114,6 +114,23 @@ def _rows(o: np.ndarray, r: np.ndarray | None, idx: np.ndarray, err: np.ndarray,
     return elements_frame(element_columns(o.shape, r, idx, err, values))
 
 
+def inspector_rows(e: Any, index: tuple[int, ...], oracle: str, backend: str, quantum: float | None) -> list:
+    """One element's (name, value) rows as the explorer's inspector shows them: its values, its errors, and for an
+    int8 output its error in quanta (float32's ULP and the seed's relative error read a one-quantum gap as millions)."""
+    measures = ([("error in quanta", f"{e.abs_err / quantum:.3g} (a quantum is {quantum:.4g})")] if quantum else
+                [("rel error (seed)", f"{e.rel_err:.3e}"), ("ULP distance", str(int(e.ulp_err)))])  # fmt: skip
+    return [
+        ("index", str(index)),
+        (oracle, f"{float(e.oracle):.9g}"),
+        (f"backend ({backend})", f"{float(e.backend):.9g}"),
+        ("fp64 reference", f"{float(e.reference):.12g}"),
+        ("abs error", f"{e.abs_err:.3e}"),
+        *measures,
+        ("oracle - fp64", f"{e.oracle_err_fp64:.3e}"),
+        ("backend - fp64", f"{e.backend_err_fp64:.3e}"),
+    ]
+
+
 def neighbourhood_html(window: Any) -> str:
     """A picked element's 5 x 5 neighbourhood (:func:`neighbourhood`) as an HTML table, the element in the middle."""
     cells = "".join(
