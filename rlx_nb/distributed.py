@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from rlx_nb._support.safe import file_stem, inside, write_new
-from rlx_nb.errors import InputError
+from rlx_nb.errors import InputError, still_interrupted
 from rlx_nb.execution.run import run
 from rlx_nb.report.files import load_results, save_results
 from rlx_nb.report.merge import merge_results
@@ -125,6 +125,7 @@ def gather_report(
             results.environment["host"] = socket.gethostname()
             body = _payload(b"R", _to_bytes(results))
         except Exception as exc:  # this rank's failure travels as a message, not a crash
+            still_interrupted(exc)
             body = _payload(b"E", f"{type(exc).__name__}: {exc}".encode())
             results = None
         device = _wire_device()
@@ -188,6 +189,7 @@ def gather_diffs(
                                 byte_budget=byte_budget, label=name)  # fmt: skip
                 body = _payload(b"S", name.encode() + b"\0" + path.read_bytes())
             except Exception as exc:  # (this rank's failure travels as a message, not a crash)
+                still_interrupted(exc)
                 body = _payload(b"E", f"{name}: {type(exc).__name__}: {exc}".encode())
         device = _wire_device()
         if rank != 0:
@@ -239,6 +241,7 @@ def _receive(src: int, timeout_s: float, device: str = "cpu") -> bytes | str | m
         dist.irecv(body, src=src).wait(datetime.timedelta(seconds=timeout_s))
         body = body.cpu()
     except Exception as exc:
+        still_interrupted(exc)
         return f"no results from rank {src}: {type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     raw = memoryview(body.numpy())
     if raw[:1] == b"E":

@@ -77,6 +77,23 @@ def short_tracebacks_in_ipython() -> bool:
     return True
 
 
+def still_interrupted(exc: BaseException) -> None:
+    """Raise the ``KeyboardInterrupt`` (or ``SystemExit``) an exception was raised while handling, if any.
+
+    torch's own cleanup can fail while a Ctrl-C unwinds it (an export whose tracer was cut short raises an
+    ``AttributeError`` from its ``finally``): the interrupt then arrives as an ordinary exception, and an
+    ``except Exception`` that turns failures into an error row or an :class:`InputError` would swallow the stop.
+    Every such handler around torch calls this first.
+    """
+    seen: set[int] = set()
+    link: BaseException | None = exc
+    while link is not None and id(link) not in seen:
+        seen.add(id(link))
+        if isinstance(link, (KeyboardInterrupt, SystemExit)):
+            raise link
+        link = link.__cause__ or link.__context__
+
+
 class NotApplicable(Exception):
     """Raised by a backend that cannot run this kind of model (e.g. an export with no route for a decode step):
     its row is ``skipped`` with the message, not an error."""

@@ -63,6 +63,72 @@ def interrupt_at(fn: Callable[[], Any], n: int) -> bool | None:
     return False if seen >= n else None
 
 
+def _is_mode_entry(frame) -> bool:
+    # A mode rlx_nb enters (its own classes): torch's own modes, entered by torch's code, are torch's to leave (an
+    # export cut short exactly there leaves its tracer's state half set, which no caller can take back).
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    if frame.f_code.co_name != "__enter__":
+        return False
+    this = frame.f_locals.get("self")
+    return isinstance(this, (TorchDispatchMode, TorchFunctionMode)) and type(this).__module__.startswith("rlx_nb")
+
+
+def interrupt_entering_mode(fn: Callable[[], Any], n: int) -> bool | None:
+    """Run ``fn()`` with a ``KeyboardInterrupt`` raised as the ``n``-th torch mode rlx_nb enters returns from ``__enter__``: the mode
+    is on torch's stack and its flags set, but no ``with`` reached, so no ``__exit__`` runs.  True when the interrupt
+    came out of the call, False when swallowed, None when the call entered fewer modes."""
+    seen = 0
+
+    def on_return(frame, event, arg):
+        if event == "return":
+            sys.settrace(None)
+            raise KeyboardInterrupt(f"test interrupt as mode {n} is entered")
+        return on_return
+
+    def trace(frame, event, arg):
+        nonlocal seen
+        if event == "call" and _is_mode_entry(frame):
+            seen += 1
+            if seen == n:
+                return on_return
+        return None
+
+    sys.settrace(trace)
+    try:
+        fn()
+    except KeyboardInterrupt:
+        return True
+    finally:
+        sys.settrace(None)
+    return False if seen >= n else None
+
+
+def count_mode_entries(fn: Callable[[], Any]) -> int:
+    """How many torch modes of rlx_nb's ``fn()`` enters."""
+    seen = 0
+
+    def trace(frame, event, arg):
+        nonlocal seen
+        if event == "call" and _is_mode_entry(frame):
+            seen += 1
+        return None
+
+    sys.settrace(trace)
+    try:
+        fn()
+    finally:
+        sys.settrace(None)
+    return seen
+
+
+def _dispatch_flags() -> dict[str, Any]:
+    from torch.utils import _python_dispatch
+
+    return {k: v for k, v in vars(_python_dispatch).items() if k.startswith("_is_in_")}
+
+
 def _ids(namespace: dict) -> dict[str, int]:
     return {k: id(v) for k, v in namespace.items()}
 
@@ -91,6 +157,7 @@ def torch_state() -> dict[str, Any]:
     return {
         "function modes": [torch._C._get_function_stack_at(i) for i in range(torch._C._len_torch_function_stack())],
         "dispatch modes": list(_get_current_dispatch_mode_stack()),
+        "dispatch mode flags": _dispatch_flags(),
         "inductor config": inductor_config.get_config_copy(),
         "functorch config": functorch_config.get_config_copy(),
         "dynamo config": {

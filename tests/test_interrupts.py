@@ -17,7 +17,14 @@ from rlx_nb.localization.capture import OpModule, Slot
 from rlx_nb.localization.culprit import Culprit
 from rlx_nb.models import demo
 from tests.conftest import compiler_caches_off, require_live
-from tests.interrupts import count_calls, differences, interrupt_at, torch_state
+from tests.interrupts import (
+    count_calls,
+    count_mode_entries,
+    differences,
+    interrupt_at,
+    interrupt_entering_mode,
+    torch_state,
+)
 
 SPREAD = (0.03, 0.2, 0.45, 0.7, 0.93)
 """Where in a call the interrupts fall, as shares of its Python calls inside torch and rlx_nb."""
@@ -70,6 +77,30 @@ def test_ctrl_c_during_a_repro_and_its_shrinking_leaves_torch_as_it_was(tmp_path
     model, inputs = demo.layered(fault_layer=1)
     loc = rlx_nb.localize(model, inputs, backend="fault:softmax-row")
     _interrupted_everywhere(lambda: loc.repro(tmp_path, attribute=False, check=False))
+
+
+def test_ctrl_c_as_any_torch_mode_is_entered_leaves_no_mode_on_torchs_stack(tmp_path):
+    # The class behind a CI run that lost every later compile: an interrupt as a mode's __enter__ returns (the mode
+    # pushed, its flags set, no ``with`` reached) left the reference's op counter on torch's dispatch stack, and
+    # Dynamo then compiled nothing.  Every mode every long call enters, interrupted there in turn.
+    model, inputs = demo.layered(fault_layer=1)
+    loc = rlx_nb.localize(model, inputs, backend="fault:softmax-row")
+    calls = {
+        "backend_divergence": lambda: rlx_nb.backend_divergence(model, inputs, backends=["fault:softmax-row"],
+                                                                backward=True, progress=False),  # fmt: skip
+        "snapshot": lambda: rlx_nb.snapshot(model, inputs, tmp_path / f"s{len(list(tmp_path.iterdir()))}",
+                                            reference=True, ops=True),  # fmt: skip
+        "repro": lambda: loc.repro(tmp_path, attribute=False, check=False),
+    }
+    for name, call in calls.items():
+        call()
+        total = count_mode_entries(call)
+        assert total > 0, f"{name} entered no torch mode: the test would test nothing"
+        before = torch_state()
+        for n in range(1, total + 1):
+            outcome = interrupt_entering_mode(call, n)
+            assert differences(before, torch_state()) == {}, f"{name}: after an interrupt as mode {n} was entered"
+            assert outcome is not False, f"{name}: the interrupt at mode {n} was swallowed"
 
 
 @contextlib.contextmanager

@@ -82,6 +82,23 @@ def test_an_interrupt_raised_inside_a_backend_propagates(kind, timeout_s, x):
     assert torch.backends.mkldnn.enabled
 
 
+def test_an_interrupt_that_torchs_cleanup_turns_into_another_error_still_stops_the_run(x):
+    # torch.export cut short by Ctrl-C can fail in its own cleanup (an AttributeError raised while the interrupt
+    # unwinds): that error must not become the backend's error row, nor a repro's "cannot trace".
+    def cleanup_fails(model, inputs):
+        try:
+            raise KeyboardInterrupt()
+        finally:
+            raise AttributeError("'_ModuleStackTracer' object has no attribute 'graph'")
+
+    name = _register("test-interrupt-in-cleanup", cleanup_fails)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            rlx_nb.backend_divergence(SlowWithoutOneDNN(), x, backends=[name], progress=False)
+    finally:
+        rlx_nb.unregister_backend(name)
+
+
 @pytest.fixture(autouse=True)
 def _ctrl_c_as_in_a_terminal():
     # SIGINT raises KeyboardInterrupt here, as in a terminal, even where whoever started the suite ignores it (a job

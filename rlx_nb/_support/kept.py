@@ -51,10 +51,38 @@ def _restore_dispatch_modes(saved: list[Any]) -> None:
         _push_mode(mode)
 
 
+_DISPATCH_FLAGS = (
+    "_is_in_torch_dispatch_mode",
+    "_is_in_non_infra_torch_dispatch_mode",
+    "_is_in_any_mode_without_ignore_compile_internals",
+)
+"""The module-level flags a dispatch mode's ``__enter__`` sets before it pushes the mode (and its ``__exit__`` puts
+back): an interrupt between the two leaves them set with no mode on the stack, and Dynamo reads them."""
+
+
+def _dispatch_flags() -> dict[str, Any]:
+    from torch.utils import _python_dispatch
+
+    return {name: getattr(_python_dispatch, name) for name in _DISPATCH_FLAGS if hasattr(_python_dispatch, name)}
+
+
+def _restore_dispatch_flags(saved: dict[str, Any]) -> None:
+    from torch.utils import _python_dispatch
+
+    if _dispatch_flags() == saved:
+        return
+    for name, value in saved.items():
+        setattr(_python_dispatch, name, value)
+    tell = getattr(_python_dispatch, "set_is_in_mode_without_ignore_compile_internals", None)
+    if tell is not None and "_is_in_any_mode_without_ignore_compile_internals" in saved:
+        tell(saved["_is_in_any_mode_without_ignore_compile_internals"])
+
+
 @contextlib.contextmanager
 def modes_kept() -> Iterator[None]:
-    """torch's function-mode and dispatch-mode stacks as they were when the block began, after it, however it ends:
-    a mode the block left on a stack is taken off, one it took off is put back.
+    """torch's function-mode and dispatch-mode stacks (and the flags that say a dispatch mode is on) as they were when
+    the block began, after it, however it ends: a mode the block left on a stack is taken off, one it took off is put
+    back.
 
     Examples
     --------
@@ -71,12 +99,13 @@ def modes_kept() -> Iterator[None]:
     >>> torch._C._len_torch_function_stack()
     0
     """
-    functions, dispatch = _function_modes(), _dispatch_modes()
+    functions, dispatch, flags = _function_modes(), _dispatch_modes(), _dispatch_flags()
     try:
         yield
     finally:
         _restore_function_modes(functions)
         _restore_dispatch_modes(dispatch)
+        _restore_dispatch_flags(flags)
 
 
 @contextlib.contextmanager

@@ -37,6 +37,7 @@ from typing import Any
 import torch
 
 from rlx_nb._support import quiet
+from rlx_nb._support.kept import modes_kept
 
 
 def _dynamo_get(name: str) -> Callable[[], Any]:
@@ -232,7 +233,8 @@ _RUN_LOCK = _RunLock()
 
 @contextlib.contextmanager
 def exclusive(say: Callable[[str], None] = lambda _: None) -> Iterator[dict[str, Any]]:
-    """One rlx_nb run at a time (rule 1), every switch and the caller's modes restored at the end (rule 2).
+    """One rlx_nb run at a time (rule 1), every switch and the caller's modes restored at the end (rule 2),
+    torch's mode stacks as they were however the run ends.
 
     Yields the values every backend's run returns the switches to (what :func:`restore` puts back after
     each backend): the switches as they were on entry, unless the run itself sets one for all its runs
@@ -243,13 +245,27 @@ def exclusive(say: Callable[[str], None] = lambda _: None) -> Iterator[dict[str,
     _RUN_LOCK.acquire(say)
     before, modes = snapshot(), thread_modes()
     try:
-        with _neutral():
+        # (a mode whose __enter__ an interrupt cut short, after torch pushed it, is left by no ``with``)
+        with modes_kept(), _neutral():
             yield dict(before)
     finally:
         with _FLIP_LOCK:
             restore(before)
         restore_thread_modes(modes)
         _RUN_LOCK.release()
+
+
+def guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run inside :func:`exclusive`: for rlx_nb's long calls that are not runs themselves (a repro, a shrink,
+    a compiler bisection), so that torch's switches and mode stacks come back however they end."""
+    import functools
+
+    @functools.wraps(fn)
+    def inside(*args: Any, **kwargs: Any) -> Any:
+        with exclusive():
+            return fn(*args, **kwargs)
+
+    return inside
 
 
 @contextlib.contextmanager

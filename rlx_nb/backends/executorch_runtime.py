@@ -21,7 +21,7 @@ from rlx_nb._support.quiet import quiet, quiet_first
 from rlx_nb.backends.base import Backend
 from rlx_nb.backends.notes import add_note
 from rlx_nb.backends.onnx import _FlatOutputs, attempt
-from rlx_nb.errors import with_root_cause
+from rlx_nb.errors import still_interrupted, with_root_cause
 
 PIP = "pip install 'rlx_nb[executorch]'"
 
@@ -38,6 +38,7 @@ def executorch_reason() -> str | None:
         with quiet():  # torchao reports its optional CUDA kernels as it loads
             import executorch.runtime  # noqa: F401
     except Exception as exc:
+        still_interrupted(exc)
         return f"ExecuTorch's runtime does not load: {with_root_cause(exc)} ({PIP})"
     return None
 
@@ -123,6 +124,7 @@ def _prepare(model: Any, inputs: tuple, *, delegate: bool) -> Any:
         with quiet(), torch.no_grad():
             buffer, ops, delegated, outputs = _lower(wrapper, inputs, delegate)
     except Exception as exc:
+        still_interrupted(exc)
         raise RuntimeError(f"{label}: export or lowering failed: {with_root_cause(exc)}") from None
     _say_fallbacks(label, ops, delegated)
     with quiet(), phases.step("executorch: load"):  # (its CPU probe writes to stderr from C++)

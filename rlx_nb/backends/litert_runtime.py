@@ -23,7 +23,7 @@ from rlx_nb._support.quiet import quiet, quiet_first
 from rlx_nb.backends.base import Backend
 from rlx_nb.backends.notes import add_note
 from rlx_nb.backends.onnx import _FlatOutputs, _weights_key, attempt
-from rlx_nb.errors import with_root_cause
+from rlx_nb.errors import still_interrupted, with_root_cause
 
 PIP = "pip install 'rlx_nb[litert]'"
 
@@ -68,6 +68,7 @@ def converted(wrapper: _FlatOutputs, inputs: tuple) -> Converted:
             model = attempt(wrapper, lambda w: litert_torch.convert(w.eval(), inputs))
             model.export(str(Path(directory.name) / "model.tflite"))
     except Exception as exc:
+        still_interrupted(exc)
         directory.cleanup()
         raise RuntimeError(f"LiteRT conversion failed: {with_root_cause(exc)}") from None
     done = Converted(directory)

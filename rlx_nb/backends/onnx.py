@@ -20,7 +20,7 @@ from rlx_nb._support.quiet import quiet
 from rlx_nb._support.tree import Opaque, flatten
 from rlx_nb.backends.base import Backend
 from rlx_nb.backends.notes import add_note
-from rlx_nb.errors import with_root_cause
+from rlx_nb.errors import still_interrupted, with_root_cause
 
 
 def onnxruntime_reason() -> str | None:
@@ -182,6 +182,7 @@ def exported(wrapper: _FlatOutputs, inputs: tuple, names: list[str]) -> Exported
                 attempt(wrapper, lambda w, dynamo=dynamo: export(w, dynamo))
                 break
             except Exception as exc:
+                still_interrupted(exc)
                 errors["dynamo" if dynamo else "TorchScript"] = exc
                 for leftover in Path(directory.name).iterdir():
                     leftover.unlink()

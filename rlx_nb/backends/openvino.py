@@ -20,7 +20,7 @@ from rlx_nb._support.quiet import quiet
 from rlx_nb.backends.base import Backend
 from rlx_nb.backends.notes import add_note
 from rlx_nb.backends.onnx import _FlatOutputs, attempt, exported
-from rlx_nb.errors import InputError
+from rlx_nb.errors import InputError, still_interrupted
 from rlx_nb.numerics import formats
 
 
@@ -108,6 +108,7 @@ def _convert(ov: Any, wrapper: _FlatOutputs, inputs: tuple) -> Any:
             # copies of a 1.1B model's weights here): the same ONNX frontend, the weights' pages shared.
             converted = ov.Core().read_model(str(onnx_file.path))
     except Exception as second:
+        still_interrupted(second)
         raise RuntimeError(
             f"OpenVINO could not convert the model by either route: directly: {first}; "
             f"through the ONNX export: {describe_error(second)}"
@@ -127,6 +128,7 @@ def _direct(ov: Any, wrapper: _FlatOutputs, inputs: tuple) -> tuple[Any, str]:
         with quiet(), phases.step("openvino: direct conversion"):
             return attempt(wrapper, lambda w: convert_model(ov, w, example_input=tuple(inputs))), ""
     except Exception as exc:
+        still_interrupted(exc)
         return None, describe_error(exc)
 
 

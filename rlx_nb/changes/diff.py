@@ -34,7 +34,7 @@ from rlx_nb.changes.record import alone, watched_run
 from rlx_nb.changes.result import Diff, row
 from rlx_nb.changes.snapshot_file import Snapshot, as_snapshot
 from rlx_nb.comparison.compare import failed, judge_leaf
-from rlx_nb.errors import InputError
+from rlx_nb.errors import InputError, still_interrupted
 from rlx_nb.execution import fingerprints
 from rlx_nb.execution.environment import packages_of
 from rlx_nb.execution.prepare import normalize_inputs, prepare_model
@@ -355,6 +355,7 @@ def _local(a: Snapshot, named: dict, backend: Any, label: str, *, how: str, show
         try:
             got, ref = _alone(a, named, name, backend)
         except Exception as exc:
+            still_interrupted(exc)
             checks[name] = (failed(label, f"{type(exc).__name__}: {exc}"[:300]), "")
             return False
         rec = _judge(a.outputs(name), got, ref, label, _shown(name, a))

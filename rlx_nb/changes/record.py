@@ -42,7 +42,7 @@ from rlx_nb.backends.registry import get_backend
 from rlx_nb.changes import files
 from rlx_nb.changes.environment import snapshot_environment
 from rlx_nb.changes.ops import OpCall, OpCalls, is_op, resolve, runnable
-from rlx_nb.errors import InputError, writing
+from rlx_nb.errors import InputError, still_interrupted, writing
 from rlx_nb.execution import fingerprints
 from rlx_nb.execution.prepare import normalize_inputs, prepare_model
 from rlx_nb.localization.capture import CallModule, OpModule, Slot, called_parent
@@ -149,6 +149,7 @@ def watched_run(
         with torch.no_grad(), same_state(base), recorder.attached(base) if recorder else contextlib.nullcontext():
             run()
     except Exception as exc:
+        still_interrupted(exc)
         raise InputError(f"{failed}: {type(exc).__name__}: {exc}") from None
     finally:
         for h in handles:
@@ -435,6 +436,7 @@ def _record_alone(
                 with torch.no_grad():
                     out = backend.fn(alone(entry, named), tensors)
             except Exception as exc:
+                still_interrupted(exc)
                 entry["why"] = f"it failed alone on {backend.name}: {type(exc).__name__}: {exc}"[:300]
                 continue
             leaves = {k: v for k, v in flatten(out) if isinstance(v, torch.Tensor) and v.is_floating_point()}

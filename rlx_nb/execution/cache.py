@@ -42,6 +42,7 @@ import torch
 from rlx_nb._support.hugepages import raw_bytes
 from rlx_nb._support.tree import flatten
 from rlx_nb.backends.notes import add_note
+from rlx_nb.errors import still_interrupted
 from rlx_nb.execution.fingerprints import fingerprint
 
 MAX_ENTRIES = 8
@@ -281,7 +282,8 @@ def run_kept(k: tuple, prep: Preparation, args: tuple) -> Any:
     )
     try:
         return prep.runner(args)
-    except Exception:
+    except Exception as _stop:
+        still_interrupted(_stop)
         forget(k)
         raise
 

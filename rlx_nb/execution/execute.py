@@ -25,7 +25,7 @@ from rlx_nb._support.meter import rss_bytes
 from rlx_nb._support.tree import flatten
 from rlx_nb.backends.base import Backend
 from rlx_nb.backends.notes import add_note, collecting
-from rlx_nb.errors import InputError, NotApplicable, describe_error, error_detail
+from rlx_nb.errors import InputError, NotApplicable, describe_error, error_detail, still_interrupted
 from rlx_nb.execution import cache as preparations
 from rlx_nb.execution.prepare import PrivateModel, fresh_leaves, named_params, user_name
 from rlx_nb.execution.results import ERROR, GRAD_PREFIX, OK, SKIPPED, BackendRun, to_leaf
@@ -254,6 +254,7 @@ def _execute(
         _remove(hooks)
         return BackendRun(backend.name, SKIPPED, {}, str(exc), compute_dtype=backend.compute_dtype, notes=notes)
     except Exception as exc:
+        still_interrupted(exc)
         _remove(hooks)
         return BackendRun(
             backend.name,
@@ -304,6 +305,7 @@ def _backward(run: BackendRun, backend: Backend, model: torch.nn.Module, out: An
             raise InputError(f"loss must be a scalar tensor, got shape {tuple(value.shape)}")
         value.backward()
     except Exception as exc:
+        still_interrupted(exc)
         run.grad_status, run.grad_message, run.detail = ERROR, describe_error(exc), error_detail(exc)
         return
     keep = backend.keeps_outputs_on_device

@@ -41,6 +41,7 @@ import torch
 
 from rlx_nb._support import meter as phases
 from rlx_nb._support.hugepages import weights_bytes
+from rlx_nb.errors import still_interrupted
 
 Step = Callable[[Any, torch.Tensor, Any], tuple[torch.Tensor, Any]]
 
@@ -192,6 +193,7 @@ class Decode(torch.nn.Module):
             try:
                 logits, cache = self.call(current, cache, mask)
             except Exception as exc:  # (which step, and what it was fed: a runtime written for whole sequences)
+                still_interrupted(exc)
                 fed = f"the prompt's {current.shape[1]} tokens" if k == 0 else "one new token and the cache"
                 exc.add_note(f"rlx_nb: raised in decode step {k} ({fed})")
                 raise

@@ -22,7 +22,7 @@ from rlx_nb import errors
 from rlx_nb._support import switches
 from rlx_nb.backends.base import Backend
 from rlx_nb.backends.registry import resolve_backends
-from rlx_nb.errors import InputError
+from rlx_nb.errors import InputError, still_interrupted
 from rlx_nb.execution import interrupted
 from rlx_nb.execution.results import GENERATION_KEY, OK
 from rlx_nb.execution.run import default_label
@@ -208,6 +208,7 @@ def _decoded(tokenizer: Any, rows: dict[str, list[list[int]]]) -> tuple[dict[str
     try:
         texts = {name: [tokenizer.decode(row) for row in value] for name, value in rows.items()}
     except Exception as exc:
+        still_interrupted(exc)
         return (
             None,
             f"tokens shown as ids: the tokenizer's decode() raised {type(exc).__name__}: {errors.first_line(exc)}",
@@ -285,7 +286,8 @@ def free_runs(model: Any, ids: torch.Tensor, steps: int, candidates: list[Backen
                 out[backend.name] = torch.stack(
                     [torch.as_tensor(logits[step_name(k)]).float().cpu().argmax(-1) for k in range(steps)], dim=1
                 ).tolist()
-            except Exception:  # its teacher-forced row says why it does not run
+            except Exception as _stop:  # its teacher-forced row says why it does not run
+                still_interrupted(_stop)
                 out[backend.name] = []
             finally:
                 switches.restore(saved)

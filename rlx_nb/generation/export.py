@@ -27,7 +27,7 @@ import torch
 
 from rlx_nb._support import meter as phases
 from rlx_nb.backends.notes import add_note
-from rlx_nb.errors import NotApplicable, with_root_cause
+from rlx_nb.errors import NotApplicable, still_interrupted, with_root_cause
 from rlx_nb.generation.decode import hf_step, last_logits, step_name
 
 
@@ -110,6 +110,7 @@ def export_decode(decode: Any, prompt: torch.Tensor, directory: Path) -> tuple[P
     except NotApplicable:
         raise
     except Exception as exc:
+        still_interrupted(exc)
         raise NotApplicable(f"the decode step did not export to ONNX ({with_root_cause(exc)[:600]})") from exc
     return prefill, step, len(past) // 2
 

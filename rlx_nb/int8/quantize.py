@@ -24,7 +24,7 @@ from rlx_nb._support.held import Held
 from rlx_nb._support.quiet import quiet
 from rlx_nb.backends.executorch_runtime import executorch_reason
 from rlx_nb.backends.onnx import _FlatOutputs
-from rlx_nb.errors import BackendError, InputError, describe_error
+from rlx_nb.errors import BackendError, InputError, describe_error, still_interrupted
 from rlx_nb.execution.prepare import KeywordModule, normalize_inputs
 from rlx_nb.int8.requantization import _WRAPPERS, _module_of, _op, attr
 
@@ -59,6 +59,7 @@ def quantize_pt2e(model: torch.nn.Module, inputs: Any, *, calibration: Iterable[
             try:
                 exported = torch.export.export(flat, tuple(args), strict=False)
             except Exception as exc:
+                still_interrupted(exc)
                 raise InputError(f"int8 quantization (PT2E) needs a model torch.export can trace; it cannot trace "
                                  f"this one: {describe_error(exc)}") from None  # fmt: skip
             with _pattern_graphs_kept():

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from rlx_nb._support.copies import module_copy
+from rlx_nb.errors import still_interrupted
 
 CONTRACTION_STEPS = 0.5
 """A matmul's or convolution's requantization width, in steps of the accumulator that feeds it, where it adds a
@@ -257,7 +258,8 @@ class _Lockstep(torch.fx.Interpreter):
                 double_kwargs["out_dtype"] = torch.float64
             try:
                 double = run(n.target, _double(side(args, True)), double_kwargs)
-            except Exception:  # (an op with no float64 kernel: its error downstream is not measured)
+            except Exception as _stop:  # (an op with no float64 kernel: its error downstream is not measured)
+                still_interrupted(_stop)
                 double, exact = _double(single), False
             return _Pair(single, double, exact)
 

@@ -26,10 +26,12 @@ from typing import Any
 
 import torch
 
+from rlx_nb._support import switches
 from rlx_nb._support.kept import inductor_tables_kept
 from rlx_nb._support.quiet import quiet
 from rlx_nb.backends.base import Backend
 from rlx_nb.backends.registry import get_backend
+from rlx_nb.errors import still_interrupted
 from rlx_nb.localization.culprit import Culprit
 from rlx_nb.localization.runners import PAIRS, runtime_of
 from rlx_nb.verdict.types import SUSPECT
@@ -80,6 +82,7 @@ class Attribution:
         return self.sentence
 
 
+@switches.guarded
 def attribute(culprit: Culprit, *, told: Callable[[str], None] | None = None) -> Attribution:
     """Where ``culprit``'s error is born in its backend: Inductor's stage and pass, or a runtime's layer; an
     :class:`Attribution` with only a sentence where the backend has neither."""
@@ -148,6 +151,7 @@ def _no_compile_caches() -> Iterator[None]:
         yield
 
 
+@switches.guarded
 def bisect_compiler(culprit: Culprit, told: Callable[[str], None]) -> Attribution:
     """``CompilerBisector`` on the culprit, rlx_nb's verdict its oracle."""
     from torch._inductor.compiler_bisector import CompilerBisector
@@ -207,7 +211,10 @@ def _workaround(culprit: Culprit, stage: str, subsystem: str, names: str, told: 
                 torch._dynamo.reset()
                 if culprit.judge().verdict != SUSPECT:
                     return text
-        except Exception:  # (a switch this torch does not have, a compile that fails with it: not a workaround)
+        except (
+            Exception
+        ) as _stop:  # (a switch this torch does not have, a compile that fails with it: not a workaround)
+            still_interrupted(_stop)
             continue
         finally:
             torch._dynamo.reset()

@@ -15,6 +15,7 @@ import torch
 
 from rlx_nb.backends.base import Backend
 from rlx_nb.comparison.compare import compare
+from rlx_nb.errors import still_interrupted
 from rlx_nb.execution.results import GRAD_PREFIX, RunResults
 from rlx_nb.execution.run import run
 from rlx_nb.localization.capture import inputs_requiring_grad
@@ -86,7 +87,8 @@ class Culprit:
         else None."""
         try:
             record = self.judge(tensors)
-        except Exception:  # (a shape the op refuses, a backend that cannot run this size: not a reproduction)
+        except Exception as _stop:  # (a shape the op refuses, a backend that cannot run this size: not a reproduction)
+            still_interrupted(_stop)
             return None
         return record if record.verdict == SUSPECT and crosses(record) else None
 

@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+from rlx_nb._support import switches
 from rlx_nb._support.progress import bar
 from rlx_nb._support.safe import file_stem, inside
 from rlx_nb.errors import InputError, writing
@@ -120,6 +121,7 @@ def run_script(script: Path) -> tuple[int, str]:
     return done.returncode, "\n".join(lines)
 
 
+@switches.guarded
 def reproduce(
     culprit: Culprit,
     path: str | Path,

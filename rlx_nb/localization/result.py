@@ -11,7 +11,7 @@ import numpy as np
 
 from rlx_nb.comparison.compare import compare
 from rlx_nb.comparison.tables import localization_frame
-from rlx_nb.errors import InputError
+from rlx_nb.errors import InputError, still_interrupted
 from rlx_nb.localization.search import KEEP_ARRAYS_BYTES
 from rlx_nb.verdict.records import OutputRecord
 from rlx_nb.verdict.types import SUSPECT, VERDICT_ERROR
@@ -222,6 +222,7 @@ class Localization:
         try:
             program = graph.exported(base, args)
         except Exception as exc:  # torch.export's own limits (data-dependent control flow, ...)
+            still_interrupted(exc)
             raise InputError(f"torch.export could not trace the model for Model Explorer: {exc}") from None
         return program, "model." if keys is not None else ""
 

@@ -20,7 +20,7 @@ from rlx_nb._support.tree import flatten
 from rlx_nb.backends.base import ORACLE, REFERENCE
 from rlx_nb.backends.registry import get_backend
 from rlx_nb.comparison.compare import failed, judge_leaf
-from rlx_nb.errors import InputError
+from rlx_nb.errors import InputError, still_interrupted
 from rlx_nb.execution.prepare import CallableModule, KeywordModule
 from rlx_nb.execution.results import to_leaf
 from rlx_nb.localization.capture import Call, CallModule, OpModule, RecordOps
@@ -283,7 +283,8 @@ def full_run_outputs(backend, base: torch.nn.Module, args: tuple) -> dict[str, A
     try:
         with torch.no_grad():
             backend.fn(model, copy.deepcopy(args))
-    except Exception:
+    except Exception as _stop:
+        still_interrupted(_stop)
         return {}
     finally:
         for h in handles:

@@ -17,6 +17,7 @@ from collections.abc import Callable
 
 import torch
 
+from rlx_nb._support import switches
 from rlx_nb.localization.culprit import Culprit
 from rlx_nb.verdict.records import OutputRecord
 from rlx_nb.verdict.types import MAX_LIMIT, RMSE_LIMIT
@@ -111,6 +112,7 @@ def _candidates(tensors: list[torch.Tensor]) -> list[list[torch.Tensor]]:
     return [c for c in out if [tuple(t.shape) for t in c] != shapes and consistent(shapes, [tuple(t.shape) for t in c])]
 
 
+@switches.guarded
 def shrink(
     culprit: Culprit, *, told: Callable[[str], None] | None = None, record: OutputRecord | None = None
 ) -> Shrunk:

@@ -25,7 +25,7 @@ from rlx_nb._support.safe import code_text, docstring, write_new
 from rlx_nb._support.tree import flatten
 from rlx_nb._version import __version__
 from rlx_nb.backends.exported_faults import Faulty
-from rlx_nb.errors import InputError
+from rlx_nb.errors import InputError, still_interrupted
 from rlx_nb.execution.execute import loss_weight
 from rlx_nb.execution.results import GRAD_PREFIX
 from rlx_nb.localization.capture import Slot
@@ -100,6 +100,7 @@ def _traced(module: torch.nn.Module, tensors: tuple, name: str, what: str) -> tu
             # (functional ATen, decomposed no further: an exporter reading the program meets no in-place op on a view)
             ep = torch.export.export(module, tensors, strict=False).run_decompositions({})
     except Exception as exc:
+        still_interrupted(exc)
         raise InputError(f"torch.export cannot trace {what}, so no standalone repro can hold it: {exc}") from None
     weights, seen_input = {}, False
     for spec in ep.graph_signature.input_specs:
