@@ -460,6 +460,7 @@ def test_every_public_verb_of_a_forward_report_works_on_an_int8_report(tmp_path)
         "backend_objects": lambda: fault.name in report.backend_objects,
         "backends": lambda: "max_quanta" in report.backends and "effective_bits" not in report.backends,
         "backends_detail": lambda: set(report.backends_detail.backend) >= {fault.name},
+        "budget_note": lambda: report.budget_note == "",
         "element": lambda: len(report.element(fault.name, "out", (0, 1))) == 1,
         "element_frame": lambda: len(report.element_frame(fault.name)) == 64 * 512,
         "elements": lambda: report.elements(fault.name, top=3)["index"].iloc[0][1] == FAULT["channel"],
@@ -703,6 +704,7 @@ def test_a_value_on_a_tie_whose_rounding_moves_the_whole_output_is_its_own_world
 
     # Without the account, the tie's two roundings are the trials' spread, and both faults read as round-off.
     monkeypatch.setattr(decisive, "MAX_DECISIVE", 0)
+    monkeypatch.setattr(decisive, "HOLD_ALL_BYTES", 0)  # (nor every candidate held alone)
     before = rlx_nb.quantized_divergence(converted, (x,), backends=backends, progress=False)
     assert before.int8["decisive"] == [] and before.suspects == [], before.summary
 
@@ -759,3 +761,84 @@ def test_the_pictures_and_words_of_an_int8_verdict_on_one_slice_show_that_slice_
     explorer = rlx_nb.explore(report)
     assert explorer.metric_toggle.value == "quanta" and "ulp" not in [v for _, v in explorer.metric_toggle.options]
     assert "error in quanta" in explorer.inspector.value and "ULP distance" not in explorer.inspector.value
+
+
+def _opt_from_config():
+    # #63: a 2-layer OPT from a small config, whose near-boundary values outnumbered the old search (61 of them: it
+    # gave up after 32 runs, held none, and faults 35-208x a legitimate error read as round-off).
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.OPTConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, ffn_dim=128,
+                                    num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=64)  # fmt: skip
+    ids = torch.randint(4, 1000, (1, 16))
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    return quantize.quantize_pt2e(transformers.OPTForCausalLM(config).eval(), inputs), inputs
+
+
+@functools.cache
+def _opt_case():
+    converted, inputs = _opt_from_config()
+    planted = [faults.weight_sign_fault(layer=2, channel=1, runtime="cpu"),  # (layer 0's v_proj)
+               faults.bias_fault(layer=3, channel=1, quanta=3.0, runtime="cpu")]  # fmt: skip
+    report = rlx_nb.quantized_divergence(converted, inputs, backends=[faults.half_up_runtime(), *planted],
+                                         progress=False)  # fmt: skip
+    return converted, inputs, planted, report
+
+
+def test_a_transformers_many_near_boundary_values_are_each_measured_and_faults_past_them_caught():
+    _, _, planted, report = _opt_case()
+    search = report.int8["decisive_search"]
+    assert search["complete"] and search["runs"] <= report.int8["candidates"] + 1, search  # (each alone, and all)
+    assert len(report.int8["decisive"]) > 4 and report.budget_note == ""
+    assert report.record("int8-half-up").verdict == ROUNDOFF
+    assert sorted(report.suspects) == sorted(f.name for f in planted), report.summary
+
+
+def test_a_correct_kernel_rounding_any_subset_of_the_candidates_the_other_way_stays_within_the_budget():
+    # The budget holds what the world search leaves of the trials (every candidate rounded at random), and each
+    # runtime is judged from its own nearest world by the same search: runtimes that are the simulation with subsets
+    # of its near-boundary values rounded the other way -- one, a few, half of them, all -- and the exact simulation
+    # (float64 between the quantize ops) read round-off.
+    import random
+
+    from rlx_nb.backends.base import Backend
+    from rlx_nb.int8 import decisive
+    from rlx_nb.int8.requantization import exact_simulation, requantizations
+
+    converted, inputs = _opt_from_config()
+    args = tuple(inputs.values())
+    with torch.no_grad():
+        measured = requantizations(converted, args)
+    planned = decisive._Planned(converted, {r["node"]: r["width"] for r in measured})
+    items = [(n, int(i)) for n, (index, _, _) in planned.candidates(args).items() for i in index.tolist()]
+    rng = random.Random(0)
+
+    def flipped(name, subset):
+        return Backend(name, lambda model, x: planned.run(tuple(x), flips=decisive._by_node(subset)), device="cpu",
+                       differentiable=False)  # fmt: skip
+
+    def exact(model, x):
+        out = exact_simulation(converted, tuple(x))
+        return torch.utils._pytree.tree_map(lambda t: t.float() if torch.is_tensor(t) and t.is_floating_point()
+                                            else t, out)  # fmt: skip
+
+    backends = [flipped(f"flip{n}", rng.sample(items, n)) for n in (1, 3, 10, len(items) // 2)]
+    backends += [flipped("flip-all", items), Backend("exact-simulation", exact, device="cpu", differentiable=False)]
+    report = rlx_nb.quantized_divergence(converted, inputs, backends=backends, progress=False)
+    assert report.suspects == [], report.summary[["backend", "verdict", "line", "output"]]
+
+
+def test_a_search_that_gives_up_says_so_in_the_lines_with_what_finishing_costs(monkeypatch):
+    from rlx_nb.int8 import decisive
+
+    monkeypatch.setattr(decisive, "HOLD_ALL_BYTES", 0)  # (bisection only)
+    converted, inputs = _opt_from_config()
+    report = rlx_nb.quantized_divergence(converted, inputs, backends=[faults.half_up_runtime()], search_runs=5,
+                                         progress=False)  # fmt: skip
+    search = report.int8["decisive_search"]
+    assert not search["complete"] and search["left"] > 0 and search["to_finish"] > 0 and search["runs"] <= 6
+    wide = [ln for ln in report.lines() if "INT8 BUDGET WIDE" in ln]
+    assert len(wide) == 1 and f"after {search['runs']} runs" in wide[0] and "search_runs=math.inf" in wide[0]
+    assert report.budget_note in wide[0]
+    with pytest.raises(InputError, match="search_runs must be None"):
+        rlx_nb.quantized_divergence(converted, inputs, search_runs=0, progress=False)

@@ -14,24 +14,29 @@ So those elements are found and taken out of the trials' chance, as ReLU flips a
 1. the Q/DQ simulation runs once recording each requantization's *candidates* -- the elements within its width of a
    boundary (:func:`~rlx_nb.int8.requantization.element_reach`, as the trials' reach);
 2. every candidate rounded the other way at once is one legitimate *world*, the most they move the output together;
-   the candidates are bisected (best first, at most :data:`MAX_PROBES` runs) for single elements that alone move an
-   output by at least :data:`DECISIVE_SHARE` of that.  Only a search that finds them all (at most
+   the candidates are bisected (best first) for single elements that alone move an output by at least
+   :data:`DECISIVE_SHARE` of that.  The search runs until it has found them all, or until its budget is spent (by
+   default :data:`SEARCH_SECONDS`, at least :data:`MIN_RUNS` runs: a small transformer's simulation takes
+   milliseconds a run, and its 60-odd candidates need a few hundred); only a search that finds them all (at most
    :data:`MAX_DECISIVE`) is used: otherwise a legitimate rounding of one not found would fall outside a budget the
-   others' holding made narrow, so none is held and the trials keep their chance, as before this account;
-3. each combination of the decisive elements rounded either way is a world of its own (``2**k`` runs, the oracle
-   one of them); the trials round every other candidate at random and hold the decisive ones as the oracle does,
-   and the exact simulation (the reference) rounds them as the oracle does too, so the budget measures what the
-   rest leaves;
-4. a candidate runtime is judged from the world nearest to it (:func:`accounts`): what that world differs from the
-   oracle by is taken out of its error before the budget judges it (``RunResults.discrete``), and its record says
-   which elements it rounded the other way.  Only elements within a width of a boundary are ever credited, and a
-   world is chosen only where it is nearer than the oracle, so no other error is explained away.
+   others' holding made narrow, so none is held, the trials keep their chance, and the report says so, with what
+   finishing the search would cost (``quantized_divergence(search_runs=...)``);
+3. the trials round every other candidate at random and hold the decisive ones as the oracle does, and the exact
+   simulation (the reference) rounds them as the oracle does too, so the budget measures what the rest leaves;
+4. each way of rounding the decisive elements is a world of its own.  A candidate runtime is judged from the world
+   nearest to it: each element's own move is measured alone, the combination that best explains the runtime's
+   output (its moves added, every combination weighed) is run as it is, and where that world is nearer than the
+   oracle what it differs from the oracle by is taken out of the runtime's error before the budget judges it
+   (``RunResults.discrete``); its record says which elements it rounded the other way.  Only elements within a width
+   of a boundary are ever credited, a world is only ever a real run of the simulation, and it is chosen only where
+   it is nearer than the oracle, so no other error is explained away.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import time
 from typing import Any
 
 import numpy as np
@@ -52,12 +57,25 @@ from rlx_nb.int8.requantization import (
 DECISIVE_SHARE = 0.25
 """An element is decisive when rounding it alone the other way moves some output by at least this share (RMS) of
 what every candidate rounded the other way moves it."""
-MAX_DECISIVE = 4
-"""At most this many decisive elements are held (``2**4`` worlds); where there are more, none is, and the trials keep
-their chance for all of them (as where the search runs out of runs)."""
-MAX_PROBES = 32
-"""At most this many runs of the simulation bisect the candidates (a model whose spread is many small flips, where no
-element is decisive, stops there)."""
+MAX_DECISIVE = 64
+"""At most this many decisive elements are held (each moves some output by a quarter of what all move it: a model
+whose outputs include its caches' keys has many, each deciding its own element); where there are more, none is, and
+the trials keep their chance for all of them."""
+WORLD_RUNS = 12
+"""A runtime's world grows one element a step (the element best explaining what is left first, the next where that
+world comes no nearer): at most this many runs of the simulation per decisive element, and :data:`MAX_WORLD_RUNS` in
+all, for every trial and every runtime alike (the budget holds what a search of that size leaves)."""
+MAX_WORLD_RUNS = 128
+HOLD_ALL_BYTES = 256 * 2**20
+"""Every candidate is measured alone and held (no rounding left to the trials' chance) where their moves of the
+outputs, kept in float64, take at most this much memory and the runs fit the search's budget."""
+FLOOR_QUANTA = 1.5
+"""An output that every candidate rounded the other way together moves by at most this many of its quanta at any
+element is at the budget's floor (one element one quantum off) whatever is held: it decides no element."""
+SEARCH_SECONDS = 30.0
+"""By default the search runs the simulation for at most this long (and at least :data:`MIN_RUNS` times)."""
+MIN_RUNS = 32
+"""The search's runs however slow the model (the budget before #63 was this many)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,6 +183,12 @@ def _tensor(value: Any) -> torch.Tensor:
     return torch.from_numpy(a if a.flags.writeable else a.copy())
 
 
+def _largest(a: torch.Tensor, b: torch.Tensor) -> float:
+    d = (a.to(torch.float64) - b.to(torch.float64)).reshape(-1)
+    d = d[torch.isfinite(d)]
+    return float(d.abs().max()) if d.numel() else 0.0
+
+
 def _rms(a: torch.Tensor, b: torch.Tensor) -> float:
     d = (a.to(torch.float64) - b.to(torch.float64)).reshape(-1)
     d = d[torch.isfinite(d)]
@@ -173,8 +197,8 @@ def _rms(a: torch.Tensor, b: torch.Tensor) -> float:
 
 @dataclasses.dataclass
 class Worlds:
-    """The decisive elements of one model and inputs, and what each combination of them rounded the other way gives
-    (``outputs[0]`` is the oracle's)."""
+    """The decisive elements of one model and inputs: each one's own move of the outputs (rounded the other way
+    alone), and a way to run any combination of them (a world); ``outputs[0]`` is the oracle's."""
 
     elements: list[Element]
     outputs: list[dict[str, torch.Tensor]]
@@ -183,6 +207,18 @@ class Worlds:
     candidates: int = 0
     complete: bool = True
     """Whether the search found every decisive element (else none is held: :func:`find`)."""
+    seconds: float = 0.0
+    left: int = 0
+    """Candidates the search had not resolved when it stopped (0 when complete)."""
+    to_finish: int = 0
+    """About how many more runs would have finished it (each group left bisected down to one element)."""
+    moves: list[dict[str, torch.Tensor]] = dataclasses.field(default_factory=list)
+    """Each element's own move of each output (its world of one, less the oracle's), as measured by the search."""
+    runner: Any = None
+    """``runner(flips)``: the simulation's outputs with these elements rounded the other way."""
+    units: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Each output's unit of distance between worlds: its quantum, or its :attr:`scales` where it has none."""
+    _runs: dict[tuple[int, ...], dict[str, torch.Tensor]] = dataclasses.field(default_factory=dict)
 
     @property
     def held(self) -> dict[str, torch.Tensor]:
@@ -201,26 +237,111 @@ class Worlds:
             k: (torch.tensor(i, dtype=torch.long), torch.tensor(q, dtype=torch.float64)) for k, (i, q) in out.items()
         }
 
-    def flipped(self, world: int) -> list[Element]:
-        """The elements world ``world`` rounds the other way (bit ``i`` of ``world``: element ``i``)."""
-        return [e for i, e in enumerate(self.elements) if world >> i & 1]
+    def flipped(self, world: tuple[int, ...]) -> list[Element]:
+        """The elements world ``world`` (their positions in :attr:`elements`) rounds the other way."""
+        return [self.elements[i] for i in world]
 
-    def nearest(self, outputs: dict[str, Leaf]) -> int:
-        """The world nearest to a run's outputs (each output in units of :attr:`scales`); 0 (the oracle's) unless
-        another is strictly nearer."""
-        if len(self.outputs) < 2:
-            return 0
+    def world(self, chosen: tuple[int, ...], *, keep: bool = True) -> dict[str, torch.Tensor]:
+        """The outputs of the world that rounds ``chosen`` the other way: a run of the simulation (kept)."""
+        if not chosen:
+            return self.outputs[0]
+        if chosen in self._runs:
+            return self._runs[chosen]
+        got = _floats(self.runner(_by_node((e.node, e.index) for e in self.flipped(chosen))))
+        if keep:
+            self._runs[chosen] = got
+        return got
+
+    def distance(self, got: dict[str, torch.Tensor], world: dict[str, torch.Tensor]) -> float:
+        """How far a run's outputs are from a world's: each output's RMS difference in its quanta (in units of
+        :attr:`scales` for an output without one), squared and summed over every output."""
+        d = 0.0
+        for k, unit in self.units.items():
+            if k in got and k in world and got[k].shape == world[k].shape:
+                d += (_rms(got[k], world[k]) / unit) ** 2
+        return d
+
+    def nearest(self, outputs: dict[str, Leaf]) -> tuple[int, ...]:
+        """The world nearest to a run's outputs, found by actual runs: from the oracle's, the element whose own move
+        best explains what is left of the run's difference from the current world is added, while the world that
+        adds it, run as it is, comes nearer (at most :data:`WORLD_RUNS` runs an element).  A correct kernel's
+        roundings cascade through the layers after them (a rounding moves values downstream across boundaries), so a
+        world is only ever taken as the simulation computes it, never as its elements' moves added.  ``()`` where
+        no world is nearer than the oracle's."""
+        if not self.elements:
+            return ()
         got = {k: _tensor(v.value) for k, v in outputs.items()
-               if k in self.scales and v.is_array and v.value is not None}  # fmt: skip
-        best, best_d = 0, math.inf
-        for w, world in enumerate(self.outputs):
-            d = 0.0
-            for k, scale in self.scales.items():
-                if k in got and got[k].shape == world[k].shape:
-                    d += (_rms(got[k], world[k]) / scale) ** 2
-            if d == d and d < best_d:
-                best, best_d = w, d
-        return best
+               if k in self.units and v.is_array and v.value is not None}  # fmt: skip
+        chosen: tuple[int, ...] = ()
+        current, dist = self.outputs[0], self.distance(got, self.outputs[0])
+        runs, cap = 0, min(WORLD_RUNS * len(self.elements), MAX_WORLD_RUNS)
+        # The growth starts from the nearest of three worlds taken at once: the oracle's, every element rounded the
+        # other way (a runtime that rounds them all so: one step, where growing one at a time would run out), and
+        # every element whose own move points the run's way.
+        scores = self._explained(got, current, chosen)
+        for start in (tuple(range(len(self.elements))), tuple(int(i) for i in np.flatnonzero(scores > 0))):
+            if not start or start == chosen or runs >= cap:
+                continue
+            world = self.world(start, keep=False)
+            runs += 1
+            d = self.distance(got, world)
+            if d < dist:
+                chosen, current, dist = start, world, d
+        while dist > 0 and runs < cap:
+            scores = self._explained(got, current, chosen)
+            improved = False
+            for i in np.argsort(-scores):  # (every one, best first: a cascade can make an element's own move a
+                if scores[i] == -np.inf or runs >= cap:  # poor guide to its move here)
+                    break
+                trial = tuple(sorted((*chosen, int(i))))
+                world = self.world(trial, keep=False)
+                runs += 1
+                d = self.distance(got, world)
+                if d < dist:
+                    chosen, current, dist, improved = trial, world, d, True
+                    break
+            if not improved:
+                break
+        chosen, current, dist = self._refined(got, chosen, current, dist, cap - runs)
+        if chosen:
+            self._runs[chosen] = current
+        return chosen
+
+    def _refined(self, got: dict[str, torch.Tensor], chosen: tuple[int, ...], current: dict[str, torch.Tensor],
+                 dist: float, runs: int) -> tuple[tuple[int, ...], dict[str, torch.Tensor], float]:  # fmt: skip
+        # Passes over every element, each taken out of the world or put in where that brings it nearer (a greedy
+        # growth stops where one element's own move misleads it: several roundings in a chain of layers).
+        improved = True
+        while improved and dist > 0 and runs > 0:
+            improved = False
+            for i in range(len(self.elements)):
+                if runs <= 0 or dist == 0:
+                    break
+                trial = tuple(sorted(set(chosen) ^ {i}))
+                world = self.world(trial, keep=False)
+                runs -= 1
+                d = self.distance(got, world)
+                if d < dist:
+                    chosen, current, dist, improved = trial, world, d, True
+        return chosen, current, dist
+
+    def _explained(self, got: dict[str, torch.Tensor], current: dict[str, torch.Tensor],
+                   chosen: tuple[int, ...]) -> np.ndarray:  # fmt: skip
+        # How much each element's own move would take off the distance left (2 r.m - m.m, in each output's unit);
+        # -inf for the elements already in the world.
+        score = np.zeros(len(self.moves))
+        for k, unit in self.units.items():
+            if k not in got or k not in current or got[k].shape != current[k].shape:
+                continue
+            r = (got[k].to(torch.float64) - current[k].to(torch.float64)).reshape(-1)
+            r = torch.where(torch.isfinite(r), r, torch.zeros_like(r))
+            n = float(r.numel()) * unit * unit
+            for i, mv in enumerate(self.moves):
+                if k in mv:
+                    m = mv[k].reshape(-1)
+                    score[i] += float(2 * (r @ m) - m @ m) / n
+        score[list(chosen)] = -np.inf
+        return score
 
 
 def find(
@@ -229,9 +350,16 @@ def find(
     widths: dict[str, float],
     oracle: dict[str, Leaf],
     spreads: dict[str, float] | None = None,
+    search_runs: float | None = None,
+    quanta: dict[str, float | None] | None = None,
 ) -> tuple[Worlds, _Planned]:
     """The decisive elements of ``converted`` on ``args`` and their worlds (module docstring); ``oracle``: the
-    simulation's outputs (the oracle run's).  Returns the worlds and the planned simulation (for the trials)."""
+    simulation's outputs (the oracle run's); ``search_runs``: the most runs the search may take (``None``: up to
+    :data:`SEARCH_SECONDS`, at least :data:`MIN_RUNS`; ``math.inf``: until it is complete).  Where every candidate
+    can be run alone within that (and their moves kept within :data:`HOLD_ALL_BYTES`), every one is measured and
+    held (:func:`_every_one`); else they are bisected for the decisive ones.  Returns the worlds and the planned
+    simulation (for the trials)."""
+    start = time.perf_counter()
     planned = _Planned(converted, widths, spreads)
     recorded = planned.candidates(args)
     base = {  # (the oracle's outputs, not copied)
@@ -241,77 +369,148 @@ def find(
     }
     items = [(name, int(i), float(d), float(q)) for name, (index, dist, q) in recorded.items()
              for i, d, q in zip(index.tolist(), dist.tolist(), q.tolist(), strict=True)]  # fmt: skip
-    worlds = Worlds([], [base], {}, candidates=len(items))
+    worlds = Worlds([], [base], {}, candidates=len(items), runner=lambda flips: planned.run(args, flips=flips))
     if not items or not base:
         return worlds, planned
 
-    def moves(group: range) -> dict[str, float]:
+    def spent(more: int = 0) -> bool:
+        runs = worlds.probes + more
+        if search_runs is not None:
+            return runs > search_runs
+        took = time.perf_counter() - start
+        return runs > MIN_RUNS and took / max(worlds.probes, 1) * runs > SEARCH_SECONDS
+
+    def moves(group: Any) -> tuple[dict[str, float], dict[str, torch.Tensor]]:
         worlds.probes += 1
         got = _floats(planned.run(args, flips=_by_node(items[k][:2] for k in group)))
-        return {k: _rms(got[k], base[k]) for k in base if k in got and got[k].shape == base[k].shape}
+        return {k: _rms(got[k], base[k]) for k in base if k in got and got[k].shape == base[k].shape}, got
 
-    everything = moves(range(len(items)))
-    worlds.scales = {k: v for k, v in everything.items() if v > 0 and math.isfinite(v)}
+    everything, all_flipped = moves(range(len(items)))
+    # (an output that every flip together moves by at most a quantum an element -- a requantized value the model
+    # returns as it is, a cache's keys -- is at the budget's floor whatever is held: none of its flips is decisive)
+    floor = {k for k, q in (quanta or {}).items() if q and k in all_flipped and k in base
+             and _largest(all_flipped[k], base[k]) <= FLOOR_QUANTA * q}  # fmt: skip
+    worlds.scales = {k: v for k, v in everything.items() if v > 0 and math.isfinite(v) and k not in floor}
+    worlds.units = {k: (quanta or {}).get(k) or worlds.scales[k] for k in base if (quanta or {}).get(k) or
+                    k in worlds.scales}  # fmt: skip
     if not worlds.scales:
         return worlds, planned
-
-    def share(moved: dict[str, float]) -> float:
-        return max((moved.get(k, 0.0) / s for k, s in worlds.scales.items()), default=0.0)
-
-    queue = [(share(everything), range(len(items)))]
-    found: list[tuple[int, float]] = []
-    cut_short = False  # (a split whose halves were not all measured)
-    while queue and not cut_short and len(found) <= MAX_DECISIVE:
-        queue.sort(key=lambda q: q[0])
-        s, group = queue.pop()
-        if len(group) == 1:
-            found.append((group[0], s))
-            continue
-        mid = group.start + len(group) // 2
-        for half in (range(group.start, mid), range(mid, group.stop)):
-            if worlds.probes >= MAX_PROBES:
-                cut_short = True
-                break
-            h = share(moves(half))
-            if h >= DECISIVE_SHARE:
-                queue.append((h, half))
-    if queue or cut_short or len(found) > MAX_DECISIVE:
-        # Not every element that moves the output by that share was found (more of them than MAX_DECISIVE, or the
-        # runs ran out on many small ones): holding some and not the others would leave a legitimate rounding of
-        # the others outside a budget made narrow, so no element is held and the trials keep their chance.
-        worlds.complete = False
+    kept = len(items) * sum(t.numel() for t in base.values()) * 8  # (each candidate's move, in float64)
+    if kept <= HOLD_ALL_BYTES and not spent(len(items)):
+        found = _every_one(items, moves, worlds)
+    else:
+        found = _bisected(items, moves, worlds, spent)
+    worlds.seconds = time.perf_counter() - start
+    if found is None:
         return worlds, planned
     nodes = {n.name: n for n in _ops(converted, _QUANTIZE)}  # (the planned copy's quantize targets are its own)
-    for k, s in sorted(found):
+    for k, s, alone in sorted(found, key=lambda f: f[0]):
         name, index, distance, integer = items[k]
+        if alone is None:  # (the one candidate there was: never split, so never run alone)
+            alone = _floats(planned.run(args, flips=_by_node([items[k][:2]])))
         node = nodes.get(name)
         where = {"op": _op_name(node), "module": _module_of(node)} if node is not None else {}
         worlds.elements.append(Element(name, index, distance, int(integer), s, **where))
-    for w in range(1, 2 ** len(worlds.elements)):
-        got = planned.run(args, flips=_by_node((e.node, e.index) for e in worlds.flipped(w)))
-        worlds.outputs.append(_floats(got))
+        worlds.moves.append({o: alone[o].to(torch.float64) - base[o].to(torch.float64) for o in base if o in alone})
+        worlds._runs[(len(worlds.elements) - 1,)] = alone
     return worlds, planned
+
+
+def _share(moved: dict[str, float], worlds: Worlds) -> float:
+    # What one group's rounding moves the outputs by, as a share of what every candidate's moves them (the largest
+    # over the outputs not at the floor).
+    return max((moved.get(k, 0.0) / s for k, s in worlds.scales.items()), default=0.0)
+
+
+def _every_one(items: list, moves: Any, worlds: Worlds) -> list[tuple[int, float, dict]]:
+    # Every candidate run alone and held (those whose rounding moves no output are left out: they decide nothing).
+    # Then no rounding is left to the trials' chance: each runtime is judged from the world of candidates nearest it.
+    found = []
+    for k in range(len(items)):
+        moved, got = moves((k,))
+        if any(v > 0 for v in moved.values()):
+            found.append((k, _share(moved, worlds), got))
+    return found
+
+
+def _bisected(items: list, moves: Any, worlds: Worlds, spent: Any) -> list[tuple[int, float, dict]] | None:
+    # The candidates bisected (best first) for those that alone move an output by DECISIVE_SHARE of what all move it;
+    # None where the search could not find them all (worlds.complete, .left and .to_finish say so).
+    def share(moved: dict[str, float]) -> float:
+        return _share(moved, worlds)
+
+    everything, _ = moves(range(len(items)))
+    queue = [(share(everything), range(len(items)), None)]
+    found: list[tuple[int, float, dict | None]] = []
+    while queue and len(found) <= MAX_DECISIVE and not spent():
+        queue.sort(key=lambda q: q[0])
+        s, group, alone = queue.pop()
+        if len(group) == 1:
+            found.append((group[0], s, alone))
+            continue
+        mid = group.start + len(group) // 2
+        for half in (range(group.start, mid), range(mid, group.stop)):
+            moved, got = moves(half)
+            h = share(moved)
+            if h >= DECISIVE_SHARE:
+                queue.append((h, half, got if len(half) == 1 else None))
+    if queue or len(found) > MAX_DECISIVE:
+        # Not every element that moves the output by that share was found (more of them than MAX_DECISIVE, or the
+        # budget ran out first): holding some and not the others would leave a legitimate rounding of the others
+        # outside a budget made narrow, so no element is held and the trials keep their chance.
+        worlds.complete = False
+        worlds.left = sum(len(g) for _, g, _ in queue)
+        worlds.to_finish = sum(2 * max(1, math.ceil(math.log2(len(g)))) for _, g, _ in queue)
+        return None
+    return found
+
+
+def from_its_world(worlds: Worlds, trial: BackendRun, oracle: BackendRun) -> BackendRun:
+    """A trial as the budget reads it: what is left of it once the world nearest to it is taken out (the oracle's
+    outputs plus the trial's difference from that world).  A trial rounds every candidate at random; a runtime is
+    judged from its nearest world (:func:`accounts`) by the same search, so the budget holds what that search leaves
+    of a correct kernel's roundings, whatever it explains and whatever it does not."""
+    if trial.status != OK or not worlds.elements:
+        return trial
+    chosen = worlds.nearest(trial.outputs)
+    if not chosen:
+        return trial
+    world = worlds.world(chosen)
+    outputs = dict(trial.outputs)
+    for k, leaf in trial.outputs.items():
+        base = oracle.outputs.get(k)
+        if (
+            k in world
+            and leaf.is_array
+            and base is not None
+            and base.is_array
+            and tuple(world[k].shape) == tuple(leaf.shape)
+        ):
+            left = _tensor(leaf.value).to(torch.float64) - world[k].to(torch.float64)
+            outputs[k] = to_leaf((_tensor(base.value).to(torch.float64) + left).to(torch.float32).reshape(leaf.shape))
+    return dataclasses.replace(trial, outputs=outputs, notes=[*trial.notes, f"judged from its nearest world: "
+                               f"{len(chosen)} decisive element(s) rounded the other way"])  # fmt: skip
 
 
 def accounts(worlds: Worlds, runs: dict[str, BackendRun], oracle: BackendRun) -> dict[str, BackendRun]:
     """For each run nearer another world than the oracle's: what that world differs from the oracle by, per output
     (``RunResults.discrete``'s form: the message is how many elements it rounded the other way, the note which)."""
     out: dict[str, BackendRun] = {}
-    if len(worlds.outputs) < 2:
+    if not worlds.elements:
         return out
     for name, run in runs.items():
         if run.status != OK:
             continue
-        w = worlds.nearest(run.outputs)
-        if w == 0:
+        chosen = worlds.nearest(run.outputs)
+        if not chosen:
             continue
-        world, base = worlds.outputs[w], worlds.outputs[0]
+        world, base = worlds.world(chosen), worlds.outputs[0]
         correction = {}
         for k, leaf in oracle.outputs.items():
             if k in world and leaf.is_array and tuple(world[k].shape) == tuple(leaf.shape):
                 diff = (world[k].to(torch.float64) - base[k].to(torch.float64)).reshape(leaf.shape)
                 correction[k] = to_leaf(diff)
-        flipped = worlds.flipped(w)
+        flipped = worlds.flipped(chosen)
         note = (
             f"{len(flipped)} requantized value(s) within a correct kernel's reach of a rounding boundary, which alone "
             f"move the output, rounded the other way (as a correct kernel may): "
@@ -322,4 +521,14 @@ def accounts(worlds: Worlds, runs: dict[str, BackendRun], oracle: BackendRun) ->
     return out
 
 
-__all__ = ["DECISIVE_SHARE", "MAX_DECISIVE", "MAX_PROBES", "Element", "Worlds", "accounts", "find"]
+__all__ = [
+    "DECISIVE_SHARE",
+    "MAX_DECISIVE",
+    "MIN_RUNS",
+    "SEARCH_SECONDS",
+    "Element",
+    "Worlds",
+    "accounts",
+    "find",
+    "from_its_world",
+]

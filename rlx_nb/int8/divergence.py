@@ -59,10 +59,15 @@ def is_quantized(model: Any) -> bool:
     return isinstance(model, torch.fx.GraphModule) and bool(_ops(model, _QUANTIZE))
 
 
-def _checked_call(model: Any, inputs: Any, backends: Any, calibration: Any, *, trials: Any, width: Any) -> tuple:
+def _checked_call(model: Any, inputs: Any, backends: Any, calibration: Any, *, trials: Any, width: Any,
+                  search_runs: Any = None) -> tuple:  # fmt: skip
     # The call's options, inputs and model checked, and the model quantized: (args, backends, converted graph).
     if not isinstance(trials, int) or isinstance(trials, bool) or trials < 2:
         raise InputError(f"trials must be an int of at least 2 (the budget's runs); got {trials!r}")
+    if search_runs is not None and (isinstance(search_runs, bool) or not isinstance(search_runs, (int, float))
+                                    or not search_runs >= 1):  # fmt: skip
+        raise InputError(f"search_runs must be None (a time budget), a number of runs >= 1 or math.inf (until the "
+                         f"search is complete); got {search_runs!r}")  # fmt: skip
     if width is not None and (not isinstance(width, (int, float)) or isinstance(width, bool) or not 0 < width <= 0.5):
         raise InputError(
             f"width must be None (measured) or a number of quanta in (0, 0.5] (0.5: any rounding); got {width!r}"
@@ -94,6 +99,7 @@ def quantized_divergence(
     calibration: Iterable[Any] | None = None,
     trials: int = TRIALS,
     width: float | None = None,
+    search_runs: float | None = None,
     label: str | None = None,
     progress: bool = True,
 ) -> DivergenceReport:
@@ -104,12 +110,16 @@ def quantized_divergence(
     ``calibration`` or ``inputs``) or a PT2E-converted graph.  ``backends``: names or :class:`Backend` objects run
     on the converted graph (default :data:`CANDIDATES`).  ``trials``: runs that measure the budget.  ``width``: how
     close to a rounding boundary, in quanta, a value may sit and round the other way in a trial; default: measured
-    for each requantization (``report.requantizations`` shows them).  ``report.localize(backend)`` finds the first
-    requantization past the budget, its op and module.
+    for each requantization (``report.requantizations`` shows them).  ``search_runs``: the most runs of the
+    simulation the search for decisive elements may take (default: up to
+    :data:`~rlx_nb.int8.decisive.SEARCH_SECONDS`; ``math.inf``: until it finds them all).  Where it gives up, the
+    budget is as wide as every candidate's rounding leaves it, and the report says so, with what finishing would
+    cost.  ``report.localize(backend)`` finds the first requantization past the budget, its op and module.
     """
     label = label or type(getattr(model, "_orig_mod", model)).__name__
     try:
-        args, chosen, converted = _checked_call(model, inputs, backends, calibration, trials=trials, width=width)
+        args, chosen, converted = _checked_call(model, inputs, backends, calibration, trials=trials, width=width,
+                                                search_runs=search_runs)  # fmt: skip
     except RlxError as exc:  # (the caller's context first, no traceback through rlx_nb's internals)
         raise type(exc)(f"quantized_divergence({label}): {exc}") from None
     with torch.no_grad():
@@ -119,7 +129,7 @@ def quantized_divergence(
     widths = {r["node"]: r["width"] for r in measured}
     spreads = {r["node"]: r["spread"] for r in measured}
     results = int8_results(converted, args, chosen, trials=trials, widths=widths, requantizations=measured,
-                           spreads=spreads, label=label, progress=progress)  # fmt: skip
+                           spreads=spreads, search_runs=search_runs, label=label, progress=progress)  # fmt: skip
     report = DivergenceReport(results, compare(results, progress=False), rule="budget", tol_rel=None,
                               source=WeakSource(converted, args, None))  # fmt: skip
     report.backend_objects = {b.name: b for b in chosen}

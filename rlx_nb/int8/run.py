@@ -29,7 +29,7 @@ from rlx_nb._support.progress import bar
 from rlx_nb._support.tree import flatten
 from rlx_nb.backends.base import ORACLE, Backend
 from rlx_nb.backends.notes import add_note, collecting
-from rlx_nb.errors import BackendError, describe_error, error_detail
+from rlx_nb.errors import BackendError, describe_error, error_detail, still_interrupted
 from rlx_nb.execution import cache as preparations
 from rlx_nb.execution.environment import environment
 from rlx_nb.execution.fingerprints import later
@@ -61,6 +61,7 @@ def _run(name: str, fn: Any, *, compute_dtype: str = "float32") -> BackendRun:
                 outputs = _leaves(fn())
             status, message, detail = OK, "", ""
         except Exception as exc:
+            still_interrupted(exc)
             outputs, status, message, detail = {}, ERROR, describe_error(exc), error_detail(exc)
     return BackendRun(name, status, outputs, message, time.perf_counter() - start, compute_dtype=compute_dtype,
                       notes=list(said), detail=detail)  # fmt: skip
@@ -111,6 +112,7 @@ def int8_results(
     widths: dict[str, float],
     requantizations: list[dict[str, Any]],
     spreads: dict[str, float] | None = None,
+    search_runs: float | None = None,
     label: str,
     progress: bool = True,
 ) -> RunResults:
@@ -120,13 +122,15 @@ def int8_results(
         if oracle.status != OK:
             raise BackendError(f"the Q/DQ simulation (the oracle) failed on the CPU: {oracle.message}")
         shown.update()
-        worlds, planned = decisive.find(converted, args, widths, oracle.outputs, spreads)
+        quanta = output_quanta(converted, list(oracle.outputs))
+        worlds, planned = decisive.find(converted, args, widths, oracle.outputs, spreads, search_runs, quanta)
         forced = worlds.forced
         reference = _run("fp64", lambda: exact_simulation(converted, args, forced=forced), compute_dtype="float64")
         shown.update()
-        runs, held = {}, worlds.held
-        for k in range(trials):
-            runs[f"trial{k}"] = _run(f"trial{k}", lambda k=k: planned.run(args, seed=k, held=held))
+        runs = {}
+        for k in range(trials):  # (every candidate rounded at random; then judged from its own nearest world)
+            trial = _run(f"trial{k}", lambda k=k: planned.run(args, seed=k))
+            runs[f"trial{k}"] = decisive.from_its_world(worlds, trial, oracle)
             shown.update()
         candidates = {}
         for b in backends:
@@ -139,7 +143,6 @@ def int8_results(
 
             candidates[b.name] = _run(b.name, call, compute_dtype=INT8)
             shown.update()
-    quanta = output_quanta(converted, list(oracle.outputs))
     accounted = decisive.accounts(worlds, candidates, oracle)
     env = environment()
     env[INT8] = {
@@ -150,7 +153,14 @@ def int8_results(
         "requantizations": requantizations,
         "decisive": [dataclasses.asdict(e) for e in worlds.elements],
         "candidates": worlds.candidates,
-        "decisive_search": {"complete": worlds.complete, "runs": worlds.probes},
+        "decisive_search": {
+            "complete": worlds.complete,
+            "runs": worlds.probes,
+            "seconds": worlds.seconds,
+            "left": worlds.left,
+            "to_finish": worlds.to_finish,
+            "outputs": sorted(worlds.scales),
+        },
     }
     return RunResults(
         label=label,

@@ -27,6 +27,24 @@ from rlx_nb.verdict.types import ROUNDOFF, SUSPECT, VERDICT_ERROR, VERDICT_SKIPP
 from rlx_nb.verdict.words import seed_line
 
 
+def wide_budget(int8: dict) -> str:
+    # An int8 report's search for decisive elements, where it gave up, in words ("" where it found them all).
+    search = int8.get("decisive_search") or {}
+    if search.get("complete", True):
+        return ""
+    runs, seconds = int(search.get("runs") or 0), float(search.get("seconds") or 0.0)
+    more = int(search.get("to_finish") or 0)
+    cost = f", about {more * seconds / runs:.0f} s" if runs and seconds else ""
+    outputs = ", ".join(search.get("outputs") or []) or "every output"
+    return (
+        f"the search for decisive elements (values whose rounding alone moves the output) stopped after {runs} runs "
+        f"({seconds:.1f} s) with {search.get('left', '?')} of {int8.get('candidates', '?')} near-boundary values "
+        f"unresolved, so none is held and the budget of {outputs} is as wide as all their roundings leave it (a "
+        f"fault can read as round-off); about {more} more runs{cost} would finish it: "
+        "quantized_divergence(..., search_runs=math.inf)"
+    )
+
+
 class DivergenceReport:
     """Every candidate backend compared with the CPU oracle and the fp64 reference.
 
@@ -354,7 +372,16 @@ class DivergenceReport:
             out.append(seed_line(label, name, recs, (self.int8 or {}).get("quanta") if self.int8 else None))
         if self.incomplete:
             out.append(f"[{label}] INCOMPLETE: {self.incomplete}")
+        gave_up = wide_budget(self.int8) if self.int8 else ""
+        if gave_up:
+            out.append(f"[{label}] INT8 BUDGET WIDE: {gave_up}")
         return out
+
+    @property
+    def budget_note(self) -> str:
+        """Why an int8 report's budget is wider than it need be (the search for decisive elements gave up), and what
+        finishing it would cost; "" where it is not."""
+        return wide_budget(self.int8) if self.int8 else ""
 
     @property
     def timings(self) -> pd.DataFrame:
