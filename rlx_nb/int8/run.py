@@ -123,7 +123,9 @@ def int8_results(
             raise BackendError(f"the Q/DQ simulation (the oracle) failed on the CPU: {oracle.message}")
         shown.update()
         quanta = output_quanta(converted, list(oracle.outputs))
-        worlds, planned = decisive.find(converted, args, widths, oracle.outputs, spreads, search_runs, quanta)
+        worlds, planned = decisive.find(
+            converted, args, widths, oracle.outputs, spreads=spreads, search_runs=search_runs, quanta=quanta
+        )
         forced = worlds.forced
         reference = _run("fp64", lambda: exact_simulation(converted, args, forced=forced), compute_dtype="float64")
         shown.update()
