@@ -30,6 +30,9 @@ from rlx_nb.precision import precision_sweep
 from rlx_nb.report.baseline import compare_reports
 from rlx_nb.report.merge import merge_reports
 from rlx_nb.report.report import DivergenceReport
+from rlx_nb.training.backends import register_training_backend
+from rlx_nb.training.divergence import interrupted_training, training_divergence
+from rlx_nb.training.report import TrainingReport
 from rlx_nb.verdict.records import OutputRecord
 
 _warmup.start()  # the numba kernels load in the background (rlx_nb/numerics/warmup.py)
@@ -63,6 +66,7 @@ __all__ = [
     "RlxError",
     "RunResults",
     "Snapshot",
+    "TrainingReport",
     "__version__",
     "available_backends",
     "backend_divergence",
@@ -73,6 +77,7 @@ __all__ = [
     "explore",
     "generation_divergence",
     "interrupted_report",
+    "interrupted_training",
     "kept_preparations",
     "load_report",
     "load_snapshot",
@@ -81,8 +86,10 @@ __all__ = [
     "precision_sweep",
     "quantized_divergence",
     "register_backend",
+    "register_training_backend",
     "report_backend_divergence",
     "run",
     "snapshot",
+    "training_divergence",
     "unregister_backend",
 ]

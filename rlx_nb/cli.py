@@ -30,6 +30,29 @@ def load_target(target: str) -> tuple[Any, Any]:
     ``factory()`` must return ``(model, inputs)``.  Importing the target may
     register backends.
     """
+    made, attr = _made(target)
+    if not (isinstance(made, (tuple, list)) and len(made) == 2):
+        raise TargetError(f"{attr}() must return (model, inputs); got {type(made).__name__}")
+    return made[0], made[1]
+
+
+TRAINING_PARTS = ("model", "batches", "loss_fn", "optimizer")
+
+
+def load_training_target(target: str) -> dict[str, Any]:
+    """``rlx-nb train``'s target: ``factory()`` returns a dict with ``model``, ``batches``, ``optimizer`` (a factory
+    ``optimizer(params)``) and optionally ``loss_fn`` -- :func:`rlx_nb.training_divergence`'s arguments."""
+    made, attr = _made(target)
+    if not isinstance(made, dict) or not {"model", "batches", "optimizer"} <= set(made):
+        raise TargetError(f"{attr}() must return a dict with model, batches, optimizer (and loss_fn); got "
+                          + (f"a dict with {sorted(made)}" if isinstance(made, dict) else type(made).__name__))  # fmt: skip
+    extra = sorted(set(made) - set(TRAINING_PARTS))
+    if extra:
+        raise TargetError(f"{attr}() returned unknown parts {extra}; allowed: {', '.join(TRAINING_PARTS)}")
+    return made
+
+
+def _made(target: str) -> tuple[Any, str]:
     if ":" not in target:
         raise TargetError(f"target {target!r} must be 'path/to/file.py:factory' or 'package.module:factory'")
     where, _, attr = target.rpartition(":")
@@ -57,12 +80,9 @@ def load_target(target: str) -> tuple[Any, Any]:
     if not callable(factory):
         raise TargetError(f"{where!r} has no callable {attr!r}")
     try:
-        made = factory()
+        return factory(), attr
     except Exception as exc:
         raise TargetError(f"{attr}() failed: {type(exc).__name__}: {exc}") from None
-    if not (isinstance(made, (tuple, list)) and len(made) == 2):
-        raise TargetError(f"{attr}() must return (model, inputs); got {type(made).__name__}")
-    return made[0], made[1]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -142,6 +162,21 @@ def _parser() -> argparse.ArgumentParser:
     dif.add_argument("--backend", help="what to run on here (default: what the snapshot ran on)")
     dif.add_argument("--all", action="store_true", help="check every module alone, not only down into those past it")
     dif.add_argument("--html", metavar="FILE", help="also write a self-contained HTML page of the diff to FILE")
+    train = sub.add_parser(
+        "train",
+        help="train TARGET's model on the oracle and on each training backend from the same state (rlx_nb."
+        "training_divergence); exit 1 when a local step is past the line (--trajectory: or a trajectory leaves its "
+        "envelope)",
+    )
+    train.add_argument("target", help="path/to/file.py:factory or package.module:factory; factory() -> dict(model=, "
+                       "batches=, optimizer=, loss_fn=)")  # fmt: skip
+    train.add_argument("--steps", type=int, required=True, help="training steps")
+    train.add_argument("--backends", help="comma-separated training backends (default: the built-in set but bf16)")
+    train.add_argument("--local-steps", help="comma-separated steps to judge locally besides the default ones")
+    train.add_argument("--trajectory", action="store_true",
+                       help="also exit 1 when a trajectory leaves its envelope (drift; chaos alone can do it)")  # fmt: skip
+    train.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report to FILE")
+    train.add_argument("--label", help="label for the report lines")
     sub.add_parser("backends", help="list every registered backend and whether it is live here")
     demo = sub.add_parser(
         "demo",
@@ -177,10 +212,32 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _snapshot(args)
         if args.command == "diff":
             return _diff(args)
+        if args.command == "train":
+            return _train(args)
         return _check(args)
     except RlxError as exc:
         print(term_text(f"rlx-nb: error: {exc}"), file=sys.stderr)
         return EXIT_USAGE
+
+
+def _train(args: argparse.Namespace) -> int:
+    import rlx_nb
+
+    parts = load_training_target(args.target)
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()] if args.backends else None
+    try:
+        local = [int(s) for s in args.local_steps.split(",") if s.strip()] if args.local_steps else None
+    except ValueError:
+        raise InputError(f"--local-steps must be comma-separated step numbers; got {args.local_steps!r}") from None
+    report = rlx_nb.training_divergence(parts["model"], parts["batches"], parts.get("loss_fn"),
+                                        optimizer=parts["optimizer"], steps=args.steps, backends=backends,
+                                        local_steps=local, label=args.label)  # fmt: skip
+    print(term_text(str(report)))
+    if args.html:
+        print(f"wrote {report.to_html(args.html)}")
+    if report.suspects or (args.trajectory and report.leaving):
+        return EXIT_SUSPECT
+    return EXIT_BACKEND_FAILED if report.failed else EXIT_OK
 
 
 def _backends() -> int:

@@ -137,4 +137,50 @@ def assert_backends_agree(
     raise AssertionError(term_text("\n".join(lines)))  # (a CI log: no terminal escapes from a name or message)
 
 
-__all__ = ["REPORT_DIR", "assert_backends_agree"]
+def assert_training_agrees(
+    model: Any,
+    batches: Any,
+    loss_fn: Any = None,
+    *,
+    optimizer: Any,
+    steps: int,
+    backends: Any = None,
+    trajectory: bool = False,
+    allow_errors: bool = False,
+    msg: str | None = None,
+    **kwargs: Any,
+) -> Any:
+    """Assert no training backend has a local step past the line (:func:`rlx_nb.training_divergence`); return the
+    report.  ``trajectory=True`` also fails on a trajectory that leaves its envelope (drift, which chaos alone can
+    make); a backend that could not train fails unless ``allow_errors``.
+
+    Raises
+    ------
+    AssertionError
+        With the report's lines and, for each backend past the line, where its error is born.
+    """
+    from rlx_nb.training.divergence import training_divergence
+
+    for name, flag in (("trajectory", trajectory), ("allow_errors", allow_errors)):
+        if not isinstance(flag, bool):
+            raise InputError(f"{name} must be True or False, got {flag!r}")
+    kwargs.setdefault("progress", False)
+    report = training_divergence(model, batches, loss_fn, optimizer=optimizer, steps=steps, backends=backends,
+                                 **kwargs)  # fmt: skip
+    drifted = sorted(report.leaving) if trajectory else []
+    failed = [] if allow_errors else sorted(report.failed)
+    if not report.suspects and not drifted and not failed:
+        return report
+    lines = [msg] if msg else []
+    if report.suspects:
+        lines.append(f"training backends past the line at a local step: {', '.join(report.suspects)}")
+    if drifted:
+        lines.append("trajectories that leave their envelope: "
+                     + ", ".join(f"{b} at step {report.leaving[b]}" for b in drifted))  # fmt: skip
+    if failed:
+        lines.append(f"did not train: {', '.join(f'{b} ({report.failed[b]})' for b in failed)}")
+    lines += report.lines()
+    raise AssertionError(term_text("\n".join(lines)))
+
+
+__all__ = ["REPORT_DIR", "assert_backends_agree", "assert_training_agrees"]

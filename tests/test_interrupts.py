@@ -86,11 +86,22 @@ def test_ctrl_c_as_any_torch_mode_is_entered_leaves_no_mode_on_torchs_stack(tmp_
     model, inputs = demo.layered(fault_layer=1)
     loc = rlx_nb.localize(model, inputs, backend="fault:softmax-row")
     calls = {
-        "backend_divergence": lambda: rlx_nb.backend_divergence(model, inputs, backends=["fault:softmax-row"],
-                                                                backward=True, progress=False),  # fmt: skip
-        "snapshot": lambda: rlx_nb.snapshot(model, inputs, tmp_path / f"s{len(list(tmp_path.iterdir()))}",
-                                            reference=True, ops=True),  # fmt: skip
+        "backend_divergence": lambda: rlx_nb.backend_divergence(
+            model, inputs, backends=["fault:softmax-row"], backward=True, progress=False
+        ),
+        "snapshot": lambda: rlx_nb.snapshot(
+            model, inputs, tmp_path / f"s{len(list(tmp_path.iterdir()))}", reference=True, ops=True
+        ),
         "repro": lambda: loc.repro(tmp_path, attribute=False, check=False),
+        "training_divergence": lambda: rlx_nb.training_divergence(
+            torch.nn.Sequential(torch.nn.Linear(4, 4)),
+            [(torch.ones(2, 4), torch.zeros(2, 4))],
+            lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]),
+            optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+            steps=2,
+            backends=["optimizer:foreach"],
+            progress=False,
+        ),
     }
     for name, call in calls.items():
         call()
@@ -101,6 +112,19 @@ def test_ctrl_c_as_any_torch_mode_is_entered_leaves_no_mode_on_torchs_stack(tmp_
             outcome = interrupt_entering_mode(call, n)
             assert differences(before, torch_state()) == {}, f"{name}: after an interrupt as mode {n} was entered"
             assert outcome is not False, f"{name}: the interrupt at mode {n} was swallowed"
+
+
+def test_ctrl_c_during_a_training_divergence_leaves_torch_as_it_was():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    data = [(torch.randn(8, 8), torch.randn(8, 1)) for _ in range(2)]
+
+    def call():
+        rlx_nb.training_divergence(model, data, lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]),
+                                   optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2), steps=3,
+                                   backends=["optimizer:foreach", "threads"], progress=False)  # fmt: skip
+
+    _interrupted_everywhere(call)
 
 
 @contextlib.contextmanager

@@ -1,0 +1,275 @@
+"""``rlx_nb.training_divergence``: is a training run's drift from the oracle's chaos or a bug, and at which step?"""
+
+from __future__ import annotations
+
+import copy
+import math
+import time
+from typing import Any
+
+import torch
+
+from rlx_nb._support import switches
+from rlx_nb._support.kept import modes_kept
+from rlx_nb._support.progress import bar
+from rlx_nb.errors import InputError, RlxError, describe_error, still_interrupted
+from rlx_nb.execution.environment import environment
+from rlx_nb.training import trajectory as tr
+from rlx_nb.training.backends import resolve
+from rlx_nb.training.local import judge_step, verdict_of
+from rlx_nb.training.report import TrainingReport
+from rlx_nb.training.step import State, checked_spec, log_spaced
+
+KEEP_REPORTS = 8
+"""By default the local steps past the line keep their reports (and the states they started from) for the first this
+many; the others keep their readings only (``keep=`` sets it)."""
+
+
+def training_divergence(
+    model: torch.nn.Module,
+    batches: Any,
+    loss_fn: Any = None,
+    *,
+    optimizer: Any,
+    steps: int,
+    backends: Any = None,
+    local_steps: Any = None,
+    envelope: int = tr.ENVELOPE_SEEDS,
+    seed: int = 0,
+    keep: int = KEEP_REPORTS,
+    label: str | None = None,
+    progress: bool = True,
+):
+    """Train ``model`` on the oracle (float32 eager) and on each backend from the same state on the same batches,
+    ``steps`` steps, and judge each backend twice, on the verdict's one scale: its *trajectory* (loss, gradient norm,
+    parameters) against the drift round-off alone makes (the envelope: the oracle trained from initial weights one
+    ulp off, on another thread count), and its *local steps* -- at chosen steps, one step from the oracle's exact state,
+    against float64's -- down to the phase the error is born in (forward, buffer update, backward, optimizer update).
+
+    A bug is a local step past the line; chaos is local steps within round-off under a drifting trajectory.
+
+    Parameters
+    ----------
+    model : torch.nn.Module
+        As it is (a Hugging Face model too); every run trains its own copy, yours is untouched.
+    batches : list, callable or iterable
+        Each step's batch: a list (cycled), ``batches(step) -> batch``, or an iterable read as the steps go.
+    loss_fn : callable, optional
+        ``loss_fn(model, batch) -> loss`` (the forward and the loss).  Default: ``model(**batch).loss`` (a Hugging Face
+        model given its labels).
+    optimizer : callable
+        ``optimizer(params) -> torch.optim.Optimizer``, called once for every run.
+    steps : int
+        Training steps.
+    backends : list, optional
+        Training backends (:mod:`rlx_nb.training.backends`): by default ``cpu-nomkldnn``, ``cpu-inductor``,
+        ``cpu-inductor-optimizer``, ``threads`` and the optimizer's foreach, for-loop and fused implementations;
+        ``cpu-bf16`` (its own budget), a differentiable backend of the registry, or one of
+        :func:`rlx_nb.register_training_backend`.
+    local_steps : list of int, optional
+        Steps judged locally besides the default ones (the first, 1, 2, 4, 8 ..., the last, and wherever a
+        trajectory first leaves its envelope).
+    envelope : int
+        The envelope's one-ulp runs (default 2; one more runs on another thread count).
+    seed : int
+        The random numbers of step ``t`` are ``seed``'s and ``t``'s, in every run.
+    keep : int
+        How many local steps past the line keep their report and starting state (for ``explore``, ``localize``).
+
+    Returns
+    -------
+    TrainingReport
+        ``steps`` (a frame: per step and backend, the figures and their place on the line), ``local`` (each local
+        step's reading), ``lines()``, ``plot()``, ``localize(backend, step)``, ``local_report(backend, step)``,
+        ``to_html()``.
+
+    Examples
+    --------
+    >>> import torch, rlx_nb
+    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+    <...>
+    >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 1))
+    >>> data = [(torch.randn(32, 8), torch.randn(32, 1)) for _ in range(4)]
+    >>> loss = lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1])
+    >>> report = rlx_nb.training_divergence(model, data, loss, optimizer=lambda p: torch.optim.SGD(p, lr=0.1),
+    ...                                     steps=6, backends=["optimizer:foreach"], progress=False)
+    >>> report.local.verdict.unique().tolist()
+    ['round-off']
+    """
+    spec = checked_spec(model, batches, loss_fn, optimizer, steps, seed=seed)
+    chosen = resolve(backends)
+    if isinstance(envelope, bool) or not isinstance(envelope, int) or envelope < 1:
+        raise InputError(f"envelope must be a whole number of one-ulp runs >= 1; got {envelope!r}")
+    if isinstance(keep, bool) or not isinstance(keep, int) or keep < 0:
+        raise InputError(f"keep must be a whole number of local steps >= 0; got {keep!r}")
+    asked = _steps_asked(local_steps, steps)
+    label = label or type(model).__name__
+    report = TrainingReport(label, spec, [b.name for b in chosen], environment())
+    start = time.perf_counter()
+    import torch._dynamo.config as dynamo_config
+
+    # (every local step makes its optimizer afresh: a compiled optimizer step compiles again for each, past dynamo's
+    # default of 8, after which it would run eagerly under a compiling backend's name)
+    with switches.exclusive(), modes_kept(), dynamo_config.patch(recompile_limit=max(64, 4 * spec.steps)):
+        try:
+            _train(model, spec, chosen, seeds=envelope, asked=asked, keep=keep, report=report, progress=progress)
+        except (KeyboardInterrupt, SystemExit) as exc:  # (the steps judged so far are kept)
+            report.incomplete = f"interrupted at step {len(report.oracle_losses)} of {steps}"
+            exc.add_note(f"rlx_nb: {len(report.oracle_losses)} step(s) were judged before the interrupt; "
+                         "rlx_nb.interrupted_training() returns their report, marked incomplete")  # fmt: skip
+            _KEPT["report"] = report
+            raise
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+_KEPT: dict[str, Any] = {"report": None}
+
+
+def interrupted_training():
+    """The report of the last :func:`training_divergence` an interrupt stopped (its steps so far), or None."""
+    return _KEPT["report"]
+
+
+def _steps_asked(local_steps: Any, steps: int) -> set[int]:
+    if local_steps is None:
+        return set()
+    try:
+        asked = {int(s) for s in local_steps}
+    except (TypeError, ValueError):
+        raise InputError(f"local_steps must be a list of step numbers; got {local_steps!r}") from None
+    bad = sorted(s for s in asked if not 0 <= s < steps)
+    if bad:
+        raise InputError(f"local_steps {bad} are outside the {steps} steps (0 to {steps - 1})")
+    return asked
+
+
+def _train(model: torch.nn.Module, spec: Any, chosen: list, *, seeds: int, asked: set[int], keep: int, report: Any,
+           progress: bool) -> None:  # fmt: skip
+    base = copy.deepcopy(model)
+    first = copy.deepcopy(base)
+    oracle = tr.Run("cpu", first, spec.optimizer(list(first.parameters())))
+    envelope = tr.envelope_runs(base, spec, seeds, threads=True)
+    bf16 = tr.bf16_envelope(base, spec, seeds) if any(b.compute_dtype == "bfloat16" for b in chosen) else []
+    runs = []
+    for b in chosen:
+        m = copy.deepcopy(base)
+        try:
+            runs.append(tr.Run(b.name, b.prepared(m), b.make_optimizer(spec.optimizer, list(m.parameters())), b))
+        except RlxError as exc:
+            report.failed[b.name] = str(exc)
+    judged_at = log_spaced(spec.steps, asked)
+    shapes = {n: tuple(p.shape) for n, p in base.named_parameters()}
+    env32, env16 = tr.Envelope(), tr.Envelope()
+    earlier: dict[int, State] = {}
+    with bar(f"rlx_nb training {report.label}", total=spec.steps, unit="step", enabled=progress) as shown:
+        for step in range(spec.steps):
+            batch = spec.batch(step)
+            # (judged here: the chosen steps, and the step after a trajectory first leaves its envelope)
+            due = [
+                r.backend for r in runs if not r.error and (step in judged_at or report.leaving.get(r.name) == step - 1)
+            ]
+            state = State.of(oracle.model, oracle.optimizer) if due else None
+            given = _tensors(batch)
+            ref = oracle.step(spec, step, batch)
+            _still_the_same(oracle.model, shapes, given, batch, step)
+            report.oracle_losses.append(ref[0])
+            for run in envelope + bf16:
+                got = _step(run, spec, step, batch)
+                target = env16 if run.relative > 2.0**-20 else env32
+                target.grow(tr.figures(*got, tr.distance(run, oracle), ref))
+            for run in runs:
+                if run.error:
+                    continue
+                got = _step(run, spec, step, batch)
+                if run.error:
+                    report.failed[run.name] = run.error
+                    continue
+                env = env16 if run.backend.compute_dtype == "bfloat16" else env32
+                diffs = tr.figures(*got, tr.distance(run, oracle), ref)
+                place, which = tr.line(diffs, env, ref)
+                report.add_step(step, run.name, got=got, ref=ref, diffs=diffs, env=env, place=place, which=which)
+                if place > 1 and run.name not in report.leaving:
+                    report.leaving[run.name] = step
+            if state is not None:
+                shown.set_postfix_str(f"local step {step}")
+                before = set(report.suspects)
+                _judge_local(state, spec, step, batch, backends=due, keep=keep, report=report)
+                for b in due:
+                    if b.name in report.suspects and b.name not in before and earlier:
+                        shown.set_postfix_str(f"{b.name}: the first step past the line")
+                        _first_past(spec, b, report, p=max(earlier), state=earlier[max(earlier)], s=step, keep=keep)
+                earlier = {step: state}
+            shown.update()
+
+
+def _tensors(batch: Any) -> list[torch.Tensor]:
+    # Copies of a batch's tensors, to see whether a step changed them in place.
+    leaves = torch.utils._pytree.tree_leaves(batch)
+    return [t.detach().clone() for t in leaves if isinstance(t, torch.Tensor)]
+
+
+def _still_the_same(model: torch.nn.Module, shapes: dict[str, tuple], given: list[torch.Tensor], batch: Any,
+                    step: int) -> None:  # fmt: skip
+    # Every run of a step must see the same model and the same batch: a model whose parameters change shape (or
+    # number) between steps, or a loss that changes its batch in place, makes the runs incomparable.
+    now = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    if now != shapes:
+        changed = sorted(n for n in set(now) | set(shapes) if now.get(n) != shapes.get(n))
+        raise InputError(
+            f"the model's parameters changed between steps (at step {step}: "
+            + ", ".join(f"{n} {shapes.get(n, 'absent')} -> {now.get(n, 'absent')}" for n in changed[:4])
+            + "): every run trains the same parameters from the same state, so their shapes must stay as they are"
+        )
+    after = [t for t in torch.utils._pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
+    if len(after) != len(given) or any(not _bitwise(a.detach(), g) for a, g in zip(after, given, strict=False)):
+        raise InputError(
+            f"step {step} changed its batch in place (the loss or the model wrote into a tensor of it): every run of "
+            "a step must see the same batch; clone what loss_fn modifies, or give batches(step) that makes a new one"
+        )
+
+
+def _bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8))
+
+
+def _first_past(spec: Any, backend: Any, report: Any, *, p: int, state: State, s: int, keep: int) -> None:
+    # ``backend``'s local step ``s`` is past the line and ``p`` (the step judged before it) was not: the oracle is run
+    # again from ``p``'s state and the steps between bisected, each judged, to the first past the line.
+    lo, hi = p, s
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        model, opt = state.start(spec)
+        for t in range(p, mid):
+            tr.Run("cpu", model, opt).step(spec, t, spec.batch(t))
+        _judge_local(State.of(model, opt), spec, mid, spec.batch(mid), backends=[backend], keep=keep, report=report)
+        past = any(
+            r["backend"] == backend.name and r["step"] == mid and r["verdict"] == "SUSPECT" for r in report._local
+        )
+        lo, hi = (lo, mid) if past else (mid, hi)
+
+
+def _step(run: Any, spec: Any, step: int, batch: Any) -> tuple[float, float]:
+    # One step of a run; a backend that fails is stopped and says why (the others go on).
+    try:
+        return run.step(spec, step, batch)
+    except RlxError as exc:
+        run.error = str(exc)
+    except Exception as exc:
+        still_interrupted(exc)
+        run.error = f"step {step} failed: {describe_error(exc)}"
+    return math.nan, math.nan
+
+
+def _judge_local(state: State, spec: Any, step: int, batch: Any, *, backends: list, keep: int, report: Any) -> None:
+    local = judge_step(state, spec, step, batch, backends=backends, label=report.label)
+    for b in backends:
+        reading = verdict_of(local, b.name)
+        report.add_local(b.name, step, reading)
+        if reading["verdict"] == "SUSPECT" and len(report.kept) < keep:
+            report.kept[(b.name, step)] = (local, state, batch)
+
+
+__all__ = ["KEEP_REPORTS", "interrupted_training", "training_divergence"]

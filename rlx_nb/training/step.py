@@ -1,0 +1,201 @@
+"""What one training step is: the model, its batches, its loss, its optimizer, and the state a step starts from.
+
+A step is ``loss_fn(model, batch)`` (forward and loss: the caller's own, so any model and batch work; by default a
+batch of keyword arguments whose model returns a Hugging Face ``ModelOutput`` with ``loss``), ``loss.backward()``, then
+``optimizer.step()``.  Every run of a step sets torch's random number generator from the step's number first, so the
+runs of one step draw the same random numbers (dropout under a fixed seed) whatever ran before.  A :class:`State` is
+all a step starts from -- the parameters, the buffers, the optimizer's state -- and can start any number of runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+import math
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from rlx_nb.errors import InputError
+
+
+def _loss_of(model: torch.nn.Module, batch: Any) -> torch.Tensor:
+    # The default loss: a batch of keyword arguments, a model that returns its own loss (Hugging Face's ModelOutput).
+    if not isinstance(batch, Mapping):
+        raise InputError(
+            f"a batch of {type(batch).__name__} needs loss_fn(model, batch) -> loss; only a dict batch whose model "
+            "returns its own loss (a Hugging Face ModelOutput with labels in the batch) has a default"
+        )
+    out = model(**batch)
+    loss = out.get("loss") if isinstance(out, Mapping) else getattr(out, "loss", None)
+    if not isinstance(loss, torch.Tensor):
+        raise InputError(
+            f"the model returned {type(out).__name__} without a loss: put the labels in the batch, or pass "
+            "loss_fn(model, batch) -> loss"
+        )
+    return loss
+
+
+@dataclasses.dataclass
+class Spec:
+    """The training a call judges: ``loss(model, batch)``, the optimizer factory and the batch of each step."""
+
+    loss: Callable[[torch.nn.Module, Any], torch.Tensor]
+    optimizer: Callable[[Any], torch.optim.Optimizer]
+    batches: Callable[[int], Any]
+    steps: int
+    seed: int = 0
+
+    def batch(self, step: int) -> Any:
+        return self.batches(step)
+
+    def seeded(self, step: int) -> None:
+        """torch's random numbers for ``step``: the same in every run of it (dropout, a sampled mask)."""
+        torch.manual_seed(self.seed * 1_000_003 + step)
+
+
+def batch_source(batches: Any, steps: int) -> Callable[[int], Any]:
+    """``batches`` as ``step -> batch``: a list or tuple is cycled, a callable is called with the step, any other
+    iterable is read as the steps ask (each batch once, kept: every run of a step gets the same one)."""
+    if callable(batches) and not isinstance(batches, torch.nn.Module):
+        return batches
+    if isinstance(batches, (list, tuple)):
+        if not batches:
+            raise InputError("batches is empty: give at least one batch (a list is cycled over the steps)")
+        return lambda step: batches[step % len(batches)]
+    if isinstance(batches, (torch.Tensor, Mapping)):
+        raise InputError(
+            f"batches must be a list of batches (cycled), a callable step -> batch or an iterable of them; got one "
+            f"{type(batches).__name__} (wrap it in a list to train on it every step)"
+        )
+    if not isinstance(batches, Iterable):
+        raise InputError(
+            f"batches must be a list, a callable step -> batch or an iterable; got {type(batches).__name__}"
+        )
+    it: Iterator[Any] = iter(batches)
+    seen: list[Any] = []
+
+    def read(step: int) -> Any:
+        while len(seen) <= step:
+            try:
+                seen.append(next(it))
+            except StopIteration:
+                raise InputError(
+                    f"batches ran out after {len(seen)} of the {steps} steps asked: give a list (cycled), a callable "
+                    "step -> batch, or steps= at most the batches there are"
+                ) from None
+        return seen[step]
+
+    return read
+
+
+def checked_spec(model: Any, batches: Any, loss_fn: Any, optimizer: Any, steps: Any, *, seed: int = 0) -> Spec:
+    """The call's training, every part checked with a clear error (what is wrong and what is allowed)."""
+    if not isinstance(model, torch.nn.Module):
+        raise InputError(
+            f"model must be a torch.nn.Module (its parameters are what trains); got {type(model).__name__}"
+        )
+    if not any(p.requires_grad for p in model.parameters()):
+        raise InputError("the model has no parameter that requires a gradient: nothing would train")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps <= 0:
+        raise InputError(f"steps must be a whole number of steps >= 1; got {steps!r}")
+    if loss_fn is not None and not callable(loss_fn):
+        raise InputError(f"loss_fn must be a callable loss_fn(model, batch) -> loss tensor; got {loss_fn!r}")
+    if not callable(optimizer) or isinstance(optimizer, torch.optim.Optimizer):
+        raise InputError(
+            "optimizer must be a factory, optimizer(params) -> torch.optim.Optimizer (e.g. "
+            "lambda params: torch.optim.AdamW(params, lr=1e-3)), called once per run; got "
+            f"{type(optimizer).__name__}"
+        )
+    probe = optimizer(copy.deepcopy(list(model.parameters())))
+    if not isinstance(probe, torch.optim.Optimizer):
+        raise InputError(f"optimizer(params) must return a torch.optim.Optimizer; it returned {type(probe).__name__}")
+    return Spec(loss_fn or _loss_of, optimizer, batch_source(batches, steps), steps, seed)
+
+
+IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable")
+"""An optimizer's options that choose its implementation, not its arithmetic's values: a run started from a saved
+state keeps its own."""
+
+
+@dataclasses.dataclass
+class State:
+    """All a step starts from: the model (its parameters and buffers) and the optimizer's state, kept as copies."""
+
+    model: torch.nn.Module
+    optimizer: dict
+
+    @classmethod
+    def of(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> State:
+        return cls(copy.deepcopy(model), copy.deepcopy(optimizer.state_dict()))
+
+    def start(self, spec: Spec, *, dtype: torch.dtype | None = None,
+              make: Callable[[Any], torch.optim.Optimizer] | None = None) -> tuple[torch.nn.Module, Any]:  # fmt: skip
+        """A fresh model and optimizer at this state (in ``dtype`` where given: the float64 reference's)."""
+        model = copy.deepcopy(self.model)
+        if dtype is not None:
+            model = model.to(dtype)
+        opt = (make or spec.optimizer)(list(model.parameters()))
+        made = [{k: g[k] for k in IMPLEMENTATION if k in g} for g in opt.param_groups]
+        state = copy.deepcopy(self.optimizer)
+        if dtype is not None:
+            state["state"] = {k: {n: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() and n != "step"
+                                  else v for n, v in s.items()} for k, s in state["state"].items()}  # fmt: skip
+        opt.load_state_dict(state)  # (which sets every group's options as they were saved ...)
+        for group, own in zip(opt.param_groups, made, strict=True):
+            group.update(own)  # (... but the implementation is the one this run asked for)
+        return model, opt
+
+
+def to_dtype(batch: Any, dtype: torch.dtype) -> Any:
+    """A batch with its floating tensors in ``dtype`` (integers, token ids and masks as they are)."""
+    if isinstance(batch, torch.Tensor):
+        return batch.to(dtype) if batch.is_floating_point() else batch
+    if isinstance(batch, Mapping):
+        return {k: to_dtype(v, dtype) for k, v in batch.items()}
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(to_dtype(v, dtype) for v in batch)
+    return batch
+
+
+def perturbed(model: torch.nn.Module, seed: int, relative: float = 2.0**-24) -> torch.nn.Module:
+    """A copy of ``model`` with every floating parameter moved by ``relative`` of itself, each element up or down at
+    random (``seed``): about one ulp of float32 with the default, round-off by construction."""
+    out = copy.deepcopy(model)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in out.parameters():
+            if p.is_floating_point():
+                sign = torch.randint(0, 2, p.shape, generator=gen, dtype=torch.int8).to(p.dtype) * 2 - 1
+                p.mul_(1 + relative * sign)
+    return out
+
+
+def grad_norm(model: torch.nn.Module) -> float:
+    """The L2 norm of every parameter's gradient (0 where none has one)."""
+    total = 0.0
+    for p in model.parameters():
+        if p.grad is not None:
+            total += float(p.grad.detach().double().square().sum())
+    return math.sqrt(total)
+
+
+def log_spaced(steps: int, extra: Iterable[int] = ()) -> list[int]:
+    """The steps a call judges locally by default: the first, then 1, 2, 4, 8 ... and the last, with ``extra``."""
+    picked = {0, steps - 1, *itertools.takewhile(lambda s: s < steps, (2**k for k in range(64)))}
+    return sorted(s for s in picked | set(extra) if 0 <= s < steps)
+
+
+__all__ = [
+    "IMPLEMENTATION",
+    "Spec",
+    "State",
+    "batch_source",
+    "checked_spec",
+    "grad_norm",
+    "log_spaced",
+    "perturbed",
+    "to_dtype",
+]
