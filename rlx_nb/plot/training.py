@@ -18,12 +18,13 @@ def plot_training(steps: pd.DataFrame, local: pd.DataFrame, backends: Sequence[s
                   limit: float, fig: Any = None, title: str = "") -> Any:  # fmt: skip
     """Two panels over the steps: the oracle's loss with each backend's, and the oracle's loss +- the envelope as a
     band; below, each backend's largest difference from the oracle in envelopes (log scale), the line at 1, its local
-    steps marked (red: past the line).  Returns the upper axes."""
+    steps marked (hollow: within round-off; a red cross: past the line).  Returns the upper axes."""
     plt = pyplot()
     if fig is None:
         fig = plt.figure(figsize=(8.5, 6.0), layout="constrained")
     top, bottom = fig.subplots(2, 1, sharex=True, height_ratios=(3, 2))
     x = np.arange(len(oracle))
+    tops: list[float] = [1.0]
     top.plot(x, oracle, color="black", linewidth=1.2, label="oracle (cpu, float32)")
     for i, name in enumerate(backends):
         rows = steps[steps.backend == name]
@@ -38,14 +39,18 @@ def plot_training(steps: pd.DataFrame, local: pd.DataFrame, backends: Sequence[s
         top.plot(rows.step, rows.loss, color=colour, linewidth=0.9, alpha=0.9, label=plot_text(name))
         bottom.plot(rows.step, rows.line.clip(lower=1e-6), color=colour, linewidth=0.9, label=plot_text(name))
         judged = local[local.backend == name]
-        for verdict, marker in (("round-off", "o"), ("SUSPECT", "X")):
-            at = judged[judged.verdict == verdict]
-            if len(at):
-                bottom.scatter(at.step, at.line.clip(lower=1e-6), marker=marker, s=36, zorder=3,
-                               color=SUSPECT_COLOUR if verdict == "SUSPECT" else colour, edgecolor="black",
-                               linewidth=0.5)  # fmt: skip
+        within, past = judged[judged.verdict != "SUSPECT"], judged[judged.verdict == "SUSPECT"]
+        if len(within):  # (hollow: a local step within round-off, whatever its backend's verdict)
+            bottom.scatter(within.step, within.line.clip(lower=1e-6), marker="o", s=36, zorder=3, facecolor="white",
+                           edgecolor=colour, linewidth=1.2)  # fmt: skip
+        if len(past):  # (a red cross: past the line)
+            bottom.scatter(past.step, past.line.clip(lower=1e-6), marker="X", s=60, zorder=4, color=SUSPECT_COLOUR,
+                           edgecolor="black", linewidth=0.5)  # fmt: skip
+        tops.extend([float(rows.line.max()), float(judged.line.max()) if len(judged) else 0.0])
     bottom.axhline(1.0, color="black", linestyle="--", linewidth=1, label="the line")
     bottom.set_yscale("log")
+    top_value = max(t for t in tops if np.isfinite(t))
+    bottom.set_ylim(top=10 ** (np.log10(max(top_value, 1.0)) + 0.5))  # (every mark inside, the line with room)
     bottom.set_ylabel("x of the line\n(trajectory: line; local steps: marks)", fontsize=8)
     bottom.set_xlabel("step")
     top.set_ylabel("loss")

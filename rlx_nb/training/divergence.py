@@ -147,37 +147,43 @@ def _steps_asked(local_steps: Any, steps: int) -> set[int]:
 def _train(model: torch.nn.Module, spec: Any, chosen: list, *, seeds: int, asked: set[int], keep: int, report: Any,
            progress: bool) -> None:  # fmt: skip
     base = copy.deepcopy(model)
-    first = copy.deepcopy(base)
-    oracle = tr.Run("cpu", first, spec.optimizer(list(first.parameters())))
-    envelope = tr.envelope_runs(base, spec, seeds, threads=True)
-    bf16 = tr.bf16_envelope(base, spec, seeds) if any(b.compute_dtype == "bfloat16" for b in chosen) else []
-    runs = []
-    for b in chosen:
-        m = copy.deepcopy(base)
-        try:
-            runs.append(tr.Run(b.name, b.prepared(m), b.make_optimizer(spec.optimizer, list(m.parameters())), b))
-        except RlxError as exc:
-            report.failed[b.name] = str(exc)
-    judged_at = log_spaced(spec.steps, asked)
     shapes = {n: tuple(p.shape) for n, p in base.named_parameters()}
+    judged_at = log_spaced(spec.steps, asked)
     env32, env16 = tr.Envelope(), tr.Envelope()
     earlier: dict[int, State] = {}
-    with bar(f"rlx_nb training {report.label}", total=spec.steps, unit="step", enabled=progress) as shown:
+    with bar(f"rlx_nb training {report.label}", total=2 * spec.steps, unit="step", enabled=progress) as shown:
+        # The envelope's runs first, side by side, their figures kept (module docstring of trajectory.py) ...
+        shown.set_postfix_str("the envelope (round-off's drift)")
+        bf16 = any(b.compute_dtype == "bfloat16" for b in chosen)
+        drifts32, drifts16 = _envelope_pass(base, spec, seeds=seeds, bf16=bf16, shapes=shapes, shown=shown)
+        # ... then the oracle and the backends.
+        first = copy.deepcopy(base)
+        oracle = tr.Run("cpu", first, spec.optimizer(list(first.parameters())))
+        runs = []
+        for b in chosen:
+            m = copy.deepcopy(base)
+            try:
+                runs.append(tr.Run(b.name, b.prepared(m), b.make_optimizer(spec.optimizer, list(m.parameters())), b))
+            except RlxError as exc:
+                report.failed[b.name] = str(exc)
+        del base
+        shown.set_postfix_str("the oracle and the backends")
         for step in range(spec.steps):
             batch = spec.batch(step)
             # (judged here: the chosen steps, and the step after a trajectory first leaves its envelope)
             due = [
                 r.backend for r in runs if not r.error and (step in judged_at or report.leaving.get(r.name) == step - 1)
             ]
+            took = time.perf_counter()
             state = State.of(oracle.model, oracle.optimizer) if due else None
+            report.local_seconds += time.perf_counter() - took
             given = _tensors(batch)
             ref = oracle.step(spec, step, batch)
             _still_the_same(oracle.model, shapes, given, batch, step)
             report.oracle_losses.append(ref[0])
-            for run in envelope + bf16:
-                got = _step(run, spec, step, batch)
-                target = env16 if run.relative > 2.0**-20 else env32
-                target.grow(tr.figures(*got, tr.distance(run, oracle), ref))
+            env32.grow(drifts32[step].against(ref))
+            if drifts16:
+                env16.grow(drifts16[step].against(ref))
             for run in runs:
                 if run.error:
                     continue
@@ -201,6 +207,28 @@ def _train(model: torch.nn.Module, spec: Any, chosen: list, *, seeds: int, asked
                         _first_past(spec, b, report, p=max(earlier), state=earlier[max(earlier)], s=step, keep=keep)
                 earlier = {step: state}
             shown.update()
+
+
+def _envelope_pass(base: torch.nn.Module, spec: Any, *, seeds: int, bf16: bool, shapes: dict[str, tuple],
+                   shown: Any) -> tuple[list[tr.Drift], list[tr.Drift]]:  # fmt: skip
+    # The envelope's runs trained side by side, each step's figures kept (the runs are let go after).
+    runs32 = tr.envelope_runs(base, spec, seeds, threads=True)
+    runs16 = tr.bf16_envelope(base, spec, seeds) if bf16 else []
+    drifts32: list[tr.Drift] = []
+    drifts16: list[tr.Drift] = []
+    for step in range(spec.steps):
+        batch = spec.batch(step)
+        given = _tensors(batch)
+        got32 = []
+        for k, run in enumerate(runs32):
+            got32.append(_step(run, spec, step, batch))
+            if k == 0:
+                _still_the_same(run.model, shapes, given, batch, step)
+        drifts32.append(tr.drift(runs32, got32))
+        if runs16:
+            drifts16.append(tr.drift(runs16, [_step(run, spec, step, batch) for run in runs16], anchor=runs32[0]))
+        shown.update()
+    return drifts32, drifts16
 
 
 def _tensors(batch: Any) -> list[torch.Tensor]:
@@ -240,11 +268,14 @@ def _first_past(spec: Any, backend: Any, report: Any, *, p: int, state: State, s
     # again from ``p``'s state and the steps between bisected, each judged, to the first past the line.
     lo, hi = p, s
     while hi - lo > 1:
+        start = time.perf_counter()
         mid = (lo + hi) // 2
         model, opt = state.start(spec)
         for t in range(p, mid):
             tr.Run("cpu", model, opt).step(spec, t, spec.batch(t))
-        _judge_local(State.of(model, opt), spec, mid, spec.batch(mid), backends=[backend], keep=keep, report=report)
+        there = State.of(model, opt)
+        report.local_seconds += time.perf_counter() - start  # (the oracle's steps again; the judging counts its own)
+        _judge_local(there, spec, mid, spec.batch(mid), backends=[backend], keep=keep, report=report)
         past = any(
             r["backend"] == backend.name and r["step"] == mid and r["verdict"] == "SUSPECT" for r in report._local
         )
@@ -264,7 +295,9 @@ def _step(run: Any, spec: Any, step: int, batch: Any) -> tuple[float, float]:
 
 
 def _judge_local(state: State, spec: Any, step: int, batch: Any, *, backends: list, keep: int, report: Any) -> None:
+    start = time.perf_counter()
     local = judge_step(state, spec, step, batch, backends=backends, label=report.label)
+    report.local_seconds += time.perf_counter() - start
     for b in backends:
         reading = verdict_of(local, b.name)
         report.add_local(b.name, step, reading)

@@ -40,6 +40,8 @@ class TrainingReport:
         self.failed: dict[str, str] = {}
         self.incomplete = ""
         self.seconds = math.nan
+        self.local_seconds = 0.0
+        """Of :attr:`seconds`, those the local steps took (their states kept, their runs, the bisection)."""
 
     # -- filled as the call runs -------------------------------------------------------------------------------------
 

@@ -9,7 +9,11 @@ oracle's parameters' norm).  A backend's place on the line at a step is its larg
 :data:`LIMIT` times the envelope's (its largest so far: chaos does not shrink), so 1.0 is the line, as everywhere.
 
 The runs share each step's batch and random numbers; nothing of a step is kept past it but these numbers (the states
-the local steps start from are the call's: :mod:`rlx_nb.training.divergence`).
+the local steps start from are the call's: :mod:`rlx_nb.training.divergence`).  The envelope's runs train first, side
+by side, and keep their figures only (:func:`envelope_pass`): each step's losses and gradient norms, and how far apart
+their parameters are (the largest distance between two of them: two runs each one round-off from the oracle are
+about as far from each other as from it).  Then the oracle and the backends train side by side and are set against
+those figures, so at most the envelope's runs, or the oracle and the backends, hold a model and an optimizer at once.
 """
 
 from __future__ import annotations
@@ -47,6 +51,8 @@ class Run:
 
     def step(self, spec: Spec, step: int, batch: Any) -> tuple[float, float]:
         loss, norm, _ = one_step(self.model, self.optimizer, spec, step, batch, backend=self.backend)
+        for p in self.model.parameters():  # (nothing of a step kept past it: a run between steps holds its state only)
+            p.grad = None
         return loss, norm
 
 
@@ -87,6 +93,28 @@ def bf16_envelope(model: torch.nn.Module, spec: Spec, seeds: int) -> list[Run]:
 
 
 @dataclasses.dataclass
+class Drift:
+    """An envelope's runs at one step: their losses, gradient norms, and the largest distance between two of them."""
+
+    losses: list[float]
+    norms: list[float]
+    spread: float
+
+    def against(self, oracle: tuple[float, float]) -> dict[str, float]:
+        """The envelope's figures at this step once the oracle's loss and gradient norm are known."""
+        return {"loss": max((abs(v - oracle[0]) for v in self.losses if v == v), default=math.nan),
+                "grad_norm": max((abs(v - oracle[1]) for v in self.norms if v == v), default=math.nan),
+                "param_distance": self.spread}  # fmt: skip
+
+
+def drift(runs: list[Run], got: list[tuple[float, float]], anchor: Run | None = None) -> Drift:
+    """One step's :class:`Drift` of ``runs`` (``anchor``: a run each is also set against, where they are one)."""
+    pool = [*runs, anchor] if anchor is not None and len(runs) < 2 else runs
+    spread = max((distance(a, b) for i, a in enumerate(pool) for b in pool[i + 1:]), default=math.nan)  # fmt: skip
+    return Drift([g[0] for g in got], [g[1] for g in got], spread)
+
+
+@dataclasses.dataclass
 class Envelope:
     """The largest difference from the oracle so far, per figure, over an envelope's runs."""
 
@@ -122,5 +150,5 @@ def line(diffs: dict[str, float], env: Envelope, oracle: tuple[float, float]) ->
     return best, which
 
 
-__all__ = ["ENVELOPE_SEEDS", "LIMIT", "METRICS", "Envelope", "Run", "bf16_envelope", "distance", "envelope_runs",
-           "figures", "line"]  # fmt: skip
+__all__ = ["ENVELOPE_SEEDS", "LIMIT", "METRICS", "Drift", "Envelope", "Run", "bf16_envelope", "distance", "drift",
+           "envelope_runs", "figures", "line"]  # fmt: skip

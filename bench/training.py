@@ -1,0 +1,136 @@
+"""Training divergence's cost (#64): time and peak memory against one plain training run, in fresh processes.
+
+Anchors, measured in the same run: one plain training loop of the same model, batches, optimizer and steps
+(``loss.backward(); optimizer.step()``, nothing else).  ``rlx_nb.training_divergence`` with one backend runs the
+oracle, the backend and the envelope's K runs (two one-ulp starts and another thread count: K = 3) in lockstep, and
+judges its local steps (the first, log-spaced ones, the last).  Targets: the whole call <= (K + 2)x the plain run,
+the local steps <= 20% on top of the trajectories; a 10M-parameter model for 100 steps completes with peak memory
+<= 3x one plain run's (memory: peak RSS above what the process held once torch, rlx_nb and the model were loaded).
+
+    python bench/training.py [--steps 100] [--params 10]
+
+Writes ``bench/results/training.md`` and ``.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+from _child import write_result
+
+K = 3  # (the default envelope: two one-ulp runs and one on another thread count)
+
+
+def _model(million: float):
+    import torch
+
+    torch.manual_seed(0)
+    # An MLP of about ``million`` M parameters: 512 -> h -> h/2 -> 512 with h chosen for the count.
+    h = 4096 if million >= 10 else max(256, int(4096 * (million / 10) ** 0.5))
+    model = torch.nn.Sequential(torch.nn.Linear(512, h), torch.nn.GELU(), torch.nn.Linear(h, h // 2), torch.nn.GELU(),
+                                torch.nn.Linear(h // 2, 512))  # fmt: skip
+    g = torch.Generator().manual_seed(1)
+    data = [(torch.randn(64, 512, generator=g), torch.randn(64, 512, generator=g)) for _ in range(4)]
+    return model, data
+
+
+def _child(workflow: str, steps: int, million: float) -> None:
+    import torch
+
+    import rlx_nb
+
+    model, data = _model(million)
+
+    def loss_fn(m, b):
+        return torch.nn.functional.mse_loss(m(b[0]), b[1])
+
+    def adamw(p):
+        return torch.optim.AdamW(p, lr=1e-4)
+
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # (after the imports and the model)
+    params = sum(p.numel() for p in model.parameters())
+    start = time.perf_counter()
+    local = 0.0
+    if workflow == "plain":
+        opt = adamw(list(model.parameters()))
+        for step in range(steps):
+            opt.zero_grad(set_to_none=True)
+            torch.manual_seed(step)
+            loss_fn(model, data[step % len(data)]).backward()
+            opt.step()
+        said = f"loss {float(loss_fn(model, data[0])):.4f}"
+    else:
+        report = rlx_nb.training_divergence(model, data, loss_fn, optimizer=adamw, steps=steps,
+                                            backends=["optimizer:foreach"], progress=False)  # fmt: skip
+        said = report.lines()[0]
+        local = report.local_seconds
+    seconds = time.perf_counter() - start
+    print(json.dumps({"params": params, "seconds": seconds, "local_seconds": local, "base_rss": base, "said": said}))
+
+
+def _run(workflow: str, steps: int, million: float) -> dict:
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([sys.executable, __file__, "--child", workflow, str(steps), str(million)], stdout=out,
+                                stderr=err)  # fmt: skip
+        _, status, usage = os.wait4(proc.pid, 0)
+        out.seek(0)
+        err.seek(0)
+        text, errors = out.read(), err.read()
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"{workflow} failed:\n{errors[-3000:]}")
+    row = json.loads(text.strip().splitlines()[-1])
+    return {"workflow": workflow, "peak_rss": usage.ru_maxrss * 1024, **row}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--steps", type=int, default=100)
+    parser.add_argument("--params", type=float, default=10.0, help="the model's size, in millions of parameters")
+    args = parser.parse_args()
+    plain = _run("plain", args.steps, args.params)
+    divergence = _run("divergence", args.steps, args.params)
+    time_ratio = divergence["seconds"] / plain["seconds"]
+    trajectories = divergence["seconds"] - divergence["local_seconds"]
+    local_share = divergence["local_seconds"] / trajectories
+    grown = {r["workflow"]: r["peak_rss"] - r["base_rss"] for r in (plain, divergence)}
+    memory_ratio = grown["divergence"] / grown["plain"]
+    rows = [{"name": "time vs one plain run", "ratio": time_ratio, "target": K + 2},
+            {"name": "local steps on top of the trajectories", "ratio": local_share, "target": 0.2},
+            {"name": "peak memory vs one plain run (above the loaded process)", "ratio": memory_ratio, "target": 3.0}]  # fmt: skip
+    lines = [
+        "# Training divergence: cost against one plain training run",
+        "",
+        f"An MLP of {plain['params'] / 1e6:.1f}M parameters, AdamW, batches of 64, {args.steps} steps; "
+        f"`training_divergence(..., backends=['optimizer:foreach'])` with the default envelope (K = {K} runs) and "
+        "local steps, against the plain loop; each in a fresh process (`python bench/training.py`).",
+        "",
+        "| figure | measured | target | |",
+        "|---|---|---|---|",
+        *(
+            f"| {r['name']} | {r['ratio']:.2f}x | <= {r['target']:g}x | {'ok' if r['ratio'] <= r['target'] else 'MISSED'} |"
+            for r in rows
+        ),
+        "",
+        f"Plain run {plain['seconds']:.1f} s, peak RSS {plain['peak_rss'] / 1e9:.2f} GB ({grown['plain'] / 1e6:.0f} MB "
+        f"above the loaded process); training_divergence {divergence['seconds']:.1f} s (local steps "
+        f"{divergence['local_seconds']:.1f} s), peak RSS {divergence['peak_rss'] / 1e9:.2f} GB "
+        f"({grown['divergence'] / 1e6:.0f} MB above).",
+        "",
+        f"Its line: `{divergence['said']}`",
+    ]
+    write_result("training.md", lines, rows)
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        _child(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]))
+    else:
+        main()
