@@ -23,6 +23,8 @@ from rlx_nb.execution.run import run
 from rlx_nb.generation.divergence import generation_divergence
 from rlx_nb.generation.report import GenerationReport
 from rlx_nb.int8.divergence import quantized_divergence
+from rlx_nb.configurations.report import InvarianceReport
+from rlx_nb.configurations.run import interrupted_invariance, invariance
 from rlx_nb.localization.locate import localize
 from rlx_nb.localization.result import Localization
 from rlx_nb.numerics import warmup as _warmup
@@ -60,6 +62,7 @@ __all__ = [
     "DivergenceReport",
     "GenerationReport",
     "InputError",
+    "InvarianceReport",
     "Localization",
     "OutputRecord",
     "ReportFormatError",
@@ -76,8 +79,10 @@ __all__ = [
     "diff",
     "explore",
     "generation_divergence",
+    "interrupted_invariance",
     "interrupted_report",
     "interrupted_training",
+    "invariance",
     "kept_preparations",
     "load_report",
     "load_snapshot",

@@ -1,0 +1,122 @@
+"""The first op that is not invariant: recorded in both configurations, aligned by module and call, the first whose
+inputs are bit for bit the row's in both but whose output is not.
+
+The ops are the model's own torch function calls, each module's first call (:class:`rlx_nb.changes.ops.OpCalls`), so
+an op is named as :func:`rlx_nb.localize` names one (``"fc :: F.linear"``).  A tensor of the batched run is cut to the
+row's part as the outputs are (:func:`rlx_nb.configurations.configs.aligned`); an op whose tensors do not align that way
+(a reduction over the batch, a reshape that mixes rows) is passed over, neither invariant nor not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from rlx_nb._support.tree import flatten
+from rlx_nb.changes.ops import OpCall, OpCalls
+from rlx_nb.configurations.configs import aligned
+
+
+@dataclasses.dataclass
+class Recorded:
+    name: str
+    inputs: list[torch.Tensor]
+    out: torch.Tensor
+
+
+def _tensors(x: Any) -> list[torch.Tensor]:
+    return [t.detach().clone() for _, t in flatten(x) if isinstance(t, torch.Tensor)]
+
+
+def recorded(run: Callable[[Any], Any], model: torch.nn.Module) -> tuple[dict[str, Recorded], dict[str, Recorded]]:
+    """``run(model)``'s ops in call order, and its modules' first calls in the order they end (a module's children
+    before it), each with its first floating output (copies: a later in-place op does not change them)."""
+    seen: dict[str, Recorded] = {}
+    modules: dict[str, Recorded] = {}
+
+    def keep(op: OpCall) -> None:
+        seen[op.name] = Recorded(op.name, _tensors((op.args, op.kwargs)), op.out.detach().clone())
+
+    def ended(name: str):
+        def hook(module, args, out):
+            first = [t for t in _tensors(out) if t.is_floating_point()]
+            if name not in modules and first:
+                modules[name] = Recorded(name, _tensors(args), first[0])
+
+        return hook
+
+    handles = [m.register_forward_hook(ended(n)) for n, m in model.named_modules()]
+    recorder = OpCalls(keep)
+    try:
+        with recorder.attached(model), torch.no_grad():
+            run(model)
+    finally:
+        for h in handles:
+            h.remove()
+    return seen, modules
+
+
+def bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit the same values (NaN payloads included), and the same shape and dtype."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8))
+
+
+@dataclasses.dataclass
+class Parting:
+    """Where two configurations part at the op: the first op not invariant (None where none was found), its shapes in
+    each, and the ops seen invariant (their outputs bit for bit the row's) and not."""
+
+    op: str | None
+    shapes: str = ""
+    invariant: list[str] = dataclasses.field(default_factory=list)
+    varying: list[str] = dataclasses.field(default_factory=list)
+
+
+def _shapes(r: Recorded) -> str:
+    return ", ".join("x".join(map(str, t.shape)) or "scalar" for t in r.inputs[:3])
+
+
+def first_parting(alone: tuple[dict, dict], other: tuple[dict, dict], where: dict[str, Any]) -> Parting:
+    """The first op of ``alone``'s order whose inputs in ``other`` (cut to the row) are bit for bit its own and whose
+    output is not; every op whose output aligns, sorted into invariant and varying.  Where no op is found so (the
+    ops' own shapes depend on the configuration: a kernel that splits its work by the batch), the first module that
+    is: its inputs the row's, its output not."""
+    parting = _first(alone[0], other[0], where)
+    if parting.op is None:
+        by_module = _first(alone[1], other[1], where)
+        if by_module.op is not None:
+            parting.op = f"{by_module.op or '(top level)'} (module: its ops' shapes depend on the configuration)"
+            parting.shapes = by_module.shapes
+    return parting
+
+
+def _first(alone: dict[str, Recorded], other: dict[str, Recorded], where: dict[str, Any]) -> Parting:
+    found, shapes, invariant, varying = None, "", [], []
+    for name, a in alone.items():
+        b = other.get(name)
+        if b is None:
+            continue
+        out = aligned(b.out, a.out.shape, **where)
+        if out is None:
+            continue
+        same = bitwise(a.out, out)
+        (invariant if same else varying).append(name)
+        if same or found is not None:
+            continue
+        # (its inputs as the row alone has them: a padded run may pass one more, its mask, after them)
+        cut = [aligned(t, s.shape, **where) for t, s in zip(b.inputs, a.inputs, strict=False)]
+        if len(b.inputs) >= len(a.inputs) and all(c is not None and bitwise(s, c) for c, s in zip(cut, a.inputs,
+                                                                                                  strict=True)):  # fmt: skip
+            extra = len(b.inputs) - len(a.inputs)
+            found = name
+            shapes = (f"({_shapes(a)}) alone against ({_shapes(b)}) here"
+                      + (f", with {extra} more input(s) (a mask)" if extra else ""))  # fmt: skip
+    return Parting(found, shapes, invariant, varying)
+
+
+__all__ = ["Parting", "Recorded", "bitwise", "first_parting", "recorded"]

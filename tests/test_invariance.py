@@ -1,0 +1,170 @@
+"""Invariance (#65): the same rows alone and in other configurations of one computation, bit for bit first, then on
+the verdict's scale against float64, with the first op that parts named."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import rlx_nb
+from rlx_nb.errors import InputError
+from rlx_nb.configurations.report import certificate_changes
+
+
+def _linears() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.GELU(), torch.nn.Linear(512, 512))
+
+
+def test_the_small_batch_path_of_f_linear_is_named_as_the_first_op_and_read_as_round_off():
+    x = torch.randn(4, 512, generator=torch.Generator().manual_seed(1))
+    report = rlx_nb.invariance(_linears(), x, batch_sizes=(2, 16), progress=False)
+    summary = report.summary
+    assert set(summary.verdict) == {"round-off"}, summary.to_string()
+    assert set(summary.first_op) == {"0 :: F.linear"}
+    sizes = report.summary[summary.config == "batch of 16, at 0"].op_shapes.item()
+    assert sizes.startswith("(1x512, 512x512, 512) alone against (16x512, 512x512, 512) here"), sizes
+    assert report.verdict() == "round-off" and report.suspects == []
+    line = report.lines()[0]
+    assert "within round-off: a legitimate kernel choice" in line and "first op that parts: 0 :: F.linear" in line
+
+
+def test_invariant_models_read_bit_for_bit_with_no_op_named():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.LayerNorm(64), torch.nn.Softmax(-1))
+    report = rlx_nb.invariance(model, torch.randn(4, 64), progress=False)
+    assert report.verdict() == "bit for bit" and report.ops == {}
+    assert report.lines() == ["[Sequential] cpu: bit for bit invariant over 10 configuration(s)"]
+
+
+class _SplitRMSNorm(torch.nn.Module):
+    # An RMSNorm whose sum of squares is split in two halves once the batch has more than 2 rows (a kernel that
+    # chooses its split by the batch): other bits, within round-off.
+    def forward(self, x):
+        if x.shape[0] > 2:
+            ss = x[..., :32].pow(2).sum(-1, keepdim=True) + x[..., 32:].pow(2).sum(-1, keepdim=True)
+        else:
+            ss = x.pow(2).sum(-1, keepdim=True)
+        return x * torch.rsqrt(ss / x.shape[-1] + 1e-6)
+
+
+class _LeakyAttention(torch.nn.Module):
+    # Self-attention over token embeddings whose padding mask is dropped for padded rows: the padded tokens leak.
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.qkv, self.out = torch.nn.Embedding(32, 16), torch.nn.Linear(16, 48), torch.nn.Linear(16, 32)
+
+    def forward(self, input_ids, attention_mask):
+        q, k, v = self.qkv(self.emb(input_ids)).chunk(3, -1)
+        scores = q @ k.transpose(-1, -2) / 4.0
+        leak = bool((attention_mask == 0).any())  # (the bug: a padded batch loses its mask)
+        if not leak:
+            scores = scores.masked_fill(attention_mask[:, None, :] == 0, float("-inf"))
+        return self.out(torch.softmax(scores, -1) @ v)
+
+
+def test_a_norm_that_splits_its_sum_by_the_batch_is_round_off_and_a_padding_leak_is_past_the_line():
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
+    model = torch.nn.Sequential(torch.nn.LayerNorm(64), _SplitRMSNorm(), torch.nn.Softmax(-1))
+    split = rlx_nb.invariance(model, x, batch_sizes=(2, 3), progress=False)
+    by_config = split.summary.set_index("config")
+    assert by_config.loc["batch of 2, at 0", "verdict"] == "bit for bit"  # (2 rows: the one-sum path still)
+    assert by_config.loc["batch of 3, at 0", "verdict"] == "round-off", split.summary.to_string()
+    assert by_config.loc["batch of 3, at 0", "first_op"] == "1 (module: its ops' shapes depend on the configuration)"
+
+    ids = torch.randint(1, 32, (3, 10), generator=torch.Generator().manual_seed(2))
+    leaky = rlx_nb.invariance(_LeakyAttention(), {"input_ids": ids, "attention_mask": torch.ones_like(ids)},
+                              configs=["padding"], progress=False)  # fmt: skip
+    assert leaky.suspects == ["cpu"], leaky.summary.to_string()
+    worst = leaky.summary.set_index("config")
+    assert worst.loc["left-padded by 3", "verdict"] == "SUSPECT" and worst.loc["left-padded by 3", "line"] > 10
+    assert "past the line: a bug" in leaky.lines()[0]
+
+
+def test_gpt2_from_a_config_is_batch_invariant_and_its_cache_and_left_padding_part_within_round_off(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64)
+    model = transformers.GPT2LMHeadModel(config).eval()
+    ids = torch.randint(0, 128, (4, 24), generator=torch.Generator().manual_seed(1))
+    report = rlx_nb.invariance(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, rows=[0],
+                               progress=False)  # fmt: skip
+    verdicts = dict(zip(report.summary.config, report.summary.verdict, strict=True))
+    assert all(v == "bit for bit" for c, v in verdicts.items() if c.startswith("batch of")), verdicts
+    for config in ("left-padded by 3", "prefilled in two chunks", "decoded token by token"):
+        assert verdicts[config] == "round-off", verdicts
+    ops = report.summary.set_index("config").first_op
+    assert ops["left-padded by 3"] == "transformer.h.0.attn :: F.scaled_dot_product_attention"
+    # The certificate: data only, saved, and its changes against another environment's said.
+    cert = json.loads(report.save_certificate(tmp_path / "c.json").read_text())
+    assert cert["pairs"]["cpu | left-padded by 3"]["first_op"].endswith("F.scaled_dot_product_attention")
+    other = json.loads(json.dumps(cert))
+    other["pairs"]["cpu | batch of 2, at 0"]["verdict"] = "round-off"
+    assert certificate_changes(cert, other) == ["cpu | batch of 2, at 0: bit for bit (None) -> round-off (None)"]
+    # Down to the element: a pair as a report the explorer opens.
+    pair = report.report(config="left-padded by 3")
+    assert pair.record(pair.results.candidates and next(iter(pair.results.candidates))).verdict == "round-off"
+
+
+def test_backends_run_every_configuration_and_pictures_and_page_show_the_map(tmp_path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(1))
+    report = rlx_nb.invariance(_linears(), x, backends=["cpu-nomkldnn"], batch_sizes=(2, 4), rows=[0],
+                               progress=False)  # fmt: skip
+    assert set(report.summary.backend) == {"cpu", "cpu-nomkldnn"} and report.failed == {}
+    ax = report.plot()
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["row 0"]
+    assert len(ax.get_xticklabels()) == 4 and any(t.get_text().endswith("x") for t in ax.texts)
+    page = report.to_html(tmp_path / "inv.html").read_text()
+    assert "<img" in page and "F.linear" in page
+
+
+def test_bad_input_is_refused_with_what_is_allowed():
+    model = _linears()
+    with pytest.raises(InputError, match="need at least 2 rows"):
+        rlx_nb.invariance(model, torch.randn(1, 512), progress=False)
+    with pytest.raises(InputError, match="cache configurations need a decoder with a cache"):
+        rlx_nb.invariance(model, torch.randn(2, 512), configs=["cache"], progress=False)
+    with pytest.raises(InputError, match=r"unknown configuration 'bacth'.*batch"):
+        rlx_nb.invariance(model, torch.randn(2, 512), configs=["bacth"], progress=False)
+    with pytest.raises(InputError, match="not per row"):
+        rlx_nb.invariance(lambda_sum(), torch.randn(2, 8), progress=False)
+    with pytest.raises(InputError, match=r"batch_sizes must be whole numbers >= 2 \(1 is the row alone\)"):
+        rlx_nb.invariance(model, torch.randn(2, 512), batch_sizes=(1, 4), progress=False)
+    with pytest.raises(InputError, match="first dimensions differ"):
+        rlx_nb.invariance(model, (torch.randn(2, 512), torch.randn(3, 512)), progress=False)
+
+
+def lambda_sum() -> torch.nn.Module:
+    class Total(torch.nn.Module):  # (one number for the whole batch: no row of it is the row's own)
+        def forward(self, x):
+            return x.sum()
+
+    return Total()
+
+
+def test_ctrl_c_keeps_the_configurations_already_compared():
+    from tests.interrupts import differences, torch_state
+
+    x = torch.randn(4, 512, generator=torch.Generator().manual_seed(1))
+    model, calls = _linears(), []
+
+    def count(*_):
+        calls.append(1)
+        if len(calls) == 6:  # (the sixth run of the first layer: a few configurations in)
+            raise KeyboardInterrupt
+
+    hook = model[0].register_forward_hook(count)
+    before = torch_state()
+    with pytest.raises(KeyboardInterrupt):
+        rlx_nb.invariance(model, x, ops=False, progress=False)
+    hook.remove()
+    assert differences(before, torch_state()) == {}
+    kept = rlx_nb.interrupted_invariance()
+    assert kept is not None and 0 < len(kept.pairs) < 10 and kept.incomplete.startswith("interrupted after")
+    assert kept.failed == {} and kept.lines()[-1].startswith("[Sequential] INCOMPLETE: interrupted after")
