@@ -91,7 +91,9 @@ def _from_config(family: str, batch: int):
     lm = dict(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64)
     model = {
         "opt": lambda: t.OPTForCausalLM(t.OPTConfig(**lm, ffn_dim=128, word_embed_proj_dim=64)),
-        "gpt2": lambda: t.GPT2LMHeadModel(t.GPT2Config(vocab_size=1000, n_embd=64, n_layer=2, n_head=4, n_positions=64)),
+        "gpt2": lambda: t.GPT2LMHeadModel(
+            t.GPT2Config(vocab_size=1000, n_embd=64, n_layer=2, n_head=4, n_positions=64)
+        ),
         "llama": lambda: t.LlamaForCausalLM(t.LlamaConfig(**lm, intermediate_size=128, num_key_value_heads=2)),
         "bert": lambda: t.BertModel(t.BertConfig(**lm, intermediate_size=128)),
     }[family]().eval()

@@ -923,6 +923,128 @@ print(apart.finding)""",
     ),
 ]
 
+TRAINING = [
+    (
+        "md",
+        """# 10 · Where training parts: chaos or a bug, and at which step
+
+"My loss curve with the fused optimizer (torch.compile, another GPU, a new torch) drifts from eager after N steps -- bug or chaos?" Over many steps, training amplifies round-off: two correct runs that differ by one ulp of one weight part visibly after a hundred steps. A band around the loss curve cannot tell a small bug from that chaos. `rlx_nb.training_divergence` judges each backend twice, on the verdict's one scale (1.0 is the SUSPECT line):
+
+- **trajectory**: per step, the loss, the gradient norm and the parameters' distance from the oracle (float32 eager), against the *envelope* -- the drift of the oracle's own run started one ulp off, and on another thread count: round-off by construction, and its growth is the chaos;
+- **local steps**: at chosen steps (the first, log-spaced ones, where a trajectory leaves, any you name) the backend starts from the oracle's *exact* state -- parameters, optimizer state, buffers, random numbers -- and that one step (forward, backward, update) is judged against float64 of the same step. A bug is a local step past the line; chaos is local steps within round-off under a drifting trajectory.""",
+    ),
+    (
+        "code",
+        """import torch, rlx_nb
+
+torch.manual_seed(0)
+V, D, T, B = 64, 64, 32, 8          # a one-block transformer LM: vocabulary 64, width 64, batches of 8x32 tokens
+
+class LM(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.pos = torch.nn.Embedding(V, D), torch.nn.Parameter(torch.randn(T, D) * 0.02)
+        self.block = torch.nn.TransformerEncoderLayer(D, 4, 4 * D, dropout=0.0, batch_first=True, norm_first=True)
+        self.norm, self.head = torch.nn.LayerNorm(D), torch.nn.Linear(D, V)
+
+    def forward(self, ids):
+        mask = torch.nn.Transformer.generate_square_subsequent_mask(ids.shape[1])
+        return self.head(self.norm(self.block(self.emb(ids) + self.pos, src_mask=mask, is_causal=True)))
+
+def next_token_loss(model, ids):
+    logits = model(ids[:, :-1])
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, V), ids[:, 1:].reshape(-1))
+
+batches = [torch.randint(0, V, (B, T + 1)) for _ in range(8)]     # cycled over the steps
+adamw = lambda params: torch.optim.AdamW(params, lr=3e-3, weight_decay=0.1)""",
+    ),
+    (
+        "md",
+        """## A bug hidden inside the chaos
+
+The planted bug: an AdamW whose weight decay on the head is 5% too strong from step 60 on. It shrinks each head weight by an extra 1.5e-5 of itself per step -- about 250 times float32's unit round-off in the step's own update, but in the loss curve it stays inside the band two correct runs make. It is registered as a training backend of its own (`register_training_backend`: a user's optimizer, a forward through a registered runtime, or both); `optimizer:foreach` (AdamW's other implementation) is a legitimate backend beside it:""",
+    ),
+    (
+        "code",
+        """class HeadDecayTooStrong(torch.optim.AdamW):
+    def step(self, closure=None):
+        out = super().step(closure)
+        with torch.no_grad():
+            head = self.param_groups[0]["params"][-2]                   # head.weight
+            if self.state[head] and float(self.state[head]["step"]) > 60:
+                head.mul_(1 - 3e-3 * 0.1 * 0.05)                        # its decay 5% too strong
+        return out
+
+rlx_nb.register_training_backend("adamw-head-decay", optimizer=lambda p: HeadDecayTooStrong(p, lr=3e-3, weight_decay=0.1),
+                                 replace=True)
+report = rlx_nb.training_divergence(LM(), batches, next_token_loss, optimizer=adamw, steps=160,
+                                    backends=["adamw-head-decay", "optimizer:foreach"])
+report""",
+    ),
+    (
+        "md",
+        """In the figure below: the loss curves, with the oracle's loss plus or minus the envelope as a grey band (the envelope grows: that is the chaos); below, each backend's trajectory in units of the line (log scale) and its local steps as marks (a red cross: past the line). The buggy optimizer's trajectory never leaves the envelope -- the loss curve alone cannot see it -- while its local steps from step 60 on are 30x past the line. Between the local steps 32 and 64 the call bisected (from the oracle's states again) to the first step past the line:""",
+    ),
+    (
+        "code",
+        """report.plot();""",
+    ),
+    (
+        "code",
+        """report.local[report.local.backend == "adamw-head-decay"][["step", "verdict", "line", "phase", "output"]]""",
+    ),
+    (
+        "md",
+        """`report.steps` has one row per step and backend (loss, gradient norm, parameters' distance, each with its envelope, and the trajectory's place on the line).
+
+## Down to the phase and the parameter
+
+`report.localize(backend)` takes the first local step past the line to where its error is born: the **phase** (forward, buffers such as BatchNorm's running statistics, backward, optimizer update), then the module and op for a forward or backward, or the parameters whose update is past the line while their gradients are round-off:""",
+    ),
+    (
+        "code",
+        """found = report.localize("adamw-head-decay")
+print(found)""",
+    ),
+    (
+        "md",
+        """## Down to the element
+
+A local step is a report like any other -- its outputs are the step's loss, gradients, buffers and updated parameters -- so the explorer opens on it, from the output to the element:""",
+    ),
+    (
+        "code",
+        """rlx_nb.explore(report.local_report("adamw-head-decay", 60))""",
+    ),
+    (
+        "md",
+        """## A kernel's backward, down to the op
+
+A bug in one op's backward, off by 1e-4 of its size: the LayerNorm backward of the catalogue's `fault:layernorm-backward` run as a training backend (any differentiable backend of the registry runs a step's forward and backward). Its local steps are past the line in the gradients; the localization of that step's loss, from the step's own state, names the op -- and `found.repro(folder)` writes the standalone repro of it, fed what it was fed at that step:""",
+    ),
+    (
+        "code",
+        """from rlx_nb.backends.faults import fault_backend
+
+torch.manual_seed(0)
+mlp = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.LayerNorm(32), torch.nn.GELU(), torch.nn.Linear(32, 5))
+classes = [(torch.randn(16, 8), torch.randint(0, 5, (16,))) for _ in range(4)]
+xent = lambda m, b: torch.nn.functional.cross_entropy(m(b[0]), b[1])
+fault = fault_backend("fault:layernorm-backward", 1e-4)
+rlx_nb.register_backend(fault.name, fault.fn, replace=True, default=False)
+backward_bug = rlx_nb.training_divergence(mlp, classes, xent, optimizer=lambda p: torch.optim.SGD(p, lr=0.05), steps=10,
+                                          backends=[fault.name, "cpu-nomkldnn", "threads"])
+print(backward_bug)
+print(backward_bug.localize(fault.name))""",
+    ),
+    (
+        "md",
+        """## Gate on it
+
+In CI, `rlx-nb train path/to/job.py:factory --steps 200` (the factory returns `dict(model=, batches=, loss_fn=, optimizer=)`) and `rlx_nb.testing.assert_training_agrees(...)` fail only on a local step past the line; `--trajectory` / `trajectory=True` also fail on a trajectory that leaves its envelope (drift, which chaos alone can make). The built-in training backends are `cpu-nomkldnn`, `cpu-inductor` (the step compiled, its dropout masks drawn as eager's), `cpu-inductor-optimizer`, `threads`, `optimizer:foreach`, `optimizer:for-loop`, `optimizer:fused` and `cpu-bf16` (its own budget); `report.to_html(path)` writes the whole report as one page.""",
+    ),
+]
+
 NOTEBOOKS = {
     "01_find_the_suspect.ipynb": FIND_THE_SUSPECT,
     "02_localize_the_operator.ipynb": LOCALIZE,
@@ -933,6 +1055,7 @@ NOTEBOOKS = {
     "07_where_generation_parts.ipynb": GENERATION,
     "08_int8.ipynb": INT8,
     "09_what_changed.ipynb": CHANGES,
+    "10_where_training_parts.ipynb": TRAINING,
 }
 
 

@@ -15,6 +15,8 @@ from rlx_nb.changes.record import snapshot
 from rlx_nb.changes.result import Diff
 from rlx_nb.changes.snapshot_file import Snapshot, load_snapshot
 from rlx_nb.comparison.compare import compare
+from rlx_nb.configurations.report import InvarianceReport
+from rlx_nb.configurations.run import interrupted_invariance, invariance
 from rlx_nb.errors import BackendError, InputError, ReportFormatError, RlxError
 from rlx_nb.errors import short_tracebacks_in_ipython as _short_tracebacks
 from rlx_nb.execution.cache import clear_preparations, kept_preparations
@@ -23,8 +25,6 @@ from rlx_nb.execution.run import run
 from rlx_nb.generation.divergence import generation_divergence
 from rlx_nb.generation.report import GenerationReport
 from rlx_nb.int8.divergence import quantized_divergence
-from rlx_nb.configurations.report import InvarianceReport
-from rlx_nb.configurations.run import interrupted_invariance, invariance
 from rlx_nb.localization.locate import localize
 from rlx_nb.localization.result import Localization
 from rlx_nb.numerics import warmup as _warmup

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 import rlx_nb
-from rlx_nb.errors import InputError
 from rlx_nb.configurations.report import certificate_changes
+from rlx_nb.errors import InputError
 
 
 def _linears() -> torch.nn.Module:

@@ -22,12 +22,12 @@ from rlx_nb._support.progress import bar
 from rlx_nb.backends.base import ORACLE
 from rlx_nb.backends.registry import get_backend
 from rlx_nb.comparison.compare import judge_leaf
-from rlx_nb.errors import BackendError, InputError, describe_error, did_you_mean, still_interrupted
-from rlx_nb.execution.environment import environment
-from rlx_nb.execution.results import to_leaf
 from rlx_nb.configurations import configs as cf
 from rlx_nb.configurations.ops import bitwise, first_parting, recorded
 from rlx_nb.configurations.report import InvarianceReport
+from rlx_nb.errors import BackendError, InputError, describe_error, did_you_mean, still_interrupted
+from rlx_nb.execution.environment import environment
+from rlx_nb.execution.results import to_leaf
 
 KINDS = ("batch", "position", "padding", "cache")
 
