@@ -1045,6 +1045,114 @@ In CI, `rlx-nb train path/to/job.py:factory --steps 200` (the factory returns `d
     ),
 ]
 
+INVARIANCE = [
+    (
+        "md",
+        """# 11 · Same model, another batch: where bit for bit breaks
+
+"The rollout engine's log-probs differ from the trainer's" -- "a prompt gives other tokens alone than inside a batch" -- "the answer changes with padding, or with the KV cache". Here one backend is compared with *itself* under another **configuration** of the same computation. `rlx_nb.invariance` computes each row alone (the reference configuration) and
+
+- inside batches of other sizes (odd ones and powers of two), first and last in them;
+- padded by masked tokens, left and right, and beside a row that is all padding;
+- for a decoder with a cache, prefilled in two chunks (a prefix-cache hit) and decoded token by token,
+
+and compares every output **bit for bit**. Where they differ it says whether the difference is **round-off** (a legitimate kernel choice: the fix is a batch-invariant kernel) or **past the line** (a real bug: a mask that leaks, a cache that holds the wrong positions), on the verdict's one scale against float64 of the row alone, and names the **first op** whose inputs are bit for bit the row's in both configurations but whose output is not.""",
+    ),
+    (
+        "code",
+        """import torch, rlx_nb
+
+torch.manual_seed(0)
+linears = torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.GELU(), torch.nn.Linear(512, 512))
+rows = torch.randn(4, 512)
+report = rlx_nb.invariance(linears, rows)
+print(report)
+report.summary""",
+    ),
+    (
+        "md",
+        """Every row gives other bits alone than inside any batch here: the first op that parts is `F.linear`, its input one row (1x512) alone against 2, 3 ... 16 rows (a matrix product takes another path by size). Within round-off each time -- a legitimate kernel choice. The map shows each row (down) in each configuration (across), its place on the line written in the cells that differ:""",
+    ),
+    (
+        "code",
+        """report.plot();""",
+    ),
+    (
+        "md",
+        """## Down to the element
+
+A pair (the row alone against the row in one configuration) is a report like any other, with float64 of the row alone as its reference -- the explorer opens on it:""",
+    ),
+    (
+        "code",
+        """rlx_nb.explore(report.report(config="batch of 16, at 0"))""",
+    ),
+    (
+        "md",
+        """## A GPT-2: batches, padding and the cache
+
+A 2-layer GPT-2 built from a config (random weights: nothing downloads). Inside batches it is bit for bit the row alone's; left-padded (with its attention mask and positions) and decoded with its KV cache it gives other bits -- within round-off, and the first op that parts under padding is the attention (its mask takes another kernel path):""",
+    ),
+    (
+        "code",
+        """import transformers
+
+config = transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64)
+gpt2 = transformers.GPT2LMHeadModel(config).eval()
+ids = torch.randint(0, 128, (4, 24))
+lm = rlx_nb.invariance(gpt2, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, rows=[0])
+print(lm)
+lm.summary[lm.summary.verdict != "bit for bit"]""",
+    ),
+    (
+        "md",
+        """## A padding mask that leaks
+
+A planted bug: a self-attention that drops its padding mask for a padded batch, so the padded tokens leak into the row. Its padded configurations are past the line -- a bug, not a kernel choice:""",
+    ),
+    (
+        "code",
+        """class LeakyAttention(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb, self.qkv, self.out = torch.nn.Embedding(32, 16), torch.nn.Linear(16, 48), torch.nn.Linear(16, 32)
+
+    def forward(self, input_ids, attention_mask):
+        q, k, v = self.qkv(self.emb(input_ids)).chunk(3, -1)
+        scores = q @ k.transpose(-1, -2) / 4.0
+        if not (attention_mask == 0).any():           # the bug: a padded batch loses its mask
+            scores = scores.masked_fill(attention_mask[:, None, :] == 0, float("-inf"))
+        return self.out(torch.softmax(scores, -1) @ v)
+
+tokens = torch.randint(1, 32, (3, 10))
+leak = rlx_nb.invariance(LeakyAttention(), {"input_ids": tokens, "attention_mask": torch.ones_like(tokens)},
+                         configs=["padding"])
+print(leak)
+leak.plot();""",
+    ),
+    (
+        "md",
+        """## A certificate, and a gate
+
+`report.certificate` lists, per backend and configuration, whether it was bit for bit and (where ops were recorded) the ops seen invariant for the shapes tried and those not; `report.save_certificate(path)` writes it as JSON, and `rlx_nb.configurations.report.certificate_changes(old, new)` says what changed between two environments. In CI, `rlx_nb.testing.assert_invariant(model, inputs)` and `rlx-nb invariance path/to/models.py:factory` fail when something is not bit for bit (`past_line_only=True` / `--past-line`: only when a difference is past the line); `backends=[...]` runs every configuration on other backends too, `report.to_html(path)` writes the page.""",
+    ),
+    (
+        "code",
+        """import json, os, tempfile
+from rlx_nb.configurations.report import certificate_changes
+
+path = report.save_certificate(os.path.join(tempfile.mkdtemp(), "linears.json"))
+now = json.loads(path.read_text())
+print(json.dumps(now["pairs"]["cpu | batch of 16, at 0"], indent=1)[:400])
+
+threads = torch.get_num_threads()
+torch.set_num_threads(1 if threads > 1 else 2)   # another environment: another thread count
+again = rlx_nb.invariance(linears, rows, progress=False)
+torch.set_num_threads(threads)
+print(certificate_changes(now, again.certificate) or "the same certificate on another thread count")""",
+    ),
+]
+
 NOTEBOOKS = {
     "01_find_the_suspect.ipynb": FIND_THE_SUSPECT,
     "02_localize_the_operator.ipynb": LOCALIZE,
@@ -1056,6 +1164,7 @@ NOTEBOOKS = {
     "08_int8.ipynb": INT8,
     "09_what_changed.ipynb": CHANGES,
     "10_where_training_parts.ipynb": TRAINING,
+    "11_batch_invariance.ipynb": INVARIANCE,
 }
 
 

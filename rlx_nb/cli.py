@@ -177,6 +177,19 @@ def _parser() -> argparse.ArgumentParser:
                        help="also exit 1 when a trajectory leaves its envelope (drift; chaos alone can do it)")  # fmt: skip
     train.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report to FILE")
     train.add_argument("--label", help="label for the report lines")
+    inv = sub.add_parser(
+        "invariance",
+        help="compute TARGET's rows alone and in other configurations (batch sizes, positions, padding, the cache) "
+        "and compare them bit for bit (rlx_nb.invariance); exit 1 when some output is not bit for bit the row "
+        "alone's (--past-line: only when some difference is past the line)",
+    )
+    inv.add_argument("target", help=_TARGET)
+    inv.add_argument("--backends", help="comma-separated backends besides the oracle")
+    inv.add_argument("--configs", help="comma-separated: batch, position, padding, cache (default: those that apply)")
+    inv.add_argument("--past-line", action="store_true", help="exit 1 only when a difference is past the line")
+    inv.add_argument("--certificate", metavar="FILE", help="write the certificate (JSON) to FILE")
+    inv.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report to FILE")
+    inv.add_argument("--label", help="label for the report lines")
     sub.add_parser("backends", help="list every registered backend and whether it is live here")
     demo = sub.add_parser(
         "demo",
@@ -214,6 +227,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _diff(args)
         if args.command == "train":
             return _train(args)
+        if args.command == "invariance":
+            return _invariance(args)
         return _check(args)
     except RlxError as exc:
         print(term_text(f"rlx-nb: error: {exc}"), file=sys.stderr)
@@ -236,6 +251,24 @@ def _train(args: argparse.Namespace) -> int:
     if args.html:
         print(f"wrote {report.to_html(args.html)}")
     if report.suspects or (args.trajectory and report.leaving):
+        return EXIT_SUSPECT
+    return EXIT_BACKEND_FAILED if report.failed else EXIT_OK
+
+
+def _invariance(args: argparse.Namespace) -> int:
+    import rlx_nb
+
+    model, inputs = load_target(args.target)
+    split = [b.strip() for b in args.backends.split(",") if b.strip()] if args.backends else None
+    configs = [c.strip() for c in args.configs.split(",") if c.strip()] if args.configs else None
+    report = rlx_nb.invariance(model, inputs, backends=split, configs=configs, label=args.label)
+    print(term_text(str(report)))
+    if args.certificate:
+        print(f"wrote {report.save_certificate(args.certificate)}")
+    if args.html:
+        print(f"wrote {report.to_html(args.html)}")
+    verdict = report.verdict()
+    if verdict == "SUSPECT" or (verdict != "bit for bit" and not args.past_line):
         return EXIT_SUSPECT
     return EXIT_BACKEND_FAILED if report.failed else EXIT_OK
 

@@ -183,4 +183,29 @@ def assert_training_agrees(
     raise AssertionError(term_text("\n".join(lines)))
 
 
-__all__ = ["REPORT_DIR", "assert_backends_agree", "assert_training_agrees"]
+def assert_invariant(model: Any, inputs: Any, *, past_line_only: bool = False, msg: str | None = None,
+                     **kwargs: Any) -> Any:  # fmt: skip
+    """Assert every row's outputs are bit for bit the row alone's in every configuration (:func:`rlx_nb.invariance`;
+    ``past_line_only=True``: only that no difference is past the line); return the report.
+
+    Raises
+    ------
+    AssertionError
+        With the report's lines: the configurations that part and the first op that does.
+    """
+    from rlx_nb.configurations.run import invariance
+
+    if not isinstance(past_line_only, bool):
+        raise InputError(f"past_line_only must be True or False, got {past_line_only!r}")
+    kwargs.setdefault("progress", False)
+    report = invariance(model, inputs, **kwargs)
+    verdict = report.verdict()
+    if not report.failed and (verdict == "bit for bit" or (past_line_only and verdict != "SUSPECT")):
+        return report
+    lines = [msg] if msg else []
+    lines.append("not bit for bit invariant" if verdict != "SUSPECT" else "a configuration parts past the line")
+    lines += report.lines()
+    raise AssertionError(term_text("\n".join(lines)))
+
+
+__all__ = ["REPORT_DIR", "assert_backends_agree", "assert_invariant", "assert_training_agrees"]

@@ -124,6 +124,20 @@ def test_the_readme_training_block_runs_as_written(tmp_path):
     assert "VERDICTS ['round-off'] {}" in done.stdout  # (every default training backend, every local step)
 
 
+def test_the_readme_invariance_block_runs_as_written(tmp_path):
+    import subprocess
+    import sys
+
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
+              if "rlx_nb.invariance(" in b]  # fmt: skip
+    assert len(blocks) == 1
+    script = blocks[0] + "\nprint('FIRST', sorted(set(inv.summary.first_op)), inv.verdict())\n"
+    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=600,
+                          env=dict(os.environ, MPLBACKEND="Agg", RLX_NB_PROGRESS="0"))  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "FIRST ['0 :: F.linear'] round-off" in done.stdout, done.stdout
+
+
 def test_the_readme_generation_block_runs_as_written(tmp_path):
     import subprocess
     import sys

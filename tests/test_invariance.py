@@ -168,3 +168,29 @@ def test_ctrl_c_keeps_the_configurations_already_compared():
     kept = rlx_nb.interrupted_invariance()
     assert kept is not None and 0 < len(kept.pairs) < 10 and kept.incomplete.startswith("interrupted after")
     assert kept.failed == {} and kept.lines()[-1].startswith("[Sequential] INCOMPLETE: interrupted after")
+
+
+def test_the_cli_and_the_pytest_helper_gate_on_bits_or_on_the_line(tmp_path, capsys):
+    from rlx_nb import cli
+    from rlx_nb.testing import assert_invariant
+
+    target = tmp_path / "models.py"
+    target.write_text(
+        "import torch\n\n"
+        "def linears():\n"
+        "    torch.manual_seed(0)\n"
+        "    return torch.nn.Sequential(torch.nn.Linear(512, 512), torch.nn.Linear(512, 8)), torch.randn(3, 512)\n\n"
+        "def norms():\n"
+        "    return torch.nn.Sequential(torch.nn.LayerNorm(32), torch.nn.Softmax(-1)), torch.randn(3, 32)\n"
+    )
+    cert = tmp_path / "c.json"
+    assert cli.main(["invariance", f"{target}:linears", "--certificate", str(cert)]) == cli.EXIT_SUSPECT
+    assert "first op that parts: 0 :: F.linear" in capsys.readouterr().out and cert.exists()
+    assert cli.main(["invariance", f"{target}:linears", "--past-line"]) == cli.EXIT_OK
+    assert cli.main(["invariance", f"{target}:norms"]) == cli.EXIT_OK
+    assert cli.main(["invariance", f"{target}:norms", "--configs", "cache"]) == cli.EXIT_USAGE
+
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(1))
+    with pytest.raises(AssertionError, match="not bit for bit invariant"):
+        assert_invariant(_linears(), x, batch_sizes=(2,))
+    assert assert_invariant(_linears(), x, batch_sizes=(2,), past_line_only=True).verdict() == "round-off"

@@ -268,10 +268,12 @@ def _pair(alone: dict[str, torch.Tensor], got: dict[str, torch.Tensor], config: 
 
 
 def _float64(base: torch.nn.Module, given: cf.Inputs, i: int) -> dict[str, torch.Tensor]:
-    # The row alone in float64: the reference every difference of the row is judged against.
-    model = copy.deepcopy(base).double()
-    row = {k: v.double() if v.is_floating_point() else v for k, v in given.row(i).items()}
-    return cf.outputs(given.call(model, row))
+    # The row alone in float64, its weights cast one op at a time (no float64 copy of the model): the reference every
+    # difference of the row is judged against.
+    from rlx_nb.backends.eager import run_float64_streamed
+
+    row = given.row(i)
+    return cf.outputs(run_float64_streamed(_Through(base, list(row) if given.keywords else None), tuple(row.values())))
 
 
 def _judged(report: InvarianceReport, backend: str, config: cf.Config, rows_out: dict, ref: dict) -> None:

@@ -1,0 +1,140 @@
+"""Invariance's cost (#65): time against the plain runs of the configurations it compares, and GPT-2 124M's memory.
+
+Anchors, measured in the same run: the model run by hand on exactly the inputs ``rlx_nb.invariance`` runs (the row
+alone and each configuration), nothing else.  Targets: <= 3x those runs where nothing differs (a GPT-2 from a config,
+batch and position configurations: bit for bit); <= 6x with op recording where one op differs (a model of linears:
+``F.linear``'s small-batch path); GPT-2 small (124M, from its config, random weights) with 128-token prompts completes
+with peak memory <= 2x a plain run's of the same configurations (peak RSS above what the process held once the model
+was loaded; a fresh process each).
+
+    python bench/invariance.py
+
+Writes ``bench/results/invariance.md`` and ``.json``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import resource
+import subprocess
+import sys
+import tempfile
+import time
+
+from _child import write_result
+
+
+def _case(name: str):
+    import torch
+
+    torch.manual_seed(0)
+    if name == "linears":
+        model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)])
+        return model, torch.randn(4, 512), {"batch_sizes": (2, 3, 4, 8, 16)}
+    import transformers
+
+    if name == "gpt2-config":
+        config = transformers.GPT2Config(vocab_size=1000, n_embd=128, n_layer=2, n_head=4, n_positions=128)
+        length, kinds = 64, ["batch", "position"]
+    else:  # gpt2-124m
+        config, length, kinds = transformers.GPT2Config(), 128, None
+    model = transformers.GPT2LMHeadModel(config).eval()
+    ids = torch.randint(0, config.vocab_size, (2, length), generator=torch.Generator().manual_seed(1))
+    options = {"configs": kinds, "rows": [0]}
+    if name == "gpt2-124m":
+        options["batch_sizes"] = (2, 4)
+    return model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, options
+
+
+def _plain(model, inputs, options) -> None:
+    # The same configurations' runs by hand: the row alone and each configuration, under no_grad.
+    import torch
+
+    from rlx_nb.configurations import configs as cf
+    from rlx_nb.configurations.run import _kinds
+
+    given = cf.Inputs.of(inputs)
+    kinds = _kinds(model, given, options.get("configs"))
+    sizes = tuple(options.get("batch_sizes", cf.BATCH_SIZES))
+    with torch.no_grad():
+        for i in options.get("rows", [0, 1]):
+            given.call(model, given.row(i))
+            made = [c for c in cf.batch_configs(given, i, sizes) if c.kind in kinds]
+            if "padding" in kinds:
+                made += cf.padding_configs(model, given, i, cf.PAD, 0)
+            if "cache" in kinds:
+                made += cf.cache_configs(model, given, i)
+            for c in made:
+                c.run(model)
+
+
+def _child(name: str, workflow: str) -> None:
+    import rlx_nb
+
+    model, inputs, options = _case(name)
+    model.eval()
+    base = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    start = time.perf_counter()
+    said = ""
+    if workflow == "plain":
+        _plain(model, inputs, options)
+    else:
+        report = rlx_nb.invariance(model, inputs, progress=False, **{k: v for k, v in options.items() if v is not None})
+        said = report.lines()[0]
+    seconds = time.perf_counter() - start
+    params = sum(p.numel() for p in model.parameters())
+    print(json.dumps({"seconds": seconds, "base_rss": base, "params": params, "said": said}))
+
+
+def _run(name: str, workflow: str) -> dict:
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([sys.executable, __file__, "--child", name, workflow], stdout=out, stderr=err)
+        _, status, usage = os.wait4(proc.pid, 0)
+        out.seek(0)
+        err.seek(0)
+        text, errors = out.read(), err.read()
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"{name} {workflow} failed:\n{errors[-3000:]}")
+    return {"peak_rss": usage.ru_maxrss * 1024, **json.loads(text.strip().splitlines()[-1])}
+
+
+def main() -> None:
+    rows, lines = [], []
+    for name, target, what in (("gpt2-config", 3.0, "time, nothing differs"),
+                               ("linears", 6.0, "time, one op differs (ops recorded)"),
+                               ("gpt2-124m", 2.0, "peak memory")):  # fmt: skip
+        plain, checked = _run(name, "plain"), _run(name, "invariance")
+        if what == "peak memory":
+            ratio = (checked["peak_rss"] - checked["base_rss"]) / max(plain["peak_rss"] - plain["base_rss"], 1)
+        else:
+            ratio = checked["seconds"] / plain["seconds"]
+        rows.append({"name": f"{name}: {what}", "ratio": ratio, "target": target})
+        lines.append(f"- {name}: plain {plain['seconds']:.2f} s, peak RSS {plain['peak_rss'] / 1e9:.2f} GB; invariance "
+                     f"{checked['seconds']:.2f} s, peak RSS {checked['peak_rss'] / 1e9:.2f} GB "
+                     f"({checked['params'] / 1e6:.0f}M parameters). `{checked['said']}`")  # fmt: skip
+    table = [
+        "# Invariance: cost against the plain runs of the configurations compared",
+        "",
+        "Each in a fresh process (`python bench/invariance.py`): the model run by hand on the same configurations' "
+        "inputs, against `rlx_nb.invariance` (bit for bit, the float64 row where something differs, the ops where "
+        "something differs).",
+        "",
+        "| case | measured | target | |",
+        "|---|---|---|---|",
+        *(
+            f"| {r['name']} | {r['ratio']:.2f}x | <= {r['target']:g}x | {'ok' if r['ratio'] <= r['target'] else 'MISSED'} |"
+            for r in rows
+        ),
+        "",
+        *lines,
+    ]
+    write_result("invariance.md", table, rows)
+    print("\n".join(table))
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--child":
+        _child(sys.argv[2], sys.argv[3])
+    else:
+        main()
