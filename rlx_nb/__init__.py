@@ -43,12 +43,15 @@ _quiet_noisy_imports()  # torchao's "Failed to load" lines kept out, whoever imp
 
 
 def explore(report, **kwargs):
-    """The widget explorer for ``report`` (a forward or a generation report, or a diff; needs ipywidgets); see
-    :func:`rlx_nb.explorer.explore` and, for a diff, :func:`rlx_nb.diff_explorer.explore_diff`."""
-    if isinstance(report, Diff):
-        from rlx_nb.diff_explorer import explore_diff
+    """The widget explorer for ``report`` (needs ipywidgets): a forward or a generation report
+    (:func:`rlx_nb.explorer.explore`); a diff, a training report or an invariance report -- a picker of their parts
+    above the explorer of the part picked (:mod:`rlx_nb.diff_explorer`)."""
+    from rlx_nb import diff_explorer
 
-        return explore_diff(report, **kwargs)
+    for kind, opener in ((Diff, diff_explorer.explore_diff), (TrainingReport, diff_explorer.explore_training),
+                         (InvarianceReport, diff_explorer.explore_invariance)):  # fmt: skip
+        if isinstance(report, kind):
+            return opener(report, **kwargs)
     if {"module", "side"} & set(kwargs):
         raise InputError("module= and side= pick a diff's module; this is a report (rlx_nb.diff(...) makes a diff)")
     from rlx_nb.explorer import explore as _explore

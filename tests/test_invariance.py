@@ -194,3 +194,18 @@ def test_the_cli_and_the_pytest_helper_gate_on_bits_or_on_the_line(tmp_path, cap
     with pytest.raises(AssertionError, match="not bit for bit invariant"):
         assert_invariant(_linears(), x, batch_sizes=(2,))
     assert assert_invariant(_linears(), x, batch_sizes=(2,), past_line_only=True).verdict() == "round-off"
+
+
+def test_the_explorer_goes_from_a_configuration_pair_to_the_element():
+    pytest.importorskip("ipywidgets")
+    x = torch.randn(3, 512, generator=torch.Generator().manual_seed(1))
+    report = rlx_nb.invariance(_linears(), x, batch_sizes=(2, 16), rows=[0], progress=False)
+    explorer = rlx_nb.explore(report)
+    configs = [v for _, v in explorer.pickers["configuration"].options]
+    assert configs == ["batch of 2, at 0", "batch of 2, at 1", "batch of 16, at 0", "batch of 16, at 15"]
+    explorer.pickers["configuration"].value = "batch of 16, at 15"
+    assert explorer.backend_picker.value == "cpu · batch of 16, at 15" and explorer.output_picker.value == "out"
+    assert "first op that parts: 0 :: F.linear" in explorer.snapshot()["text/html"]
+    with pytest.raises(InputError, match="bit for bit"):
+        torch.manual_seed(0)
+        rlx_nb.explore(rlx_nb.invariance(torch.nn.Softmax(-1), torch.randn(3, 8), progress=False))

@@ -340,3 +340,20 @@ def test_the_cli_and_the_pytest_helper_gate_on_a_local_step_past_the_line(tmp_pa
     with pytest.raises(AssertionError, match="training backends past the line at a local step: test-job-decay"):
         assert_training_agrees(parts["model"], parts["batches"], parts["loss_fn"], optimizer=parts["optimizer"],
                                steps=4, backends=["test-job-decay"])  # fmt: skip
+
+
+def test_the_explorer_goes_from_a_local_step_to_an_output_to_the_element():
+    pytest.importorskip("ipywidgets")
+    rlx_nb.register_training_backend("test-decay", optimizer=lambda p: _HeadDecayTooStrong(p, lr=3e-3, weight_decay=0.1),
+                                     replace=True)  # fmt: skip
+    report = rlx_nb.training_divergence(_mlp(), _data(), _mse, optimizer=lambda p: torch.optim.AdamW(p, lr=3e-3,
+                                        weight_decay=0.1), steps=14, backends=["test-decay"], progress=False)  # fmt: skip
+    explorer = rlx_nb.explore(report)
+    assert explorer.pickers["backend"].value == "test-decay" and explorer.pickers["step"].value == 10
+    assert explorer.output_picker.value == "param:3.weight"  # (the output past the line, worst first)
+    assert [v for _, v in explorer.pickers["step"].options] == sorted(s for b, s in report.kept if b == "test-decay")
+    explorer.pickers["step"].value = max(s for b, s in report.kept)
+    assert explorer.report is report.local_report("test-decay", max(s for b, s in report.kept))
+    assert "error" in explorer.inspector.value  # (its worst element, inspected against float64's)
+    shot = explorer.snapshot()["text/html"]
+    assert "test-decay vs cpu over 14 step(s): SUSPECT" in shot and "step: <code>" in shot
