@@ -1097,7 +1097,8 @@ A 2-layer GPT-2 built from a config (random weights: nothing downloads). Inside 
         "code",
         """import transformers
 
-config = transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64)
+config = transformers.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64,
+                                 bos_token_id=0, eos_token_id=0)
 gpt2 = transformers.GPT2LMHeadModel(config).eval()
 ids = torch.randint(0, 128, (4, 24))
 lm = rlx_nb.invariance(gpt2, {"input_ids": ids, "attention_mask": torch.ones_like(ids)}, rows=[0])
@@ -1108,7 +1109,7 @@ lm.summary[lm.summary.verdict != "bit for bit"]""",
         "md",
         """## A padding mask that leaks
 
-A planted bug: a self-attention that drops its padding mask for a padded batch, so the padded tokens leak into the row. Its padded configurations are past the line -- a bug, not a kernel choice:""",
+A planted bug: a self-attention that drops its padding mask for a padded batch, so the padded tokens leak into the row. Its padded configurations are past the line -- a bug, not a kernel choice. The first op that parts is still the projection (13 tokens take another path than 10, within round-off); where a pair is past the line the report also names the op that *moves* the row -- its output a million times further from the row alone's than its inputs: the softmax that now reads the padded keys. Beside a padded row, row 0 keeps its mask (it has no padding of its own) and reads round-off:""",
     ),
     (
         "code",

@@ -82,6 +82,9 @@ def test_a_norm_that_splits_its_sum_by_the_batch_is_round_off_and_a_padding_leak
     worst = leaky.summary.set_index("config")
     assert worst.loc["left-padded by 3", "verdict"] == "SUSPECT" and worst.loc["left-padded by 3", "line"] > 10
     assert "past the line: a bug" in leaky.lines()[0]
+    # (where the row is moved: the softmax that now reads the padded keys, not the projection's other path before it)
+    assert worst.loc["left-padded by 3", "moved_at"] == "<root> :: torch.softmax"
+    assert worst.loc["beside a padded row", "verdict"] == "round-off"  # (row 0 has no padding: its mask is not lost)
 
 
 def test_gpt2_from_a_config_is_batch_invariant_and_its_cache_and_left_padding_part_within_round_off(tmp_path):

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from rlx_nb._support.tree import flatten
-from rlx_nb.changes.ops import OpCall, OpCalls
+from rlx_nb.changes.ops import SEPARATOR, OpCall, OpCalls
 from rlx_nb.configurations.configs import aligned
 
 
@@ -38,7 +38,8 @@ def recorded(run: Callable[[Any], Any], model: torch.nn.Module) -> tuple[dict[st
     modules: dict[str, Recorded] = {}
 
     def keep(op: OpCall) -> None:
-        seen[op.name] = Recorded(op.name, _tensors((op.args, op.kwargs)), op.out.detach().clone())
+        name = f"<root>{op.name}" if op.name.startswith(SEPARATOR) else op.name  # (the top level's own ops)
+        seen[name] = Recorded(name, _tensors((op.args, op.kwargs)), op.out.detach().clone())
 
     def ended(name: str):
         def hook(module, args, out):
@@ -66,15 +67,25 @@ def bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8))
 
 
+JUMP = 1e3
+"""An op *moves* the row where its output's relative difference is this many times its inputs' (and past
+:data:`MOVED`): where a pair is past the line, the first such op is where the bug is, not the first op that parts (a
+matrix product's other path, within round-off, comes first in a padded run and changes every op after it a little)."""
+MOVED = 1e-4
+
+
 @dataclasses.dataclass
 class Parting:
     """Where two configurations part at the op: the first op not invariant (None where none was found), its shapes in
-    each, and the ops seen invariant (their outputs bit for bit the row's) and not."""
+    each, and the ops seen invariant (their outputs bit for bit the row's) and not; ``moved``: the first op whose
+    output differs :data:`JUMP` times more than its inputs (None where none does), with ``jump``, that ratio."""
 
     op: str | None
     shapes: str = ""
     invariant: list[str] = dataclasses.field(default_factory=list)
     varying: list[str] = dataclasses.field(default_factory=list)
+    moved: str | None = None
+    jump: float = 0.0
 
 
 def _shapes(r: Recorded) -> str:
@@ -87,12 +98,36 @@ def first_parting(alone: tuple[dict, dict], other: tuple[dict, dict], where: dic
     ops' own shapes depend on the configuration: a kernel that splits its work by the batch), the first module that
     is: its inputs the row's, its output not."""
     parting = _first(alone[0], other[0], where)
+    parting.moved, parting.jump = _moved(alone[0], other[0], where)
     if parting.op is None:
         by_module = _first(alone[1], other[1], where)
         if by_module.op is not None:
-            parting.op = f"{by_module.op or '(top level)'} (module: its ops' shapes depend on the configuration)"
+            parting.op = f"{by_module.op or '<root>'} (module: its ops' shapes depend on the configuration)"
             parting.shapes = by_module.shapes
     return parting
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor | None) -> float:
+    if b is None or not a.is_floating_point():
+        return 0.0 if b is not None and bitwise(a, b) else float("nan")
+    scale = float(a.double().abs().max()) if a.numel() else 0.0
+    return float((a.double() - b.double()).abs().max()) / scale if scale > 0 and a.numel() else 0.0
+
+
+def _moved(alone: dict[str, Recorded], other: dict[str, Recorded], where: dict[str, Any]) -> tuple[str | None, float]:
+    # The first op whose output (cut to the row) differs JUMP times more than any of its inputs, and past MOVED.
+    for name, a in alone.items():
+        b = other.get(name)
+        out = aligned(b.out, a.out.shape, **where) if b is not None else None
+        if out is None:
+            continue
+        moved = _relative(a.out, out)
+        if not moved > MOVED:
+            continue
+        ins = [_relative(t, aligned(u, t.shape, **where)) for t, u in zip(a.inputs, b.inputs, strict=False)]
+        if ins and all(x == x for x in ins) and moved > JUMP * max(max(ins), 1e-12):
+            return name, moved / max(max(ins), 1e-12)
+    return None, 0.0
 
 
 def _first(alone: dict[str, Recorded], other: dict[str, Recorded], where: dict[str, Any]) -> Parting:

@@ -74,8 +74,9 @@ class InvarianceReport:
             op = self.ops.get((backend, config))
             rows.append({"backend": backend, "config": config, "verdict": verdict, "line": max(lines, default=0.0),
                          "first_op": op.op if op is not None else None,
-                         "op_shapes": op.shapes if op is not None else ""})  # fmt: skip
-        return Table(rows, columns=["backend", "config", "verdict", "line", "first_op", "op_shapes"])
+                         "op_shapes": op.shapes if op is not None else "",
+                         "moved_at": op.moved if op is not None and verdict == SUSPECT else None})  # fmt: skip
+        return Table(rows, columns=["backend", "config", "verdict", "line", "first_op", "op_shapes", "moved_at"])
 
     def verdict(self, backend: str | None = None) -> str:
         """The worst over every configuration (of ``backend``; default: every backend)."""
@@ -103,6 +104,9 @@ class InvarianceReport:
             worst = max(parted, key=lambda c: _rank(mine[c]))
             op = self.ops.get((b, worst))
             at = f"; first op that parts: {op.op} {op.shapes}" if op is not None and op.op else ""
+            if op is not None and op.moved and verdict == SUSPECT:  # (where the bug is: the op that moves the row)
+                at = (f"; the row is moved at {op.moved} (its output {op.jump:.2g}x further from the row alone's than "
+                      f"its inputs)" + at)  # fmt: skip
             line = max((r["line"] for r in self._rows if r["backend"] == b and r["config"] == worst
                         and r["line"] == r["line"]), default=math.nan)  # fmt: skip
             said = "past the line: a bug" if verdict == SUSPECT else "within round-off: a legitimate kernel choice"
@@ -135,6 +139,7 @@ class InvarianceReport:
         for (b, c), v in self.pairs.items():
             op = self.ops.get((b, c))
             out["pairs"][f"{b} | {c}"] = {"verdict": v, "first_op": op.op if op is not None else None,
+                                          "moved_at": op.moved if op is not None else None,
                                           "invariant_ops": op.invariant if op is not None else [],
                                           "varying_ops": op.varying if op is not None else []}  # fmt: skip
         return out
