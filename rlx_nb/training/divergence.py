@@ -184,6 +184,7 @@ def _train(model: torch.nn.Module, spec: Any, chosen: list, *, seeds: int, asked
             env32.grow(drifts32[step].against(ref))
             if drifts16:
                 env16.grow(drifts16[step].against(ref))
+            scale = tr.norm([p.detach() for p in oracle.model.parameters()])  # (the oracle's, once a step)
             for run in runs:
                 if run.error:
                     continue
@@ -192,7 +193,7 @@ def _train(model: torch.nn.Module, spec: Any, chosen: list, *, seeds: int, asked
                     report.failed[run.name] = run.error
                     continue
                 env = env16 if run.backend.compute_dtype == "bfloat16" else env32
-                diffs = tr.figures(*got, tr.distance(run, oracle), ref)
+                diffs = tr.figures(*got, tr.distance(run, oracle, scale), ref)
                 place, which = tr.line(diffs, env, ref)
                 report.add_step(step, run.name, got=got, ref=ref, diffs=diffs, env=env, place=place, which=which)
                 if place > 1 and run.name not in report.leaving:

@@ -26,7 +26,7 @@ from rlx_nb.errors import describe_error, still_interrupted
 from rlx_nb.execution.results import ERROR, OK, BackendRun, RunResults, to_leaf
 from rlx_nb.report.report import DivergenceReport
 from rlx_nb.training.backends import TrainBackend
-from rlx_nb.training.step import Spec, State, to_dtype
+from rlx_nb.training.step import Spec, State, grad_norm, to_dtype
 from rlx_nb.verdict.types import SUSPECT
 
 PHASES = ("forward", "buffers", "backward", "optimizer")
@@ -45,12 +45,13 @@ def phase_of(output: str | None) -> str:
 
 def one_step(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, spec: Spec, step: int, batch: Any, *,
-    backend: TrainBackend | None = None, tensor_step: bool = False,
+    backend: TrainBackend | None = None, tensor_step: bool = False, keep: bool = True,
 ) -> tuple[float, float, dict[str, torch.Tensor]]:  # fmt: skip
     """One training step, in place: ``(loss, gradient norm, outputs)`` where the outputs are the loss, the buffers
     after the forward, the gradients and the parameters after the update (the names :data:`PHASES` gives them).
     ``tensor_step``: the optimizer is :func:`tensor_scalars`'s (its update runs with the parameters' ``requires_grad``
-    off, as that implementation's in-place update needs outside autograd)."""
+    off, as that implementation's in-place update needs outside autograd).  ``keep=False``: the loss and the gradient
+    norm only (a trajectory's step: no copy of the buffers, gradients and parameters)."""
     spec.seeded(step)
     model.train()
     plain = getattr(model, "_orig_mod", model)  # (a compiled model's names are its original's)
@@ -62,15 +63,14 @@ def one_step(
             got = f"a tensor of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
             raise TypeError(f"the loss must be one number (a 0-d tensor); loss_fn gave {got}")
         outputs["loss"] = loss.detach().reshape(())
-        for name, b in plain.named_buffers():
+        for name, b in plain.named_buffers() if keep else ():
             if b.is_floating_point():
                 outputs[f"buffer:{name}"] = b.detach().clone()
         loss.backward()
-        total = 0.0
-        for name, p in plain.named_parameters():
+        norm = grad_norm(plain)
+        for name, p in plain.named_parameters() if keep else ():
             if p.grad is not None:
                 outputs[f"grad:{name}"] = p.grad.detach().clone()
-                total += float(p.grad.detach().double().square().sum())
         if backend is not None:
             backend.optimizer_step(optimizer)
         elif tensor_step:
@@ -84,9 +84,9 @@ def one_step(
                     p.requires_grad_(True)
         else:
             optimizer.step()
-    for name, p in plain.named_parameters():
+    for name, p in plain.named_parameters() if keep else ():
         outputs[f"param:{name}"] = p.detach().clone()
-    return float(outputs["loss"]), math.sqrt(total), outputs
+    return float(outputs["loss"]), norm, outputs
 
 
 class _nothing:

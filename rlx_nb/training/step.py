@@ -175,11 +175,11 @@ def perturbed(model: torch.nn.Module, seed: int, relative: float = 2.0**-24) -> 
 
 def grad_norm(model: torch.nn.Module) -> float:
     """The L2 norm of every parameter's gradient (0 where none has one)."""
-    total = 0.0
-    for p in model.parameters():
-        if p.grad is not None:
-            total += float(p.grad.detach().double().square().sum())
-    return math.sqrt(total)
+    grads = [p.grad.detach() for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return 0.0
+    parts = torch._foreach_norm(grads, 2, dtype=torch.float64)  # (accumulated in float64, one pass per tensor)
+    return math.sqrt(float(torch.stack(parts).square().sum()))
 
 
 def log_spaced(steps: int, extra: Iterable[int] = ()) -> list[int]:

@@ -50,20 +50,32 @@ class Run:
     error: str = ""
 
     def step(self, spec: Spec, step: int, batch: Any) -> tuple[float, float]:
-        loss, norm, _ = one_step(self.model, self.optimizer, spec, step, batch, backend=self.backend)
+        loss, norm, _ = one_step(self.model, self.optimizer, spec, step, batch, backend=self.backend, keep=False)
         for p in self.model.parameters():  # (nothing of a step kept past it: a run between steps holds its state only)
             p.grad = None
         return loss, norm
 
 
-def distance(run: Run, oracle: Run) -> float:
-    """``run``'s parameters' relative distance from the oracle's: the norm of their difference over the oracle's."""
-    diff = norm = 0.0
-    for a, b in zip(run.model.parameters(), oracle.model.parameters(), strict=True):
-        d = a.detach().double() - b.detach().double()
-        diff += float(d.square().sum())
-        norm += float(b.detach().double().square().sum())
-    return math.sqrt(diff / norm) if norm > 0 else math.sqrt(diff)
+def _params(run: Run) -> list[torch.Tensor]:
+    return [p.detach() for p in run.model.parameters()]
+
+
+def norm(tensors: list[torch.Tensor]) -> float:
+    """The L2 norm of all ``tensors`` together, accumulated in float64 (one vectorised pass per tensor)."""
+    if not tensors:
+        return 0.0
+    parts = torch._foreach_norm(tensors, 2, dtype=torch.float64)
+    return math.sqrt(float(torch.stack(parts).square().sum()))
+
+
+def distance(run: Run, oracle: Run, scale: float | None = None) -> float:
+    """``run``'s parameters' relative distance from the oracle's: the norm of their difference over the oracle's
+    (``scale``: that norm, where known).  The difference of two nearby float32 values is exact (Sterbenz), so it is
+    taken in float32 and only its norm accumulated in float64."""
+    a, b = _params(run), _params(oracle)
+    diff = norm(torch._foreach_sub(a, b))
+    scale = norm(b) if scale is None else scale
+    return diff / scale if scale > 0 else diff
 
 
 def envelope_runs(model: torch.nn.Module, spec: Spec, seeds: int, threads: bool) -> list[Run]:
@@ -110,7 +122,10 @@ class Drift:
 def drift(runs: list[Run], got: list[tuple[float, float]], anchor: Run | None = None) -> Drift:
     """One step's :class:`Drift` of ``runs`` (``anchor``: a run each is also set against, where they are one)."""
     pool = [*runs, anchor] if anchor is not None and len(runs) < 2 else runs
-    spread = max((distance(a, b) for i, a in enumerate(pool) for b in pool[i + 1:]), default=math.nan)  # fmt: skip
+    scale = (
+        norm(_params(pool[0])) if pool else 0.0
+    )  # (one scale for every pair: the runs' norms are one round-off apart)
+    spread = max((distance(a, b, scale) for i, a in enumerate(pool) for b in pool[i + 1:]), default=math.nan)  # fmt: skip
     return Drift([g[0] for g in got], [g[1] for g in got], spread)
 
 
