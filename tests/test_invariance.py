@@ -20,7 +20,9 @@ def _linears() -> torch.nn.Module:
 
 def test_the_small_batch_path_of_f_linear_is_named_as_the_first_op_and_read_as_round_off():
     x = torch.randn(4, 512, generator=torch.Generator().manual_seed(1))
-    report = rlx_nb.invariance(_linears(), x, batch_sizes=(2, 16), progress=False)
+    model = _linears().train()
+    report = rlx_nb.invariance(model, x, batch_sizes=(2, 16), progress=False)
+    assert all(m.training for m in model.modules())  # (run in eval mode, the user's modes put back)
     summary = report.summary
     assert set(summary.verdict) == {"round-off"}, summary.to_string()
     assert set(summary.first_op) == {"0 :: F.linear"}

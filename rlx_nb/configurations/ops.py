@@ -28,24 +28,47 @@ class Recorded:
 
 
 def _tensors(x: Any) -> list[torch.Tensor]:
-    return [t.detach().clone() for _, t in flatten(x) if isinstance(t, torch.Tensor)]
+    # Copies of the tensors an op was given, but its parameters as they are (the same in both runs: a model's weights
+    # copied for every op it calls were GPT-2 small's whole size again per run).
+    return [t.detach() if isinstance(t, torch.nn.Parameter) else t.detach().clone()
+            for _, t in flatten(x) if isinstance(t, torch.Tensor)]  # fmt: skip
 
 
-def recorded(run: Callable[[Any], Any], model: torch.nn.Module) -> tuple[dict[str, Recorded], dict[str, Recorded]]:
+def recorded(
+    run: Callable[[Any], Any],
+    model: torch.nn.Module,
+    *,
+    against: tuple[dict, dict] | None = None,
+    where: dict[str, Any] | None = None,
+) -> tuple[dict[str, Any], dict[str, Any]]:
     """``run(model)``'s ops in call order, and its modules' first calls in the order they end (a module's children
-    before it), each with its first floating output (copies: a later in-place op does not change them)."""
-    seen: dict[str, Recorded] = {}
-    modules: dict[str, Recorded] = {}
+    before it), each with its first floating output (copies: a later in-place op does not change them).  With
+    ``against`` (the row alone's record), each is compared with the row alone's as it comes (:class:`Compared`) and
+    nothing of it is kept: one run's record in memory, not two."""
+    seen: dict[str, Any] = {}
+    modules: dict[str, Any] = {}
+
+    def store(into: dict, mine: dict, name: str, made: Callable[[], Recorded]) -> None:
+        if name in into:
+            return
+        if against is None:
+            into[name] = made()
+            return
+        a = mine.get(name)
+        if a is not None:
+            into[name] = compared(a, made(), where or {})
 
     def keep(op: OpCall) -> None:
         name = f"<root>{op.name}" if op.name.startswith(SEPARATOR) else op.name  # (the top level's own ops)
-        seen[name] = Recorded(name, _tensors((op.args, op.kwargs)), op.out.detach().clone())
+        store(seen, against[0] if against else {}, name,
+              lambda: Recorded(name, _tensors((op.args, op.kwargs)), op.out.detach().clone()))  # fmt: skip
 
     def ended(name: str):
         def hook(module, args, out):
-            first = [t for t in _tensors(out) if t.is_floating_point()]
-            if name not in modules and first:
-                modules[name] = Recorded(name, _tensors(args), first[0])
+            first = [t for _, t in flatten(out) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+            if first:
+                store(modules, against[1] if against else {}, name,
+                      lambda: Recorded(name, _tensors(args), first[0].detach().clone()))  # fmt: skip
 
         return hook
 
@@ -58,6 +81,36 @@ def recorded(run: Callable[[Any], Any], model: torch.nn.Module) -> tuple[dict[st
         for h in handles:
             h.remove()
     return seen, modules
+
+
+@dataclasses.dataclass
+class Compared:
+    """One op (or module) of a configuration's run against the row alone's: whether its output is cut to the row,
+    bit for bit, how far it moved (relative), and its inputs the same."""
+
+    name: str
+    aligned: bool
+    same: bool = False
+    inputs_same: bool = False
+    extra: int = 0
+    moved: float = 0.0
+    inputs_moved: float = float("nan")
+    shapes: str = ""
+
+
+def compared(a: Recorded, b: Recorded, where: dict[str, Any]) -> Compared:
+    """``b`` (a configuration's) against ``a`` (the row alone's), each tensor cut to the row's part."""
+    out = aligned(b.out, a.out.shape, **where)
+    if out is None:
+        return Compared(a.name, False)
+    cut = [aligned(u, t.shape, **where) for t, u in zip(a.inputs, b.inputs, strict=False)]
+    inputs_same = len(b.inputs) >= len(a.inputs) and all(
+        c is not None and bitwise(t, c) for c, t in zip(cut, a.inputs, strict=False)
+    )
+    ins = [_relative(t, c) for t, c in zip(a.inputs, cut, strict=False)]
+    return Compared(a.name, True, bitwise(a.out, out), inputs_same, len(b.inputs) - len(a.inputs),
+                    _relative(a.out, out), max(ins) if ins and all(x == x for x in ins) else float("nan"),
+                    _shapes(b))  # fmt: skip
 
 
 def bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -92,15 +145,15 @@ def _shapes(r: Recorded) -> str:
     return ", ".join("x".join(map(str, t.shape)) or "scalar" for t in r.inputs[:3])
 
 
-def first_parting(alone: tuple[dict, dict], other: tuple[dict, dict], where: dict[str, Any]) -> Parting:
-    """The first op of ``alone``'s order whose inputs in ``other`` (cut to the row) are bit for bit its own and whose
-    output is not; every op whose output aligns, sorted into invariant and varying.  Where no op is found so (the
-    ops' own shapes depend on the configuration: a kernel that splits its work by the batch), the first module that
-    is: its inputs the row's, its output not."""
-    parting = _first(alone[0], other[0], where)
-    parting.moved, parting.jump = _moved(alone[0], other[0], where)
+def first_parting(alone: tuple[dict, dict], other: tuple[dict, dict], where: dict[str, Any] | None = None) -> Parting:
+    """The first op of ``alone``'s order whose inputs in ``other`` (its :class:`Compared`, cut to the row) are bit for
+    bit its own and whose output is not; every op whose output aligns, sorted into invariant and varying.  Where no
+    op is found so (the ops' own shapes depend on the configuration: a kernel that splits its work by the batch), the
+    first module that is: its inputs the row's, its output not."""
+    parting = _first(alone[0], other[0])
+    parting.moved, parting.jump = _moved(alone[0], other[0])
     if parting.op is None:
-        by_module = _first(alone[1], other[1], where)
+        by_module = _first(alone[1], other[1])
         if by_module.op is not None:
             parting.op = f"{by_module.op or '<root>'} (module: its ops' shapes depend on the configuration)"
             parting.shapes = by_module.shapes
@@ -114,44 +167,31 @@ def _relative(a: torch.Tensor, b: torch.Tensor | None) -> float:
     return float((a.double() - b.double()).abs().max()) / scale if scale > 0 and a.numel() else 0.0
 
 
-def _moved(alone: dict[str, Recorded], other: dict[str, Recorded], where: dict[str, Any]) -> tuple[str | None, float]:
+def _moved(alone: dict[str, Recorded], other: dict[str, Compared]) -> tuple[str | None, float]:
     # The first op whose output (cut to the row) differs JUMP times more than any of its inputs, and past MOVED.
-    for name, a in alone.items():
-        b = other.get(name)
-        out = aligned(b.out, a.out.shape, **where) if b is not None else None
-        if out is None:
+    for name in alone:
+        c = other.get(name)
+        if c is None or not c.aligned or not c.moved > MOVED or c.inputs_moved != c.inputs_moved:
             continue
-        moved = _relative(a.out, out)
-        if not moved > MOVED:
-            continue
-        ins = [_relative(t, aligned(u, t.shape, **where)) for t, u in zip(a.inputs, b.inputs, strict=False)]
-        if ins and all(x == x for x in ins) and moved > JUMP * max(max(ins), 1e-12):
-            return name, moved / max(max(ins), 1e-12)
+        if c.moved > JUMP * max(c.inputs_moved, 1e-12):
+            return name, c.moved / max(c.inputs_moved, 1e-12)
     return None, 0.0
 
 
-def _first(alone: dict[str, Recorded], other: dict[str, Recorded], where: dict[str, Any]) -> Parting:
+def _first(alone: dict[str, Recorded], other: dict[str, Compared]) -> Parting:
     found, shapes, invariant, varying = None, "", [], []
     for name, a in alone.items():
-        b = other.get(name)
-        if b is None:
+        c = other.get(name)
+        if c is None or not c.aligned:
             continue
-        out = aligned(b.out, a.out.shape, **where)
-        if out is None:
-            continue
-        same = bitwise(a.out, out)
-        (invariant if same else varying).append(name)
-        if same or found is not None:
+        (invariant if c.same else varying).append(name)
+        if c.same or found is not None or not c.inputs_same:
             continue
         # (its inputs as the row alone has them: a padded run may pass one more, its mask, after them)
-        cut = [aligned(t, s.shape, **where) for t, s in zip(b.inputs, a.inputs, strict=False)]
-        if len(b.inputs) >= len(a.inputs) and all(c is not None and bitwise(s, c) for c, s in zip(cut, a.inputs,
-                                                                                                  strict=True)):  # fmt: skip
-            extra = len(b.inputs) - len(a.inputs)
-            found = name
-            shapes = (f"({_shapes(a)}) alone against ({_shapes(b)}) here"
-                      + (f", with {extra} more input(s) (a mask)" if extra else ""))  # fmt: skip
+        found = name
+        shapes = (f"({_shapes(a)}) alone against ({c.shapes}) here"
+                  + (f", with {c.extra} more input(s) (a mask)" if c.extra else ""))  # fmt: skip
     return Parting(found, shapes, invariant, varying)
 
 
-__all__ = ["Parting", "Recorded", "bitwise", "first_parting", "recorded"]
+__all__ = ["Compared", "Parting", "Recorded", "bitwise", "compared", "first_parting", "recorded"]

@@ -10,7 +10,6 @@ are bit for bit the row's and whose output is not (:mod:`rlx_nb.configurations.o
 
 from __future__ import annotations
 
-import copy
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -77,7 +76,7 @@ def invariance(
     Parameters
     ----------
     model : torch.nn.Module
-        As it is (a Hugging Face model too); run in eval mode on copies, yours untouched.
+        As it is (a Hugging Face model too); run in eval mode, its modes put back after.
     inputs : tensor, tuple or dict
         Batch-first: row ``i`` is slice ``i`` of every input (a dict: keyword arguments, ``input_ids`` and
         ``attention_mask`` for padding and cache configurations).  At least two rows: the others fill the batches.
@@ -124,16 +123,21 @@ def invariance(
     names = _backends(backends)
     report = InvarianceReport(label or type(model).__name__, [ORACLE, *names], kinds, environment())
     start = time.perf_counter()
-    base = copy.deepcopy(model).eval()
+    # (the model itself, in eval mode for the call and put back after: a copy was its whole size again)
+    modes = {m: m.training for m in model.modules()}
     with switches.exclusive():
         try:
-            _compare(base, given, report, names=names, kinds=kinds, sizes=sizes, pad=pad, rows=chosen, ops=ops,
+            model.eval()
+            _compare(model, given, report, names=names, kinds=kinds, sizes=sizes, pad=pad, rows=chosen, ops=ops,
                      progress=progress)  # fmt: skip
         except (KeyboardInterrupt, SystemExit) as exc:  # (the configurations compared so far are kept)
             report.incomplete = f"interrupted after {len(report.pairs)} configuration(s) compared"
             exc.add_note("rlx_nb: rlx_nb.interrupted_invariance() returns the configurations compared so far")
             _KEPT["report"] = report
             raise
+        finally:
+            for m, training in modes.items():
+                m.training = training
     report.seconds = time.perf_counter() - start
     return report
 
@@ -295,8 +299,8 @@ def _judged(report: InvarianceReport, backend: str, config: cf.Config, rows_out:
 def _parting(base: torch.nn.Module, given: cf.Inputs, config: cf.Config) -> Any:
     row = given.row(config.row)
     alone = recorded(lambda m: given.call(m, row), base)
-    here = recorded(config.run, base)
-    return first_parting(alone, here, config.where)
+    here = recorded(config.run, base, against=alone, where=config.where)  # (compared as it runs, nothing kept)
+    return first_parting(alone, here)
 
 
 __all__ = ["KINDS", "interrupted_invariance", "invariance"]
