@@ -1109,7 +1109,7 @@ lm.summary[lm.summary.verdict != "bit for bit"]""",
         "md",
         """## A padding mask that leaks
 
-A planted bug: a self-attention that drops its padding mask for a padded batch, so the padded tokens leak into the row. Its padded configurations are past the line -- a bug, not a kernel choice. The first op that parts is still the projection (13 tokens take another path than 10, within round-off); where a pair is past the line the report also names the op that *moves* the row -- its output a million times further from the row alone's than its inputs: the softmax that now reads the padded keys. Beside a padded row, row 0 keeps its mask (it has no padding of its own) and reads round-off:""",
+A planted bug: a self-attention that drops its padding mask for a padded batch, so the padded tokens leak into the row. Its padded configurations are past the line -- a bug, not a kernel choice. The first op that parts is still the projection (13 tokens take another path than 10, within round-off); where a pair is past the line the report also names the op that *moves* the row -- its output a million times further from the row alone's than its inputs: the softmax that now reads the padded keys. Beside a padded row, row 0 keeps its mask (it has no padding of its own): not past the line:""",
     ),
     (
         "code",

@@ -72,8 +72,7 @@ def on_backend(fn, weights, inputs):  # torch.onnx.export, then ONNX Runtime on 
     try:  # (the TorchScript exporter first, as rlx_nb did, then the dynamo one)
         with contextlib.redirect_stdout(io.StringIO()):  # (a graph it cannot export, printed whole)
             torch.onnx.export(program, tuple(inputs), path, dynamo=False)
-    except Exception as _stop:
-        still_interrupted(_stop)
+    except Exception:
         torch.onnx.export(program, tuple(inputs), path, dynamo=True, external_data=False, verbose=False)
     options = onnxruntime.SessionOptions()
     options.graph_optimization_level = onnxruntime.GraphOptimizationLevel.{level}
