@@ -104,10 +104,9 @@ def compared(a: Recorded, b: Recorded, where: dict[str, Any]) -> Compared:
     if out is None:
         return Compared(a.name, False)
     cut = [aligned(u, t.shape, **where) for t, u in zip(a.inputs, b.inputs, strict=False)]
-    inputs_same = len(b.inputs) >= len(a.inputs) and all(
-        c is not None and bitwise(t, c) for c, t in zip(cut, a.inputs, strict=False)
-    )
-    ins = [_relative(t, c) for t, c in zip(a.inputs, cut, strict=False)]
+    same = [c is not None and (_shared(t, c) or bitwise(t, c)) for c, t in zip(cut, a.inputs, strict=False)]
+    inputs_same = len(b.inputs) >= len(a.inputs) and all(same)
+    ins = [0.0 if ok else _relative(t, c) for t, c, ok in zip(a.inputs, cut, same, strict=False)]
     return Compared(a.name, True, bitwise(a.out, out), inputs_same, len(b.inputs) - len(a.inputs),
                     _relative(a.out, out), max(ins) if ins and all(x == x for x in ins) else float("nan"),
                     _shapes(b))  # fmt: skip
@@ -139,6 +138,11 @@ class Parting:
     varying: list[str] = dataclasses.field(default_factory=list)
     moved: str | None = None
     jump: float = 0.0
+
+
+def _shared(a: torch.Tensor, b: torch.Tensor) -> bool:
+    # The same memory read the same way (a parameter both runs pass as it is): equal without reading it.
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
 
 
 def _shapes(r: Recorded) -> str:

@@ -218,6 +218,7 @@ def _compare(base: torch.nn.Module, given: cf.Inputs, report: InvarianceReport, 
     with bar(f"rlx_nb invariance {report.label}", total=len(plan), unit="config", enabled=progress) as shown, \
             torch.no_grad():  # fmt: skip
         alone: dict[tuple[str, int], dict[str, torch.Tensor]] = {}
+        records: dict[int, Any] = {}
         for backend, runner, config in plan:
             shown.set_postfix_str(f"{backend}: row {config.row}, {config.name}")
             key = (backend, config.row)
@@ -239,7 +240,7 @@ def _compare(base: torch.nn.Module, given: cf.Inputs, report: InvarianceReport, 
                 _judged(report, backend, config, rows_out, reference[config.row])
                 if ops and config.kind != "cache" and backend == ORACLE and not report.has_op(backend, config.name):
                     shown.set_postfix_str(f"{backend}: the ops of {config.name}")
-                    report.add_op(backend, config, _parting(base, given, config))
+                    report.add_op(backend, config, _parting(base, given, config, records))
             else:
                 report.add_pair(backend, config, {k: (True, 0.0, None, None) for k in rows_out})
             shown.update()
@@ -296,9 +297,13 @@ def _judged(report: InvarianceReport, backend: str, config: cf.Config, rows_out:
     report.add_pair(backend, config, judged)
 
 
-def _parting(base: torch.nn.Module, given: cf.Inputs, config: cf.Config) -> Any:
+def _parting(base: torch.nn.Module, given: cf.Inputs, config: cf.Config, kept: dict[int, Any]) -> Any:
+    # (the row alone's record once a row, for every configuration compared with it)
     row = given.row(config.row)
-    alone = recorded(lambda m: given.call(m, row), base)
+    if config.row not in kept:
+        kept.clear()  # (one row's record at a time)
+        kept[config.row] = recorded(lambda m: given.call(m, row), base)
+    alone = kept[config.row]
     here = recorded(config.run, base, against=alone, where=config.where)  # (compared as it runs, nothing kept)
     return first_parting(alone, here)
 
