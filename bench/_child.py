@@ -18,6 +18,22 @@ def run_child(script: str, *args: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def run_measured(script: str, *args: str) -> dict:
+    """``run_child`` with the child's peak RSS from the kernel (``wait4``, not sampled) added as ``peak_rss``."""
+    import os
+    import tempfile
+
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen([sys.executable, script, "--child", *args], stdout=out, stderr=err)
+        _, status, usage = os.wait4(proc.pid, 0)
+        out.seek(0)
+        err.seek(0)
+        text, errors = out.read(), err.read()
+    if os.waitstatus_to_exitcode(status) != 0:
+        raise SystemExit(f"{Path(script).name} {' '.join(args)} failed:\n{errors[-3000:]}")
+    return {"peak_rss": usage.ru_maxrss * 1024, **json.loads(text.strip().splitlines()[-1])}
+
+
 def write_result(name: str, lines: list[str], rows: list[dict] | None = None) -> None:
     """Write ``bench/results/NAME`` and say where; with ``rows``, also ``NAME`` as ``.json`` (the figures
     ``bench/check.py`` compares a new run with)."""

@@ -15,14 +15,11 @@ Writes ``bench/results/invariance.md`` and ``.json``.
 from __future__ import annotations
 
 import json
-import os
 import resource
-import subprocess
 import sys
-import tempfile
 import time
 
-from _child import write_result
+from _child import run_measured, write_result
 
 
 def _case(name: str):
@@ -89,15 +86,7 @@ def _child(name: str, workflow: str) -> None:
 
 
 def _run(name: str, workflow: str) -> dict:
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen([sys.executable, __file__, "--child", name, workflow], stdout=out, stderr=err)
-        _, status, usage = os.wait4(proc.pid, 0)
-        out.seek(0)
-        err.seek(0)
-        text, errors = out.read(), err.read()
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"{name} {workflow} failed:\n{errors[-3000:]}")
-    return {"peak_rss": usage.ru_maxrss * 1024, **json.loads(text.strip().splitlines()[-1])}
+    return run_measured(__file__, name, workflow)
 
 
 def main() -> None:

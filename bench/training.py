@@ -16,14 +16,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
-import subprocess
 import sys
-import tempfile
 import time
 
-from _child import write_result
+from _child import run_measured, write_result
 
 K = 3  # (the default envelope: two one-ulp runs and one on another thread count)
 
@@ -76,17 +73,7 @@ def _child(workflow: str, steps: int, million: float) -> None:
 
 
 def _run(workflow: str, steps: int, million: float) -> dict:
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        proc = subprocess.Popen([sys.executable, __file__, "--child", workflow, str(steps), str(million)], stdout=out,
-                                stderr=err)  # fmt: skip
-        _, status, usage = os.wait4(proc.pid, 0)
-        out.seek(0)
-        err.seek(0)
-        text, errors = out.read(), err.read()
-    if os.waitstatus_to_exitcode(status) != 0:
-        raise SystemExit(f"{workflow} failed:\n{errors[-3000:]}")
-    row = json.loads(text.strip().splitlines()[-1])
-    return {"workflow": workflow, "peak_rss": usage.ru_maxrss * 1024, **row}
+    return {"workflow": workflow, **run_measured(__file__, workflow, str(steps), str(million))}
 
 
 def main() -> None:

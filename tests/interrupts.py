@@ -39,6 +39,25 @@ def count_calls(fn: Callable[[], Any]) -> int:
     return n
 
 
+def _traced(fn: Callable[[], Any], trace: Callable) -> None:
+    # ``fn()`` with ``trace`` as the tracing function, taken off however it ends.
+    sys.settrace(trace)
+    try:
+        fn()
+    finally:
+        sys.settrace(None)
+
+
+def _interrupted(fn: Callable[[], Any], trace: Callable, reached: Callable[[], bool]) -> bool | None:
+    # True when the interrupt ``trace`` raises came out of ``fn()``, False when it was raised and swallowed, None
+    # when ``fn()`` ended before the point it was to be raised at.
+    try:
+        _traced(fn, trace)
+    except KeyboardInterrupt:
+        return True
+    return False if reached() else None
+
+
 def interrupt_at(fn: Callable[[], Any], n: int) -> bool | None:
     """Run ``fn()`` with a ``KeyboardInterrupt`` raised at its ``n``-th call inside torch or rlx_nb: True when the
     interrupt came out of it, False when it was raised and the call still returned (swallowed), None when the call
@@ -53,14 +72,7 @@ def interrupt_at(fn: Callable[[], Any], n: int) -> bool | None:
                 sys.settrace(None)
                 raise KeyboardInterrupt(f"test interrupt at call {n}")
 
-    sys.settrace(trace)
-    try:
-        fn()
-    except KeyboardInterrupt:
-        return True
-    finally:
-        sys.settrace(None)
-    return False if seen >= n else None
+    return _interrupted(fn, trace, reached=lambda: seen >= n)
 
 
 def _is_mode_entry(frame) -> bool:
@@ -95,14 +107,7 @@ def interrupt_entering_mode(fn: Callable[[], Any], n: int) -> bool | None:
                 return on_return
         return None
 
-    sys.settrace(trace)
-    try:
-        fn()
-    except KeyboardInterrupt:
-        return True
-    finally:
-        sys.settrace(None)
-    return False if seen >= n else None
+    return _interrupted(fn, trace, reached=lambda: seen >= n)
 
 
 def count_mode_entries(fn: Callable[[], Any]) -> int:
@@ -115,11 +120,7 @@ def count_mode_entries(fn: Callable[[], Any]) -> int:
             seen += 1
         return None
 
-    sys.settrace(trace)
-    try:
-        fn()
-    finally:
-        sys.settrace(None)
+    _traced(fn, trace)
     return seen
 
 

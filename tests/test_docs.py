@@ -107,52 +107,35 @@ def test_the_readme_quickstart_runs_cell_by_cell_and_each_cell_shows_what_the_pr
             )
 
 
-def test_the_readme_training_block_runs_as_written(tmp_path):
+def _readme_block_run(marker: str, shows: str, tmp_path, timeout: int = 900) -> str:
+    # The README's one python block holding ``marker``, run as written in a fresh interpreter, then ``shows``
+    # (a line printing what the test checks); returns its printed text.
     import subprocess
     import sys
 
-    blocks = [b for b in re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
-              if "training_divergence" in b]  # fmt: skip
+    blocks = [b for b in re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S) if marker in b]
     assert len(blocks) == 1
-    env = dict(os.environ, MPLBACKEND="Agg", RLX_NB_PROGRESS="0")
-    script = blocks[0] + "\nprint('VERDICTS', sorted(set(report.local.verdict)), report.failed)\n"
-    done = subprocess.run(
-        [sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=900, env=env
-    )
+    done = subprocess.run([sys.executable, "-c", blocks[0] + shows], cwd=tmp_path, capture_output=True, text=True,
+                          timeout=timeout, env=dict(os.environ, MPLBACKEND="Agg", RLX_NB_PROGRESS="0"))  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
-    assert "[Sequential] cpu-inductor vs cpu over 50 step(s): round-off" in done.stdout, done.stdout
-    assert "VERDICTS ['round-off'] {}" in done.stdout  # (every default training backend, every local step)
+    return done.stdout
+
+
+def test_the_readme_training_block_runs_as_written(tmp_path):
+    out = _readme_block_run("training_divergence", "\nprint('VERDICTS', sorted(set(report.local.verdict)), "
+                            "report.failed)\n", tmp_path)  # fmt: skip
+    assert "[Sequential] cpu-inductor vs cpu over 50 step(s): round-off" in out, out
+    assert "VERDICTS ['round-off'] {}" in out  # (every default training backend, every local step)
 
 
 def test_the_readme_invariance_block_runs_as_written(tmp_path):
-    import subprocess
-    import sys
-
-    blocks = [b for b in re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
-              if "rlx_nb.invariance(" in b]  # fmt: skip
-    assert len(blocks) == 1
-    script = blocks[0] + "\nprint('FIRST', sorted(set(inv.summary.first_op)), inv.verdict())\n"
-    done = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=600,
-                          env=dict(os.environ, MPLBACKEND="Agg", RLX_NB_PROGRESS="0"))  # fmt: skip
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "FIRST ['0 :: F.linear'] round-off" in done.stdout, done.stdout
+    out = _readme_block_run("rlx_nb.invariance(", "\nprint('FIRST', sorted(set(inv.summary.first_op)), "
+                            "inv.verdict())\n", tmp_path, timeout=600)  # fmt: skip
+    assert "FIRST ['0 :: F.linear'] round-off" in out, out
 
 
 def test_the_readme_generation_block_runs_as_written(tmp_path):
-    import subprocess
-    import sys
-
-    blocks = [
-        b
-        for b in re.findall(r"```python\n(.*?)```", (ROOT / "README.md").read_text(), re.S)
-        if "generation_divergence" in b
-    ]
-    assert len(blocks) == 1
-    env = dict(os.environ, MPLBACKEND="Agg", RLX_NB_PROGRESS="0")
-    script = blocks[0] + "\nprint('VERDICTS', sorted(set(gen.verdicts().values())))\n"
-    done = subprocess.run(
-        [sys.executable, "-c", script], cwd=tmp_path, capture_output=True, text=True, timeout=900, env=env
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert "GPT2LMHeadModel] cpu-inductor vs cpu:" in done.stdout
-    assert "VERDICTS ['round-off']" in done.stdout  # (ONNX Runtime and OpenVINO decode their exported step)
+    out = _readme_block_run("generation_divergence", "\nprint('VERDICTS', sorted(set(gen.verdicts().values())))\n",
+                            tmp_path)  # fmt: skip
+    assert "GPT2LMHeadModel] cpu-inductor vs cpu:" in out
+    assert "VERDICTS ['round-off']" in out  # (ONNX Runtime and OpenVINO decode their exported step)

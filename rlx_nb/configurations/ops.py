@@ -18,6 +18,7 @@ import torch
 from rlx_nb._support.tree import flatten
 from rlx_nb.changes.ops import SEPARATOR, OpCall, OpCalls
 from rlx_nb.configurations.configs import aligned
+from rlx_nb.numerics.device import same_bits
 
 
 @dataclasses.dataclass
@@ -104,19 +105,12 @@ def compared(a: Recorded, b: Recorded, where: dict[str, Any]) -> Compared:
     if out is None:
         return Compared(a.name, False)
     cut = [aligned(u, t.shape, **where) for t, u in zip(a.inputs, b.inputs, strict=False)]
-    same = [c is not None and (_shared(t, c) or bitwise(t, c)) for c, t in zip(cut, a.inputs, strict=False)]
+    same = [c is not None and (_shared(t, c) or same_bits(t, c)) for c, t in zip(cut, a.inputs, strict=False)]
     inputs_same = len(b.inputs) >= len(a.inputs) and all(same)
     ins = [0.0 if ok else _relative(t, c) for t, c, ok in zip(a.inputs, cut, same, strict=False)]
-    return Compared(a.name, True, bitwise(a.out, out), inputs_same, len(b.inputs) - len(a.inputs),
+    return Compared(a.name, True, same_bits(a.out, out), inputs_same, len(b.inputs) - len(a.inputs),
                     _relative(a.out, out), max(ins) if ins and all(x == x for x in ins) else float("nan"),
                     _shapes(b))  # fmt: skip
-
-
-def bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Bit for bit the same values (NaN payloads included), and the same shape and dtype."""
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    return torch.equal(a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8))
 
 
 JUMP = 1e3
@@ -166,7 +160,7 @@ def first_parting(alone: tuple[dict, dict], other: tuple[dict, dict], where: dic
 
 def _relative(a: torch.Tensor, b: torch.Tensor | None) -> float:
     if b is None or not a.is_floating_point():
-        return 0.0 if b is not None and bitwise(a, b) else float("nan")
+        return 0.0 if b is not None and same_bits(a, b) else float("nan")
     scale = float(a.double().abs().max()) if a.numel() else 0.0
     return float((a.double() - b.double()).abs().max()) / scale if scale > 0 and a.numel() else 0.0
 
@@ -198,4 +192,4 @@ def _first(alone: dict[str, Recorded], other: dict[str, Compared]) -> Parting:
     return Parting(found, shapes, invariant, varying)
 
 
-__all__ = ["Compared", "Parting", "Recorded", "bitwise", "compared", "first_parting", "recorded"]
+__all__ = ["Compared", "Parting", "Recorded", "compared", "first_parting", "recorded"]

@@ -22,11 +22,12 @@ from rlx_nb.backends.base import ORACLE
 from rlx_nb.backends.registry import get_backend
 from rlx_nb.comparison.compare import judge_leaf
 from rlx_nb.configurations import configs as cf
-from rlx_nb.configurations.ops import bitwise, first_parting, recorded
+from rlx_nb.configurations.ops import first_parting, recorded
 from rlx_nb.configurations.report import InvarianceReport
 from rlx_nb.errors import BackendError, InputError, describe_error, did_you_mean, still_interrupted
 from rlx_nb.execution.environment import environment
 from rlx_nb.execution.results import to_leaf
+from rlx_nb.numerics.device import same_bits
 
 KINDS = ("batch", "position", "padding", "cache")
 
@@ -266,7 +267,7 @@ def _pair(alone: dict[str, torch.Tensor], got: dict[str, torch.Tensor], config: 
         cut = cf.aligned(b, a.shape, **config.where)
         if cut is None:
             continue
-        same = bitwise(a, cut)
+        same = same_bits(a, cut)
         diff = 0.0 if same else float((a.double() - cut.double()).abs().max())
         out[k] = (same, diff, a, cut)
     return out

@@ -35,6 +35,18 @@ def _ordered(x: torch.Tensor) -> torch.Tensor:
     return torch.where(bits < 0, lowest - bits, bits)
 
 
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Whether two tensors hold the same bits (NaN payloads and signed zeros included), shape and dtype included: the
+    tensor form of :func:`rlx_nb.numerics.pairs.same_bits` (bfloat16 too, which numpy has not).
+
+    >>> same_bits(torch.tensor([0.0, 1.0]), torch.tensor([-0.0, 1.0]))
+    False
+    """
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    return torch.equal(a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8))
+
+
 def as_device(x: np.ndarray | torch.Tensor, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x`` flattened on ``device`` (a host array is uploaded; a device tensor is used in place)."""
     t = torch.from_numpy(np.ascontiguousarray(x)) if isinstance(x, np.ndarray) else x

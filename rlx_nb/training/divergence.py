@@ -14,11 +14,12 @@ from rlx_nb._support.kept import modes_kept
 from rlx_nb._support.progress import bar
 from rlx_nb.errors import InputError, RlxError, describe_error, still_interrupted
 from rlx_nb.execution.environment import environment
+from rlx_nb.numerics.device import same_bits
 from rlx_nb.training import trajectory as tr
 from rlx_nb.training.backends import resolve
 from rlx_nb.training.local import judge_step, verdict_of
 from rlx_nb.training.report import TrainingReport
-from rlx_nb.training.step import State, checked_spec, log_spaced
+from rlx_nb.training.step import State, checked_spec, l2_norm, log_spaced
 
 KEEP_REPORTS = 8
 """By default the local steps past the line keep their reports (and the states they started from) for the first this
@@ -184,7 +185,7 @@ def _train(model: torch.nn.Module, spec: Any, chosen: list, *, seeds: int, asked
             env32.grow(drifts32[step].against(ref))
             if drifts16:
                 env16.grow(drifts16[step].against(ref))
-            scale = tr.norm([p.detach() for p in oracle.model.parameters()])  # (the oracle's, once a step)
+            scale = l2_norm([p.detach() for p in oracle.model.parameters()])  # (the oracle's, once a step)
             for run in runs:
                 if run.error:
                     continue
@@ -251,17 +252,11 @@ def _still_the_same(model: torch.nn.Module, shapes: dict[str, tuple], given: lis
             + "): every run trains the same parameters from the same state, so their shapes must stay as they are"
         )
     after = [t for t in torch.utils._pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
-    if len(after) != len(given) or any(not _bitwise(a.detach(), g) for a, g in zip(after, given, strict=False)):
+    if len(after) != len(given) or any(not same_bits(a.detach(), g) for a, g in zip(after, given, strict=False)):
         raise InputError(
             f"step {step} changed its batch in place (the loss or the model wrote into a tensor of it): every run of "
             "a step must see the same batch; clone what loss_fn modifies, or give batches(step) that makes a new one"
         )
-
-
-def _bitwise(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.shape != b.shape or a.dtype != b.dtype:
-        return False
-    return torch.equal(a.reshape(-1).contiguous().view(torch.uint8), b.reshape(-1).contiguous().view(torch.uint8))
 
 
 def _first_past(spec: Any, backend: Any, report: Any, *, p: int, state: State, s: int, keep: int) -> None:

@@ -175,10 +175,14 @@ def perturbed(model: torch.nn.Module, seed: int, relative: float = 2.0**-24) -> 
 
 def grad_norm(model: torch.nn.Module) -> float:
     """The L2 norm of every parameter's gradient (0 where none has one)."""
-    grads = [p.grad.detach() for p in model.parameters() if p.grad is not None]
-    if not grads:
+    return l2_norm([p.grad.detach() for p in model.parameters() if p.grad is not None])
+
+
+def l2_norm(tensors: list[torch.Tensor]) -> float:
+    """The L2 norm of all ``tensors`` together, accumulated in float64 (one vectorised pass per tensor)."""
+    if not tensors:
         return 0.0
-    parts = torch._foreach_norm(grads, 2, dtype=torch.float64)  # (accumulated in float64, one pass per tensor)
+    parts = torch._foreach_norm(tensors, 2, dtype=torch.float64)
     return math.sqrt(float(torch.stack(parts).square().sum()))
 
 
@@ -195,6 +199,7 @@ __all__ = [
     "batch_source",
     "checked_spec",
     "grad_norm",
+    "l2_norm",
     "log_spaced",
     "perturbed",
     "to_dtype",

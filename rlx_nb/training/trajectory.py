@@ -26,7 +26,7 @@ import torch
 
 from rlx_nb.training.backends import TrainBackend
 from rlx_nb.training.local import one_step
-from rlx_nb.training.step import Spec, perturbed
+from rlx_nb.training.step import Spec, l2_norm, perturbed
 
 LIMIT = 4.0
 """A backend leaves the envelope where its difference from the oracle passes this many times the envelope's."""
@@ -60,21 +60,13 @@ def _params(run: Run) -> list[torch.Tensor]:
     return [p.detach() for p in run.model.parameters()]
 
 
-def norm(tensors: list[torch.Tensor]) -> float:
-    """The L2 norm of all ``tensors`` together, accumulated in float64 (one vectorised pass per tensor)."""
-    if not tensors:
-        return 0.0
-    parts = torch._foreach_norm(tensors, 2, dtype=torch.float64)
-    return math.sqrt(float(torch.stack(parts).square().sum()))
-
-
 def distance(run: Run, oracle: Run, scale: float | None = None) -> float:
     """``run``'s parameters' relative distance from the oracle's: the norm of their difference over the oracle's
     (``scale``: that norm, where known).  The difference of two nearby float32 values is exact (Sterbenz), so it is
     taken in float32 and only its norm accumulated in float64."""
     a, b = _params(run), _params(oracle)
-    diff = norm(torch._foreach_sub(a, b))
-    scale = norm(b) if scale is None else scale
+    diff = l2_norm(torch._foreach_sub(a, b))
+    scale = l2_norm(b) if scale is None else scale
     return diff / scale if scale > 0 else diff
 
 
@@ -122,9 +114,8 @@ class Drift:
 def drift(runs: list[Run], got: list[tuple[float, float]], anchor: Run | None = None) -> Drift:
     """One step's :class:`Drift` of ``runs`` (``anchor``: a run each is also set against, where they are one)."""
     pool = [*runs, anchor] if anchor is not None and len(runs) < 2 else runs
-    scale = (
-        norm(_params(pool[0])) if pool else 0.0
-    )  # (one scale for every pair: the runs' norms are one round-off apart)
+    # (one scale for every pair: the runs' norms are one round-off apart)
+    scale = l2_norm(_params(pool[0])) if pool else 0.0
     spread = max((distance(a, b, scale) for i, a in enumerate(pool) for b in pool[i + 1:]), default=math.nan)  # fmt: skip
     return Drift([g[0] for g in got], [g[1] for g in got], spread)
 
