@@ -41,10 +41,14 @@ format: $(STAMP)
 # Bytecode is cached (PYTHONDONTWRITEBYTECODE unset; __pycache__ is ignored by git): where the environment turns it
 # off, every worker, notebook kernel and command-line run compiled rlx_nb again, and pytest rewrote the asserts of
 # 300 modules in each worker (7 s of its collection).
+# OpenMP's idle threads sleep (OMP_WAIT_POLICY=PASSIVE): a run on another thread count (training's envelope and its
+# `threads` backend) spun its second thread against the other worker, and 20,000 small matmuls took 3.5x as long.
+# A test that hangs fails after 10 minutes with every thread's stack (pytest-timeout), not at CI's limit.
 TEST_WORKERS ?= auto
 TEST_THREADS ?= 1
 test: lint
-	env -u PYTHONDONTWRITEBYTECODE OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=$(TEST_THREADS) TORCHINDUCTOR_COMPILE_THREADS=1 \
+	env -u PYTHONDONTWRITEBYTECODE OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=$(TEST_THREADS) OMP_WAIT_POLICY=PASSIVE \
+		TORCHINDUCTOR_COMPILE_THREADS=1 \
 		$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 # A quick set of the ratio benchmarks against the committed results (a few minutes; not part of `make test`):

@@ -257,6 +257,18 @@ def attempt(wrapper: _FlatOutputs, convert: Callable[[_FlatOutputs], Any]) -> An
     return convert(trial)
 
 
+def session_options() -> Any:
+    """ONNX Runtime's session options as rlx_nb makes every session: its log quiet, and its intra-op threads as many as
+    torch runs on in this process (ORT's own default is one per core, spinning while it waits: beside a process that
+    set torch to fewer threads, its idle threads took the cores that process had left to others)."""
+    import onnxruntime as ort
+
+    options = ort.SessionOptions()
+    options.log_severity_level = 3
+    options.intra_op_num_threads = torch.get_num_threads()
+    return options
+
+
 def prepare_onnxruntime(model: Any, inputs: tuple, *, optimize: bool = True) -> Any:
     """Export to ONNX (TorchScript exporter, falling back to the dynamo one) and open an ORT session.
 
@@ -276,8 +288,7 @@ def prepare_onnxruntime(model: Any, inputs: tuple, *, optimize: bool = True) -> 
     wrapper.record(tuple(inputs))
     names = [f"input_{i}" for i in range(len(inputs))]
     onnx_file = exported(wrapper, tuple(inputs), names)
-    options = ort.SessionOptions()
-    options.log_severity_level = 3
+    options = session_options()
     level = ort.GraphOptimizationLevel
     options.graph_optimization_level = level.ORT_ENABLE_ALL if optimize else level.ORT_DISABLE_ALL
     with phases.step("onnxruntime: session"):

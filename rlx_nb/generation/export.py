@@ -189,8 +189,9 @@ def _sessions(runtime: str, prefill: Path, step: Path) -> tuple[Callable, Callab
     if runtime == "onnxruntime":
         import onnxruntime as ort
 
-        options = ort.SessionOptions()
-        options.log_severity_level = 3
+        from rlx_nb.backends.onnx import session_options
+
+        options = session_options()
         a = ort.InferenceSession(str(prefill), options, providers=["CPUExecutionProvider"])
         b = ort.InferenceSession(str(step), options, providers=["CPUExecutionProvider"])
         return (lambda feed: a.run(None, feed)), (lambda feed: b.run(None, feed))
