@@ -68,6 +68,8 @@ class TrainBackend:
     threads: int | None = None
     autocast: torch.dtype | None = None
     compute_dtype: str = "float32"
+    ranks: int = 0
+    """Local ranks the step runs on under DistributedDataParallel (:mod:`rlx_nb.training.ddp`; 0: this process)."""
 
     def make_optimizer(self, factory: Callable[[Any], torch.optim.Optimizer], params: Any) -> torch.optim.Optimizer:
         if self.optimizer is not None:
@@ -150,6 +152,11 @@ def builtin(name: str) -> TrainBackend | None:
     if name == "optimizer:fused":
         return TrainBackend(name, "the optimizer's fused implementation",
                             optimizer_options=(("fused", True), ("foreach", None)))  # fmt: skip
+    if name == "ddp":
+        from rlx_nb.training.ddp import WORLD
+
+        return TrainBackend(name, f"DistributedDataParallel over {WORLD} local ranks (gloo), each batch split between "
+                            "them, against one process", ranks=WORLD)  # fmt: skip
     if name == "cpu-bf16":
         return TrainBackend(name, "autocast to bfloat16 (judged on bfloat16's budget)", autocast=torch.bfloat16,
                             compute_dtype="bfloat16")  # fmt: skip
@@ -157,9 +164,10 @@ def builtin(name: str) -> TrainBackend | None:
 
 
 BUILTIN = ("cpu-nomkldnn", "cpu-inductor", "cpu-inductor-optimizer", "threads", "optimizer:foreach",
-           "optimizer:for-loop", "optimizer:fused", "cpu-bf16")  # fmt: skip
-"""The built-in training backends; the default set leaves out ``cpu-bf16`` (its own budget, asked for by name)."""
-DEFAULT = tuple(b for b in BUILTIN if b != "cpu-bf16")
+           "optimizer:for-loop", "optimizer:fused", "ddp", "cpu-bf16")  # fmt: skip
+"""The built-in training backends; the default set leaves out ``ddp`` (processes of its own, and a step another than
+one process's for models with dropout or BatchNorm) and ``cpu-bf16`` (its own budget): each asked for by name."""
+DEFAULT = tuple(b for b in BUILTIN if b not in ("ddp", "cpu-bf16"))
 
 _REGISTERED: dict[str, TrainBackend] = {}
 

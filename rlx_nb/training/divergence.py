@@ -17,6 +17,7 @@ from rlx_nb.execution.environment import environment
 from rlx_nb.numerics.device import same_bits
 from rlx_nb.training import trajectory as tr
 from rlx_nb.training.backends import resolve
+from rlx_nb.training.ddp import opened
 from rlx_nb.training.local import judge_step, verdict_of
 from rlx_nb.training.report import TrainingReport
 from rlx_nb.training.step import State, checked_spec, l2_norm, log_spaced
@@ -65,7 +66,8 @@ def training_divergence(
     backends : list, optional
         Training backends (:mod:`rlx_nb.training.backends`): by default ``cpu-nomkldnn``, ``cpu-inductor``,
         ``cpu-inductor-optimizer``, ``threads`` and the optimizer's foreach, for-loop and fused implementations;
-        ``cpu-bf16`` (its own budget), a differentiable backend of the registry, or one of
+        ``ddp`` (DistributedDataParallel over 2 local ranks, :mod:`rlx_nb.training.ddp`), ``cpu-bf16`` (its own
+        budget), a differentiable backend of the registry, or one of
         :func:`rlx_nb.register_training_backend`.
     local_steps : list of int, optional
         Steps judged locally besides the default ones (the first, 1, 2, 4, 8 ..., the last, and wherever a
@@ -111,7 +113,7 @@ def training_divergence(
 
     # (every local step makes its optimizer afresh: a compiled optimizer step compiles again for each, past dynamo's
     # default of 8, after which it would run eagerly under a compiling backend's name)
-    with switches.exclusive(), modes_kept(), dynamo_config.patch(recompile_limit=max(64, 4 * spec.steps)):
+    with switches.exclusive(), modes_kept(), dynamo_config.patch(recompile_limit=max(64, 4 * spec.steps)), opened():
         try:
             _train(model, spec, chosen, seeds=envelope, asked=asked, keep=keep, report=report, progress=progress)
         except (KeyboardInterrupt, SystemExit) as exc:  # (the steps judged so far are kept)

@@ -52,6 +52,10 @@ def one_step(
     ``tensor_step``: the optimizer is :func:`tensor_scalars`'s (its update runs with the parameters' ``requires_grad``
     off, as that implementation's in-place update needs outside autograd).  ``keep=False``: the loss and the gradient
     norm only (a trajectory's step: no copy of the buffers, gradients and parameters)."""
+    if backend is not None and backend.ranks:
+        from rlx_nb.training.ddp import ranks_step
+
+        return ranks_step(backend.name, model, optimizer, spec, step=step, batch=batch, keep=keep)
     spec.seeded(step)
     model.train()
     plain = getattr(model, "_orig_mod", model)  # (a compiled model's names are its original's)

@@ -138,15 +138,20 @@ class State:
         if dtype is not None:
             model = model.to(dtype)
         opt = (make or spec.optimizer)(list(model.parameters()))
-        made = [{k: g[k] for k in IMPLEMENTATION if k in g} for g in opt.param_groups]
         state = copy.deepcopy(self.optimizer)
         if dtype is not None:
             state["state"] = {k: {n: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() and n != "step"
                                   else v for n, v in s.items()} for k, s in state["state"].items()}  # fmt: skip
-        opt.load_state_dict(state)  # (which sets every group's options as they were saved ...)
-        for group, own in zip(opt.param_groups, made, strict=True):
-            group.update(own)  # (... but the implementation is the one this run asked for)
-        return model, opt
+        return model, restored(opt, state)
+
+
+def restored(opt: torch.optim.Optimizer, state: dict) -> torch.optim.Optimizer:
+    """``opt`` (just made) at the saved ``state``: its values as they were saved, its implementation as it was made."""
+    made = [{k: g[k] for k in IMPLEMENTATION if k in g} for g in opt.param_groups]
+    opt.load_state_dict(state)  # (which sets every group's options as they were saved ...)
+    for group, own in zip(opt.param_groups, made, strict=True):
+        group.update(own)  # (... but the implementation is the one this run asked for)
+    return opt
 
 
 def to_dtype(batch: Any, dtype: torch.dtype) -> Any:
@@ -202,5 +207,6 @@ __all__ = [
     "l2_norm",
     "log_spaced",
     "perturbed",
+    "restored",
     "to_dtype",
 ]
