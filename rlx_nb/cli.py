@@ -187,6 +187,7 @@ def _parser() -> argparse.ArgumentParser:
     inv.add_argument("--backends", help="comma-separated backends besides the oracle")
     inv.add_argument("--configs", help="comma-separated: batch, position, padding, cache (default: those that apply)")
     inv.add_argument("--past-line", action="store_true", help="exit 1 only when a difference is past the line")
+    inv.add_argument("--backward", action="store_true", help="also each row's per-sample gradients (the oracle's)")
     inv.add_argument("--certificate", metavar="FILE", help="write the certificate (JSON) to FILE")
     inv.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report to FILE")
     inv.add_argument("--label", help="label for the report lines")
@@ -261,7 +262,8 @@ def _invariance(args: argparse.Namespace) -> int:
     model, inputs = load_target(args.target)
     split = [b.strip() for b in args.backends.split(",") if b.strip()] if args.backends else None
     configs = [c.strip() for c in args.configs.split(",") if c.strip()] if args.configs else None
-    report = rlx_nb.invariance(model, inputs, backends=split, configs=configs, label=args.label)
+    report = rlx_nb.invariance(model, inputs, backends=split, configs=configs, backward=args.backward,
+                               label=args.label)  # fmt: skip
     print(term_text(str(report)))
     if args.certificate:
         print(f"wrote {report.save_certificate(args.certificate)}")

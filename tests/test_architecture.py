@@ -157,6 +157,7 @@ WIDE_SIGNATURES = {
     "rlx_nb.execution.run.run": "public (rlx_nb.run): backend_divergence's run without the comparison",
     "rlx_nb.generation.divergence.generation_divergence": "the public entry point for a decode: backend_divergence's options and its own",
     "rlx_nb.training.divergence.training_divergence": "the public entry point for training: the user's options",
+    "rlx_nb.configurations.run.invariance": "the public entry point for invariance: the user's options",
     "rlx_nb.backends.registry.register_backend": "public: a backend's description, every field a keyword",
     "rlx_nb.plot.heatmap.plot_heatmap": "public: a plot's keywords, as matplotlib's are",
     "rlx_nb.backends.faults.attention": "torch.nn.functional.scaled_dot_product_attention's own signature",

@@ -28,6 +28,12 @@ def test_the_small_batch_path_of_f_linear_is_named_as_the_first_op_and_read_as_r
     assert set(summary.first_op) == {"0 :: F.linear"}
     sizes = report.summary[summary.config == "batch of 16, at 0"].op_shapes.item()
     assert sizes.startswith("(1x512, 512x512, 512) alone against (16x512, 512x512, 512) here"), sizes
+    # (the kernel path where torch says it: the GEMM's shapes as MKL took them, one row against sixteen)
+    path = report.summary[summary.config == "batch of 16, at 0"].kernel_path.item()
+    assert path.startswith("linear -> addmm"), path
+    if torch.backends.mkl.is_available():
+        assert "MKL SGEMM(T,N,512,1,512) alone against" in path and "SGEMM(T,N,512,16,512) here" in path, path
+    assert report.certificate["pairs"]["cpu | batch of 16, at 0"]["kernel_path"] == path
     assert report.verdict() == "round-off" and report.suspects == []
     line = report.lines()[0]
     assert "within round-off: a legitimate kernel choice" in line and "first op that parts: 0 :: F.linear" in line
@@ -103,6 +109,21 @@ def test_gpt2_from_a_config_is_batch_invariant_and_its_cache_and_left_padding_pa
         assert verdicts[config] == "round-off", verdicts
     ops = report.summary.set_index("config").first_op
     assert ops["left-padded by 3"] == "transformer.h.0.attn :: F.scaled_dot_product_attention"
+    # The cache: the decode step's own ops (the cache filled first) against the same position of the row computed
+    # whole: the first that parts is the attention's input projection, its GEMM at one row against 24.
+    assert ops["decoded token by token"] == "transformer.h.0.attn.c_attn :: torch.addmm"
+    shapes = report.summary.set_index("config").op_shapes["decoded token by token"]
+    assert shapes == "(192, 24x64, 64x192) alone against (192, 1x64, 64x192) here", shapes
+    assert ops["prefilled in two chunks"].startswith("transformer.h.")
+    # ... marked on the module tree: the ops before it bit for bit, the ones after it not.
+    tree = report.tree(config="decoded token by token").splitlines()
+    assert tree[0] == "cpu | decoded token by token"
+    first = next(i for i, ln in enumerate(tree) if "first that parts" in ln)
+    assert tree[first].strip() == "<< torch.addmm  first that parts" and tree[first - 1].strip() == "c_attn"
+    assert all(ln.strip().startswith("= ") for ln in tree[1:first] if ln.strip().startswith(("= ", "~ ")))
+    assert any(ln.strip().startswith("~ ") for ln in tree[first + 1 :])
+    with pytest.raises(InputError, match="no pair of nope"):
+        report.tree(backend="nope")
     # The certificate: data only, saved, and its changes against another environment's said.
     cert = json.loads(report.save_certificate(tmp_path / "c.json").read_text())
     assert cert["pairs"]["cpu | left-padded by 3"]["first_op"].endswith("F.scaled_dot_product_attention")
@@ -127,6 +148,7 @@ def test_backends_run_every_configuration_and_pictures_and_page_show_the_map(tmp
     assert len(ax.get_xticklabels()) == 4 and any(t.get_text().endswith("x") for t in ax.texts)
     page = report.to_html(tmp_path / "inv.html").read_text()
     assert "<img" in page and "F.linear" in page
+    assert "on the module tree</h2>" in page and "&lt;&lt; F.linear  first that parts" in page
 
 
 def test_bad_input_is_refused_with_what_is_allowed():
@@ -214,3 +236,40 @@ def test_the_explorer_goes_from_a_configuration_pair_to_the_element():
     with pytest.raises(InputError, match="bit for bit"):
         torch.manual_seed(0)
         rlx_nb.explore(rlx_nb.invariance(torch.nn.Softmax(-1), torch.randn(3, 8), progress=False))
+
+
+class _BatchLeakingBackward(torch.autograd.Function):
+    # Identity forward; a backward that mixes in the batch's mean gradient: each row's gradient depends on the batch.
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad + 0.01 * grad.mean(0, keepdim=True)
+
+
+class _LeakyBackward(torch.nn.Module):
+    def forward(self, x):
+        return _BatchLeakingBackward.apply(x)
+
+
+def test_per_sample_gradients_find_a_backward_that_leaks_across_the_batch_where_the_forward_is_bit_for_bit():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.LayerNorm(64), _LeakyBackward(), torch.nn.Linear(64, 8))
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(1))
+    forward = rlx_nb.invariance(model, x, batch_sizes=(2, 4), rows=[0], progress=False)
+    assert forward.verdict() != "SUSPECT"  # (the forward alone cannot see it)
+    report = rlx_nb.invariance(model, x, batch_sizes=(2, 4), rows=[0], backward=True, progress=False)
+    frame = report.frame
+    grads = frame[frame.output.str.startswith("grad:")]
+    assert set(grads.output) == {"grad:0.weight", "grad:0.bias", "grad:2.weight", "grad:2.bias"}
+    assert report.suspects == ["cpu"]
+    bad = grads[grads.verdict == "SUSPECT"]
+    # (below the leak: LayerNorm's weight, whose gradient weighs each row's by its own input; its bias's sums the
+    # rows, leak and all, as the row alone's does; above it the head's, bit for bit)
+    assert set(bad.output) == {"grad:0.weight"}, grads.to_string()
+    assert (grads[grads.output.str.startswith("grad:2.")].verdict == "bit for bit").all()
+    assert (frame[~frame.output.str.startswith("grad:")].verdict != "SUSPECT").all()
+    with pytest.raises(InputError, match="backward must be True or False"):
+        rlx_nb.invariance(model, x, backward="yes", progress=False)

@@ -81,11 +81,20 @@ class Config:
     where: dict[str, Any] = dataclasses.field(default_factory=dict)
     """What the op alignment needs: the row's place in the batch (``at``, ``size``) and its padding (``pad``,
     ``side``)."""
+    last: Callable[[Any], Callable[[Any], Any]] | None = None
+    """For a run of several calls (a cache): ``last(model)`` runs all but its last call and returns that call, whose
+    ops are the ones compared (a decode step's, against the same positions of the row computed whole)."""
+    window: tuple[int, int] | None = None
+    """With ``last``: the positions that call computes (from, of the row's length)."""
 
 
 def outputs(out: Any) -> dict[str, torch.Tensor]:
-    """A model's floating tensor outputs by name (a ``ModelOutput``'s and its cache's too)."""
-    return {k: v.detach() for k, v in flatten(out) if isinstance(v, torch.Tensor) and v.is_floating_point()}
+    """A model's floating tensor outputs by name (a ``ModelOutput``'s and its cache's too); differentiable where
+    gradients are on (a row's per-sample gradients are taken from them)."""
+    keep = torch.is_grad_enabled()
+    return {
+        k: v if keep else v.detach() for k, v in flatten(out) if isinstance(v, torch.Tensor) and v.is_floating_point()
+    }
 
 
 def aligned(t: torch.Tensor, like: torch.Size, *, at: int = 0, size: int = 1, pad: int = 0, side: str = "") -> Any:
@@ -108,6 +117,23 @@ def aligned(t: torch.Tensor, like: torch.Size, *, at: int = 0, size: int = 1, pa
         if t.shape[d] != like[d]:
             if pad and t.shape[d] == like[d] + pad:
                 t = t.narrow(d, pad if side == "left" else 0, like[d])
+            else:
+                return None
+    return t
+
+
+def windowed(t: torch.Tensor, like: torch.Size, lo: int, n: int) -> Any:
+    """``t`` (the row computed whole, ``n`` positions) cut to positions ``lo`` to ``n`` where a run's last call
+    (shaped ``like``) computed only those: every dimension of ``n`` against ``n - lo`` narrowed, the others (the
+    keys a cached call reads: all ``n``) as they are; None where they do not align."""
+    if tuple(t.shape) == tuple(like):
+        return t
+    if t.dim() != len(like):
+        return None
+    for d in range(t.dim()):
+        if t.shape[d] != like[d]:
+            if t.shape[d] == n and like[d] == n - lo:
+                t = t.narrow(d, lo, n - lo)
             else:
                 return None
     return t
@@ -214,7 +240,7 @@ def cache_configs(model: Any, inputs: Inputs, i: int) -> list[Config]:
             named["position_ids"] = _positions(mask[:, :hi])[:, lo:hi]
         return named
 
-    def chunks(model: Any, bounds: list[int]) -> dict[str, torch.Tensor]:
+    def chunks(model: Any, bounds: list[int]) -> tuple[list[torch.Tensor], Any]:
         past, logits = None, []
         for lo, hi in itertools.pairwise(bounds):
             out = model(**part(lo, hi, past))
@@ -222,14 +248,20 @@ def cache_configs(model: Any, inputs: Inputs, i: int) -> list[Config]:
             past = getattr(out, keyword, None)
             if past is None:
                 past = getattr(out, "past_key_values", None)
-        return {"logits": torch.cat(logits, 1)}
+        return logits, past
+
+    def config(name: str, bounds: list[int]) -> Config:
+        def last(model: Any) -> Callable[[Any], Any]:
+            past = chunks(model, bounds[:-1])[1]
+            return lambda m: m(**part(bounds[-2], bounds[-1], past))
+
+        return Config("cache", name, i, lambda m: {"logits": torch.cat(chunks(m, bounds)[0], 1)},
+                      last=last, window=(bounds[-2], n))  # fmt: skip
 
     half = max(1, n // 2)
-    return [
-        Config("cache", "prefilled in two chunks", i, lambda m: chunks(m, [0, half, n])),
-        Config("cache", "decoded token by token", i, lambda m: chunks(m, [0, half, *range(half + 1, n + 1)])),
-    ]
+    return [config("prefilled in two chunks", [0, half, n]),
+            config("decoded token by token", [0, half, *range(half + 1, n + 1)])]  # fmt: skip
 
 
 __all__ = ["BATCH_SIZES", "PAD", "Config", "Inputs", "aligned", "batch_configs", "cache_configs", "has_cache",
-           "outputs", "padding_configs"]  # fmt: skip
+           "outputs", "padding_configs", "windowed"]  # fmt: skip

@@ -17,7 +17,7 @@ import torch
 
 from rlx_nb._support.tree import flatten
 from rlx_nb.changes.ops import SEPARATOR, OpCall, OpCalls
-from rlx_nb.configurations.configs import aligned
+from rlx_nb.configurations.configs import aligned, windowed
 from rlx_nb.numerics.device import same_bits
 
 
@@ -99,18 +99,26 @@ class Compared:
     shapes: str = ""
 
 
+def _cut(t: torch.Tensor, u: torch.Tensor, where: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor] | None:
+    # The row alone's ``t`` and a configuration's ``u``, each cut to the part both computed (None: they do not align).
+    if "window" in where:  # (a cached run's last call: the row alone's cut to the positions that call computed)
+        mine = windowed(t, u.shape, *where["window"])
+        return None if mine is None else (mine, u)
+    theirs = aligned(u, t.shape, **where)
+    return None if theirs is None else (t, theirs)
+
+
 def compared(a: Recorded, b: Recorded, where: dict[str, Any]) -> Compared:
     """``b`` (a configuration's) against ``a`` (the row alone's), each tensor cut to the row's part."""
-    out = aligned(b.out, a.out.shape, **where)
+    out = _cut(a.out, b.out, where)
     if out is None:
         return Compared(a.name, False)
-    cut = [aligned(u, t.shape, **where) for t, u in zip(a.inputs, b.inputs, strict=False)]
-    same = [c is not None and (_shared(t, c) or same_bits(t, c)) for c, t in zip(cut, a.inputs, strict=False)]
+    cut = [_cut(t, u, where) for t, u in zip(a.inputs, b.inputs, strict=False)]
+    same = [c is not None and (_shared(*c) or same_bits(*c)) for c in cut]
     inputs_same = len(b.inputs) >= len(a.inputs) and all(same)
-    ins = [0.0 if ok else _relative(t, c) for t, c, ok in zip(a.inputs, cut, same, strict=False)]
-    return Compared(a.name, True, same_bits(a.out, out), inputs_same, len(b.inputs) - len(a.inputs),
-                    _relative(a.out, out), max(ins) if ins and all(x == x for x in ins) else float("nan"),
-                    _shapes(b))  # fmt: skip
+    ins = [0.0 if ok else _relative(*c) if c is not None else float("nan") for c, ok in zip(cut, same, strict=True)]
+    return Compared(a.name, True, same_bits(*out), inputs_same, len(b.inputs) - len(a.inputs), _relative(*out),
+                    max(ins) if ins and all(x == x for x in ins) else float("nan"), _shapes(b))  # fmt: skip
 
 
 JUMP = 1e3
@@ -132,6 +140,10 @@ class Parting:
     varying: list[str] = dataclasses.field(default_factory=list)
     moved: str | None = None
     jump: float = 0.0
+    kernels: str = ""
+    """The op's kernel path in each configuration, where torch says it (:mod:`rlx_nb.configurations.kernels`)."""
+    order: list[str] = dataclasses.field(default_factory=list)
+    """Every op compared, in the row alone's call order (:func:`tree`)."""
 
 
 def _shared(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -177,19 +189,45 @@ def _moved(alone: dict[str, Recorded], other: dict[str, Compared]) -> tuple[str 
 
 
 def _first(alone: dict[str, Recorded], other: dict[str, Compared]) -> Parting:
-    found, shapes, invariant, varying = None, "", [], []
+    found, shapes, invariant, varying, order = None, "", [], [], []
     for name, a in alone.items():
         c = other.get(name)
         if c is None or not c.aligned:
             continue
         (invariant if c.same else varying).append(name)
+        order.append(name)
         if c.same or found is not None or not c.inputs_same:
             continue
         # (its inputs as the row alone has them: a padded run may pass one more, its mask, after them)
         found = name
         shapes = (f"({_shapes(a)}) alone against ({c.shapes}) here"
                   + (f", with {c.extra} more input(s) (a mask)" if c.extra else ""))  # fmt: skip
-    return Parting(found, shapes, invariant, varying)
+    return Parting(found, shapes, invariant, varying, order=order)
 
 
-__all__ = ["Compared", "Parting", "Recorded", "compared", "first_parting", "recorded"]
+def tree(parting: Parting) -> str:
+    """The ops compared on the model's module tree, each marked ``=`` (bit for bit the row's), ``~`` (not) or
+    ``<< first that parts`` (and the first that moves the row, where one does)."""
+    first_module = parting.op.split(" (module", 1)[0] if parting.op and SEPARATOR not in parting.op else None
+    lines: list[str] = []
+    shown: set[str] = set()
+    varying = set(parting.varying)
+    for name in parting.order:
+        module, _, op = name.partition(SEPARATOR)
+        parts = [] if module in ("", "<root>") else module.split(".")
+        for depth in range(len(parts) + 1):
+            key = ".".join(parts[:depth])
+            if key not in shown:
+                shown.add(key)
+                mark = (
+                    "  << first that parts (its ops' shapes depend on the configuration)" if key == first_module else ""
+                )
+                lines.append("  " * depth + (parts[depth - 1] if depth else "<root>") + mark)
+        mark = "<<" if name == parting.op else "~ " if name in varying else "= "
+        note = "  first that parts" if name == parting.op else ""
+        note += "  the row moves here" if name == parting.moved else ""
+        lines.append("  " * (len(parts) + 1) + f"{mark} {op}{note}")
+    return "\n".join(lines)
+
+
+__all__ = ["Compared", "Parting", "Recorded", "compared", "first_parting", "recorded", "tree"]

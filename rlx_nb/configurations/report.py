@@ -75,8 +75,10 @@ class InvarianceReport:
             rows.append({"backend": backend, "config": config, "verdict": verdict, "line": max(lines, default=0.0),
                          "first_op": op.op if op is not None else None,
                          "op_shapes": op.shapes if op is not None else "",
+                         "kernel_path": op.kernels if op is not None else "",
                          "moved_at": op.moved if op is not None and verdict == SUSPECT else None})  # fmt: skip
-        return Table(rows, columns=["backend", "config", "verdict", "line", "first_op", "op_shapes", "moved_at"])
+        return Table(rows, columns=["backend", "config", "verdict", "line", "first_op", "op_shapes", "kernel_path",
+                                    "moved_at"])  # fmt: skip
 
     def verdict(self, backend: str | None = None) -> str:
         """The worst over every configuration (of ``backend``; default: every backend)."""
@@ -104,6 +106,8 @@ class InvarianceReport:
             worst = max(parted, key=lambda c: _rank(mine[c]))
             op = self.ops.get((b, worst))
             at = f"; first op that parts: {op.op} {op.shapes}" if op is not None and op.op else ""
+            if at and op.kernels:
+                at += f" (kernel path: {op.kernels})"
             if op is not None and op.moved and verdict == SUSPECT:  # (where the bug is: the op that moves the row)
                 at = (f"; the row is moved at {op.moved} (its output {op.jump:.2g}x further from the row alone's than "
                       f"its inputs)" + at)  # fmt: skip
@@ -140,6 +144,7 @@ class InvarianceReport:
             op = self.ops.get((b, c))
             out["pairs"][f"{b} | {c}"] = {"verdict": v, "first_op": op.op if op is not None else None,
                                           "moved_at": op.moved if op is not None else None,
+                                          "kernel_path": op.kernels if op is not None else "",
                                           "invariant_ops": op.invariant if op is not None else [],
                                           "varying_ops": op.varying if op is not None else []}  # fmt: skip
         return out
@@ -183,6 +188,28 @@ class InvarianceReport:
         )
         return DivergenceReport(results, compare(results, progress=False), rule="budget", tol_rel=None)
 
+    def tree(self, backend: str | None = None, config: str | None = None) -> str:
+        """The ops of a pair on the module tree (the worst pair whose ops were recorded, by default): each marked
+        bit for bit (``=``) or not (``~``), the first that parts marked ``<<``."""
+        from rlx_nb.configurations.ops import tree
+
+        key = self._tree_key(backend, config)
+        if key is None:
+            raise InputError(f"no pair of {backend or 'any backend'} and {config or 'any configuration'} has its ops "
+                             f"recorded; recorded: {[f'{b} | {c}' for b, c in self.ops] or 'none'}")  # fmt: skip
+        return f"{key[0]} | {key[1]}\n" + tree(self.ops[key])
+
+    def _tree_key(self, backend: str | None = None, config: str | None = None) -> tuple[str, str] | None:
+        # The worst pair (of ``backend`` and ``config`` where given) whose ops were recorded.
+        pairs = [k for k, op in self.ops.items() if op is not None and op.order and backend in (None, k[0])
+                 and config in (None, k[1])]  # fmt: skip
+
+        def worst(k: tuple[str, str]) -> tuple[int, float]:
+            lines = [r["line"] for r in self._rows if (r["backend"], r["config"]) == k and r["line"] == r["line"]]
+            return _rank(self.pairs.get(k, BITWISE)), max(lines, default=0.0)
+
+        return max(pairs, key=worst) if pairs else None
+
     # -- pictures and the page -------------------------------------------------------------------------------------
 
     def plot(self, backend: str | None = None, *, ax=None):
@@ -207,6 +234,8 @@ class InvarianceReport:
                 f"<style>{STYLE}</style></head><body><h1>{e(self.label)}: the same rows, other configurations</h1>"
                 f"<pre>{e(str(self))}</pre><img alt='invariance' src='{image}' style='max-width:100%'>"
                 f"<h2>Per configuration</h2><div class='wide'>{self.summary.to_html(index=False)}</div>"
+                + (f"<h2>The first op that parts, on the module tree</h2><details><summary>{e(' | '.join(self._tree_key()))}"
+                   f"</summary><pre>{e(self.tree())}</pre></details>" if self._tree_key() else "") +
                 f"<h2>Per output</h2><div class='wide'>{self.frame.to_html(index=False, max_rows=400)}</div>"
                 f"<h2>Environment</h2>{environment_html(self.environment)}</body></html>")  # fmt: skip
         with writing(path, "the invariance report"):

@@ -10,6 +10,7 @@ are bit for bit the row's and whose output is not (:mod:`rlx_nb.configurations.o
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -20,8 +21,11 @@ from rlx_nb._support import switches
 from rlx_nb._support.progress import bar
 from rlx_nb.backends.base import ORACLE
 from rlx_nb.backends.registry import get_backend
+from rlx_nb.changes.ops import SEPARATOR
 from rlx_nb.comparison.compare import judge_leaf
 from rlx_nb.configurations import configs as cf
+from rlx_nb.configurations.grads import float64_row_grads, row_grads
+from rlx_nb.configurations.kernels import path_in_run
 from rlx_nb.configurations.ops import first_parting, recorded
 from rlx_nb.configurations.report import InvarianceReport
 from rlx_nb.errors import BackendError, InputError, describe_error, did_you_mean, still_interrupted
@@ -68,6 +72,7 @@ def invariance(
     pad: int = cf.PAD,
     rows: Iterable[int] | None = None,
     ops: bool = True,
+    backward: bool = False,
     label: str | None = None,
     progress: bool = True,
 ) -> InvarianceReport:
@@ -93,6 +98,10 @@ def invariance(
         The rows checked (default: the first two).
     ops : bool
         Record the ops where a configuration's outputs differ, to name the first that parts.
+    backward : bool
+        Also each row's per-sample gradients on the oracle (outputs ``grad:<parameter>``: the gradient of the row's
+        outputs against a fixed cotangent, :mod:`rlx_nb.configurations.grads`), in the batch and padding
+        configurations: what a trainer computes from a rollout's rows.
 
     Returns
     -------
@@ -115,6 +124,8 @@ def invariance(
     given = cf.Inputs.of(inputs)
     kinds = _kinds(model, given, configs)
     sizes = _sizes(batch_sizes)
+    if not isinstance(backward, bool):
+        raise InputError(f"backward must be True or False; got {backward!r}")
     if isinstance(pad, bool) or not isinstance(pad, int) or pad < 1:
         raise InputError(f"pad must be a whole number of tokens >= 1; got {pad!r}")
     if given.rows < 2 and ({"batch", "position"} & set(kinds)):
@@ -129,8 +140,7 @@ def invariance(
     with switches.exclusive():
         try:
             model.eval()
-            _compare(model, given, report, names=names, kinds=kinds, sizes=sizes, pad=pad, rows=chosen, ops=ops,
-                     progress=progress)  # fmt: skip
+            _compare(model, given, report, _Plan(names, kinds, sizes, pad, chosen, ops, backward, progress))
         except (KeyboardInterrupt, SystemExit) as exc:  # (the configurations compared so far are kept)
             report.incomplete = f"interrupted after {len(report.pairs)} configuration(s) compared"
             exc.add_note("rlx_nb: rlx_nb.interrupted_invariance() returns the configurations compared so far")
@@ -200,8 +210,22 @@ def _backends(backends: Any) -> list[str]:
     return [n for n in names if n != ORACLE]
 
 
-def _compare(base: torch.nn.Module, given: cf.Inputs, report: InvarianceReport, *, names: list[str], kinds: list[str],
-             sizes: tuple[int, ...], pad: int, rows: list[int], ops: bool, progress: bool) -> None:  # fmt: skip
+@dataclasses.dataclass
+class _Plan:
+    # What a call asked for, checked.
+    names: list[str]
+    kinds: list[str]
+    sizes: tuple[int, ...]
+    pad: int
+    rows: list[int]
+    ops: bool
+    backward: bool
+    progress: bool
+
+
+def _compare(base: torch.nn.Module, given: cf.Inputs, report: InvarianceReport, plan_of: _Plan) -> None:
+    names, kinds, sizes, pad, rows = plan_of.names, plan_of.kinds, plan_of.sizes, plan_of.pad, plan_of.rows
+    ops, backward, progress = plan_of.ops, plan_of.backward, plan_of.progress
     pad_id = int(getattr(getattr(base, "config", None), "pad_token_id", None) or 0)
     reference: dict[int, dict[str, torch.Tensor]] = {}
     runners = {ORACLE: base, **{n: _OnBackend(base, get_backend(n)) for n in names}}
@@ -224,9 +248,17 @@ def _compare(base: torch.nn.Module, given: cf.Inputs, report: InvarianceReport, 
             shown.set_postfix_str(f"{backend}: row {config.row}, {config.name}")
             key = (backend, config.row)
             try:
+                grads = backward and backend == ORACLE
                 if key not in alone:
                     alone[key] = _checked(cf.outputs(given.call(runner, given.row(config.row))))
+                    if grads:
+                        row = given.row(config.row)
+                        alone[key].update(row_grads(lambda row=row: cf.outputs(given.call(base, row)), base,
+                                                    alone[key], {}))  # fmt: skip
                 got = config.run(runner)
+                if grads and config.kind != "cache":  # (a trainer's rows: batched and padded, not decoded)
+                    like = {k: v for k, v in alone[key].items() if not k.startswith("grad:")}
+                    got.update(row_grads(lambda c=config: c.run(base), base, like, config.where))
             except InputError:
                 raise
             except Exception as exc:
@@ -238,8 +270,10 @@ def _compare(base: torch.nn.Module, given: cf.Inputs, report: InvarianceReport, 
             if any(not same for same, *_ in rows_out.values()):
                 if config.row not in reference:
                     reference[config.row] = _float64(base, given, config.row)
+                    if backward:
+                        reference[config.row].update(_float64_grads(base, given, config.row, alone[key]))
                 _judged(report, backend, config, rows_out, reference[config.row])
-                if ops and config.kind != "cache" and backend == ORACLE and not report.has_op(backend, config.name):
+                if ops and backend == ORACLE and not report.has_op(backend, config.name):
                     shown.set_postfix_str(f"{backend}: the ops of {config.name}")
                     report.add_op(backend, config, _parting(base, given, config, records))
             else:
@@ -282,6 +316,12 @@ def _float64(base: torch.nn.Module, given: cf.Inputs, i: int) -> dict[str, torch
     return cf.outputs(run_float64_streamed(_Through(base, list(row) if given.keywords else None), tuple(row.values())))
 
 
+def _float64_grads(base: torch.nn.Module, given: cf.Inputs, i: int, alone: dict) -> dict[str, torch.Tensor]:
+    row = {k: v.double() if v.is_floating_point() else v for k, v in given.row(i).items()}
+    like = {k: v for k, v in alone.items() if not k.startswith("grad:")}
+    return float64_row_grads(base, lambda m: given.call(m, row), like, cf.outputs)
+
+
 def _judged(report: InvarianceReport, backend: str, config: cf.Config, rows_out: dict, ref: dict) -> None:
     judged = {}
     for k, (same, diff, a, b) in rows_out.items():
@@ -305,8 +345,17 @@ def _parting(base: torch.nn.Module, given: cf.Inputs, config: cf.Config, kept: d
         kept.clear()  # (one row's record at a time)
         kept[config.row] = recorded(lambda m: given.call(m, row), base)
     alone = kept[config.row]
-    here = recorded(config.run, base, against=alone, where=config.where)  # (compared as it runs, nothing kept)
-    return first_parting(alone, here)
+    # (a cache's run: its last call's ops, the earlier calls run first, unrecorded, to fill the cache)
+    run = config.last(base) if config.last is not None else config.run
+    where = {"window": config.window} if config.window is not None else config.where
+    here = recorded(run, base, against=alone, where=where)  # (compared as it runs, nothing kept)
+    parting = first_parting(alone, here)
+    if parting.op is not None and SEPARATOR in parting.op:  # (an op, not a module: its kernel path in each)
+        mine = path_in_run(lambda m: given.call(m, row), base, parting.op)
+        theirs = path_in_run(config.last(base) if config.last is not None else config.run, base, parting.op)
+        if mine or theirs:
+            parting.kernels = mine if mine == theirs else f"{mine or '?'} alone against {theirs or '?'} here"
+    return parting
 
 
 __all__ = ["KINDS", "interrupted_invariance", "invariance"]
