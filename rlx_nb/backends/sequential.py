@@ -10,7 +10,8 @@ sequential rounding errors add up coherently instead of averaging out.  A floor 
 the sum's length cannot know that; so the budget measures it.
 
 :class:`SequentialSums` runs the model (forward and backward) in float32 with every reduction it covers
-summed in another legitimate order than ATen's: ``sum``/``mean``; the parameter gradients (and the
+summed in another legitimate order than ATen's: ``sum``/``mean``; BatchNorm's batch statistics in training
+(and the running statistics updated from them); the parameter gradients (and the
 input-gradient row sums) of LayerNorm, BatchNorm and GroupNorm; softmax and log-softmax backward; a
 convolution's bias gradient -- each with one accumulator per output (per :data:`SEQUENTIAL_BLOCK` terms of a
 longer sum, the blocks then added pairwise, as a real kernel's cascade does), adding the terms strictly in index
@@ -149,6 +150,31 @@ def _batch_norm_backward(args: tuple, kwargs: dict, out: Any) -> Any:
     return gi, gw, gb
 
 
+def _batch_norm(args: tuple, kwargs: dict, out: Any) -> Any:
+    # Training mode: the batch's mean and variance summed in index order (Inductor's generated loop sums them so, in
+    # one accumulator per channel, where ATen's kernel keeps lanes), the output and the running statistics from
+    # them as ATen's kernel makes them.  Eval mode reads the running statistics: nothing is summed.
+    x, weight, bias, running_mean, running_var, training, momentum, eps = (*args, *[None] * 8)[:8]
+    if not training or x.dtype != torch.float32:
+        return aten.native_batch_norm.default(*args, **kwargs)
+    view = [1, -1] + [1] * (x.dim() - 2)
+    dims = [d for d in range(x.dim()) if d != 1]
+    count = x.numel() // max(1, x.shape[1])
+    mean = sequential_sum(x, dims) / count
+    centered = x - mean.reshape(view)
+    var = sequential_sum(centered * centered, dims) / count
+    invstd = torch.rsqrt(var + eps)
+    y = centered * invstd.reshape(view)
+    if weight is not None:
+        y = y * weight.reshape(view)
+    if bias is not None:
+        y = y + bias.reshape(view)
+    if running_mean is not None and running_var is not None:
+        running_mean.mul_(1 - momentum).add_(mean * momentum)
+        running_var.mul_(1 - momentum).add_(var * (count / max(1, count - 1)) * momentum)
+    return y, mean, invstd
+
+
 def _group_norm_backward(args: tuple, kwargs: dict, out: Any) -> Any:
     grad, x, mean, rstd, _weight, n, c, _hxw, group = args[:9]
     gi, gw, gb = out
@@ -275,6 +301,7 @@ _SEQUENTIAL: dict[Any, Callable[[tuple, dict, Any], Any]] = {
     aten.mean.dim: _mean,
     aten.mean.default: _mean,
     aten.native_layer_norm_backward.default: _layer_norm_backward,
+    aten.native_batch_norm.default: _batch_norm,
     aten.native_batch_norm_backward.default: _batch_norm_backward,
     aten.native_group_norm_backward.default: _group_norm_backward,
     aten._softmax_backward_data.default: _softmax_backward,
@@ -286,7 +313,8 @@ _SEQUENTIAL: dict[Any, Callable[[tuple, dict, Any], Any]] = {
     aten.baddbmm.default: _baddbmm,
     aten.convolution.default: _convolution,
 }
-_REPLACED = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.convolution.default}
+_REPLACED = {aten.mm.default, aten.addmm.default, aten.bmm.default, aten.baddbmm.default, aten.convolution.default,
+             aten.native_batch_norm.default}  # fmt: skip
 """Ops computed again from their arguments alone: the original call is not needed first."""
 
 
