@@ -110,18 +110,28 @@ def interrupt_entering_mode(fn: Callable[[], Any], n: int) -> bool | None:
     return _interrupted(fn, trace, reached=lambda: seen >= n)
 
 
-def count_mode_entries(fn: Callable[[], Any]) -> int:
-    """How many torch modes of rlx_nb's ``fn()`` enters."""
-    seen = 0
+def mode_entries(fn: Callable[[], Any]) -> list[tuple[str, str]]:
+    """Each torch mode of rlx_nb's ``fn()`` enters, in order: the mode's class and where it is entered from (the
+    caller's file and line), so a test can interrupt each place once (the n-th entry is ``mode_entries[n - 1]``)."""
+    seen: list[tuple[str, str]] = []
 
     def trace(frame, event, arg):
-        nonlocal seen
         if event == "call" and _is_mode_entry(frame):
-            seen += 1
+            caller = frame.f_back
+            at = f"{caller.f_code.co_filename}:{caller.f_lineno}" if caller is not None else "?"
+            seen.append((type(frame.f_locals["self"]).__qualname__, at))
         return None
 
     _traced(fn, trace)
     return seen
+
+
+def first_of_each(entries: list[tuple[str, str]]) -> list[int]:
+    """The entry numbers (1-based) of the first entry of each distinct mode and place."""
+    firsts: dict[tuple[str, str], int] = {}
+    for n, entry in enumerate(entries, 1):
+        firsts.setdefault(entry, n)
+    return sorted(firsts.values())
 
 
 def _dispatch_flags() -> dict[str, Any]:
