@@ -1071,7 +1071,15 @@ report.summary""",
     ),
     (
         "md",
-        """Every row gives other bits alone than inside any batch here: the first op that parts is `F.linear`, its input one row (1x512) alone against 2, 3 ... 16 rows (a matrix product takes another path by size). Within round-off each time -- a legitimate kernel choice. The map shows each row (down) in each configuration (across), its place on the line written in the cells that differ:""",
+        """Every row gives other bits alone than inside any batch here: the first op that parts is `F.linear`, its input one row (1x512) alone against 2, 3 ... 16 rows (a matrix product takes another path by size). Within round-off each time -- a legitimate kernel choice. Where torch says which kernel ran, `kernel_path` says it: the ATen ops the op ran and the library calls MKL and oneDNN report, here MKL's SGEMM with the product's shapes as it took them (one row against sixteen):""",
+    ),
+    (
+        "code",
+        """print(report.summary.set_index("config").kernel_path["batch of 16, at 0"])""",
+    ),
+    (
+        "md",
+        """The map shows each row (down) in each configuration (across), its place on the line written in the cells that differ:""",
     ),
     (
         "code",
@@ -1107,9 +1115,18 @@ lm.summary[lm.summary.verdict != "bit for bit"]""",
     ),
     (
         "md",
+        """For the cache the ops compared are the decode step's own (the cache filled first) against the same positions of the row computed whole: the first that parts is the attention's input projection, `c_attn`'s matrix product at one row against 24. `lm.tree(...)` marks it on the module tree -- every op before it bit for bit (`=`), every op after it not (`~`):""",
+    ),
+    (
+        "code",
+        """for line in lm.tree(config="decoded token by token").splitlines()[:22]:
+    print(line)""",
+    ),
+    (
+        "md",
         """## A padding mask that leaks
 
-A planted bug: a self-attention that drops its padding mask for a padded batch, so the padded tokens leak into the row. Its padded configurations are past the line -- a bug, not a kernel choice. The first op that parts is still the projection (13 tokens take another path than 10, within round-off); where a pair is past the line the report also names the op that *moves* the row -- its output a million times further from the row alone's than its inputs: the softmax that now reads the padded keys. Beside a padded row, row 0 keeps its mask (it has no padding of its own): not past the line:""",
+A planted bug: a self-attention that drops its padding mask for a padded batch, so the padded tokens leak into the row. Its padded configurations are past the line -- a bug, not a kernel choice. The first op that parts is still a matrix product (13 tokens take another path than 10, within round-off: the projection or the attention's product, by thread count); where a pair is past the line the report also names the op that *moves* the row -- its output a million times further from the row alone's than its inputs: the softmax that now reads the padded keys. Beside a padded row, row 0 keeps its mask (it has no padding of its own): not past the line:""",
     ),
     (
         "code",
@@ -1130,6 +1147,17 @@ leak = rlx_nb.invariance(LeakyAttention(), {"input_ids": tokens, "attention_mask
                          configs=["padding"])
 print(leak)
 leak.plot();""",
+    ),
+    (
+        "md",
+        """## Per-sample gradients
+
+A trainer computes its gradients from a rollout's rows inside a batch. `backward=True` adds each row's per-sample gradients (outputs `grad:<parameter>`: the gradient of the row's outputs against a fixed cotangent, taken inside the batch where only the row reaches it) and judges them the same way:""",
+    ),
+    (
+        "code",
+        """grads = rlx_nb.invariance(linears, rows, batch_sizes=(2, 16), rows=[0], backward=True, progress=False).frame
+grads[grads.output.str.startswith("grad:")][["config", "output", "bitwise", "verdict", "line"]]""",
     ),
     (
         "md",
