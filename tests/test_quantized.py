@@ -842,3 +842,24 @@ def test_a_search_that_gives_up_says_so_in_the_lines_with_what_finishing_costs(m
     assert report.budget_note in wide[0]
     with pytest.raises(InputError, match="search_runs must be None"):
         rlx_nb.quantized_divergence(converted, inputs, search_runs=0, progress=False)
+
+
+def test_every_requantization_point_of_a_transformer_is_named_at_the_op_that_computed_its_value():
+    # A value quantized again (OPT's residual, reshaped before the next layer's product, is quantized a second
+    # time; an eval-mode dropout passes the attention's projection through) is named where it was computed, never
+    # "(top level) :: dequantize_per_tensor": a fault planted there is localized to its layer.
+    transformers = pytest.importorskip("transformers")
+    from rlx_nb.int8.locate import _place
+
+    torch.manual_seed(0)
+    cfg = transformers.OPTConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                 max_position_embeddings=64, ffn_dim=128, word_embed_proj_dim=64)  # fmt: skip
+    model = transformers.OPTForCausalLM(cfg).eval()
+    ids = torch.randint(4, 1000, (1, 16))
+    converted = quantize.quantize_pt2e(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    points = [p for p in requantization._ops(converted, "dequantize_per_tensor") if requantization._computed(p)]
+    places = [_place(p) for p in points]
+    assert len(places) > 40
+    assert not [pl for pl in places if pl[1] in ("dequantize_per_tensor", "quantize_per_tensor", "dropout")], places
+    assert ("model.decoder.layers.0.self_attn.out_proj", "linear") in places
+    assert sum(pl == ("model.decoder.layers.0", "add") for pl in places) >= 2  # (the residual, and it reshaped)

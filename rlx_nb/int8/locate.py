@@ -19,6 +19,8 @@ import torch
 from rlx_nb.comparison.compare import compare
 from rlx_nb.errors import InputError
 from rlx_nb.int8.requantization import (
+    _DEQUANTIZE,
+    _QUANTIZE,
     _behind_moves,
     _computed,
     _module_of,
@@ -47,6 +49,10 @@ def _place(point: torch.fx.Node) -> tuple[str, str]:
     if not isinstance(producer, torch.fx.Node) or producer.op == "placeholder":
         return "(top level)", "input"
     producer = _behind_moves(producer)
+    # (a value quantized again -- a residual reshaped before the next layer's product -- was computed where its first
+    # quantization's input was: past every dequantize and quantize, to the op)
+    while _op(producer) in (*_DEQUANTIZE, _QUANTIZE) and producer.args and isinstance(producer.args[0], torch.fx.Node):
+        producer = _behind_moves(producer.args[0])
     if not isinstance(producer, torch.fx.Node) or producer.op == "placeholder":
         return "(top level)", _op_name(point.args[0])
     module = _module_of(point, producer)

@@ -80,9 +80,10 @@ def _ops(graph_module: torch.fx.GraphModule, kind: str) -> list[torch.fx.Node]:
 _THROUGH = frozenset({
     "relu", "relu_", "hardtanh", "hardtanh_", "clamp", "view", "reshape", "_unsafe_view", "permute", "transpose", "t",
     "expand", "clone", "contiguous", "squeeze", "unsqueeze", "flatten", "slice", "select", "_to_copy", "alias", "pad",
-    "constant_pad_nd",
+    "constant_pad_nd", "dropout",
 })  # fmt: skip
-"""Ops that move or clip a value without computing a new one: a requantization's accumulator is the op before them."""
+"""Ops that move or clip a value without computing a new one (a dropout in an inference graph passes it as it is): a
+requantization's accumulator is the op before them."""
 
 CORRECTLY_ROUNDED = frozenset({
     "input", "add", "sub", "rsub", "mul", "div", "neg", "abs", "cat", "stack", "to", "maximum", "minimum", "where",
