@@ -273,3 +273,46 @@ def test_per_sample_gradients_find_a_backward_that_leaks_across_the_batch_where_
     assert (frame[~frame.output.str.startswith("grad:")].verdict != "SUSPECT").all()
     with pytest.raises(InputError, match="backward must be True or False"):
         rlx_nb.invariance(model, x, backward="yes", progress=False)
+
+
+class _TinyDecoder(torch.nn.Module):
+    # A decoder with its own cache (keys and values by position); ``drop_oldest``: the planted bug, a cache that
+    # keeps one position too few (the oldest key dropped, as a sliding window off by one would).
+    def __init__(self, drop_oldest: bool = False):
+        super().__init__()
+        torch.manual_seed(0)
+        self.emb, self.pos = torch.nn.Embedding(32, 16), torch.nn.Embedding(64, 16)
+        self.qkv, self.out = torch.nn.Linear(16, 48), torch.nn.Linear(16, 32)
+        self.drop_oldest = drop_oldest
+
+    def forward(self, input_ids, attention_mask=None, past_key_values=None, use_cache=False, position_ids=None):
+        from transformers.modeling_outputs import CausalLMOutputWithPast
+
+        n = input_ids.shape[1]
+        past = 0 if past_key_values is None else past_key_values[0].shape[1] + int(self.drop_oldest)
+        if position_ids is None:
+            position_ids = torch.arange(past, past + n)[None]
+        q, k, v = self.qkv(self.emb(input_ids) + self.pos(position_ids)).chunk(3, -1)
+        if past_key_values is not None:
+            k, v = torch.cat([past_key_values[0], k], 1), torch.cat([past_key_values[1], v], 1)
+        m = k.shape[1]
+        scores = (q @ k.transpose(-1, -2) / 4.0).masked_fill(torch.arange(m)[None] > torch.arange(m - n, m)[:, None],
+                                                             float("-inf"))  # fmt: skip
+        logits = self.out(torch.softmax(scores, -1) @ v)
+        cache = (k[:, 1:], v[:, 1:]) if self.drop_oldest else (k, v)
+        return CausalLMOutputWithPast(logits=logits, past_key_values=cache if use_cache else None)
+
+
+def test_a_cache_off_by_one_position_is_past_the_line_and_named_at_the_op_that_reads_it():
+    pytest.importorskip("transformers")
+    ids = torch.randint(0, 32, (2, 12), generator=torch.Generator().manual_seed(0))
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    good = rlx_nb.invariance(_TinyDecoder().eval(), inputs, configs=["cache"], rows=[0], progress=False)
+    assert good.verdict() == "round-off" and good.suspects == [], good.lines()
+    assert good.summary.moved_at.isna().all()
+    bad = rlx_nb.invariance(_TinyDecoder(drop_oldest=True).eval(), inputs, configs=["cache"], rows=[0], progress=False)
+    assert bad.suspects == ["cpu"]
+    summary = bad.summary.set_index("config")
+    # (the attention's score product: the decode step reads 11 keys where the row computed whole reads 12)
+    assert summary.moved_at["decoded token by token"] == "<root> :: Tensor.matmul", summary.to_string()
+    assert "the row's positions part at <root> :: Tensor.matmul (its output 1x12x12 alone against" in bad.lines()[0]

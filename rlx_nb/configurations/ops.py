@@ -112,7 +112,7 @@ def compared(a: Recorded, b: Recorded, where: dict[str, Any]) -> Compared:
     """``b`` (a configuration's) against ``a`` (the row alone's), each tensor cut to the row's part."""
     out = _cut(a.out, b.out, where)
     if out is None:
-        return Compared(a.name, False)
+        return Compared(a.name, False, shapes=f"{_dims(a.out)} alone against {_dims(b.out)} here")
     cut = [_cut(t, u, where) for t, u in zip(a.inputs, b.inputs, strict=False)]
     same = [c is not None and (_shared(*c) or same_bits(*c)) for c in cut]
     inputs_same = len(b.inputs) >= len(a.inputs) and all(same)
@@ -140,6 +140,10 @@ class Parting:
     varying: list[str] = dataclasses.field(default_factory=list)
     moved: str | None = None
     jump: float = 0.0
+    unaligned: str | None = None
+    """The first op whose output covers other positions than the row alone's (its shapes in ``unaligned_shapes``):
+    where a pair is past the line and no op moves the row, where a cache holding the wrong positions is read."""
+    unaligned_shapes: str = ""
     kernels: str = ""
     """The op's kernel path in each configuration, where torch says it (:mod:`rlx_nb.configurations.kernels`)."""
     order: list[str] = dataclasses.field(default_factory=list)
@@ -149,6 +153,10 @@ class Parting:
 def _shared(a: torch.Tensor, b: torch.Tensor) -> bool:
     # The same memory read the same way (a parameter both runs pass as it is): equal without reading it.
     return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+
+
+def _dims(t: torch.Tensor) -> str:
+    return "x".join(map(str, t.shape)) or "scalar"
 
 
 def _shapes(r: Recorded) -> str:
@@ -166,7 +174,7 @@ def first_parting(alone: tuple[dict, dict], other: tuple[dict, dict], where: dic
         by_module = _first(alone[1], other[1])
         if by_module.op is not None:
             parting.op = f"{by_module.op or '<root>'} (module: its ops' shapes depend on the configuration)"
-            parting.shapes = by_module.shapes
+            parting.shapes = by_module.shapes if "()" not in by_module.shapes else ""
     return parting
 
 
@@ -190,8 +198,11 @@ def _moved(alone: dict[str, Recorded], other: dict[str, Compared]) -> tuple[str 
 
 def _first(alone: dict[str, Recorded], other: dict[str, Compared]) -> Parting:
     found, shapes, invariant, varying, order = None, "", [], [], []
+    unaligned, unaligned_shapes = None, ""
     for name, a in alone.items():
         c = other.get(name)
+        if c is not None and not c.aligned and unaligned is None:
+            unaligned, unaligned_shapes = name, c.shapes
         if c is None or not c.aligned:
             continue
         (invariant if c.same else varying).append(name)
@@ -202,7 +213,8 @@ def _first(alone: dict[str, Recorded], other: dict[str, Compared]) -> Parting:
         found = name
         shapes = (f"({_shapes(a)}) alone against ({c.shapes}) here"
                   + (f", with {c.extra} more input(s) (a mask)" if c.extra else ""))  # fmt: skip
-    return Parting(found, shapes, invariant, varying, order=order)
+    return Parting(found, shapes, invariant, varying, order=order, unaligned=unaligned,
+                   unaligned_shapes=unaligned_shapes)  # fmt: skip
 
 
 def tree(parting: Parting) -> str:

@@ -76,7 +76,8 @@ class InvarianceReport:
                          "first_op": op.op if op is not None else None,
                          "op_shapes": op.shapes if op is not None else "",
                          "kernel_path": op.kernels if op is not None else "",
-                         "moved_at": op.moved if op is not None and verdict == SUSPECT else None})  # fmt: skip
+                         "moved_at": (op.moved or op.unaligned) if op is not None and verdict == SUSPECT else None,
+                         })  # fmt: skip
         return Table(rows, columns=["backend", "config", "verdict", "line", "first_op", "op_shapes", "kernel_path",
                                     "moved_at"])  # fmt: skip
 
@@ -105,12 +106,15 @@ class InvarianceReport:
                 continue
             worst = max(parted, key=lambda c: _rank(mine[c]))
             op = self.ops.get((b, worst))
-            at = f"; first op that parts: {op.op} {op.shapes}" if op is not None and op.op else ""
+            at = f"; first op that parts: {op.op} {op.shapes}".rstrip() if op is not None and op.op else ""
             if at and op.kernels:
                 at += f" (kernel path: {op.kernels})"
             if op is not None and op.moved and verdict == SUSPECT:  # (where the bug is: the op that moves the row)
                 at = (f"; the row is moved at {op.moved} (its output {op.jump:.2g}x further from the row alone's than "
                       f"its inputs)" + at)  # fmt: skip
+            elif op is not None and op.unaligned and verdict == SUSPECT:  # (or reads other positions than the row's)
+                at = (f"; the row's positions part at {op.unaligned} (its output {op.unaligned_shapes}: not the "
+                      "positions the row alone computes)" + at)  # fmt: skip
             line = max((r["line"] for r in self._rows if r["backend"] == b and r["config"] == worst
                         and r["line"] == r["line"]), default=math.nan)  # fmt: skip
             said = "past the line: a bug" if verdict == SUSPECT else "within round-off: a legitimate kernel choice"
