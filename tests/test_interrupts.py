@@ -6,6 +6,7 @@ still computes what it computed before, and the same call runs whole."""
 from __future__ import annotations
 
 import contextlib
+import os
 
 import pytest
 import torch
@@ -72,6 +73,24 @@ def test_ctrl_c_during_a_diff_leaves_torch_as_it_was(tmp_path):
     model, inputs = demo.layered(fault_layer=1)
     path = rlx_nb.snapshot(model, inputs, tmp_path / "s", reference=True, ops=True)
     _interrupted_everywhere(lambda: rlx_nb.diff(path, model, inputs, local="all", backend="fault:softmax-row"))
+
+
+def test_ctrl_c_during_an_invariance_with_its_ops_and_kernel_paths_leaves_torch_and_the_process_output_as_they_were():
+    # The kernel path routes the process's stdout and stderr to a file while MKL and oneDNN print their verbose lines
+    # and the profiler runs: an interrupt anywhere in it leaves both descriptors where they were.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 256), torch.nn.GELU(), torch.nn.Linear(256, 256))
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(1))
+    fds = [(os.fstat(fd).st_dev, os.fstat(fd).st_ino) for fd in (1, 2)]
+    outcomes = _interrupted_everywhere(lambda: rlx_nb.invariance(model, x, batch_sizes=(2,), rows=[0], progress=False),
+                                       spread=(0.05, 0.3, 0.55, 0.75, 0.85, 0.95))  # fmt: skip
+    assert [(os.fstat(fd).st_dev, os.fstat(fd).st_ino) for fd in (1, 2)] == fds, outcomes
+    from rlx_nb.configurations.kernels import kernel_path  # (and inside the kernel path itself, at every share)
+
+    args = (x[:1], model[0].weight, model[0].bias)
+    _interrupted_everywhere(lambda: kernel_path(torch.nn.functional.linear, args, {}), spread=(0.1, 0.3, 0.5, 0.7, 0.9))
+    assert [(os.fstat(fd).st_dev, os.fstat(fd).st_ino) for fd in (1, 2)] == fds
+    assert "MKL SGEMM" in rlx_nb.invariance(model, x, batch_sizes=(2,), rows=[0], progress=False).summary.kernel_path[0]
 
 
 def test_ctrl_c_during_a_repro_and_its_shrinking_leaves_torch_as_it_was(tmp_path):
