@@ -41,11 +41,14 @@ def recorded(
     *,
     against: tuple[dict, dict] | None = None,
     where: dict[str, Any] | None = None,
+    first: dict[str, str] | None = None,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """``run(model)``'s ops in call order, and its modules' first calls in the order they end (a module's children
     before it), each with its first floating output (copies: a later in-place op does not change them).  With
     ``against`` (the row alone's record), each is compared with the row alone's as it comes (:class:`Compared`) and
-    nothing of it is kept: one run's record in memory, not two."""
+    nothing of it is kept: one run's record in memory, not two.  ``first`` (with ``against``) is given the first op
+    whose inputs are the row's and whose output is not, as the run makes it, and its kernel path (the op run once
+    more there, :func:`rlx_nb.configurations.kernels.kernel_path`): no run of the model again to find it."""
     seen: dict[str, Any] = {}
     modules: dict[str, Any] = {}
 
@@ -63,6 +66,12 @@ def recorded(
         name = f"<root>{op.name}" if op.name.startswith(SEPARATOR) else op.name  # (the top level's own ops)
         store(seen, against[0] if against else {}, name,
               lambda: Recorded(name, _tensors((op.args, op.kwargs)), op.out.detach().clone()))  # fmt: skip
+        c = seen.get(name)
+        if first is not None and "op" not in first and isinstance(c, Compared) and c.aligned and c.inputs_same \
+                and not c.same:  # fmt: skip
+            from rlx_nb.configurations.kernels import kernel_path
+
+            first["op"], first["path"] = name, kernel_path(op.func, op.args, op.kwargs)
 
     def ended(name: str):
         def hook(module, args, out):

@@ -338,21 +338,28 @@ def _judged(report: InvarianceReport, backend: str, config: cf.Config, rows_out:
     report.add_pair(backend, config, judged)
 
 
-def _parting(base: torch.nn.Module, given: cf.Inputs, config: cf.Config, kept: dict[int, Any]) -> Any:
-    # (the row alone's record once a row, for every configuration compared with it)
+def _parting(base: torch.nn.Module, given: cf.Inputs, config: cf.Config, kept: dict[Any, Any]) -> Any:
+    # (the row alone's record, and its ops' kernel paths, once a row, for every configuration compared with it)
     row = given.row(config.row)
     if config.row not in kept:
         kept.clear()  # (one row's record at a time)
         kept[config.row] = recorded(lambda m: given.call(m, row), base)
-    alone = kept[config.row]
+        kept["paths"] = {}
+    alone, paths = kept[config.row], kept["paths"]
     # (a cache's run: its last call's ops, the earlier calls run first, unrecorded, to fill the cache)
     run = config.last(base) if config.last is not None else config.run
     where = {"window": config.window} if config.window is not None else config.where
-    here = recorded(run, base, against=alone, where=where)  # (compared as it runs, nothing kept)
+    first: dict[str, str] = {}  # (the first op that parts, and its kernel path, taken as the run makes it)
+    here = recorded(run, base, against=alone, where=where, first=first)  # (compared as it runs, nothing kept)
     parting = first_parting(alone, here)
     if parting.op is not None and SEPARATOR in parting.op:  # (an op, not a module: its kernel path in each)
-        mine = path_in_run(lambda m: given.call(m, row), base, parting.op)
-        theirs = path_in_run(config.last(base) if config.last is not None else config.run, base, parting.op)
+        if parting.op not in paths:
+            paths[parting.op] = path_in_run(lambda m: given.call(m, row), base, parting.op)
+        mine = paths[parting.op]
+        if first.get("op") == parting.op:
+            theirs = first["path"]
+        else:  # (the run's first parting op in its own order was another: the op run again where it is called)
+            theirs = path_in_run(config.last(base) if config.last is not None else config.run, base, parting.op)
         if mine or theirs:
             parting.kernels = mine if mine == theirs else f"{mine or '?'} alone against {theirs or '?'} here"
     return parting
