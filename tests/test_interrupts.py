@@ -123,6 +123,9 @@ def test_ctrl_c_as_any_torch_mode_is_entered_leaves_no_mode_on_torchs_stack(tmp_
             progress=False,
         ),
     }
+    rows = torch.randn(3, 64, generator=torch.Generator().manual_seed(1))
+    linears = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 64))
+    calls["invariance"] = lambda: rlx_nb.invariance(linears, rows, batch_sizes=(2,), rows=[0], progress=False)
     for name, call in calls.items():
         call()
         entries = mode_entries(call)

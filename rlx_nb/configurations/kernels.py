@@ -1,11 +1,12 @@
-"""The kernel path an op takes, where torch says it: the ATen ops it runs (torch's profiler) and the library kernels
-MKL and oneDNN report running (their verbose lines, e.g. ``MKL SGEMM(T,N,512,1,512)``: the product's shapes as the
-library took them).  Two configurations whose first parting op took another path (another GEMM shape, oneDNN's
-kernel where MKL's ran) are read at a glance; where the paths read the same, the split of the work inside the kernel
-is what differs.
+"""The kernel path an op takes, where torch says it: the ATen ops it runs (a dispatch mode; for a convolution, the
+backend ATen selects for it) and the library kernels MKL and oneDNN report running (their verbose lines, e.g.
+``MKL SGEMM(T,N,512,1,512)``: the product's shapes as the library took them).  Two configurations whose first parting
+op took another path (another GEMM shape, oneDNN's kernel where MKL's ran) are read at a glance; where the paths read
+the same, the split of the work inside the kernel is what differs.
 
-The op is run once more, on the inputs it had, with the profiler on and both libraries' verbose output routed to a
-file (and their previous settings restored however the call ends); only the first op that parts is run so, twice.
+The op is run once more, on the inputs it had, with both libraries' verbose output routed to a file (and their
+previous settings, the dispatch mode and the process's output put back however the call ends); only the first op
+that parts is run so.  (torch's profiler would name every nested ATen op, but its first use in a process took 2.2 s.)
 """
 
 from __future__ import annotations
@@ -20,6 +21,8 @@ from typing import Any
 
 import torch
 
+from rlx_nb._support.kept import modes_kept
+from rlx_nb.backends.sequential import QuietDispatchMode
 from rlx_nb.errors import still_interrupted
 
 _PLUMBING = frozenset(
@@ -69,23 +72,41 @@ def _library_lines(text: str) -> list[str]:
     return list(dict.fromkeys(found))
 
 
+class _AtenOps(QuietDispatchMode):
+    # The ATen ops a call reaches torch's dispatcher with, in order (a convolution with the backend ATen selects).
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = func.overloadpacket.__name__
+        if name == "convolution" and len(args) >= 9:
+            try:
+                chosen = torch._C._select_conv_backend(*args[:9], None)
+                name = f"convolution ({str(chosen).rsplit('.', 1)[-1]})"
+            except Exception as exc:
+                still_interrupted(exc)
+        self.ops.append(name)
+        return func(*args, **(kwargs or {}))
+
+
 def kernel_path(func: Callable, args: tuple, kwargs: dict) -> str:
     """``func(*args, **kwargs)`` run once more, and the path it took (module docstring); "" where torch says nothing
     (or the op cannot run again)."""
+    seen = _AtenOps()
     try:
-        with _routed((1, 2)) as printed:
+        with _routed((1, 2)) as printed, modes_kept():
             with (
                 torch.backends.mkl.verbose(torch.backends.mkl.VERBOSE_ON),
                 torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON),
-                torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof,
                 torch.no_grad(),
+                seen,
             ):
                 func(*args, **kwargs)
     except Exception as exc:
         still_interrupted(exc)
         return ""
-    aten = [e.name.removeprefix("aten::") for e in prof.events() if e.name.startswith("aten::")]
-    path = [a for a in dict.fromkeys(aten) if a not in _PLUMBING]
+    path = [a for a in dict.fromkeys(seen.ops) if a not in _PLUMBING]
     return " -> ".join([*path, *_library_lines("".join(printed))])
 
 
