@@ -1089,11 +1089,11 @@ report.summary""",
         "md",
         """## Down to the element
 
-A pair (the row alone against the row in one configuration) is a report like any other, with float64 of the row alone as its reference -- the explorer opens on it:""",
+A pair (the row alone against the row in one configuration) is a report like any other, with float64 of the row alone as its reference. The explorer of the invariance report picks a backend and a configuration, says the pair's first op, its shapes and kernel path, and opens the pair down to the element:""",
     ),
     (
         "code",
-        """rlx_nb.explore(report.report(config="batch of 16, at 0"))""",
+        """rlx_nb.explore(report, config="batch of 16, at 0")""",
     ),
     (
         "md",

@@ -29,10 +29,12 @@ class PickingExplorer(Explorer):
     """
 
     def __init__(self, heading: str, draw: Callable[[Any], None] | None, pickers: list[tuple[str, Any]],
-                 pick: Callable[[dict[str, Any]], DivergenceReport], *, top: int, interactive: bool) -> None:  # fmt: skip
+                 pick: Callable[[dict[str, Any]], DivergenceReport], *, top: int, interactive: bool,
+                 about: Callable[[dict[str, Any]], str] | None = None) -> None:  # fmt: skip
         from matplotlib.figure import Figure
 
         self.pick = pick
+        self.about = about
         self.pickers = dict(pickers)
         report = pick(self.values)
         super().__init__(report, top=top, interactive=interactive)
@@ -43,7 +45,8 @@ class PickingExplorer(Explorer):
             draw(figure)
             _show_png(self.whole_figure, _png(figure))
         row = W.HBox([w for _, w in pickers], layout=W.Layout(flex_flow="row wrap"))
-        self.children = (self.whole_head, self.whole_figure, row, *self.children)
+        self.part_about = W.HTML(self._about())
+        self.children = (self.whole_head, self.whole_figure, row, self.part_about, *self.children)
         for _, widget in pickers:
             widget.observe(self._on_pick, names="value")
 
@@ -60,7 +63,12 @@ class PickingExplorer(Explorer):
         except InputError as exc:
             self.status.value = f"<span style='color:#b00020'>{html.escape(str(exc))}</span>"
             return
+        self.part_about.value = self._about()
         self.show_report(report)
+
+    def _about(self) -> str:
+        # What the caller knows of the picked part beyond its elements (an invariance pair's first op), as HTML.
+        return self.about(self.values) if self.about is not None else ""
 
     def show_report(self, report: DivergenceReport) -> None:
         """Show another report in the same explorer (its worst backend, its worst output)."""
@@ -79,7 +87,7 @@ class PickingExplorer(Explorer):
         head = self.whole_head.value + (
             f"<img src='data:image/png;base64,{whole}' style='max-width:100%'/>" if whole else ""
         )
-        return {**shot, "text/html": head + f"<p>{self.picked_text()}</p>" + shot["text/html"]}
+        return {**shot, "text/html": head + f"<p>{self.picked_text()}</p>" + self._about() + shot["text/html"]}
 
     def picked_text(self) -> str:
         """The part shown, in words (the snapshot's line above the part's explorer)."""
@@ -220,10 +228,23 @@ def explore_invariance(invariance: Any, *, backend: str | None = None, config: s
 
     backends.observe(follow, names="value")
     heading = "".join(f"<p>{html.escape(line)}</p>" for line in invariance.lines())
+
+    def about(values: dict[str, Any]) -> str:  # (the pair's op: where it parts, how, and where the row moves)
+        op = invariance.ops.get((values["backend"], values["configuration"]))
+        if op is None or not op.op:
+            return "<p>No op recorded for this pair (ops are recorded on the oracle, where its outputs differ).</p>"
+        said = [f"first op that parts: <code>{html.escape(op.op)}</code> {html.escape(op.shapes)}"]
+        if op.kernels:
+            said.append(f"kernel path: <code>{html.escape(op.kernels)}</code>")
+        if op.moved or op.unaligned:
+            said.append(f"the row moves at <code>{html.escape(op.moved or op.unaligned or '')}</code>")
+        return "<p class='rlx-pair-op'>" + "<br>".join(said) + "</p>"
+
     return PickingExplorer(heading, lambda fig: invariance.plot(backends.value, ax=fig.add_subplot()),
                            [("backend", backends), ("configuration", chosen)],
                            lambda v: invariance.report(v["backend"], v["configuration"]), top=top,
-                           interactive=_ipympl_active() if interactive is None else interactive)  # fmt: skip
+                           interactive=_ipympl_active() if interactive is None else interactive,
+                           about=about)  # fmt: skip
 
 
 __all__ = ["DiffExplorer", "PickingExplorer", "explore_diff", "explore_invariance", "explore_training"]

@@ -233,6 +233,12 @@ def test_the_explorer_goes_from_a_configuration_pair_to_the_element():
     explorer.pickers["configuration"].value = "batch of 16, at 15"
     assert explorer.backend_picker.value == "cpu · batch of 16, at 15" and explorer.output_picker.value == "out"
     assert "first op that parts: 0 :: F.linear" in explorer.snapshot()["text/html"]
+    # The picked pair's own op, its shapes and kernel path, beside its pickers (and following them).
+    about = explorer.part_about.value
+    assert "first op that parts: <code>0 :: F.linear</code> (1x512, 512x512, 512) alone against (16x512" in about
+    assert "kernel path: <code>addmm" in about and about in explorer.snapshot()["text/html"]
+    explorer.pickers["configuration"].value = "batch of 2, at 0"
+    assert "(2x512, 512x512, 512) here" in explorer.part_about.value
     with pytest.raises(InputError, match="bit for bit"):
         torch.manual_seed(0)
         rlx_nb.explore(rlx_nb.invariance(torch.nn.Softmax(-1), torch.randn(3, 8), progress=False))
