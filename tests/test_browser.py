@@ -39,7 +39,9 @@ PIL = pytest.importorskip("PIL.Image")
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(CHROMIUM is None, reason="chromium not installed")]
 
-NOTEBOOKS = sorted((Path(__file__).parent.parent / "notebooks").glob("[0-9][0-9]_*.ipynb"))  # (every walkthrough, 10 and on too)
+NOTEBOOKS = sorted(
+    (Path(__file__).parent.parent / "notebooks").glob("[0-9][0-9]_*.ipynb")
+)  # (every walkthrough, 10 and on too)
 TIMEOUT_MS = 120_000
 INTERACTIVE = "interactive_explorer.ipynb"
 
