@@ -43,7 +43,8 @@ format: $(STAMP)
 # 300 modules in each worker (7 s of its collection).
 # OpenMP's idle threads sleep (OMP_WAIT_POLICY=PASSIVE): a run on another thread count (training's envelope and its
 # `threads` backend) spun its second thread against the other worker, and 20,000 small matmuls took 3.5x as long.
-# A test that hangs fails after 10 minutes with every thread's stack (pytest-timeout), not at CI's limit.
+# A test that hangs fails after 10 minutes (pytest-timeout, by a signal in the test's own thread: its thread method ends
+# the worker, and pytest-xdist's loadgroup scheduler then waits for ever for the dead worker's tests).
 TEST_WORKERS ?= auto
 TEST_THREADS ?= 1
 test: lint

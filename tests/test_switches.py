@@ -395,3 +395,26 @@ def test_a_stop_swallowed_by_a_destructor_is_raised_again_until_the_abandoned_th
     assert done.returncode == 0, done.stderr[-2000:]
     assert "RAISED Stopped\nSTOPPED True False" in done.stdout, done.stdout + done.stderr[-2000:]
     assert "Exception ignored" not in done.stderr, done.stderr[-2000:]
+
+
+def test_an_interrupt_at_any_call_of_a_runs_entry_or_exit_gives_the_run_lock_back():
+    # The class behind a suite that hung: an interrupt landing in what takes the run lock or puts torch back kept
+    # the lock, and the next run of another thread waited for ever.  Every call of an empty run, interrupted in turn.
+    import threading
+
+    from rlx_nb._support import switches
+    from tests.interrupts import count_calls, interrupt_at
+
+    def call():
+        with switches.exclusive():
+            pass
+
+    total = count_calls(call)
+    assert total > 3
+    for n in range(1, total + 1):
+        interrupt_at(call, n)
+        assert not switches._RUN_LOCK.held, f"the run lock kept after an interrupt at call {n} of {total}"
+    other = threading.Thread(target=call, daemon=True)
+    other.start()
+    other.join(30)
+    assert not other.is_alive(), "another thread's run still waits for the lock"

@@ -243,16 +243,35 @@ def exclusive(say: Callable[[str], None] = lambda _: None) -> Iterator[dict[str,
     ``torch.inference_mode`` (their blocks are theirs again after).
     """
     _RUN_LOCK.acquire(say)
-    before, modes = snapshot(), thread_modes()
+    # (the lock is given back however the run ends, even where an interrupt lands in what takes it or puts things
+    # back: a lock an interrupt kept made the next run of another thread wait for ever)
+    entered = False
     try:
+        before, modes = snapshot(), thread_modes()
+        entered = True
         # (a mode whose __enter__ an interrupt cut short, after torch pushed it, is left by no ``with``)
         with modes_kept(), _neutral():
             yield dict(before)
     finally:
-        with _FLIP_LOCK:
-            restore(before)
-        restore_thread_modes(modes)
-        _RUN_LOCK.release()
+        try:
+            if entered:
+                try:
+                    with _FLIP_LOCK:
+                        restore(before)
+                finally:
+                    restore_thread_modes(modes)
+        finally:
+            # (given back whatever interrupt lands while it is, raised again once it is: no call of rlx_nb's own
+            # stands between here and the release, where an interrupt could land first)
+            interrupted: BaseException | None = None
+            while True:
+                try:
+                    _RUN_LOCK.release()
+                    break
+                except (KeyboardInterrupt, SystemExit) as exc:
+                    interrupted = exc
+            if interrupted is not None:
+                raise interrupted
 
 
 def guarded(fn: Callable[..., Any]) -> Callable[..., Any]:
