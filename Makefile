@@ -44,13 +44,16 @@ format: $(STAMP)
 # OpenMP's idle threads sleep (OMP_WAIT_POLICY=PASSIVE): a run on another thread count (training's envelope and its
 # `threads` backend) spun its second thread against the other worker, and 20,000 small matmuls took 3.5x as long.
 # A test that hangs fails after 10 minutes (pytest-timeout, by a signal in the test's own thread: its thread method ends
-# the worker, and pytest-xdist's loadgroup scheduler then waits for ever for the dead worker's tests).
+# the worker, and pytest-xdist's loadgroup scheduler then waits for ever for the dead worker's tests); one stuck in C,
+# where no signal lands, prints every thread's stack at 11 (faulthandler_timeout).  As the suite runs, the controller
+# names each test still running after 5 minutes and each that took over 90 s (tests/watch.py), and the slowest 25 are
+# listed at the end: a run cut short by CI's limit says what it was doing.
 TEST_WORKERS ?= auto
 TEST_THREADS ?= 1
 test: lint
 	env -u PYTHONDONTWRITEBYTECODE OPENBLAS_NUM_THREADS=1 OMP_NUM_THREADS=$(TEST_THREADS) OMP_WAIT_POLICY=PASSIVE \
 		TORCHINDUCTOR_COMPILE_THREADS=1 \
-		$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
+		$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup --durations=25
 
 # A quick set of the ratio benchmarks against the committed results (a few minutes; not part of `make test`):
 # fails when a ratio is more than 25% worse than committed or misses its target (an end-to-end size that fails is
