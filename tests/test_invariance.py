@@ -322,3 +322,65 @@ def test_a_cache_off_by_one_position_is_past_the_line_and_named_at_the_op_that_r
     # (the attention's score product: the decode step reads 11 keys where the row computed whole reads 12)
     assert summary.moved_at["decoded token by token"] == "<root> :: Tensor.matmul", summary.to_string()
     assert "the row's positions part at <root> :: Tensor.matmul (its output 1x12x12 alone against" in bad.lines()[0]
+
+
+class _ChunkedSoftmax(torch.overrides.TorchFunctionMode):
+    # A backend's softmax whose sum is split by the batch: past 2 rows, in two chunks (its own kernel, not an op any
+    # recording of the oracle sees).
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func in (torch.softmax, torch.nn.functional.softmax, torch.Tensor.softmax):
+            x = args[0]
+            e = (x - x.amax(-1, keepdim=True)).exp()
+            if x.shape[0] > 2:
+                total = e[..., :23].sum(-1, keepdim=True) + e[..., 23:].sum(-1, keepdim=True)
+            else:
+                total = e.sum(-1, keepdim=True)
+            return e / total
+        return func(*args, **kwargs)
+
+
+def _chunked_softmax_backend(module, inputs):
+    with _ChunkedSoftmax():
+        return module(*inputs)
+
+
+def test_a_backend_whose_own_kernel_splits_by_the_batch_is_named_at_its_module_run_alone_through_it():
+    # #65: a backend's ops are its own (a compiler's generated code, a runtime's kernels): each leaf module is run
+    # alone through it in both configurations, on the same bits of the row; the first that parts is named.
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(1)) * 3
+    model = torch.nn.Sequential(torch.nn.Tanh(), torch.nn.Softmax(-1))  # (the oracle's: bit for bit at any batch)
+    rlx_nb.register_backend("test:chunked-softmax", _chunked_softmax_backend, replace=True, default=False)
+    try:
+        report = rlx_nb.invariance(model, x, backends=["test:chunked-softmax"], configs=["batch"], batch_sizes=(2, 3),
+                                   rows=[0], progress=False)  # fmt: skip
+    finally:
+        rlx_nb.unregister_backend("test:chunked-softmax")
+    mine = report.summary.set_index(["backend", "config"])
+    assert mine.loc[("cpu", "batch of 3, at 0"), "verdict"] == "bit for bit", report.summary.to_string()
+    parted = mine.loc[("test:chunked-softmax", "batch of 3, at 0")]
+    assert parted.verdict == "round-off", report.summary.to_string()
+    assert parted.first_op == "1 :: Softmax alone on test:chunked-softmax", parted.first_op
+    assert parted.op_shapes == "1x64 against 3x64", parted.op_shapes
+    assert mine.loc[("test:chunked-softmax", "batch of 2, at 0"), "verdict"] == "bit for bit"
+    ops = report.ops[("test:chunked-softmax", "batch of 3, at 0")]
+    assert ops.invariant == ["0 :: Tanh alone on test:chunked-softmax"]  # (alone on the backend: the same bits)
+    tree = report.tree("test:chunked-softmax", "batch of 3, at 0")
+    assert "=  Tanh alone on test:chunked-softmax" in tree and "<< Softmax alone on test:chunked-softmax" in tree, tree
+
+
+@pytest.mark.slow
+def test_inductors_compiled_linear_is_named_at_its_module_with_the_kernel_inductor_generated():
+    # The measure: a torch.compile'd linear is not batch invariant.  Inductor's code for the linear alone
+    # calls its extern GEMM at each batch size; MKL takes it at one row against sixteen.
+    x = torch.randn(4, 512, generator=torch.Generator().manual_seed(1))
+    report = rlx_nb.invariance(_linears(), x, backends=["cpu-inductor"], configs=["batch"], batch_sizes=(16,),
+                               rows=[0], progress=False)  # fmt: skip
+    parted = report.summary.set_index(["backend", "config"]).loc[("cpu-inductor", "batch of 16, at 0")]
+    assert parted.verdict == "round-off", report.summary.to_string()
+    assert parted.first_op == "0 :: Linear alone on cpu-inductor", parted.first_op
+    assert parted.op_shapes == "1x512 against 16x512"
+    assert "Inductor extern_kernels.addmm" in parted.kernel_path, parted.kernel_path
+    if torch.backends.mkl.is_available():
+        assert "SGEMM(T,N,512,1,512)" in parted.kernel_path and "SGEMM(T,N,512,16,512)" in parted.kernel_path
+    assert "first op that parts: 0 :: Linear alone on cpu-inductor" in "\n".join(report.lines())

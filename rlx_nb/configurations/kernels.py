@@ -90,6 +90,23 @@ class _AtenOps(QuietDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def library_path(fn: Callable[[], Any]) -> str:
+    """``fn()`` run with MKL's and oneDNN's verbose output routed (no dispatch mode: a compiled call runs its own
+    code), and the library kernels they say ran; "" where they say nothing (or ``fn`` fails)."""
+    try:
+        with _routed((1, 2)) as printed, modes_kept():
+            with (
+                torch.backends.mkl.verbose(torch.backends.mkl.VERBOSE_ON),
+                torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON),
+                torch.no_grad(),
+            ):
+                fn()
+    except Exception as exc:
+        still_interrupted(exc)
+        return ""
+    return " -> ".join(_library_lines("".join(printed)))
+
+
 def kernel_path(func: Callable, args: tuple, kwargs: dict) -> str:
     """``func(*args, **kwargs)`` run once more, and the path it took (module docstring); "" where torch says nothing
     (or the op cannot run again)."""
@@ -128,4 +145,4 @@ def path_in_run(run: Callable[[torch.nn.Module], Any], model: torch.nn.Module, n
     return found.get("path", "")
 
 
-__all__ = ["kernel_path", "path_in_run"]
+__all__ = ["kernel_path", "library_path", "path_in_run"]

@@ -157,6 +157,8 @@ class Parting:
     """The op's kernel path in each configuration, where torch says it (:mod:`rlx_nb.configurations.kernels`)."""
     order: list[str] = dataclasses.field(default_factory=list)
     """Every op compared, in the row alone's call order (:func:`tree`)."""
+    note: str = ""
+    """Where no op is named, why (a backend searched module by module: :mod:`rlx_nb.configurations.alone`)."""
 
 
 def _shared(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -109,6 +109,8 @@ class InvarianceReport:
             at = f"; first op that parts: {op.op} {op.shapes}".rstrip() if op is not None and op.op else ""
             if at and op.kernels:
                 at += f" (kernel path: {op.kernels})"
+            if not at and op is not None and op.note:
+                at = f"; {op.note}"
             if op is not None and op.moved and verdict == SUSPECT:  # (where the bug is: the op that moves the row)
                 at = (f"; the row is moved at {op.moved} (its output {op.jump:.2g}x further from the row alone's than "
                       f"its inputs)" + at)  # fmt: skip

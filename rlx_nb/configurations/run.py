@@ -5,7 +5,8 @@ float32) and on each backend asked for; every output of the row is compared bit 
 difference is judged on the verdict's one scale against float64 of the row alone (within round-off: a legitimate
 kernel choice, the fix a batch-invariant kernel; past the line: a real bug such as a mask that leaks or a cache that
 holds the wrong positions), and the model's ops are recorded in both configurations to name the first op whose inputs
-are bit for bit the row's and whose output is not (:mod:`rlx_nb.configurations.ops`).
+are bit for bit the row's and whose output is not (:mod:`rlx_nb.configurations.ops`); on a backend, whose kernels no
+op record sees, each leaf module is run alone through it instead (:mod:`rlx_nb.configurations.alone`).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from rlx_nb.backends.registry import get_backend
 from rlx_nb.changes.ops import SEPARATOR
 from rlx_nb.comparison.compare import judge_leaf
 from rlx_nb.configurations import configs as cf
+from rlx_nb.configurations.alone import first_module_alone
 from rlx_nb.configurations.grads import float64_row_grads, row_grads
 from rlx_nb.configurations.kernels import path_in_run
 from rlx_nb.configurations.ops import first_parting, recorded
@@ -273,9 +275,12 @@ def _compare(base: torch.nn.Module, given: cf.Inputs, report: InvarianceReport, 
                     if backward:
                         reference[config.row].update(_float64_grads(base, given, config.row, alone[key]))
                 _judged(report, backend, config, rows_out, reference[config.row])
-                if ops and backend == ORACLE and not report.has_op(backend, config.name):
+                if ops and not report.has_op(backend, config.name):
                     shown.set_postfix_str(f"{backend}: the ops of {config.name}")
-                    report.add_op(backend, config, _parting(base, given, config, records))
+                    if backend == ORACLE:
+                        report.add_op(backend, config, _parting(base, given, config, records))
+                    else:  # (its ops are its own: each leaf module run alone through it, in both configurations)
+                        report.add_op(backend, config, first_module_alone(base, given, config, runner.backend))
             else:
                 report.add_pair(backend, config, {k: (True, 0.0, None, None) for k in rows_out})
             shown.update()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import gc
 import math
 import time
 from typing import Any
@@ -14,6 +15,7 @@ from rlx_nb._support.kept import modes_kept
 from rlx_nb._support.progress import bar
 from rlx_nb.errors import InputError, RlxError, describe_error, still_interrupted
 from rlx_nb.execution.environment import environment
+from rlx_nb.execution.prepare import trim
 from rlx_nb.numerics.device import same_bits
 from rlx_nb.training import trajectory as tr
 from rlx_nb.training.backends import resolve
@@ -153,15 +155,20 @@ def _train(model: torch.nn.Module, spec: Any, chosen: list, *, seeds: int, asked
     shapes = {n: tuple(p.shape) for n, p in base.named_parameters()}
     judged_at = log_spaced(spec.steps, asked)
     env32, env16 = tr.Envelope(), tr.Envelope()
-    earlier: dict[int, State] = {}
+    earlier: int | None = None  # (the step judged before: where a first step past the line is searched from)
     with bar(f"rlx_nb training {report.label}", total=2 * spec.steps, unit="step", enabled=progress) as shown:
         # The envelope's runs first, side by side, their figures kept (module docstring of trajectory.py) ...
         shown.set_postfix_str("the envelope (round-off's drift)")
         bf16 = any(b.compute_dtype == "bfloat16" for b in chosen)
         drifts32, drifts16 = _envelope_pass(base, spec, seeds=seeds, bf16=bf16, shapes=shapes, shown=shown)
+        gc.collect()
+        trim()  # (the envelope's runs are let go: what the allocator keeps of them goes back to the system)
         # ... then the oracle and the backends.
         first = copy.deepcopy(base)
         oracle = tr.Run("cpu", first, spec.optimizer(list(first.parameters())))
+        # (the state the oracle starts from: where a first step past the line is searched from, the oracle trained
+        # again up to the step judged before it -- one copy of the model, not one of each judged step's state)
+        initial = State(copy.deepcopy(base), spec.optimizer(list(base.parameters())).state_dict())
         runs = []
         for b in chosen:
             m = copy.deepcopy(base)
@@ -177,9 +184,17 @@ def _train(model: torch.nn.Module, spec: Any, chosen: list, *, seeds: int, asked
             due = [
                 r.backend for r in runs if not r.error and (step in judged_at or report.leaving.get(r.name) == step - 1)
             ]
-            took = time.perf_counter()
-            state = State.of(oracle.model, oracle.optimizer) if due else None
-            report.local_seconds += time.perf_counter() - took
+            if due:  # (judged before the oracle's own step, from its live state: each run of the judge copies it)
+                shown.set_postfix_str(f"local step {step}")
+                live = State(oracle.model, oracle.optimizer.state_dict())
+                before = set(report.suspects)
+                _judge_local(live, spec, step, batch, backends=due, keep=keep, report=report)
+                trim()
+                for b in due:
+                    if b.name in report.suspects and b.name not in before and earlier is not None:
+                        shown.set_postfix_str(f"{b.name}: the first step past the line")
+                        _first_past(spec, b, report, p=earlier, initial=initial, s=step, keep=keep)
+                earlier = step
             given = _tensors(batch)
             ref = oracle.step(spec, step, batch)
             _still_the_same(oracle.model, shapes, given, batch, step)
@@ -201,15 +216,6 @@ def _train(model: torch.nn.Module, spec: Any, chosen: list, *, seeds: int, asked
                 report.add_step(step, run.name, got=got, ref=ref, diffs=diffs, env=env, place=place, which=which)
                 if place > 1 and run.name not in report.leaving:
                     report.leaving[run.name] = step
-            if state is not None:
-                shown.set_postfix_str(f"local step {step}")
-                before = set(report.suspects)
-                _judge_local(state, spec, step, batch, backends=due, keep=keep, report=report)
-                for b in due:
-                    if b.name in report.suspects and b.name not in before and earlier:
-                        shown.set_postfix_str(f"{b.name}: the first step past the line")
-                        _first_past(spec, b, report, p=max(earlier), state=earlier[max(earlier)], s=step, keep=keep)
-                earlier = {step: state}
             shown.update()
 
 
@@ -261,9 +267,16 @@ def _still_the_same(model: torch.nn.Module, shapes: dict[str, tuple], given: lis
         )
 
 
-def _first_past(spec: Any, backend: Any, report: Any, *, p: int, state: State, s: int, keep: int) -> None:
+def _first_past(spec: Any, backend: Any, report: Any, *, p: int, initial: State, s: int, keep: int) -> None:
     # ``backend``'s local step ``s`` is past the line and ``p`` (the step judged before it) was not: the oracle is run
-    # again from ``p``'s state and the steps between bisected, each judged, to the first past the line.
+    # again from its initial state to ``p`` (its steps are deterministic: the same state, bit for bit) and the steps
+    # between bisected, each judged, to the first past the line.
+    start = time.perf_counter()
+    model, opt = initial.start(spec)
+    for t in range(p):
+        tr.Run("cpu", model, opt).step(spec, t, spec.batch(t))
+    state = State(model, opt.state_dict())
+    report.local_seconds += time.perf_counter() - start
     lo, hi = p, s
     while hi - lo > 1:
         start = time.perf_counter()
@@ -300,7 +313,7 @@ def _judge_local(state: State, spec: Any, step: int, batch: Any, *, backends: li
         reading = verdict_of(local, b.name)
         report.add_local(b.name, step, reading)
         if reading["verdict"] == "SUSPECT" and len(report.kept) < keep:
-            report.kept[(b.name, step)] = (local, state, batch)
+            report.kept[(b.name, step)] = (local, state.copy(), batch)
 
 
 __all__ = ["KEEP_REPORTS", "interrupted_training", "training_divergence"]

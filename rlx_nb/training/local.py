@@ -51,7 +51,8 @@ def one_step(
     after the forward, the gradients and the parameters after the update (the names :data:`PHASES` gives them).
     ``tensor_step``: the optimizer is :func:`tensor_scalars`'s (its update runs with the parameters' ``requires_grad``
     off, as that implementation's in-place update needs outside autograd).  ``keep=False``: the loss and the gradient
-    norm only (a trajectory's step: no copy of the buffers, gradients and parameters)."""
+    norm only (a trajectory's step: no copy of the buffers, gradients and parameters).  With ``keep``, ``model`` must be
+    one the caller lets go after the step (the judge's copy): the parameters returned are its own."""
     if backend is not None and backend.ranks:
         from rlx_nb.training.ddp import ranks_step
 
@@ -88,8 +89,10 @@ def one_step(
                     p.requires_grad_(True)
         else:
             optimizer.step()
+    # (the parameters after the update are taken, not copied: a kept step's model is the judge's own copy, let go
+    # once the step is done -- a copy held the parameters twice, the float64 reference's 8 bytes an element)
     for name, p in plain.named_parameters() if keep else ():
-        outputs[f"param:{name}"] = p.detach().clone()
+        outputs[f"param:{name}"] = p.detach()
     return float(outputs["loss"]), norm, outputs
 
 
@@ -108,8 +111,10 @@ def _run(name: str, go: Any, dtype: str) -> BackendRun:
     except Exception as exc:
         still_interrupted(exc)
         return BackendRun(name, ERROR, {}, describe_error(exc), time.perf_counter() - start, compute_dtype=dtype)
-    leaves = {k: to_leaf(v.float() if v.dtype == torch.float64 and name != REFERENCE else v, copy=True)
-              for k, v in outputs.items()}  # fmt: skip
+    # (the outputs are the step's own copies (:func:`one_step`): the leaves share them, no second copy)
+    leaves = {
+        k: to_leaf(v.float() if v.dtype == torch.float64 and name != REFERENCE else v) for k, v in outputs.items()
+    }
     return BackendRun(name, OK, leaves, "", time.perf_counter() - start, grad_status=OK, compute_dtype=dtype)
 
 

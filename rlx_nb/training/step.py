@@ -131,6 +131,11 @@ class State:
     def of(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> State:
         return cls(copy.deepcopy(model), copy.deepcopy(optimizer.state_dict()))
 
+    def copy(self) -> State:
+        """A state of its own (this one may be a live model's: :func:`~rlx_nb.training.divergence.training_divergence`
+        judges a step from the oracle's model as it stands)."""
+        return State(copy.deepcopy(self.model), copy.deepcopy(self.optimizer))
+
     def start(self, spec: Spec, *, dtype: torch.dtype | None = None,
               make: Callable[[Any], torch.optim.Optimizer] | None = None) -> tuple[torch.nn.Module, Any]:  # fmt: skip
         """A fresh model and optimizer at this state (in ``dtype`` where given: the float64 reference's)."""
@@ -138,10 +143,13 @@ class State:
         if dtype is not None:
             model = model.to(dtype)
         opt = (make or spec.optimizer)(list(model.parameters()))
-        state = copy.deepcopy(self.optimizer)
-        if dtype is not None:
-            state["state"] = {k: {n: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() and n != "step"
-                                  else v for n, v in s.items()} for k, s in state["state"].items()}  # fmt: skip
+        if dtype is None:
+            state = copy.deepcopy(self.optimizer)  # (loading shares tensors of the right dtype: the run's own copies)
+        else:  # (converted straight from the kept state, not from a copy of it: the conversion is the copy)
+            state = {"state": {k: {n: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() and n != "step"
+                                   else copy.deepcopy(v) for n, v in s.items()}
+                               for k, s in self.optimizer["state"].items()},
+                     **{k: copy.deepcopy(v) for k, v in self.optimizer.items() if k != "state"}}  # fmt: skip
         return model, restored(opt, state)
 
 
