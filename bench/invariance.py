@@ -3,7 +3,8 @@
 Anchors, measured in the same run: the model run by hand on exactly the inputs ``rlx_nb.invariance`` runs (the row
 alone and each configuration), nothing else.  Targets: <= 3x those runs where nothing differs (a GPT-2 from a config,
 batch and position configurations: bit for bit); <= 6x with op recording where one op differs (a model of linears:
-``F.linear``'s small-batch path); GPT-2 small (124M, from its config, random weights) with 128-token prompts completes
+``F.linear``'s small-batch path; and on ``cpu-inductor``, whose first parting module is searched by running each
+leaf module alone through it, against the oracle's and the backend's runs of the same configurations); GPT-2 small (124M, from its config, random weights) with 128-token prompts completes
 with peak memory <= 2x a plain run's of the same configurations (the whole process's peak RSS, the model loaded in
 both; a fresh process each).
 
@@ -29,6 +30,9 @@ def _case(name: str):
     if name == "linears":
         model = torch.nn.Sequential(*[torch.nn.Linear(3072, 3072) for _ in range(6)])  # (rows of one token each)
         return model, torch.randn(4, 3072), {"batch_sizes": (2, 3, 4, 8, 16)}
+    if name == "linears-inductor":  # (a backend's first parting module: each leaf run alone through it)
+        model = torch.nn.Sequential(*[torch.nn.Linear(1024, 1024) for _ in range(6)])
+        return model, torch.randn(4, 1024), {"batch_sizes": (2, 16), "rows": [0], "backends": ["cpu-inductor"]}
     import transformers
 
     if name == "gpt2-config":
@@ -55,16 +59,21 @@ def _plain(model, inputs, options) -> None:
     given = cf.Inputs.of(inputs)
     kinds = _kinds(model, given, options.get("configs"))
     sizes = tuple(options.get("batch_sizes", cf.BATCH_SIZES))
+    from rlx_nb.backends.registry import get_backend
+    from rlx_nb.configurations.run import _OnBackend
+
+    runners = [model, *(_OnBackend(model, get_backend(b)) for b in options.get("backends", []))]
     with torch.no_grad():
-        for i in options.get("rows", [0, 1]):
-            given.call(model, given.row(i))
-            made = [c for c in cf.batch_configs(given, i, sizes) if c.kind in kinds]
-            if "padding" in kinds:
-                made += cf.padding_configs(model, given, i, cf.PAD, 0)
-            if "cache" in kinds:
-                made += cf.cache_configs(model, given, i)
-            for c in made:
-                c.run(model)
+        for runner in runners:  # (the oracle's runs, and each backend's of the same configurations)
+            for i in options.get("rows", [0, 1]):
+                given.call(runner, given.row(i))
+                made = [c for c in cf.batch_configs(given, i, sizes) if c.kind in kinds]
+                if "padding" in kinds:
+                    made += cf.padding_configs(model, given, i, cf.PAD, 0)
+                if "cache" in kinds and runner is model:
+                    made += cf.cache_configs(model, given, i)
+                for c in made:
+                    c.run(runner)
 
 
 def _child(name: str, workflow: str) -> None:
@@ -93,6 +102,7 @@ def main() -> None:
     rows, lines = [], []
     for name, target, what in (("gpt2-config", 3.0, "time, nothing differs"),
                                ("linears", 6.0, "time, one op differs (ops recorded)"),
+                               ("linears-inductor", 6.0, "time, cpu-inductor's first parting module searched"),
                                ("gpt2-124m", 2.0, "peak memory")):  # fmt: skip
         plain, checked = _run(name, "plain"), _run(name, "invariance")
         if what == "peak memory":  # (the whole process's peak: the model loaded, its runs, what rlx_nb keeps)

@@ -384,3 +384,26 @@ def test_inductors_compiled_linear_is_named_at_its_module_with_the_kernel_induct
     if torch.backends.mkl.is_available():
         assert "SGEMM(T,N,512,1,512)" in parted.kernel_path and "SGEMM(T,N,512,16,512)" in parted.kernel_path
     assert "first op that parts: 0 :: Linear alone on cpu-inductor" in "\n".join(report.lines())
+
+
+def _chunked_only_whole(module, inputs):
+    # A backend that splits the softmax's sum only when it runs the whole model (as a compiler fusing across
+    # modules): each module alone runs as eager does.
+    if isinstance(module, torch.nn.Sequential) or isinstance(getattr(module, "model", None), torch.nn.Sequential):
+        return _chunked_softmax_backend(module, inputs)
+    return module(*inputs)
+
+
+def test_a_backend_that_parts_only_across_modules_says_so_and_names_no_module():
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(1)) * 3
+    model = torch.nn.Sequential(torch.nn.Tanh(), torch.nn.Softmax(-1))
+    rlx_nb.register_backend("test:fused-only", _chunked_only_whole, replace=True, default=False)
+    try:
+        report = rlx_nb.invariance(model, x, backends=["test:fused-only"], configs=["batch"], batch_sizes=(3,),
+                                   rows=[0], progress=False)  # fmt: skip
+    finally:
+        rlx_nb.unregister_backend("test:fused-only")
+    parted = report.summary.set_index(["backend", "config"]).loc[("test:fused-only", "batch of 3, at 0")]
+    assert parted.verdict == "round-off" and parted.first_op is None, report.summary.to_string()
+    line = next(x for x in report.lines() if "test:fused-only" in x)
+    assert "no module alone parts on test:fused-only: it parts only across modules" in line, line

@@ -103,7 +103,7 @@ def first_module_alone(base: torch.nn.Module, given: cf.Inputs, config: cf.Confi
     alone = _leaf_calls(base, lambda m: given.call(m, row))
     there = _leaf_calls(base, lambda m: given.call(m, named))
     modules = dict(base.named_modules())
-    order, invariant = [], []
+    order, invariant, failed = [], [], []
     for (name, mine), (their_name, theirs) in zip(alone, there, strict=False):
         if name != their_name or len(mine) != len(theirs):
             break  # (the two runs call other modules from here: the search stops where they stop aligning)
@@ -117,9 +117,10 @@ def first_module_alone(base: torch.nn.Module, given: cf.Inputs, config: cf.Confi
             with torch.no_grad():
                 got_alone = _tensors(backend.fn(module, mine))
                 got_there = _tensors(backend.fn(module, spliced))
-        except Exception as exc:
+        except Exception as exc:  # (a module the backend cannot run alone, e.g. one it compiles to nothing: passed)
             still_interrupted(exc)
-            return Parting(None, note=f"{name} alone on {backend.name} failed: {describe_error(exc)}", order=order)
+            failed.append(f"{name} ({describe_error(exc)[:80]})")
+            continue
         cut = [cf.aligned(t, a.shape, at=at, size=size) for a, t in zip(got_alone, got_there, strict=False)]
         if all(c is not None and same_bits(a, c) for a, c in zip(got_alone, cut, strict=False)):
             invariant.append(label)
@@ -131,8 +132,9 @@ def first_module_alone(base: torch.nn.Module, given: cf.Inputs, config: cf.Confi
         their_path = _backend_path(lambda m=module, a=spliced: backend.fn(m, a))
         kernels = mine_path if mine_path == their_path else f"{mine_path or '?'} alone against {their_path or '?'} here"
         return Parting(op, shapes=shapes, invariant=invariant, varying=[op], kernels=kernels, order=order)
+    passed = f"; {len(failed)} module(s) it could not run alone: {', '.join(failed[:3])}" if failed else ""
     return Parting(None, note=f"no module alone parts on {backend.name}: it parts only across modules (what it "
-                   "compiles or converts together)", invariant=invariant, order=order)  # fmt: skip
+                   f"compiles or converts together){passed}", invariant=invariant, order=order)  # fmt: skip
 
 
 __all__ = ["first_module_alone"]
