@@ -192,11 +192,20 @@ def grad_norm(model: torch.nn.Module) -> float:
 
 
 def l2_norm(tensors: list[torch.Tensor]) -> float:
-    """The L2 norm of all ``tensors`` together, accumulated in float64 (one vectorised pass per tensor)."""
+    """The L2 norm of all ``tensors`` together: each tensor's in its own precision (float32's for a half-precision
+    one), one vectorised pass each, the tensors' combined in float64.
+
+    Each tensor's norm is within a few float32 ulps of exact, below the trajectory's floor (:data:`~rlx_nb.training.
+    trajectory.FLOOR_ULPS` ulps of the figure) and far below what a distance between runs is judged by; the same
+    norm accumulated in float64 (``dtype=torch.float64``) took 10x as long, and the eleven norms of a step (each run's
+    gradient norm, the distances and scales) cost more than the step's backward on an 11.5M-parameter MLP."""
     if not tensors:
         return 0.0
-    parts = torch._foreach_norm(tensors, 2, dtype=torch.float64)
-    return math.sqrt(float(torch.stack(parts).square().sum()))
+    low = [t for t in tensors if t.dtype in (torch.float16, torch.bfloat16)]
+    rest = [t for t in tensors if t.dtype not in (torch.float16, torch.bfloat16)]
+    parts = [*(torch._foreach_norm(rest, 2) if rest else ()),
+             *(torch._foreach_norm(low, 2, dtype=torch.float32) if low else ())]  # fmt: skip
+    return math.sqrt(float(torch.stack([p.double() for p in parts]).square().sum()))
 
 
 def log_spaced(steps: int, extra: Iterable[int] = ()) -> list[int]:
