@@ -231,8 +231,13 @@ def explore_invariance(invariance: Any, *, backend: str | None = None, config: s
 
     def about(values: dict[str, Any]) -> str:  # (the pair's op: where it parts, how, and where the row moves)
         op = invariance.ops.get((values["backend"], values["configuration"]))
-        if op is None or not op.op:
-            return "<p>No op recorded for this pair (ops are recorded on the oracle, where its outputs differ).</p>"
+        if op is None:
+            return (
+                "<p>No op recorded for this pair (ops are recorded where a pair's outputs differ, with ops=True).</p>"
+            )
+        if not op.op:  # (a backend searched module by module where no module alone parts: why, in words)
+            why = op.note or "no op whose inputs are the row alone's parts"
+            return f"<p>No op named for this pair: {html.escape(why)}.</p>"
         said = [f"first op that parts: <code>{html.escape(op.op)}</code> {html.escape(op.shapes)}"]
         if op.kernels:
             said.append(f"kernel path: <code>{html.escape(op.kernels)}</code>")

@@ -3,6 +3,7 @@ the verdict's scale against float64, with the first op that parts named."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import pytest
@@ -407,3 +408,6 @@ def test_a_backend_that_parts_only_across_modules_says_so_and_names_no_module():
     assert parted.verdict == "round-off" and parted.first_op is None, report.summary.to_string()
     line = next(x for x in report.lines() if "test:fused-only" in x)
     assert "no module alone parts on test:fused-only: it parts only across modules" in line, line
+    if importlib.util.find_spec("ipywidgets") is not None:  # (the explorer says why beside the pair's pickers)
+        explorer = rlx_nb.explore(report, backend="test:fused-only")
+        assert "No op named for this pair: no module alone parts on test:fused-only" in explorer.part_about.value
