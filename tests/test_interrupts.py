@@ -19,6 +19,7 @@ from rlx_nb.localization.culprit import Culprit
 from rlx_nb.models import demo
 from tests.conftest import compiler_caches_off, require_live
 from tests.interrupts import (
+    RAISED_AT,
     count_calls,
     differences,
     first_of_each,
@@ -46,13 +47,16 @@ def _interrupted_everywhere(call, spread=SPREAD) -> list[bool | None]:
     total = count_calls(call)
     before, computes = torch_state(), _still_computes()
     outcomes = []
+    swallowed = []
     for share in spread:
         outcomes.append(interrupt_at(call, max(1, int(total * share))))
+        if outcomes[-1] is False:
+            swallowed.append(f"at {share:.0%}, entering {RAISED_AT[0] if RAISED_AT else '?'}")
         assert differences(before, torch_state()) == {}, f"after an interrupt at {share:.0%} of the call"
         assert torch.equal(_still_computes(), computes)
     call()  # (and the call runs whole again)
     assert differences(before, torch_state()) == {}
-    assert False not in outcomes, f"an interrupt was swallowed: {outcomes}"
+    assert False not in outcomes, f"an interrupt was swallowed: {outcomes} ({'; '.join(swallowed)})"
     assert outcomes.count(None) <= 1, f"the interrupts did not fall inside the call: {outcomes}"
     return outcomes
 
