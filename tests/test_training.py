@@ -357,30 +357,3 @@ def test_the_explorer_goes_from_a_local_step_to_an_output_to_the_element():
     assert "error" in explorer.inspector.value  # (its worst element, inspected against float64's)
     shot = explorer.snapshot()["text/html"]
     assert "test-decay vs cpu over 14 step(s): SUSPECT" in shot and "step: <code>" in shot
-
-
-def test_parked_storages_give_their_memory_back_and_come_back_bit_for_bit_however_the_block_ends():
-    # What waits on disk while a local step is judged (the backends' runs, the state the float64 step starts from):
-    # the same tensor objects and storages after, their bytes as they were, a view of one too; small ones stay.
-    from rlx_nb.training.step import PARK_BYTES, parked
-
-    model = torch.nn.Linear(1024, 512)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    model(torch.randn(2, 1024)).sum().backward()
-    opt.step()
-    view, small = model.weight.detach()[:, :10], torch.randn(4)
-    held = [*model.parameters(), *(v for s in opt.state.values() for v in s.values()), view, small]
-    before = [t.clone() for t in held]
-    storages = [t.untyped_storage() for t in held]
-    with parked(held):
-        assert model.weight.untyped_storage().nbytes() == 0  # (its memory given back)
-        assert small.untyped_storage().nbytes() == 16 < PARK_BYTES  # (a small one stays)
-    assert all(torch.equal(t, b) for t, b in zip(held, before, strict=True))
-    assert view.data_ptr() == model.weight.data_ptr()  # (the view reads the same storage, back in place)
-    with pytest.raises(KeyboardInterrupt), parked(held):
-        raise KeyboardInterrupt
-    assert all(torch.equal(t, b) for t, b in zip(held, before, strict=True))
-    # (the same storages, not new ones: what else reads them -- a compiled step's graph -- reads them still)
-    assert [t.untyped_storage()._cdata for t in held] == [s._cdata for s in storages]
-    model(torch.randn(2, 1024)).sum().backward()  # (and the model and its optimizer go on training)
-    opt.step()
