@@ -22,7 +22,7 @@ from rlx_nb.training.backends import resolve
 from rlx_nb.training.ddp import opened
 from rlx_nb.training.local import judge_step, verdict_of
 from rlx_nb.training.report import TrainingReport
-from rlx_nb.training.step import State, checked_spec, l2_norm, log_spaced, parked
+from rlx_nb.training.step import State, checked_spec, l2_norm, log_spaced
 
 KEEP_REPORTS = 8
 """By default the local steps past the line keep their reports (and the states they started from) for the first this
@@ -188,9 +188,7 @@ def _train(model: torch.nn.Module, spec: Any, chosen: list, *, seeds: int, asked
                 shown.set_postfix_str(f"local step {step}")
                 live = State(oracle.model, oracle.optimizer.state_dict())
                 before = set(report.suspects)
-                # (the backends' own runs wait meanwhile: their models and optimizer states parked on disk)
-                with parked(t for r in runs for t in _held(r)):
-                    _judge_local(live, spec, step, batch, backends=due, keep=keep, report=report)
+                _judge_local(live, spec, step, batch, backends=due, keep=keep, report=report)
                 trim()
                 for b in due:
                     if b.name in report.suspects and b.name not in before and earlier is not None:
@@ -241,11 +239,6 @@ def _envelope_pass(base: torch.nn.Module, spec: Any, *, seeds: int, bf16: bool, 
             drifts16.append(tr.drift(runs16, [_step(run, spec, step, batch) for run in runs16], anchor=runs32[0]))
         shown.update()
     return drifts32, drifts16
-
-
-def _held(run: tr.Run) -> list[torch.Tensor]:
-    # What a run holds between its steps: its parameters and buffers, its optimizer's state.
-    return State(run.model, {"state": run.optimizer.state}).held()
 
 
 def _tensors(batch: Any) -> list[torch.Tensor]:

@@ -26,7 +26,7 @@ from rlx_nb.errors import describe_error, still_interrupted
 from rlx_nb.execution.results import ERROR, OK, BackendRun, RunResults, to_leaf
 from rlx_nb.report.report import DivergenceReport
 from rlx_nb.training.backends import TrainBackend
-from rlx_nb.training.step import Spec, State, grad_norm, parked, to_dtype
+from rlx_nb.training.step import Spec, State, grad_norm, to_dtype
 from rlx_nb.verdict.types import SUSPECT
 
 PHASES = ("forward", "buffers", "backward", "optimizer")
@@ -130,9 +130,6 @@ def judge_step(state: State, spec: Spec, step: int, batch: Any, *, backends: lis
     def reference() -> dict[str, torch.Tensor]:
         with float64_default(), float64_kernels():
             model, opt = state.start(spec, dtype=torch.float64)
-        # (the state it started from waits on disk while the float64 step runs: the step's peak, its model and
-        # optimizer at twice a float32 run's bytes)
-        with parked(state.held()), float64_default(), float64_kernels():
             return one_step(model, opt, spec, step, to_dtype(batch, torch.float64))[2]
 
     def on(b: TrainBackend) -> dict[str, torch.Tensor]:

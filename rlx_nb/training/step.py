@@ -9,13 +9,10 @@ all a step starts from -- the parameters, the buffers, the optimizer's state -- 
 
 from __future__ import annotations
 
-import contextlib
 import copy
-import ctypes
 import dataclasses
 import itertools
 import math
-import tempfile
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -134,13 +131,6 @@ class State:
     def of(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> State:
         return cls(copy.deepcopy(model), copy.deepcopy(optimizer.state_dict()))
 
-    def held(self) -> list[torch.Tensor]:
-        """The tensors this state holds: the model's parameters and buffers, the optimizer's state."""
-        kept = [*self.model.parameters(), *self.model.buffers()]
-        for values in self.optimizer.get("state", {}).values():
-            kept += [v for v in values.values() if isinstance(v, torch.Tensor)]
-        return kept
-
     def copy(self) -> State:
         """A state of its own (this one may be a live model's: :func:`~rlx_nb.training.divergence.training_divergence`
         judges a step from the oracle's model as it stands)."""
@@ -170,44 +160,6 @@ def restored(opt: torch.optim.Optimizer, state: dict) -> torch.optim.Optimizer:
     for group, own in zip(opt.param_groups, made, strict=True):
         group.update(own)  # (... but the implementation is the one this run asked for)
     return opt
-
-
-PARK_BYTES = 1 << 20
-"""Only storages at least this large are parked (:func:`parked`)."""
-
-
-@contextlib.contextmanager
-def parked(tensors: Iterable[torch.Tensor]) -> Iterator[None]:
-    """The storages of ``tensors`` written to a temporary file and their memory given back while the block runs, read
-    back into the same storages after, however it ends (the same tensor objects throughout: a model, its optimizer and
-    a compiled step's graphs keep theirs).  Storages on the CPU of at least :data:`PARK_BYTES`; the file holds the
-    bytes only, read back as bytes."""
-    storages: dict[int, Any] = {}
-    for t in tensors:
-        if isinstance(t, torch.Tensor) and t.device.type == "cpu" and not t.is_sparse:
-            storage = t.untyped_storage()
-            if storage.nbytes() >= PARK_BYTES and storage.resizable():  # (not memory torch was lent: numpy's)
-                storages.setdefault(storage.data_ptr(), storage)
-    done: list[tuple[Any, int]] = []
-    with tempfile.TemporaryFile() as f:
-        try:
-            for storage in storages.values():
-                n = storage.nbytes()
-                f.write(_bytes_of(storage))
-                storage.resize_(0)
-                done.append((storage, n))
-            yield
-        finally:
-            f.flush()
-            f.seek(0)
-            for storage, n in done:
-                storage.resize_(n)
-                f.readinto(_bytes_of(storage))
-
-
-def _bytes_of(storage: Any) -> memoryview:
-    # The storage's bytes in place (through ctypes: a numpy view would leave the storage unresizable for good).
-    return memoryview((ctypes.c_char * storage.nbytes()).from_address(storage.data_ptr())).cast("B")
 
 
 def to_dtype(batch: Any, dtype: torch.dtype) -> Any:
@@ -271,7 +223,6 @@ __all__ = [
     "grad_norm",
     "l2_norm",
     "log_spaced",
-    "parked",
     "perturbed",
     "restored",
     "to_dtype",
