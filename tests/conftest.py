@@ -18,6 +18,7 @@ import rlx_nb
 from rlx_nb.models import demo
 from tests.watch import (  # noqa: F401  (hooks: the slow and stuck tests named as the suite runs)
     pytest_configure,
+    pytest_pyfunc_call,
     pytest_runtest_logfinish,
     pytest_runtest_logstart,
     pytest_unconfigure,

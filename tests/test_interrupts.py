@@ -29,6 +29,9 @@ from tests.interrupts import (
     torch_state,
 )
 
+# Each test traces every Python call of a long call and raises inside torch: in a process of its own (tests/watch.py).
+pytestmark = pytest.mark.isolated
+
 SPREAD = (0.03, 0.2, 0.45, 0.7, 0.93)
 """Where in a call the interrupts fall, as shares of its Python calls inside torch and rlx_nb."""
 
