@@ -15,10 +15,9 @@ import time
 
 import pytest
 
-SLOW = float(os.environ.get("RLX_NB_TEST_SLOW", 90))  # seconds: a finished test this slow is named
-STUCK = float(
-    os.environ.get("RLX_NB_TEST_STUCK", 300)
-)  # seconds: a running test this old is named, again at each multiple
+# Seconds: a finished test this slow is named; a running test this old is named, and again at each multiple.
+SLOW = float(os.environ.get("RLX_NB_TEST_SLOW", 90))
+STUCK = float(os.environ.get("RLX_NB_TEST_STUCK", 300))
 
 
 class Watch:
@@ -102,7 +101,6 @@ def pytest_pyfunc_call(pyfuncitem):
     handler never finished (seen here once in eight full runs: the repro test's counting pass, 10 minutes at 93% CPU;
     most likely what cut two CI runs at 96% and 99.7%).  In a process of its own the test starts from a fresh torch,
     and a hang is ended (SIGABRT: faulthandler prints every thread's stack) and failed, not left to stall the suite."""
-    import os
     import signal
     import subprocess
     import sys

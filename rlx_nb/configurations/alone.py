@@ -20,7 +20,6 @@ from typing import Any
 
 import torch
 
-from rlx_nb._support.tree import flatten
 from rlx_nb.changes.ops import SEPARATOR
 from rlx_nb.configurations import configs as cf
 from rlx_nb.configurations.ops import Parting, _dims
@@ -62,10 +61,6 @@ def _spliced(theirs: Any, mine: Any, at: int, size: int) -> Any:
     k = mine.shape[0]
     out[at * k : (at + 1) * k] = mine
     return out
-
-
-def _tensors(out: Any) -> list[torch.Tensor]:
-    return [v for _, v in flatten(out) if isinstance(v, torch.Tensor) and v.is_floating_point()]
 
 
 def _backend_path(fn: Callable[[], Any]) -> str:
@@ -115,8 +110,8 @@ def first_module_alone(base: torch.nn.Module, given: cf.Inputs, config: cf.Confi
         order.append(label)
         try:
             with torch.no_grad():
-                got_alone = _tensors(backend.fn(module, mine))
-                got_there = _tensors(backend.fn(module, spliced))
+                got_alone = list(cf.outputs(backend.fn(module, mine)).values())
+                got_there = list(cf.outputs(backend.fn(module, spliced)).values())
         except Exception as exc:  # (a module the backend cannot run alone, e.g. one it compiles to nothing: passed)
             still_interrupted(exc)
             failed.append(f"{name} ({describe_error(exc)[:80]})")
@@ -125,13 +120,12 @@ def first_module_alone(base: torch.nn.Module, given: cf.Inputs, config: cf.Confi
         if all(c is not None and same_bits(a, c) for a, c in zip(got_alone, cut, strict=False)):
             invariant.append(label)
             continue
-        op = label
         shapes = " against ".join(", ".join(_dims(t) for t in args if isinstance(t, torch.Tensor))
                                   for args in (mine, spliced))  # fmt: skip
         mine_path = _backend_path(lambda m=module, a=mine: backend.fn(m, a))
         their_path = _backend_path(lambda m=module, a=spliced: backend.fn(m, a))
         kernels = mine_path if mine_path == their_path else f"{mine_path or '?'} alone against {their_path or '?'} here"
-        return Parting(op, shapes=shapes, invariant=invariant, varying=[op], kernels=kernels, order=order)
+        return Parting(label, shapes=shapes, invariant=invariant, varying=[label], kernels=kernels, order=order)
     passed = f"; {len(failed)} module(s) it could not run alone: {', '.join(failed[:3])}" if failed else ""
     return Parting(None, note=f"no module alone parts on {backend.name}: it parts only across modules (what it "
                    f"compiles or converts together){passed}", invariant=invariant, order=order)  # fmt: skip

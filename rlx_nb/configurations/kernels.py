@@ -90,41 +90,42 @@ class _AtenOps(QuietDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def library_path(fn: Callable[[], Any]) -> str:
-    """``fn()`` run with MKL's and oneDNN's verbose output routed (no dispatch mode: a compiled call runs its own
-    code), and the library kernels they say ran; "" where they say nothing (or ``fn`` fails)."""
+def _verbose(fn: Callable[[], Any], *modes: Any) -> str | None:
+    # ``fn()`` run with MKL's and oneDNN's verbose output routed to a file (and ``modes`` entered): what they printed,
+    # or None where ``fn`` fails.
     try:
         with _routed((1, 2)) as printed, modes_kept():
             with (
                 torch.backends.mkl.verbose(torch.backends.mkl.VERBOSE_ON),
                 torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON),
                 torch.no_grad(),
+                contextlib.ExitStack() as stack,
             ):
+                for mode in modes:
+                    stack.enter_context(mode)
                 fn()
     except Exception as exc:
         still_interrupted(exc)
-        return ""
-    return " -> ".join(_library_lines("".join(printed)))
+        return None
+    return "".join(printed)
+
+
+def library_path(fn: Callable[[], Any]) -> str:
+    """``fn()`` run with MKL's and oneDNN's verbose output routed (no dispatch mode: a compiled call runs its own
+    code), and the library kernels they say ran; "" where they say nothing (or ``fn`` fails)."""
+    printed = _verbose(fn)
+    return "" if printed is None else " -> ".join(_library_lines(printed))
 
 
 def kernel_path(func: Callable, args: tuple, kwargs: dict) -> str:
     """``func(*args, **kwargs)`` run once more, and the path it took (module docstring); "" where torch says nothing
     (or the op cannot run again)."""
     seen = _AtenOps()
-    try:
-        with _routed((1, 2)) as printed, modes_kept():
-            with (
-                torch.backends.mkl.verbose(torch.backends.mkl.VERBOSE_ON),
-                torch.backends.mkldnn.verbose(torch.backends.mkldnn.VERBOSE_ON),
-                torch.no_grad(),
-                seen,
-            ):
-                func(*args, **kwargs)
-    except Exception as exc:
-        still_interrupted(exc)
+    printed = _verbose(lambda: func(*args, **kwargs), seen)
+    if printed is None:
         return ""
     path = [a for a in dict.fromkeys(seen.ops) if a not in _PLUMBING]
-    return " -> ".join([*path, *_library_lines("".join(printed))])
+    return " -> ".join([*path, *_library_lines(printed)])
 
 
 def path_in_run(run: Callable[[torch.nn.Module], Any], model: torch.nn.Module, name: str) -> str:

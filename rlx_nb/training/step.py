@@ -129,7 +129,7 @@ class State:
 
     @classmethod
     def of(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> State:
-        return cls(copy.deepcopy(model), copy.deepcopy(optimizer.state_dict()))
+        return cls(model, optimizer.state_dict()).copy()
 
     def copy(self) -> State:
         """A state of its own (this one may be a live model's: :func:`~rlx_nb.training.divergence.training_divergence`
