@@ -140,6 +140,61 @@ def test_an_optimizer_bug_inside_the_chaos_is_found_at_its_first_step_in_the_opt
     assert report.leaving.get("test-decay", math.inf) >= _HeadDecayTooStrong.FROM
 
 
+class _DecayIntoTheGradients(torch.optim.Optimizer):
+    # A hand-written SGD with weight decay the way many are written: into the gradient, in place.
+    TOO_STRONG = 1.0
+
+    def __init__(self, params, lr=0.05, wd=0.01):
+        super().__init__(params, {"lr": lr, "wd": wd})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.grad.add_(p, alpha=group["wd"] * self.TOO_STRONG)
+                    p.add_(p.grad, alpha=-group["lr"])
+
+
+class _DecayTooStrongIntoTheGradients(_DecayIntoTheGradients):
+    TOO_STRONG = 1.05
+
+
+def test_a_kept_step_starts_from_the_oracles_state_and_its_gradients_are_the_backwards_own():
+    # The oracle's judged steps are its trajectory's own (no copy of its state) and a step kept past the line keeps
+    # its state as the oracle trained again to it.  What that must not lose: the gradients of an optimizer that
+    # writes into them (the judge sees the backward's, not the update's), the kept state (the oracle's at that step,
+    # bit for bit), and the caller's model, trained on after the call, which the kept state must not follow.
+    model, data = _mlp(), _data()
+    rlx_nb.register_training_backend("test-decay-in-grads", optimizer=_DecayTooStrongIntoTheGradients,
+                                     replace=True)  # fmt: skip
+    report = rlx_nb.training_divergence(model, data, _mse, optimizer=lambda p: _DecayIntoTheGradients(p), steps=6,
+                                        backends=["test-decay-in-grads", "threads"], progress=False)  # fmt: skip
+    assert report.suspects == ["test-decay-in-grads"] and report.first_suspect_step("test-decay-in-grads") == 0
+    assert set(report.local[report.local.backend == "threads"].verdict) == {"round-off"}
+    kept = sorted(s for b, s in report.kept if b == "test-decay-in-grads")
+    assert kept[:2] == [0, 1], kept
+    with torch.no_grad():  # (the caller trains their model on: the report's kept states are its own)
+        for p in model.parameters():
+            p.mul_(0.5)
+    step = kept[1]
+    trained, opt = _mlp(), None
+    opt = _DecayIntoTheGradients(list(trained.parameters()))
+    for t in range(step + 1):  # (the oracle's steps, by hand: up to the kept step's, then that step's backward)
+        torch.manual_seed(t)
+        opt.zero_grad(set_to_none=True)
+        loss = _mse(trained, data[t % len(data)])
+        loss.backward()
+        if t < step:
+            opt.step()
+    state = report.kept[("test-decay-in-grads", step)][1].resolved()
+    assert all(torch.equal(a, b) for a, b in zip(state.model.parameters(), trained.parameters(), strict=True))
+    local = report.local_report("test-decay-in-grads", step)
+    for name, p in trained.named_parameters():
+        assert torch.equal(torch.from_numpy(local.results.oracle.outputs[f"grad:{name}"].value), p.grad), name
+    assert report.localize("test-decay-in-grads", step).phase == "optimizer"
+
+
 def test_a_forward_op_wrong_from_step_k_is_found_at_that_step_at_its_op():
     # A runtime whose GELU goes wrong (the tanh approximation) once BatchNorm has counted K batches:
     # state the model carries, so a local step starting from step s's state sees s of them.  The runtime keeps what it

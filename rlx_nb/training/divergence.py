@@ -8,6 +8,7 @@ import math
 import time
 from typing import Any
 
+import numpy as np
 import torch
 
 from rlx_nb._support import switches
@@ -16,11 +17,12 @@ from rlx_nb._support.progress import bar
 from rlx_nb.errors import InputError, RlxError, describe_error, still_interrupted
 from rlx_nb.execution.environment import environment
 from rlx_nb.execution.prepare import trim
+from rlx_nb.execution.results import Leaf
 from rlx_nb.numerics.device import same_bits
 from rlx_nb.training import trajectory as tr
 from rlx_nb.training.backends import resolve
 from rlx_nb.training.ddp import opened
-from rlx_nb.training.local import judge_step, verdict_of
+from rlx_nb.training.local import GradsWritten, judge_step, one_step, verdict_of
 from rlx_nb.training.report import TrainingReport
 from rlx_nb.training.step import State, checked_spec, l2_norm, log_spaced
 
@@ -119,6 +121,7 @@ def training_divergence(
         try:
             _train(model, spec, chosen, seeds=envelope, asked=asked, keep=keep, report=report, progress=progress)
         except (KeyboardInterrupt, SystemExit) as exc:  # (the steps judged so far are kept)
+            _kept_apart(report)
             report.incomplete = f"interrupted at step {len(report.oracle_losses)} of {steps}"
             exc.add_note(f"rlx_nb: {len(report.oracle_losses)} step(s) were judged before the interrupt; "
                          "rlx_nb.interrupted_training() returns their report, marked incomplete")  # fmt: skip
@@ -166,9 +169,10 @@ def _train(model: torch.nn.Module, spec: Any, chosen: list, *, seeds: int, asked
         # ... then the oracle and the backends.
         first = copy.deepcopy(base)
         oracle = tr.Run("cpu", first, spec.optimizer(list(first.parameters())))
-        # (the state the oracle starts from: where a first step past the line is searched from, the oracle trained
-        # again up to the step judged before it -- one copy of the model, not one of each judged step's state)
-        initial = State(copy.deepcopy(base), spec.optimizer(list(base.parameters())).state_dict())
+        # (the state the oracle starts from: where a first step past the line is searched from, and a kept local
+        # step's state trained again -- the caller's own model, untouched (every run starts from a copy of it) until
+        # the call returns; a report that keeps a step keeps its own copy: _kept_apart)
+        initial = State(model, oracle.optimizer.state_dict())
         runs = []
         for b in chosen:
             m = copy.deepcopy(base)
@@ -184,19 +188,20 @@ def _train(model: torch.nn.Module, spec: Any, chosen: list, *, seeds: int, asked
             due = [
                 r.backend for r in runs if not r.error and (step in judged_at or report.leaving.get(r.name) == step - 1)
             ]
-            if due:  # (judged before the oracle's own step, from its live state: each run of the judge copies it)
+            given = _tensors(batch)
+            ref = None
+            if due:  # (judged from the oracle's live state, its own step the trajectory's: _live_judge)
                 shown.set_postfix_str(f"local step {step}")
-                live = State(oracle.model, oracle.optimizer.state_dict())
                 before = set(report.suspects)
-                _judge_local(live, spec, step, batch, backends=due, keep=keep, report=report)
+                trim()  # (what the steps before let go goes back to the system before the judge's runs)
+                ref = _live_judge(oracle, spec, step, batch, backends=due, keep=keep, report=report, initial=initial)
                 trim()
                 for b in due:
                     if b.name in report.suspects and b.name not in before and earlier is not None:
                         shown.set_postfix_str(f"{b.name}: the first step past the line")
                         _first_past(spec, b, report, p=earlier, initial=initial, s=step, keep=keep)
                 earlier = step
-            given = _tensors(batch)
-            ref = oracle.step(spec, step, batch)
+            ref = ref or oracle.step(spec, step, batch)
             _still_the_same(oracle.model, shapes, given, batch, step)
             report.oracle_losses.append(ref[0])
             env32.grow(drifts32[step].against(ref))
@@ -217,6 +222,19 @@ def _train(model: torch.nn.Module, spec: Any, chosen: list, *, seeds: int, asked
                 if place > 1 and run.name not in report.leaving:
                     report.leaving[run.name] = step
             shown.update()
+    _kept_apart(report)
+
+
+def _kept_apart(report: Any) -> None:
+    # The kept local steps' states are trained again from the caller's model (:class:`Replayed`), which is theirs
+    # until the call returns (or is interrupted); after it, from a copy of it the report keeps (the caller may train
+    # their model on).
+    replays = [state for _, state, _ in report.kept.values() if isinstance(state, Replayed)]
+    if replays:
+        initial = replays[0].initial
+        own = State(copy.deepcopy(initial.model), copy.deepcopy(initial.optimizer))
+        for state in replays:
+            state.initial = own
 
 
 def _envelope_pass(base: torch.nn.Module, spec: Any, *, seeds: int, bf16: bool, shapes: dict[str, tuple],
@@ -272,10 +290,7 @@ def _first_past(spec: Any, backend: Any, report: Any, *, p: int, initial: State,
     # again from its initial state to ``p`` (its steps are deterministic: the same state, bit for bit) and the steps
     # between bisected, each judged, to the first past the line.
     start = time.perf_counter()
-    model, opt = initial.start(spec)
-    for t in range(p):
-        tr.Run("cpu", model, opt).step(spec, t, spec.batch(t))
-    state = State(model, opt.state_dict())
+    state = Replayed(initial, spec, p).resolved()
     report.local_seconds += time.perf_counter() - start
     lo, hi = p, s
     while hi - lo > 1:
@@ -286,7 +301,7 @@ def _first_past(spec: Any, backend: Any, report: Any, *, p: int, initial: State,
             tr.Run("cpu", model, opt).step(spec, t, spec.batch(t))
         there = State.of(model, opt)
         report.local_seconds += time.perf_counter() - start  # (the oracle's steps again; the judging counts its own)
-        _judge_local(there, spec, mid, spec.batch(mid), backends=[backend], keep=keep, report=report)
+        _judge_local(there, spec, mid, spec.batch(mid), backends=[backend], keep=keep, report=report, kept=there)
         past = any(
             r["backend"] == backend.name and r["step"] == mid and r["verdict"] == "SUSPECT" for r in report._local
         )
@@ -305,15 +320,79 @@ def _step(run: Any, spec: Any, step: int, batch: Any) -> tuple[float, float]:
     return math.nan, math.nan
 
 
-def _judge_local(state: State, spec: Any, step: int, batch: Any, *, backends: list, keep: int, report: Any) -> None:
+def _live_judge(oracle: Any, spec: Any, step: int, batch: Any, *, backends: list, keep: int, report: Any,
+                initial: State) -> tuple[float, float]:  # fmt: skip
+    # Step ``step`` judged from the oracle's live state, the oracle's own step of the judge being the trajectory's
+    # step itself (the same state, batch and random numbers: the same bits), run once every other run of the judge has
+    # started from it: no copy of the oracle's state is made.  A local step kept (past the line) keeps the state it
+    # started from as the oracle trained again to it (:class:`Replayed`), and its own copy of the parameters the live
+    # model goes on training.  Returns the oracle's loss and gradient norm at the step, as its trajectory step would.
+    got: dict[str, Any] = {}
+
+    def own() -> dict[str, torch.Tensor]:
+        try:
+            loss, norm, outputs = one_step(oracle.model, oracle.optimizer, spec, step, batch,
+                                           copy_grads=oracle.copy_grads)  # fmt: skip
+        except GradsWritten as written:  # (an optimizer that writes into its gradients: the live state has stepped,
+            # the step's gradients are lost; the judge's oracle is run from the state trained again to this step, and
+            # the oracle's later live steps copy their gradients)
+            oracle.copy_grads = True
+            got["ref"] = (written.loss, written.norm)
+            model, opt = Replayed(initial, spec, step).resolved().start(spec)
+            return one_step(model, opt, spec, step, batch, copy_grads=True)[2]
+        except BaseException as exc:
+            got["error"] = exc  # (the oracle's own step failed: the trajectory cannot go on, as without a judge)
+            raise
+        got["ref"] = (loss, norm)
+        return outputs
+
+    live = State(oracle.model, oracle.optimizer.state_dict())
+    _judge_local(live, spec, step, batch, backends=backends, keep=keep, report=report, oracle=own,
+                 kept=Replayed(initial, spec, step))  # fmt: skip
+    for p in oracle.model.parameters():  # (as the trajectory's step leaves it: its state only)
+        p.grad = None
+    if "error" in got:
+        raise got["error"]
+    return got["ref"]
+
+
+def _judge_local(state: State, spec: Any, step: int, batch: Any, *, backends: list, keep: int, report: Any,
+                 kept: Any, oracle: Any = None) -> None:  # fmt: skip
     start = time.perf_counter()
-    local = judge_step(state, spec, step, batch, backends=backends, label=report.label)
+    local = judge_step(state, spec, step, batch, backends=backends, label=report.label, oracle=oracle)
     report.local_seconds += time.perf_counter() - start
     for b in backends:
         reading = verdict_of(local, b.name)
         report.add_local(b.name, step, reading)
         if reading["verdict"] == "SUSPECT" and len(report.kept) < keep:
-            report.kept[(b.name, step)] = (local, state.copy(), batch)
+            report.kept[(b.name, step)] = (_owned(local), kept, batch)
+
+
+def _owned(local: Any) -> Any:
+    # A kept local report's oracle outputs as copies of their own (the oracle's live step returns its model's
+    # parameters, which train on).
+    run = local.results.oracle
+    run.outputs = {k: Leaf(v.value.copy(), v.dtype, v.shape) if isinstance(v.value, np.ndarray) else v
+                   for k, v in run.outputs.items()}  # fmt: skip
+    return local
+
+
+class Replayed:
+    """The oracle's state at ``step``, trained again from ``initial`` when it is first asked for (its steps are
+    deterministic: the same state, bit for bit, as the call's oracle had).  A kept local step holds one instead of a
+    copy of the state: nothing is kept of a step until a localization asks for it."""
+
+    def __init__(self, initial: State, spec: Any, step: int) -> None:
+        self.initial, self.spec, self.step = initial, spec, step
+        self._state: State | None = None
+
+    def resolved(self) -> State:
+        if self._state is None:
+            model, opt = self.initial.start(self.spec)
+            for t in range(self.step):
+                tr.Run("cpu", model, opt).step(self.spec, t, self.spec.batch(t))
+            self._state = State(model, opt.state_dict())
+        return self._state
 
 
 __all__ = ["KEEP_REPORTS", "interrupted_training", "training_divergence"]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -43,16 +44,28 @@ def phase_of(output: str | None) -> str:
     return "forward"
 
 
+class GradsWritten(Exception):
+    """A step's optimizer wrote into the gradients it was given: the gradients a step kept without copying them are
+    not the backward's any more (:func:`one_step` ``copy_grads``).  ``loss`` and ``norm``: the step's own figures."""
+
+    def __init__(self, step: int, loss: float, norm: float) -> None:
+        super().__init__(f"step {step}: the optimizer wrote into the gradients")
+        self.loss, self.norm = loss, norm
+
+
 def one_step(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, spec: Spec, step: int, batch: Any, *,
-    backend: TrainBackend | None = None, tensor_step: bool = False, keep: bool = True,
+    backend: TrainBackend | None = None, tensor_step: bool = False, keep: bool = True, copy_grads: bool = False,
 ) -> tuple[float, float, dict[str, torch.Tensor]]:  # fmt: skip
     """One training step, in place: ``(loss, gradient norm, outputs)`` where the outputs are the loss, the buffers
     after the forward, the gradients and the parameters after the update (the names :data:`PHASES` gives them).
     ``tensor_step``: the optimizer is :func:`tensor_scalars`'s (its update runs with the parameters' ``requires_grad``
     off, as that implementation's in-place update needs outside autograd).  ``keep=False``: the loss and the gradient
     norm only (a trajectory's step: no copy of the buffers, gradients and parameters).  With ``keep``, ``model`` must be
-    one the caller lets go after the step (the judge's copy): the parameters returned are its own."""
+    one the caller lets go after the step (the judge's copy) or steps no further before it is done with them: the
+    parameters and gradients returned are its own.  The gradients are taken, not copied, unless ``copy_grads``; an
+    optimizer that writes into them raises :class:`GradsWritten` after its step (run the step again with
+    ``copy_grads``)."""
     if backend is not None and backend.ranks:
         from rlx_nb.training.ddp import ranks_step
 
@@ -73,9 +86,12 @@ def one_step(
                 outputs[f"buffer:{name}"] = b.detach().clone()
         loss.backward()
         norm = grad_norm(plain)
+        taken = []  # (each gradient and its version: an optimizer that writes into it is seen after its step)
         for name, p in plain.named_parameters() if keep else ():
             if p.grad is not None:
-                outputs[f"grad:{name}"] = p.grad.detach().clone()
+                g = p.grad.detach()
+                outputs[f"grad:{name}"] = g.clone() if copy_grads else g
+                taken.append((g, g._version))
         if backend is not None:
             backend.optimizer_step(optimizer)
         elif tensor_step:
@@ -93,6 +109,8 @@ def one_step(
     # once the step is done -- a copy held the parameters twice, the float64 reference's 8 bytes an element)
     for name, p in plain.named_parameters() if keep else ():
         outputs[f"param:{name}"] = p.detach()
+    if not copy_grads and any(g._version != v for g, v in taken):
+        raise GradsWritten(step, float(outputs["loss"]), norm)
     return float(outputs["loss"]), norm, outputs
 
 
@@ -118,39 +136,71 @@ def _run(name: str, go: Any, dtype: str) -> BackendRun:
     return BackendRun(name, OK, leaves, "", time.perf_counter() - start, grad_status=OK, compute_dtype=dtype)
 
 
-def judge_step(state: State, spec: Spec, step: int, batch: Any, *, backends: list[TrainBackend],
-               label: str) -> DivergenceReport:  # fmt: skip
+def judge_step(state: State, spec: Spec, step: int, batch: Any, *, backends: list[TrainBackend], label: str,
+               oracle: Callable[[], dict[str, torch.Tensor]] | None = None) -> DivergenceReport:  # fmt: skip
     """The local step ``step`` of each backend from ``state`` (module docstring), as one report whose candidates are
-    the backends and whose outputs are the step's loss, buffers, gradients and updated parameters."""
+    the backends and whose outputs are the step's loss, buffers, gradients and updated parameters.
 
-    def oracle() -> dict[str, torch.Tensor]:
-        model, opt = state.start(spec)
-        return one_step(model, opt, spec, step, batch)[2]
+    ``oracle``: the oracle's own step from ``state`` (a live model's: the trajectory's step itself, no copy of it),
+    run last, once every other run has started from ``state``; by default the oracle's step from a copy."""
+
+    def own() -> dict[str, torch.Tensor]:
+        return _retried(lambda copy_grads: one_step(*state.start(spec), spec, step, batch, copy_grads=copy_grads))
 
     def reference() -> dict[str, torch.Tensor]:
-        with float64_default(), float64_kernels():
-            model, opt = state.start(spec, dtype=torch.float64)
-            return one_step(model, opt, spec, step, to_dtype(batch, torch.float64))[2]
+        def go(copy_grads: bool) -> tuple:
+            with float64_default(), float64_kernels():
+                model, opt = state.start(spec, dtype=torch.float64)
+                return one_step(model, for_loop(opt), spec, step, to_dtype(batch, torch.float64), copy_grads=copy_grads)
+
+        return _retried(go)
 
     def on(b: TrainBackend) -> dict[str, torch.Tensor]:
-        model, opt = state.start(spec, make=lambda params: b.make_optimizer(spec.optimizer, params))
-        return one_step(b.prepared(model), opt, spec, step, batch, backend=b)[2]
+        def go(copy_grads: bool) -> tuple:
+            model, opt = state.start(spec, make=lambda params: b.make_optimizer(spec.optimizer, params))
+            return one_step(b.prepared(model), opt, spec, step, batch, backend=b, copy_grads=copy_grads)
+
+        return _retried(go)
 
     def alternative() -> dict[str, torch.Tensor]:
         from rlx_nb.backends.sequential import SequentialSums
 
-        model, opt = state.start(spec)
-        with SequentialSums():
-            return one_step(model, opt, spec, step, batch, tensor_step=tensor_scalars(opt))[2]
+        def go(copy_grads: bool) -> tuple:
+            model, opt = state.start(spec)
+            with SequentialSums():
+                return one_step(model, opt, spec, step, batch, tensor_step=tensor_scalars(opt), copy_grads=copy_grads)
 
-    base = _run(ORACLE, oracle, "float32")
+        return _retried(go)
+
+    # (the float64 reference first, holding nothing else: its step is the largest; the oracle's own step last)
     exact = _run(REFERENCE, reference, "float64")
     second = _run("sequential", alternative, "float32")
     candidates = {b.name: _run(b.name, lambda b=b: on(b), b.compute_dtype) for b in backends}
+    base = _run(ORACLE, oracle or own, "float32")
     results = RunResults(label=f"{label}, step {step}", oracle=base, reference=exact, candidates=candidates,
                          backward=False, environment={"training_step": step},
                          sequential=second if second.status == OK else None)  # fmt: skip
     return DivergenceReport(results, compare(results, progress=False), rule="budget", tol_rel=None)
+
+
+def _retried(go: Callable[[bool], tuple]) -> dict[str, torch.Tensor]:
+    # A step from a copy of the state keeps its gradients without copying them, and runs again copying them where its
+    # optimizer wrote into them (:class:`GradsWritten`).
+    try:
+        return go(False)[2]
+    except GradsWritten:
+        return go(True)[2]
+
+
+def for_loop(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:
+    """``optimizer`` switched, in place, to its for-loop implementation where it has one: the float64 reference's
+    update (the same arithmetic, one parameter's temporaries at a time instead of every parameter's at once)."""
+    for g in optimizer.param_groups:
+        if "foreach" in g:
+            g["foreach"] = False
+        if g.get("fused"):
+            g["fused"] = None
+    return optimizer
 
 
 def tensor_scalars(optimizer: torch.optim.Optimizer) -> bool:
@@ -185,4 +235,4 @@ def verdict_of(report: DivergenceReport, backend: str) -> dict[str, Any]:
             "output": born.output or "", "reason": born.reason}  # fmt: skip
 
 
-__all__ = ["PHASES", "judge_step", "one_step", "phase_of", "tensor_scalars", "verdict_of"]
+__all__ = ["PHASES", "GradsWritten", "for_loop", "judge_step", "one_step", "phase_of", "tensor_scalars", "verdict_of"]

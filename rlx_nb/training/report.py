@@ -165,7 +165,7 @@ class TrainingReport:
 
         backend, step = self._picked(backend, step)
         report, state, batch = self.kept[(backend, step)]
-        return step_culprit(self, backend, step, local=report, state=state, batch=batch)
+        return step_culprit(self, backend, step, local=report, state=state.resolved(), batch=batch)
 
     # -- figures and the page --------------------------------------------------------------------------------------
 

@@ -131,6 +131,10 @@ class State:
     def of(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> State:
         return cls(model, optimizer.state_dict()).copy()
 
+    def resolved(self) -> State:
+        """This state (a :class:`~rlx_nb.training.divergence.Replayed` one is trained again when first asked)."""
+        return self
+
     def copy(self) -> State:
         """A state of its own (this one may be a live model's: :func:`~rlx_nb.training.divergence.training_divergence`
         judges a step from the oracle's model as it stands)."""

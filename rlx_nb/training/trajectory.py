@@ -48,6 +48,8 @@ class Run:
     backend: TrainBackend | None = None
     relative: float = 2.0**-24
     error: str = ""
+    copy_grads: bool = False
+    """Its optimizer writes into its gradients: a step that keeps them copies them (the oracle's judged steps)."""
 
     def step(self, spec: Spec, step: int, batch: Any) -> tuple[float, float]:
         loss, norm, _ = one_step(self.model, self.optimizer, spec, step, batch, backend=self.backend, keep=False)
