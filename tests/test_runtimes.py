@@ -50,6 +50,36 @@ def test_executorch_says_which_ops_ran_on_portable_kernels():
     assert any("(no delegate)" in n and "aten.convolution.default x2" in n for n in portable), portable
 
 
+class _Attention(torch.nn.Module):
+    # Attention as Hugging Face's GPT-2 writes it: heads split by a view, scaled_dot_product_attention, the heads
+    # joined by a reshape, then a view of that.
+    def __init__(self, width: int = 32, heads: int = 4):
+        super().__init__()
+        self.heads, self.qkv, self.out = heads, torch.nn.Linear(width, 3 * width), torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = (z.view(b, t, self.heads, c // self.heads).transpose(1, 2) for z in self.qkv(x).split(c, dim=2))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(y.transpose(1, 2).reshape(b, t, c).view(-1, c))
+
+
+@needs_executorch
+def test_attention_then_a_reshape_lowers_at_any_batch_and_leaves_torchs_attention_kernels_as_they_were():
+    # The lowering decomposes attention into its math kernel; traced on the CPU's fused kernel, the reshape after it
+    # was fixed as a view the math kernel's layout cannot give, and GPT-2 at batch 4 did not lower.
+    flags = [torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled(),
+             torch.backends.cuda.math_sdp_enabled(), torch.backends.cuda.cudnn_sdp_enabled()]  # fmt: skip
+    torch.manual_seed(0)
+    for batch in (1, 4):
+        report = rlx_nb.backend_divergence(_Attention().eval(), torch.randn(batch, 16, 32), backends=list(EXECUTORCH),
+                                           progress=False)  # fmt: skip
+        verdicts = dict(zip(report.backends["backend"], report.backends["verdict"], strict=True))
+        assert verdicts == dict.fromkeys(EXECUTORCH, ROUNDOFF), report.summary[["backend", "verdict", "why"]]
+    assert flags == [torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.mem_efficient_sdp_enabled(),
+                     torch.backends.cuda.math_sdp_enabled(), torch.backends.cuda.cudnn_sdp_enabled()]  # fmt: skip
+
+
 @needs_executorch
 def test_a_delegate_bug_is_told_from_an_export_bug():
     # ExecuTorch 1.5.1's XNNPACK delegate computes gelu(approximate="tanh") as the exact gelu (max_abs 4.7e-4 on

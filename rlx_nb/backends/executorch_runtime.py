@@ -107,6 +107,18 @@ def _lower(wrapper: _FlatOutputs, inputs: tuple, delegate: bool) -> tuple[Any, d
     return buffer, ops, delegated, outputs
 
 
+def _math_attention() -> Any:
+    # Attention on its math kernel while a program is exported and lowered: the lowering decomposes
+    # scaled_dot_product_attention, and export and decomposition fix each reshape as a view or a copy by the strides
+    # they trace.  With the CPU's fused kernel chosen (its output laid out for the transpose after it), a Hugging Face
+    # GPT-2 at batch 4 (int8 or float) had a reshape fixed as a view the decomposed attention's layout cannot give
+    # ("Cannot view a tensor with shape [4, 16, 64] and strides (64, 256, 1)"), and its lowering failed.  ExecuTorch
+    # runs the math kernel either way: what the program computes is the same.  (Restored on leaving, an interrupt too.)
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    return sdpa_kernel(SDPBackend.MATH)
+
+
 def _prepare(model: Any, inputs: tuple, *, delegate: bool) -> Any:
     label = "executorch-xnnpack" if delegate else "executorch-portable"
     for i, x in enumerate(inputs):
@@ -121,7 +133,7 @@ def _prepare(model: Any, inputs: tuple, *, delegate: bool) -> Any:
     wrapper = _FlatOutputs(model)
     wrapper.record(inputs)
     try:
-        with quiet(), torch.no_grad():
+        with quiet(), torch.no_grad(), _math_attention():
             buffer, ops, delegated, outputs = _lower(wrapper, inputs, delegate)
     except Exception as exc:
         still_interrupted(exc)

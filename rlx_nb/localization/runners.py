@@ -91,8 +91,9 @@ def on_backend(fn, weights, inputs):  # OpenVINO's CPU plugin, {what}
 
 _EXECUTORCH = """\
 def on_backend(fn, weights, inputs):  # torch.export, ExecuTorch lowering{what}, ExecuTorch's runtime
-    exported = torch.export.export(Program(fn, weights).eval(), tuple(inputs), strict=False)
-    program = to_edge_transform_and_lower(exported, partitioner=[{partitioner}]).to_executorch()
+    with sdpa_kernel(SDPBackend.MATH):  # (attention traced as the lowering decomposes it: its layouts agree)
+        exported = torch.export.export(Program(fn, weights).eval(), tuple(inputs), strict=False)
+        program = to_edge_transform_and_lower(exported, partitioner=[{partitioner}]).to_executorch()
     method = Runtime.get().load_program(program.buffer).load_method("forward")
     return tuple(method.execute([x.contiguous() for x in inputs]))
 """
@@ -111,6 +112,7 @@ def on_backend(fn, weights, inputs):  # litert_torch.convert, then LiteRT's inte
 
 _EXECUTORCH_IMPORTS = (
     "from executorch.exir import to_edge_transform_and_lower\nfrom executorch.runtime import Runtime\n"
+    "from torch.nn.attention import SDPBackend, sdpa_kernel\n"
 )
 
 RUNNERS: dict[str, Runner] = {
