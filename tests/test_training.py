@@ -412,3 +412,39 @@ def test_the_explorer_goes_from_a_local_step_to_an_output_to_the_element():
     assert "error" in explorer.inspector.value  # (its worst element, inspected against float64's)
     shot = explorer.snapshot()["text/html"]
     assert "test-decay vs cpu over 14 step(s): SUSPECT" in shot and "step: <code>" in shot
+
+
+def test_the_norms_of_a_step_are_within_a_few_float32_ulps_of_exact_on_millions_of_elements():
+    # A float32 norm of a whole large tensor accumulates over millions of terms: 0.5% off on the difference of two
+    # runs' parameters (8.4M elements), which swamped the difference of two runs' gradient norms.
+    from rlx_nb.training.step import l2_distance, l2_norm
+
+    g = torch.Generator().manual_seed(0)
+    a = [torch.randn(2048, 4096, generator=g), torch.randn(4097, generator=g) * 1e3, torch.randn(3, 5, generator=g)]
+    b = [t + 1e-6 for t in a]  # (differences of a few ulps: many the same, the hard case for an accumulation)
+
+    def exact(ts):
+        return math.sqrt(sum(float(t.double().square().sum()) for t in ts))
+
+    assert abs(l2_norm(a) / exact(a) - 1) < 1e-7  # (one float32 norm a tensor: 5.3e-7 here)
+    difference = [x.double() - y.double() for x, y in zip(a, b, strict=True)]
+    assert abs(l2_distance(a, b) / exact(difference) - 1) < 1e-7  # (4.9e-4 here)
+    assert l2_distance(a, a) == 0.0 and l2_norm([torch.zeros(0)]) == 0.0
+    # (the float64 reference's norms in float64, a bfloat16 run's in float32)
+    assert abs(l2_norm([t.double() for t in a]) / exact(a) - 1) < 1e-12
+    assert abs(l2_norm([t.bfloat16() for t in a]) / exact([t.bfloat16() for t in a]) - 1) < 1e-7
+
+
+def test_a_local_step_whose_float64_reference_fails_reads_error_not_a_tolerances_verdict(monkeypatch):
+    # Without its float64 reference a step would be judged against a fixed tolerance (2e-3 relative), where a bug
+    # 250x float32's round-off reads within it: the reading says the reference failed instead.
+    from rlx_nb.training import local
+
+    def failing():
+        raise RuntimeError("no float64 here")
+
+    monkeypatch.setattr(local, "float64_kernels", failing)
+    report = rlx_nb.training_divergence(_mlp(), _data(), _mse, optimizer=_sgd, steps=2, backends=["optimizer:foreach"],
+                                        progress=False)  # fmt: skip
+    assert set(report.local.verdict) == {"error"}, report.local.to_string()
+    assert all("float64 reference failed: RuntimeError: no float64 here" in r for r in report.local.reason)

@@ -224,6 +224,11 @@ def tensor_scalars(optimizer: torch.optim.Optimizer) -> bool:
 def verdict_of(report: DivergenceReport, backend: str) -> dict[str, Any]:
     """A local step's reading for ``backend``: its verdict, its worst output's place on the line, the phase the step's
     error is born in (the first with an output past the line, else the worst's), and why."""
+    exact = report.results.reference
+    if exact is None or exact.status != OK:  # (judged without it, a step would read against a tolerance: no verdict)
+        why = exact.message if exact is not None else "did not run"
+        return {"verdict": "error", "line": math.nan, "phase": "", "output": "",
+                "reason": f"the step's float64 reference failed: {why}"}  # fmt: skip
     recs = [r for r in report.records if r.backend == backend]
     if not recs or all(r.output is None for r in recs):
         why = recs[0].reason if recs else "did not run"

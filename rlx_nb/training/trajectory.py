@@ -26,7 +26,7 @@ import torch
 
 from rlx_nb.training.backends import TrainBackend
 from rlx_nb.training.local import one_step
-from rlx_nb.training.step import Spec, l2_norm, perturbed
+from rlx_nb.training.step import Spec, l2_distance, l2_norm, perturbed
 
 LIMIT = 4.0
 """A backend leaves the envelope where its difference from the oracle passes this many times the envelope's."""
@@ -67,7 +67,7 @@ def distance(run: Run, oracle: Run, scale: float | None = None) -> float:
     (``scale``: that norm, where known).  The difference of two nearby float32 values is exact (Sterbenz), so it is
     taken in float32 and only its norm accumulated in float64."""
     a, b = _params(run), _params(oracle)
-    diff = l2_norm(torch._foreach_sub(a, b))
+    diff = l2_distance(a, b)
     scale = l2_norm(b) if scale is None else scale
     return diff / scale if scale > 0 else diff
 
