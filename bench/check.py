@@ -42,7 +42,7 @@ class Figure:
     committed: float | None
     target: float | None = None
     processes: int = 1
-    """How many fresh processes measured it (the best is kept; see :data:`TRIES`)."""
+    """How many tries measured it (end to end: fresh processes; the best is kept; see :data:`TRIES`)."""
 
     def problems(self) -> list[str]:
         found = []
@@ -57,7 +57,7 @@ class Figure:
         target = f", target <= {self.target:g}{self.unit}" if self.target is not None else ""
         problems = self.problems()
         verdict = "FAIL: " + "; ".join(problems) if problems else "ok"
-        best = f", best of {self.processes} processes" if self.processes > 1 else ""
+        best = f", best of {self.processes} tries" if self.processes > 1 else ""
         return f"bench-check: {self.name}: {self.value:.3g}{self.unit} ({committed}{target}{best}): {verdict}"
 
 
@@ -118,16 +118,28 @@ def end_to_end_figures() -> list[Figure]:
 
 
 def metric_figures() -> list[Figure]:
+    # (the same best of TRIES measurements as end to end: at 1e7 the bare max-abs anchor took 19-50 ms from one
+    # measurement to the next in one quiet process, the full pass 17-19 ms -- the ratio 0.38x-0.89x)
     rows, out = read_rows("metrics_speed.md"), []
     for n in (10**7, 5 * 10**7):
-        got, old = metrics_speed.measure(n, repeat=5), _committed(rows, n=n)
+        old = _committed(rows, n=n)
         at = "5e7" if n > 10**7 else "1e7"
-        out.append(Figure(f"metric pass {at}, pair_stats / max-abs", got["pair_stats_s"] / got["max_abs_s"], "x",
-                          old and old["pair_stats_s"] / old["max_abs_s"], metrics_speed.TARGET_TO_MAX_ABS))  # fmt: skip
-        if n > 10**7:  # (the other target, as a lower-is-better ratio: pair_stats / assert_close's failure)
-            out.append(Figure(f"metric pass {at}, pair_stats / assert_close", got["pair_stats_s"] / got["assert_close_s"],
-                              "x", old and old["pair_stats_s"] / old["assert_close_s"],
-                              1 / metrics_speed.TARGET_OVER_ASSERT_CLOSE))  # fmt: skip
+        best: list[Figure] = []
+        for tries in range(1, TRIES + 1):
+            got = metrics_speed.measure(n, repeat=5)
+            these = [Figure(f"metric pass {at}, pair_stats / max-abs", got["pair_stats_s"] / got["max_abs_s"], "x",
+                            old and old["pair_stats_s"] / old["max_abs_s"], metrics_speed.TARGET_TO_MAX_ABS)]  # fmt: skip
+            if n > 10**7:  # (the other target, as a lower-is-better ratio: pair_stats / assert_close's failure)
+                these.append(Figure(f"metric pass {at}, pair_stats / assert_close",
+                                    got["pair_stats_s"] / got["assert_close_s"], "x",
+                                    old and old["pair_stats_s"] / old["assert_close_s"],
+                                    1 / metrics_speed.TARGET_OVER_ASSERT_CLOSE))  # fmt: skip
+            if not best or these[0].value < best[0].value:
+                best = these
+            best = [dataclasses.replace(f, processes=tries) for f in best]
+            if not any(f.problems() for f in best):
+                break
+        out += best
     return out
 
 
