@@ -105,7 +105,7 @@ CONFIG_FAMILIES = ("opt", "gpt2", "llama", "bert")
 
 
 def rows_of(name: str) -> list[dict]:
-    # (a zoo model at batch 1: ExecuTorch 1.5.1 cannot lower GPT-2's int8 graph at a larger batch; a demo model runs
+    # (a zoo model at batch 1, as its committed rows were measured; a demo model runs
     # at its own; "<family>@<batch>": a transformer from a small config, CONFIG_FAMILIES)
     family, _, batch = name.partition("@")
     if family in CONFIG_FAMILIES and batch:
