@@ -231,8 +231,7 @@ def _kept_apart(report: Any) -> None:
     # their model on).
     replays = [state for _, state, _ in report.kept.values() if isinstance(state, Replayed)]
     if replays:
-        initial = replays[0].initial
-        own = State(copy.deepcopy(initial.model), copy.deepcopy(initial.optimizer))
+        own = replays[0].initial.copy()
         for state in replays:
             state.initial = own
 
@@ -296,10 +295,7 @@ def _first_past(spec: Any, backend: Any, report: Any, *, p: int, initial: State,
     while hi - lo > 1:
         start = time.perf_counter()
         mid = (lo + hi) // 2
-        model, opt = state.start(spec)
-        for t in range(p, mid):
-            tr.Run("cpu", model, opt).step(spec, t, spec.batch(t))
-        there = State.of(model, opt)
+        there = Replayed(state, spec, mid, since=p).resolved()
         report.local_seconds += time.perf_counter() - start  # (the oracle's steps again; the judging counts its own)
         _judge_local(there, spec, mid, spec.batch(mid), backends=[backend], keep=keep, report=report, kept=there)
         past = any(
@@ -378,18 +374,18 @@ def _owned(local: Any) -> Any:
 
 
 class Replayed:
-    """The oracle's state at ``step``, trained again from ``initial`` when it is first asked for (its steps are
-    deterministic: the same state, bit for bit, as the call's oracle had).  A kept local step holds one instead of a
-    copy of the state: nothing is kept of a step until a localization asks for it."""
+    """The oracle's state at ``step``, trained again from ``initial`` (its state at step ``since``) when it is first
+    asked for (its steps are deterministic: the same state, bit for bit, as the call's oracle had).  A kept local step
+    holds one instead of a copy of the state: nothing is kept of a step until a localization asks for it."""
 
-    def __init__(self, initial: State, spec: Any, step: int) -> None:
-        self.initial, self.spec, self.step = initial, spec, step
+    def __init__(self, initial: State, spec: Any, step: int, *, since: int = 0) -> None:
+        self.initial, self.spec, self.step, self.since = initial, spec, step, since
         self._state: State | None = None
 
     def resolved(self) -> State:
         if self._state is None:
             model, opt = self.initial.start(self.spec)
-            for t in range(self.step):
+            for t in range(self.since, self.step):
                 tr.Run("cpu", model, opt).step(self.spec, t, self.spec.batch(t))
             self._state = State(model, opt.state_dict())
         return self._state

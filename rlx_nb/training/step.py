@@ -127,10 +127,6 @@ class State:
     model: torch.nn.Module
     optimizer: dict
 
-    @classmethod
-    def of(cls, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> State:
-        return cls(model, optimizer.state_dict()).copy()
-
     def resolved(self) -> State:
         """This state (a :class:`~rlx_nb.training.divergence.Replayed` one is trained again when first asked)."""
         return self
