@@ -132,8 +132,11 @@ def rows_of(name: str) -> list[dict]:
     for backend in report.suspects:
         if backend in LEGIT:
             continue
+        start = time.perf_counter()
         loc = report.localize(backend)
-        loc_rows.append({"model": name, "backend": backend, "culprit": loc.culprit})
+        loc_rows.append({"model": name, "backend": backend, "culprit": loc.culprit,
+                         "seconds": round(time.perf_counter() - start, 1),
+                         "how": "spliced" if loc.full_run else "cut alone"})  # fmt: skip
     return rows, loc_rows
 
 

@@ -863,3 +863,29 @@ def test_every_requantization_point_of_a_transformer_is_named_at_the_op_that_com
     assert not [pl for pl in places if pl[1] in ("dequantize_per_tensor", "quantize_per_tensor", "dropout")], places
     assert ("model.decoder.layers.0.self_attn.out_proj", "linear") in places
     assert sum(pl == ("model.decoder.layers.0", "add") for pl in places) >= 2  # (the residual, and it reshaped)
+
+
+def test_a_fault_no_cut_alone_shows_is_localized_by_its_value_spliced_into_the_simulation():
+    # #63: BERT from a config, layer 1's query weight with one sign flipped.  The whole is past the line (a
+    # requantized element rounded the other way where no correct kernel could, then a float LayerNorm), but every
+    # cut judged on its own trials is within its own, wider budget.  Each point's value from the runtime, spliced
+    # into the simulation and judged on the report's budget, finds the query projection, not the LayerNorm after.
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.BertConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                     max_position_embeddings=64, intermediate_size=128)  # fmt: skip
+    ids = torch.randint(4, 1000, (1, 16))
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    converted = quantize.quantize_pt2e(transformers.BertModel(config).eval(), inputs)
+    fault = faults.weight_sign_fault(layer=6, channel=1, runtime="cpu")  # (weight 6: layer 1's query)
+    report = rlx_nb.quantized_divergence(converted, inputs, backends=[fault], progress=False)
+    assert report.suspects == [fault.name], report.summary
+    found = report.localize(fault.name)
+    assert found.culprit == "encoder.layer.1.attention.self.query :: linear", found.frame
+    assert "put into the simulation" in found.full_run
+    frame = found.frame
+    cut_alone = frame[frame["notes"].str.contains("its own trials")]
+    assert len(cut_alone) and (cut_alone["verdict"] != "SUSPECT").all()  # (why the fallback ran)
+    spliced = frame[frame["notes"].str.contains("put into the simulation")]
+    assert (spliced[spliced["name"].str.contains("layer.0")]["verdict"] != "SUSPECT").all()  # (before it: clean)
+    assert (spliced[spliced["name"].str.contains("layer.1.attention.self.query")]["verdict"] == "SUSPECT").all()

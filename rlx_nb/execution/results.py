@@ -168,6 +168,9 @@ class RunResults:
     """int8 (:mod:`rlx_nb.int8`): the Q/DQ simulation run again with its requantizations rounded as a correct int8
     kernel may round them, by name (``trial0`` ...): legitimate runs the budget is measured from, beside the oracle.
     Empty for a float model."""
+    worlds: Any = dataclasses.field(default=None, repr=False, compare=False)
+    """int8: the decisive elements' worlds (:class:`rlx_nb.int8.worlds.Worlds`) that ``discrete`` was accounted from,
+    for a localization that judges other runs as these were judged.  Not saved; None for a float model."""
 
     @property
     def output_names(self) -> list[str]:

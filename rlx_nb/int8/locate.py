@@ -11,13 +11,16 @@ result is a :class:`~rlx_nb.Localization`, a float search's: its frame, culprit,
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from typing import Any
 
 import torch
 
+from rlx_nb._support.tree import flatten
 from rlx_nb.comparison.compare import compare
-from rlx_nb.errors import InputError
+from rlx_nb.errors import InputError, describe_error, still_interrupted
+from rlx_nb.int8 import decisive
 from rlx_nb.int8.requantization import (
     _DEQUANTIZE,
     _QUANTIZE,
@@ -28,10 +31,12 @@ from rlx_nb.int8.requantization import (
     _op_name,
     _ops,
     _truncated,
+    graph_copy,
     output_leaves,
 )
-from rlx_nb.int8.run import int8_results
+from rlx_nb.int8.run import _run, int8_results, runtime_outputs
 from rlx_nb.localization.result import Found, Localization
+from rlx_nb.numerics.formats import INT8
 from rlx_nb.verdict.records import worst_record
 from rlx_nb.verdict.types import SUSPECT
 
@@ -96,6 +101,79 @@ def _upstream(points: list, index: dict, allowed: set[int], k: int) -> list[int]
     return sorted(found)
 
 
+CUT = "the graph cut after requantization point {k} (of {n}), judged on its own trials"
+SPLICE = (
+    "the runtime's value at requantization point {k} (of {n}) put into the simulation in place of its own, the rest "
+    "simulated: the output judged as the report judges it"
+)
+SPLICED = (
+    "no cut of the graph judged on its own trials was past the line, while the whole output is: each point's value "
+    "from the runtime was put into the simulation instead, and the output judged on the report's own budget"
+)
+
+
+def _first_past(points: list, computed: list[int], check: Any) -> int | None:
+    # The first point (of ``computed``) that ``check`` finds past the line, None if the last is not: bisected in
+    # graph order, then walked up the points that feed it.
+    if not computed or not check(computed[-1]):
+        return None
+    lo, hi = 0, len(computed) - 1
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if check(computed[mid]):
+            hi = mid
+        else:
+            lo = mid + 1
+    culprit = computed[lo]
+    # The bisection takes the points in graph order, where parallel branches interleave: a fault in an attention's
+    # query projection is followed by the key's and value's points, which are within the line, so the bisection
+    # lands on the attention after them.  Walk up from there while a point that feeds it is past the line.
+    index, allowed = {p: k for k, p in enumerate(points)}, set(computed)
+    while True:
+        earlier = [j for j in _upstream(points, index, allowed, culprit) if check(j)]
+        if not earlier:
+            return culprit
+        culprit = earlier[0]
+
+
+def _spliced(converted: torch.fx.GraphModule, point: int, value: torch.Tensor) -> torch.fx.GraphModule:
+    # ``converted`` with its ``point``-th requantization point's value replaced by ``value`` (a held tensor).
+    graph = graph_copy(converted)
+    node = _ops(graph, "dequantize_per_tensor")[point]
+    name = "_rlx_nb_spliced"
+    graph.register_buffer(name, value)
+    with graph.graph.inserting_after(node):
+        held = graph.graph.get_attr(name)
+    node.replace_all_uses_with(held)
+    graph.recompile()
+    return graph
+
+
+def _runtime_value(chosen: Any, converted: torch.fx.GraphModule, args: tuple, k: int) -> Any:
+    # The runtime's value at point ``k``: its run of the graph cut there (a preparation the cut's own check made is
+    # reused), or why it failed.  (One graph returning every point would be one lowering, not one a point, but
+    # ExecuTorch's program with several outputs that alias gave other values, some inf, at most of them.)
+    try:
+        with torch.no_grad():
+            return torch.as_tensor(flatten(runtime_outputs(chosen, _truncated(converted, k), args))[0][1]).clone()
+    except Exception as exc:
+        still_interrupted(exc)
+        return describe_error(exc)
+
+
+def _judged_as_report(report: Any, name: str, call: Any, judged: str) -> tuple[Any, Any]:
+    # A run of ``call`` (the simulation with a runtime's value spliced in) judged as the report judged the runtime:
+    # its oracle, reference, trials and decisive worlds; (results, the record of output ``judged``).
+    run = _run(name, call, compute_dtype=INT8)
+    res = report.results
+    discrete = {n: r for n, r in res.discrete.items() if n not in res.candidates}
+    if res.worlds is not None:
+        discrete.update(decisive.accounts(res.worlds, {name: run}, res.oracle))
+    results = dataclasses.replace(res, candidates={name: run}, discrete=discrete)
+    records = compare(results, progress=False)
+    return results, next((r for r in records if r.output == judged), worst_record(records))
+
+
 def localize_int8(
     report: Any,
     converted: torch.fx.GraphModule,
@@ -118,7 +196,9 @@ def localize_int8(
     points = _ops(converted, "dequantize_per_tensor")
     feeding = _feeding(converted, list(report.results.oracle.outputs), report.record(backend).output)
     computed = [k for k, p in enumerate(points) if _computed(p) and (feeding is None or p in feeding)]
+    judged = report.record(backend).output
     checked: dict[int, tuple[Any, Any]] = {}
+    spliced: dict[int, tuple[Any, Any]] = {}
 
     def check(k: int) -> bool:
         if k not in checked:
@@ -128,40 +208,44 @@ def localize_int8(
             checked[k] = (results, worst_record(compare(results, progress=False)))
         return checked[k][1].verdict == SUSPECT
 
-    culprit = None
-    if computed and check(computed[-1]):
-        lo, hi = 0, len(computed) - 1
-        while lo < hi:
-            mid = (lo + hi) // 2
-            if check(computed[mid]):
-                hi = mid
-            else:
-                lo = mid + 1
-        culprit = computed[lo]
-        # The bisection takes the points in graph order, where parallel branches interleave: a fault in an attention's
-        # query projection is followed by the key's and value's points, which are within the line, so the bisection
-        # lands on the attention after them.  Walk up from there while a point that feeds it is past the line.
-        index, allowed = {p: k for k, p in enumerate(points)}, set(computed)
-        while True:
-            earlier = [j for j in _upstream(points, index, allowed, culprit) if check(j)]
-            if not earlier:
-                break
-            culprit = earlier[0]
+    def splice(k: int) -> bool:
+        if k not in spliced:
+            value = _runtime_value(chosen, converted, args, k)
+            if isinstance(value, torch.Tensor):
+                graph = _spliced(converted, k, value)
+                spliced[k] = _judged_as_report(report, chosen.name, lambda: graph(*args), judged)
+            else:  # (the runtime failed on the cut: why)
+                spliced[k] = (value, None)
+        return spliced[k][1] is not None and spliced[k][1].verdict == SUSPECT
+
+    culprit = _first_past(points, computed, check)
+    full_run = ""
+    if culprit is None and computed and report.record(backend).verdict == SUSPECT:
+        # No cut judged alone is past the line, yet the whole is: a cut's own budget is wider than the model's
+        # (its decisive search gave up where the model's finished, or a float op after the last requantization
+        # moves what a cut cannot see).  Judge each point's value as the report does: spliced into the simulation.
+        culprit = _first_past(points, computed, splice)
+        full_run = SPLICED
     rows, checks, names = [], {}, set()
-    for k in sorted(checked):
-        results, r = checked[k]
+    for k, (results, r), how in [*((k, checked[k], CUT) for k in sorted(checked)),
+                                 *((k, spliced[k], SPLICE) for k in sorted(spliced))]:  # fmt: skip
         path, op = _place(points[k])
         name = f"{path} :: {op}" + (f" #{k}" if f"{path} :: {op}" in names else "")
         names.add(name)
+        if r is None:  # (the runtime failed on the cut: ``results`` is why)
+            rows.append({"order": k, "name": name, "kind": "op", "depth": path.count(".") + 1, "verdict": "error",
+                         "output": judged, "reason": results, "notes": how.format(k=k, n=len(points))})  # fmt: skip
+            continue
         checks[name] = (results, r.output)
         rows.append({
             "order": k, "name": name, "kind": "op", "depth": path.count(".") + 1 if path != "(top level)" else 0,
             "verdict": r.verdict, "output": r.output, "local_ratio_rmse": r.judgement.budget.ratio_rmse,
             "local_ratio_max": r.judgement.budget.ratio_max, "local_line": r.judgement.line, "reason": r.reason,
-            "notes": f"the graph cut after requantization point {k} (of {len(points)}), judged on its own trials",
+            "notes": how.format(k=k, n=len(points)),
         })  # fmt: skip
     module, op = _place(points[culprit]) if culprit is not None else (None, None)
-    found = Found(rows, module, op, len(checked), checks=checks, source=report.source, no_repro=NO_REPRO)
+    found = Found(rows, module, op, len(checked) + len(spliced), checks=checks, source=report.source,
+                  no_repro=NO_REPRO, full_run=full_run)  # fmt: skip
     loc = Localization(backend, False, found)
     loc.report = weakref.ref(report)
     return loc

@@ -174,6 +174,7 @@ def int8_results(
         fingerprints=Fingerprints(later(args, converted, None)),
         trials=runs,
         discrete=accounted,
+        worlds=worlds,
     )
 
 
