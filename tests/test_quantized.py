@@ -882,7 +882,7 @@ def test_a_fault_no_cut_alone_shows_is_localized_by_its_value_spliced_into_the_s
     assert report.suspects == [fault.name], report.summary
     found = report.localize(fault.name)
     assert found.culprit == "encoder.layer.1.attention.self.query :: linear", found.frame
-    assert "put into the simulation" in found.full_run
+    assert "put into the simulation" in found.full_run and "put into the simulation" in found.finding
     frame = found.frame
     cut_alone = frame[frame["notes"].str.contains("its own trials")]
     assert len(cut_alone) and (cut_alone["verdict"] != "SUSPECT").all()  # (why the fallback ran)

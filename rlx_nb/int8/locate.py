@@ -247,6 +247,8 @@ def localize_int8(
     found = Found(rows, module, op, len(checked) + len(spliced), checks=checks, source=report.source,
                   no_repro=NO_REPRO, full_run=full_run)  # fmt: skip
     loc = Localization(backend, False, found)
+    if full_run and culprit is not None:
+        loc.attribution = full_run[0].upper() + full_run[1:]  # (the finding says how it was found)
     loc.report = weakref.ref(report)
     return loc
 
