@@ -174,7 +174,7 @@ def int8_results(
         fingerprints=Fingerprints(later(args, converted, None)),
         trials=runs,
         discrete=accounted,
-        worlds=worlds,
+        worlds=worlds if worlds.elements else None,  # (none found: nothing to account, nothing kept)
     )
 
 
