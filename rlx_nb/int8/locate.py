@@ -152,7 +152,7 @@ def _spliced(converted: torch.fx.GraphModule, point: int, value: torch.Tensor) -
 def _runtime_value(chosen: Any, converted: torch.fx.GraphModule, args: tuple, k: int) -> Any:
     # The runtime's value at point ``k``: its run of the graph cut there (a preparation the cut's own check made is
     # reused), or why it failed.  (One graph returning every point would be one lowering, not one a point, but
-    # ExecuTorch's program with several outputs that alias gave other values, some inf, at most of them.)
+    # ExecuTorch's program returning many points of an int8 graph gave other values, some inf, at most of them.)
     try:
         with torch.no_grad():
             return torch.as_tensor(flatten(runtime_outputs(chosen, _truncated(converted, k), args))[0][1]).clone()
@@ -194,9 +194,9 @@ def localize_int8(
     if chosen is None:
         raise InputError(f"backend {backend!r} did not run in this report; it ran: {', '.join(report.backend_objects)}")
     points = _ops(converted, "dequantize_per_tensor")
-    feeding = _feeding(converted, list(report.results.oracle.outputs), report.record(backend).output)
-    computed = [k for k, p in enumerate(points) if _computed(p) and (feeding is None or p in feeding)]
     judged = report.record(backend).output
+    feeding = _feeding(converted, list(report.results.oracle.outputs), judged)
+    computed = [k for k, p in enumerate(points) if _computed(p) and (feeding is None or p in feeding)]
     checked: dict[int, tuple[Any, Any]] = {}
     spliced: dict[int, tuple[Any, Any]] = {}
 
@@ -232,13 +232,14 @@ def localize_int8(
         path, op = _place(points[k])
         name = f"{path} :: {op}" + (f" #{k}" if f"{path} :: {op}" in names else "")
         names.add(name)
+        depth = path.count(".") + 1 if path != "(top level)" else 0
         if r is None:  # (the runtime failed on the cut: ``results`` is why)
-            rows.append({"order": k, "name": name, "kind": "op", "depth": path.count(".") + 1, "verdict": "error",
+            rows.append({"order": k, "name": name, "kind": "op", "depth": depth, "verdict": "error",
                          "output": judged, "reason": results, "notes": how.format(k=k, n=len(points))})  # fmt: skip
             continue
         checks[name] = (results, r.output)
         rows.append({
-            "order": k, "name": name, "kind": "op", "depth": path.count(".") + 1 if path != "(top level)" else 0,
+            "order": k, "name": name, "kind": "op", "depth": depth,
             "verdict": r.verdict, "output": r.output, "local_ratio_rmse": r.judgement.budget.ratio_rmse,
             "local_ratio_max": r.judgement.budget.ratio_max, "local_line": r.judgement.line, "reason": r.reason,
             "notes": how.format(k=k, n=len(points)),
