@@ -26,7 +26,7 @@ import numpy as np
 import pandas as pd
 
 import rlx_nb
-from rlx_nb.int8 import faults, locate  # noqa: F401  (locate: loaded with the rest, before any file changes)
+from rlx_nb.int8 import faults, locate  # (locate: loaded with the rest, before any file changes)
 from rlx_nb.int8.quantize import quantize_pt2e
 from rlx_nb.int8.requantization import _QUANTIZE, _ops
 from rlx_nb.models import demo, zoo
@@ -36,6 +36,7 @@ from rlx_nb.verdict.types import SUSPECT, VERDICT_ERROR
 RESULTS = Path(__file__).parent / "results"
 LEGIT = ("executorch-xnnpack", "executorch-portable", "int8-half-up")
 DETECTABLE, SMALL = 10.0, 3.0
+HOW = {"": "cut alone", locate.SPLICED: "spliced"}  # (how a culprit was found, from ``Localization.full_run``)
 
 
 def fault_set(converted) -> list:
@@ -136,7 +137,7 @@ def rows_of(name: str) -> list[dict]:
         loc = report.localize(backend)
         loc_rows.append({"model": name, "backend": backend, "culprit": loc.culprit,
                          "seconds": round(time.perf_counter() - start, 1),
-                         "how": "spliced" if loc.full_run else "cut alone"})  # fmt: skip
+                         "how": HOW.get(loc.full_run, "cut, then splice upstream")})  # fmt: skip
     return rows, loc_rows
 
 

@@ -844,6 +844,35 @@ def test_a_search_that_gives_up_says_so_in_the_lines_with_what_finishing_costs(m
         rlx_nb.quantized_divergence(converted, inputs, search_runs=0, progress=False)
 
 
+def test_a_fault_whose_first_cut_past_the_line_is_downstream_is_walked_up_to_its_layer_by_the_splice():
+    # #63: Llama from a config, batch 1, layer 1's query weight scale off by 25%.  The first cut of the graph past the
+    # line on its own trials is the attention's output projection after it: the cuts between are within their own
+    # budgets, each wider than the model's.  From that cut the points upstream are judged on the report's budget
+    # (each runtime value spliced into the simulation), and the query projection is named.
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.LlamaConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      max_position_embeddings=64, intermediate_size=128, num_key_value_heads=2)  # fmt: skip
+    ids = torch.randint(4, 1000, (1, 16))
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    converted = quantize.quantize_pt2e(transformers.LlamaForCausalLM(config).eval(), inputs)
+    fault = faults.channel_scale_fault(layer=7, channel=1, factor=1.25, runtime="cpu")  # (weight 7: layer 1's query)
+    report = rlx_nb.quantized_divergence(converted, inputs, backends=[fault], progress=False)
+    assert report.suspects == [fault.name], report.summary
+    found = report.localize(fault.name)
+    assert found.culprit == "model.layers.1.self_attn.q_proj :: linear", found.frame
+    assert "first cut of the graph past the line on its own trials was at model.layers.1.self_attn.o_proj" in (
+        found.finding
+    )
+    frame = found.frame
+    cut_alone = frame[frame["notes"].str.contains("its own trials")]
+    first_cut = cut_alone[cut_alone["verdict"] == "SUSPECT"]["order"].min()
+    assert "o_proj" in cut_alone[cut_alone["order"] == first_cut]["name"].iloc[0]  # (where the first search stopped)
+    spliced = frame[frame["notes"].str.contains("put into the simulation")]
+    assert (spliced[spliced["order"] < spliced[spliced["name"].str.contains("layers.1.self_attn.q_proj")]["order"]
+            .min()]["verdict"] != "SUSPECT").all()  # (before the query projection: clean)  # fmt: skip
+
+
 def test_every_requantization_point_of_a_transformer_is_named_at_the_op_that_computed_its_value():
     # A value quantized again (OPT's residual, reshaped before the next layer's product, is quantized a second
     # time; an eval-mode dropout passes the attention's projection through) is named where it was computed, never

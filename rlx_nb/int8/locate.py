@@ -110,6 +110,11 @@ SPLICED = (
     "no cut of the graph judged on its own trials was past the line, while the whole output is: each point's value "
     "from the runtime was put into the simulation instead, and the output judged on the report's own budget"
 )
+REFINED = (
+    "the first cut of the graph past the line on its own trials was at {cut}; a cut's own budget is wider than the "
+    "model's, so the runtime's values there and upstream were put into the simulation instead, and the output "
+    "judged on the report's own budget is past the line from {first} on"
+)
 
 
 def _first_past(points: list, computed: list[int], check: Any) -> int | None:
@@ -130,10 +135,33 @@ def _first_past(points: list, computed: list[int], check: Any) -> int | None:
     # lands on the attention after them.  Walk up from there while a point that feeds it is past the line.
     index, allowed = {p: k for k, p in enumerate(points)}, set(computed)
     while True:
-        earlier = [j for j in _upstream(points, index, allowed, culprit) if check(j)]
-        if not earlier:
+        earlier = next((j for j in _upstream(points, index, allowed, culprit) if check(j)), None)
+        if earlier is None:
             return culprit
-        culprit = earlier[0]
+        culprit = earlier
+
+
+def _upstream_of(points: list, computed: list[int], k: int) -> list[int]:
+    # The points (of ``computed``) that point ``k``'s value is computed from, at any distance, and ``k``: in graph order.
+    index, allowed = {p: j for j, p in enumerate(points)}, set(computed)
+    found, todo = {k}, [k]
+    while todo:
+        for j in _upstream(points, index, allowed, todo.pop()):
+            if j not in found:
+                found.add(j)
+                todo.append(j)
+    return sorted(found)
+
+
+def _refined(points: list, computed: list[int], culprit: int, splice: Any) -> int:
+    # From the first search's culprit (a cut past the line on its own trials), the first point upstream whose value,
+    # spliced into the simulation, puts the output past the report's line; the culprit if none that feeds it is (each
+    # splice lowers a cut of the graph, so the points farther up are bisected only when one that feeds it is past).
+    index = {p: j for j, p in enumerate(points)}
+    earlier = next((j for j in _upstream(points, index, set(computed), culprit) if splice(j)), None)
+    if earlier is None:
+        return culprit
+    return _first_past(points, _upstream_of(points, computed, earlier), splice)
 
 
 def _spliced(converted: torch.fx.GraphModule, point: int, value: torch.Tensor) -> torch.fx.GraphModule:
@@ -226,6 +254,15 @@ def localize_int8(
         # moves what a cut cannot see).  Judge each point's value as the report does: spliced into the simulation.
         culprit = _first_past(points, computed, splice)
         full_run = SPLICED
+    elif culprit is not None:
+        # The first cut past the line on its own trials is past it, but the cuts upstream were judged on their own
+        # budgets, each wider than the model's (a deeper model spreads further): a fault upstream of the cut may
+        # not show alone.  Judge the points upstream as the report does, by the splice, and take the first past.
+        first = _refined(points, computed, culprit, splice)
+        if first != culprit:
+            cut = " :: ".join(_place(points[culprit]))
+            full_run = REFINED.format(cut=cut, first=" :: ".join(_place(points[first])))
+            culprit = first
     rows, checks, names = [], {}, set()
     for k, (results, r), how in [*((k, checked[k], CUT) for k in sorted(checked)),
                                  *((k, spliced[k], SPLICE) for k in sorted(spliced))]:  # fmt: skip
@@ -245,7 +282,7 @@ def localize_int8(
             "notes": how.format(k=k, n=len(points)),
         })  # fmt: skip
     module, op = _place(points[culprit]) if culprit is not None else (None, None)
-    found = Found(rows, module, op, len(checked) + len(spliced), checks=checks, source=report.source,
+    found = Found(rows, module, op, len(checked.keys() | spliced.keys()), checks=checks, source=report.source,
                   no_repro=NO_REPRO, full_run=full_run)  # fmt: skip
     loc = Localization(backend, False, found)
     if full_run and culprit is not None:
