@@ -11,13 +11,17 @@ caught; at least half of those at 3-10x.
 
     python bench/int8_detection.py [--models mlp,conv,transformer,gpt2,llama,opt@1,...] [--out NAME]
     python bench/int8_detection.py --merge NAME1,NAME2       # parts run apart (in parallel), written as one
+    python bench/int8_detection.py --models opt@1 --fault-runtime cpu --no-legit   # where each caught fault is
+                                   # localized, fast: the faults planted in the simulation itself, nothing else run
 
-Writes ``bench/results/int8_detection.csv``, ``_localized.csv`` and ``.md``.
+Writes ``bench/results/int8_detection.csv``, ``_localized.csv`` (each caught fault's culprit, the module it is planted
+in, and whether the culprit is in its block: ``at_layer``) and ``.md``.
 """
 
 from __future__ import annotations
 
 import argparse
+import re
 import time
 import warnings
 from pathlib import Path
@@ -28,7 +32,7 @@ import pandas as pd
 import rlx_nb
 from rlx_nb.int8 import faults, locate  # (locate: loaded with the rest, before any file changes)
 from rlx_nb.int8.quantize import quantize_pt2e
-from rlx_nb.int8.requantization import _QUANTIZE, _ops
+from rlx_nb.int8.requantization import _QUANTIZE, _module_of, _ops
 from rlx_nb.models import demo, zoo
 from rlx_nb.verdict.records import worst_record
 from rlx_nb.verdict.types import SUSPECT, VERDICT_ERROR
@@ -39,20 +43,28 @@ DETECTABLE, SMALL = 10.0, 3.0
 HOW = {"": "cut alone", locate.SPLICED: "spliced"}  # (how a culprit was found, from ``Localization.full_run``)
 
 
-def fault_set(converted) -> list:
-    # The planted bugs: each kind at the first, middle and last weight (or requantization).
-    weights = len(_ops(converted, "dequantize_per_channel"))
-    points = len([q for q in _ops(converted, _QUANTIZE) if getattr(q.args[0], "op", "") != "placeholder"])
-    out = []
-    for layer in sorted({0, weights // 2, weights - 1}):
-        out += [
-            faults.channel_scale_fault(layer=layer, channel=1, factor=1.25),
-            faults.weight_sign_fault(layer=layer, channel=1),
-            faults.bias_fault(layer=layer, channel=1, quanta=3.0),
-        ]
-    for point in sorted({0, points // 2, points - 1}):
-        out.append(faults.truncation_fault(point=point))
+def fault_set(converted, runtime: str = "executorch-xnnpack") -> dict:
+    # The planted bugs, through ``runtime``: each kind at the first, middle and last weight (or requantization);
+    # {fault: the module it is planted in}.
+    weights = _ops(converted, "dequantize_per_channel")
+    points = [q for q in _ops(converted, _QUANTIZE) if getattr(q.args[0], "op", "") != "placeholder"]
+    out = {}
+    for layer in sorted({0, len(weights) // 2, len(weights) - 1}):
+        user = next(iter(weights[layer].users))  # (the op the weight feeds: its module)
+        where = _module_of(user, user).rsplit(" (", 1)[0]
+        out[faults.channel_scale_fault(layer=layer, channel=1, factor=1.25, runtime=runtime)] = where
+        out[faults.weight_sign_fault(layer=layer, channel=1, runtime=runtime)] = where
+        out[faults.bias_fault(layer=layer, channel=1, quanta=3.0, runtime=runtime)] = where
+    for point in sorted({0, len(points) // 2, len(points) - 1}):
+        out[faults.truncation_fault(point=point, runtime=runtime)] = _module_of(points[point]).rsplit(" (", 1)[0]
     return out
+
+
+def layer_of(module: str) -> str:
+    # The block a module is in ("model.layers.1.self_attn.q_proj": "model.layers.1"), or the module itself outside
+    # the repeated blocks (lm_head, a pooler).
+    found = re.match(r"(.*?\b(?:layers?|h|blocks?)\.\d+)\b", module or "")
+    return found.group(1) if found else (module or "")
 
 
 def raw_ratio(report, backend: str) -> float:
@@ -105,7 +117,7 @@ def _from_config(family: str, batch: int):
 CONFIG_FAMILIES = ("opt", "gpt2", "llama", "bert")
 
 
-def rows_of(name: str) -> list[dict]:
+def rows_of(name: str, fault_runtime: str = "executorch-xnnpack", legit: bool = True) -> list[dict]:
     # (a zoo model at batch 1, as its committed rows were measured; a demo model runs
     # at its own; "<family>@<batch>": a transformer from a small config, CONFIG_FAMILIES)
     family, _, batch = name.partition("@")
@@ -114,10 +126,10 @@ def rows_of(name: str) -> list[dict]:
     else:
         model, inputs = zoo.build(name, batch=1) if name in zoo.MODELS else getattr(demo, name)()
     converted = quantize_pt2e(model, inputs)
-    planted = fault_set(converted)
+    planted = fault_set(converted, fault_runtime)
     start = time.perf_counter()
-    report = rlx_nb.quantized_divergence(converted, inputs, backends=[*LEGIT[:2], faults.half_up_runtime(), *planted],
-                                         label=name, progress=False)  # fmt: skip
+    backends = [*LEGIT[:2], faults.half_up_runtime(), *planted] if legit else [*planted]
+    report = rlx_nb.quantized_divergence(converted, inputs, backends=backends, label=name, progress=False)
     seconds = time.perf_counter() - start
     rows = []
     for backend in report.results.candidates:
@@ -135,7 +147,9 @@ def rows_of(name: str) -> list[dict]:
             continue
         start = time.perf_counter()
         loc = report.localize(backend)
-        loc_rows.append({"model": name, "backend": backend, "culprit": loc.culprit,
+        where = next((w for f, w in planted.items() if f.name == backend), "")
+        loc_rows.append({"model": name, "backend": backend, "culprit": loc.culprit, "planted_in": where,
+                         "at_layer": bool(loc.culprit_module) and layer_of(loc.culprit_module) == layer_of(where),
                          "seconds": round(time.perf_counter() - start, 1),
                          "how": HOW.get(loc.full_run, "cut, then splice upstream")})  # fmt: skip
     return rows, loc_rows
@@ -149,6 +163,8 @@ def summary(df: pd.DataFrame, locs: pd.DataFrame) -> str:
     miss = big[~big.suspect]
     lines = [
         "# int8 detection", "",
+        *(["(the planted faults only, no legitimate runtime: no fault's size is measured; this run checks where "
+           "each caught fault is localized)", ""] if not df.legit.any() else []),
         f"- legitimate runs: {len(legit)}; SUSPECT: {int(legit.suspect.sum())}",
         f"- faults past {DETECTABLE:g}x: {len(big)}; caught: {int(big.suspect.sum())}"
         + (f"; missed: {', '.join(miss.backend + ' on ' + miss.model)}" if len(miss) else ""),
@@ -159,7 +175,10 @@ def summary(df: pd.DataFrame, locs: pd.DataFrame) -> str:
         f"- error rows: {int((df.verdict == VERDICT_ERROR).sum())}", "",
         df.assign(line=df.line.map(lambda v: f"{v:.3g}"), raw_ratio=df.raw_ratio.map(lambda v: f"{v:.3g}"))
         [["model", "backend", "legit", "verdict", "line", "raw_ratio", "why"]].to_markdown(index=False),
-        "", "## Localized", "", locs.to_markdown(index=False) if len(locs) else "(none)", "",
+        "", "## Localized", "",
+        f"- caught faults localized in the block they are planted in: {int(locs.at_layer.sum())} of {len(locs)}"
+        if "at_layer" in locs else "", "",
+        locs.to_markdown(index=False) if len(locs) else "(none)", "",
     ]  # fmt: skip
     return "\n".join(lines)
 
@@ -169,6 +188,13 @@ def main() -> None:
     parser.add_argument("--models", default="mlp,conv,transformer,gpt2,llama,opt@1,opt@4,gpt2@1,gpt2@4,llama@1,llama@4,"
                         "bert@1,bert@4")  # fmt: skip
     parser.add_argument("--out", default="int8_detection")
+    parser.add_argument(
+        "--fault-runtime",
+        default="executorch-xnnpack",
+        help="the runtime the faults are planted in "
+        "(cpu: the simulation's own, to check the localization fast on every family)",
+    )
+    parser.add_argument("--no-legit", action="store_true", help="the planted faults only")  # fmt: skip
     parser.add_argument("--merge", default="", help="results of runs in parts (their --out names, comma-separated) "
                         "written as one (--out): no model runs")  # fmt: skip
     args = parser.parse_args()
@@ -182,7 +208,7 @@ def main() -> None:
     else:
         rows, locs = [], []
         for name in args.models.split(","):
-            got, loc = rows_of(name)
+            got, loc = rows_of(name, args.fault_runtime, legit=not args.no_legit)
             rows += got
             locs += loc
             print(name, "done", flush=True)
