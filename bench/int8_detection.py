@@ -117,7 +117,7 @@ def _from_config(family: str, batch: int):
 CONFIG_FAMILIES = ("opt", "gpt2", "llama", "bert")
 
 
-def rows_of(name: str, fault_runtime: str = "executorch-xnnpack", legit: bool = True) -> list[dict]:
+def converted_of(name: str) -> tuple:
     # (a zoo model at batch 1, as its committed rows were measured; a demo model runs
     # at its own; "<family>@<batch>": a transformer from a small config, CONFIG_FAMILIES)
     family, _, batch = name.partition("@")
@@ -125,7 +125,28 @@ def rows_of(name: str, fault_runtime: str = "executorch-xnnpack", legit: bool = 
         model, inputs = _from_config(family, int(batch))
     else:
         model, inputs = zoo.build(name, batch=1) if name in zoo.MODELS else getattr(demo, name)()
-    converted = quantize_pt2e(model, inputs)
+    return quantize_pt2e(model, inputs), inputs
+
+
+def placed(locs: pd.DataFrame) -> pd.DataFrame:
+    # Rows localized before the bench recorded where each fault is planted: the module, from the same fault set.
+    if "planted_in" in locs and locs.planted_in.notna().all():
+        return locs
+    locs = locs.copy()
+    for name in locs[locs.get("planted_in", pd.Series(index=locs.index)).isna()].model.unique():
+        where = {f.name: w for f, w in fault_set(converted_of(name)[0]).items()}
+        rows = locs.model == name
+        locs.loc[rows, "planted_in"] = locs.loc[rows, "backend"].map(where)
+        culprits = locs.loc[rows, "culprit"].fillna("").str.partition(" :: ")[0]
+        locs.loc[rows, "at_layer"] = [
+            bool(c) and layer_of(c) == layer_of(w) for c, w in zip(culprits, locs.loc[rows, "planted_in"], strict=True)
+        ]
+    locs["at_layer"] = locs.at_layer.astype(bool)
+    return locs
+
+
+def rows_of(name: str, fault_runtime: str = "executorch-xnnpack", legit: bool = True) -> list[dict]:
+    converted, inputs = converted_of(name)
     planted = fault_set(converted, fault_runtime)
     start = time.perf_counter()
     backends = [*LEGIT[:2], faults.half_up_runtime(), *planted] if legit else [*planted]
@@ -204,7 +225,9 @@ def main() -> None:
         parts = args.merge.split(",")
         df = pd.concat([pd.read_csv(RESULTS / f"{p}.csv") for p in parts], ignore_index=True)
         located = [RESULTS / f"{p}_localized.csv" for p in parts]
-        ldf = pd.concat([pd.read_csv(f) for f in located if f.exists() and f.stat().st_size > 1], ignore_index=True)
+        ldf = placed(
+            pd.concat([pd.read_csv(f) for f in located if f.exists() and f.stat().st_size > 1], ignore_index=True)
+        )
     else:
         rows, locs = [], []
         for name in args.models.split(","):
