@@ -7,6 +7,11 @@ hold a computed value are bisected (a divergence is taken to persist downstream,
 quantized constant -- a bias, an epsilon folded by PT2E -- matches everywhere and would break the order), and the
 first one past the line is the culprit: the op that computed the value it rounds, and that op's module.  The
 result is a :class:`~rlx_nb.Localization`, a float search's: its frame, culprit, arrays and heatmaps.
+
+A cut judged on its own trials has a budget wider than the whole model's, so a fault can show at no cut, or first at
+a cut downstream of it.  The *splice* judges a point on the report's own budget instead: the runtime's value there
+put into the simulation in place of its own, the rest simulated.  It searches where no cut is past the line, and
+from the first search's culprit it walks up the points that feed it.
 """
 
 from __future__ import annotations
