@@ -763,21 +763,29 @@ def test_the_pictures_and_words_of_an_int8_verdict_on_one_slice_show_that_slice_
     assert "error in quanta" in explorer.inspector.value and "ULP distance" not in explorer.inspector.value
 
 
-def _opt_from_config():
-    # #63: a 2-layer OPT from a small config, whose near-boundary values outnumbered the old search (61 of them: it
-    # gave up after 32 runs, held none, and faults 35-208x a legitimate error read as round-off).
+def _from_config(family: str) -> tuple:
+    # #63: a 2-layer transformer of ``family`` (opt, llama, bert) from a small config (width 64, random weights,
+    # seeded) and its 16-token text, PT2E-quantized.  OPT's near-boundary values outnumbered the old search (61 of
+    # them: it gave up after 32 runs, held none, and faults 35-208x a legitimate error read as round-off).
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.OPTConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, ffn_dim=128,
-                                    num_attention_heads=4, max_position_embeddings=64, word_embed_proj_dim=64)  # fmt: skip
+    small = dict(
+        vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=64
+    )
+    build, config = {
+        "opt": lambda: (transformers.OPTForCausalLM, transformers.OPTConfig(**small, ffn_dim=128, word_embed_proj_dim=64)),
+        "llama": lambda: (transformers.LlamaForCausalLM,
+                          transformers.LlamaConfig(**small, intermediate_size=128, num_key_value_heads=2)),
+        "bert": lambda: (transformers.BertModel, transformers.BertConfig(**small, intermediate_size=128)),
+    }[family]()  # fmt: skip
     ids = torch.randint(4, 1000, (1, 16))
     inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    return quantize.quantize_pt2e(transformers.OPTForCausalLM(config).eval(), inputs), inputs
+    return quantize.quantize_pt2e(build(config).eval(), inputs), inputs
 
 
 @functools.cache
 def _opt_case():
-    converted, inputs = _opt_from_config()
+    converted, inputs = _from_config("opt")
     planted = [faults.weight_sign_fault(layer=2, channel=1, runtime="cpu"),  # (layer 0's v_proj)
                faults.bias_fault(layer=3, channel=1, quanta=3.0, runtime="cpu")]  # fmt: skip
     report = rlx_nb.quantized_divergence(converted, inputs, backends=[faults.half_up_runtime(), *planted],
@@ -805,7 +813,7 @@ def test_a_correct_kernel_rounding_any_subset_of_the_candidates_the_other_way_st
     from rlx_nb.int8 import decisive
     from rlx_nb.int8.requantization import exact_simulation, requantizations
 
-    converted, inputs = _opt_from_config()
+    converted, inputs = _from_config("opt")
     args = tuple(inputs.values())
     with torch.no_grad():
         measured = requantizations(converted, args)
@@ -832,7 +840,7 @@ def test_a_search_that_gives_up_says_so_in_the_lines_with_what_finishing_costs(m
     from rlx_nb.int8 import decisive
 
     monkeypatch.setattr(decisive, "HOLD_ALL_BYTES", 0)  # (bisection only)
-    converted, inputs = _opt_from_config()
+    converted, inputs = _from_config("opt")
     report = rlx_nb.quantized_divergence(converted, inputs, backends=[faults.half_up_runtime()], search_runs=5,
                                          progress=False)  # fmt: skip
     search = report.int8["decisive_search"]
@@ -849,13 +857,7 @@ def test_a_fault_whose_first_cut_past_the_line_is_downstream_is_walked_up_to_its
     # line on its own trials is the attention's output projection after it: the cuts between are within their own
     # budgets, each wider than the model's.  From that cut the points upstream are judged on the report's budget
     # (each runtime value spliced into the simulation), and the query projection is named.
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.LlamaConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                      max_position_embeddings=64, intermediate_size=128, num_key_value_heads=2)  # fmt: skip
-    ids = torch.randint(4, 1000, (1, 16))
-    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    converted = quantize.quantize_pt2e(transformers.LlamaForCausalLM(config).eval(), inputs)
+    converted, inputs = _from_config("llama")
     fault = faults.channel_scale_fault(layer=7, channel=1, factor=1.25, runtime="cpu")  # (weight 7: layer 1's query)
     report = rlx_nb.quantized_divergence(converted, inputs, backends=[fault], progress=False)
     assert report.suspects == [fault.name], report.summary
@@ -877,15 +879,9 @@ def test_every_requantization_point_of_a_transformer_is_named_at_the_op_that_com
     # A value quantized again (OPT's residual, reshaped before the next layer's product, is quantized a second
     # time; an eval-mode dropout passes the attention's projection through) is named where it was computed, never
     # "(top level) :: dequantize_per_tensor": a fault planted there is localized to its layer.
-    transformers = pytest.importorskip("transformers")
     from rlx_nb.int8.locate import _place
 
-    torch.manual_seed(0)
-    cfg = transformers.OPTConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                 max_position_embeddings=64, ffn_dim=128, word_embed_proj_dim=64)  # fmt: skip
-    model = transformers.OPTForCausalLM(cfg).eval()
-    ids = torch.randint(4, 1000, (1, 16))
-    converted = quantize.quantize_pt2e(model, {"input_ids": ids, "attention_mask": torch.ones_like(ids)})
+    converted, _ = _from_config("opt")
     points = [p for p in requantization._ops(converted, "dequantize_per_tensor") if requantization._computed(p)]
     places = [_place(p) for p in points]
     assert len(places) > 40
@@ -899,13 +895,7 @@ def test_a_fault_no_cut_alone_shows_is_localized_by_its_value_spliced_into_the_s
     # requantized element rounded the other way where no correct kernel could, then a float LayerNorm), but every
     # cut judged on its own trials is within its own, wider budget.  Each point's value from the runtime, spliced
     # into the simulation and judged on the report's budget, finds the query projection, not the LayerNorm after.
-    transformers = pytest.importorskip("transformers")
-    torch.manual_seed(0)
-    config = transformers.BertConfig(vocab_size=1000, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-                                     max_position_embeddings=64, intermediate_size=128)  # fmt: skip
-    ids = torch.randint(4, 1000, (1, 16))
-    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
-    converted = quantize.quantize_pt2e(transformers.BertModel(config).eval(), inputs)
+    converted, inputs = _from_config("bert")
     fault = faults.weight_sign_fault(layer=6, channel=1, runtime="cpu")  # (weight 6: layer 1's query)
     report = rlx_nb.quantized_divergence(converted, inputs, backends=[fault], progress=False)
     assert report.suspects == [fault.name], report.summary
