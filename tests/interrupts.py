@@ -79,6 +79,30 @@ def interrupt_at(fn: Callable[[], Any], n: int) -> bool | None:
     return _interrupted(fn, trace, reached=lambda: seen >= n)
 
 
+def call_windows(fn: Callable[[], Any], name: str) -> list[tuple[int, int]]:
+    """Each time ``fn()`` runs a function called ``name`` (of torch or rlx_nb) on this thread: the numbers (as
+    :func:`interrupt_at` counts them) of the first and the last call made while it runs, so a test can interrupt it."""
+    n = 0
+    windows: list[list[int]] = []
+
+    def inside(frame, event, arg):
+        if event == "return":
+            windows[-1][1] = n
+        return inside
+
+    def trace(frame, event, arg):
+        nonlocal n
+        if event == "call" and _watched(frame):
+            n += 1
+            if frame.f_code.co_name == name:
+                windows.append([n, n])
+                return inside
+        return None
+
+    _traced(fn, trace)
+    return [(a, b) for a, b in windows]
+
+
 def _finalizer(frame: Any) -> bool:
     # A function the garbage collector calls (a weak reference's callback, ``__del__``): CPython prints and ignores
     # any exception raised in one -- a real Ctrl-C landing there is lost by Python itself, not by rlx_nb -- so no

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from rlx_nb.models import demo
 from tests.conftest import compiler_caches_off, require_live
 from tests.interrupts import (
     RAISED_AT,
+    call_windows,
     count_calls,
     differences,
     first_of_each,
@@ -157,6 +159,48 @@ def test_ctrl_c_during_a_training_divergence_leaves_torch_as_it_was():
                                    backends=["optimizer:foreach", "threads"], progress=False)  # fmt: skip
 
     _interrupted_everywhere(call)
+
+
+def _threads_a_new_thread_gets() -> int:
+    got = []
+    thread = threading.Thread(target=lambda: got.append(torch.get_num_threads()))
+    thread.start()
+    thread.join()
+    return got[0]
+
+
+def test_ctrl_c_while_two_envelope_runs_step_at_once_leaves_torch_as_it_was():
+    # On two threads, the envelope's run on another thread count steps beside a one-ulp run (rlx_nb.training.paired):
+    # an interrupt in the caller's thread, anywhere in a pair's step, waits for the other run's step, then gives torch
+    # back its thread count.
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    data = [(torch.randn(8, 8), torch.randn(8, 1)) for _ in range(2)]
+
+    def call():
+        rlx_nb.training_divergence(model, data, lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]),
+                                   optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2), steps=3,
+                                   backends=["optimizer:foreach"], progress=False)  # fmt: skip
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        call()
+        before = torch_state()
+        windows = call_windows(call, "step_pair")
+        assert len(windows) == 3, f"the pair stepped {len(windows)} times in 3 steps: the test would test nothing"
+        for first, last in windows[:2]:
+            for share in (0.02, 0.3, 0.6, 0.98):
+                at = first + int((last - first) * share)
+                assert interrupt_at(call, at) is True, f"the interrupt at call {at} (in {first}-{last}) was swallowed"
+                left = [t.name for t in threading.enumerate() if t.name == "rlx_nb:envelope"]
+                assert left == [], f"after an interrupt at call {at} ({first}-{last}), still running: {left}"
+                assert _threads_a_new_thread_gets() == 2, f"after an interrupt at call {at} ({first}-{last})"
+                assert differences(before, torch_state()) == {}, f"after an interrupt at call {at} ({first}-{last})"
+        call()
+        assert differences(before, torch_state()) == {}
+    finally:
+        torch.set_num_threads(threads)
 
 
 @contextlib.contextmanager

@@ -286,6 +286,60 @@ def test_bad_input_is_refused_with_what_is_allowed():
         call(model=Growing())
 
 
+class _LateNoise(torch.nn.Module):
+    # A model that draws random numbers from its fourth forward on (a schedule turning noise on).
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.lin = torch.nn.Linear(8, 1)
+        self.calls = 0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        y = self.lin(x)
+        return y + 1e-3 * torch.rand_like(y) if self.calls > 3 else y
+
+
+def test_the_envelopes_run_on_another_thread_count_steps_beside_a_one_ulp_run_and_reads_the_same(monkeypatch):
+    # On two threads the run on another thread count runs on one, and a one-ulp run steps beside it on the other
+    # core.  Every figure is the one the runs give one at a time, bit for bit; a step of the pair that drew random
+    # numbers (dropout from the first step, noise from the fourth) starts the envelope again one run at a time.
+    from rlx_nb.training import paired
+
+    real_step, real_pair = paired.step_pair, paired.pair_of
+    outcomes: list = []
+
+    def counted(*args):
+        outcomes.append(real_step(*args))
+        return outcomes[-1]
+
+    monkeypatch.setattr(paired, "step_pair", counted)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for name, make, drew_at in (("plain", _mlp, None), ("dropout", lambda: _mlp(0.1), 0),
+                                    ("noise from step 3", lambda: _LateNoise(), 3)):  # fmt: skip
+            seen = {}
+            for pairing in (True, False):
+                monkeypatch.setattr(paired, "pair_of", real_pair if pairing else lambda runs, model: None)
+                outcomes.clear()
+                report = rlx_nb.training_divergence(make(), _data(), _mse, steps=10, progress=False,
+                                                    optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
+                                                    backends=["optimizer:foreach"])  # fmt: skip
+                assert torch.get_num_threads() == 2
+                seen[pairing] = (report.steps, [o is not None for o in outcomes])
+            assert seen[False][1] == [], name
+            paired_steps, stepped = seen[True]
+            if drew_at is None:
+                assert stepped == [True] * 10, name
+            else:
+                assert stepped == [True] * drew_at + [False], (name, stepped)
+            assert paired_steps.loss_envelope.max() > 0 and paired_steps.param_envelope.iloc[-1] > 0, name
+            assert paired_steps.equals(seen[False][0]), name
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_ctrl_c_keeps_the_steps_already_judged_and_torch_as_it_was():
     model, data = _mlp(), _data()
     calls = []

@@ -19,6 +19,7 @@ from rlx_nb.execution.environment import environment
 from rlx_nb.execution.prepare import trim
 from rlx_nb.execution.results import Leaf
 from rlx_nb.numerics.device import same_bits
+from rlx_nb.training import paired
 from rlx_nb.training import trajectory as tr
 from rlx_nb.training.backends import resolve
 from rlx_nb.training.ddp import opened
@@ -238,24 +239,35 @@ def _kept_apart(report: Any) -> None:
 
 def _envelope_pass(base: torch.nn.Module, spec: Any, *, seeds: int, bf16: bool, shapes: dict[str, tuple],
                    shown: Any) -> tuple[list[tr.Drift], list[tr.Drift]]:  # fmt: skip
-    # The envelope's runs trained side by side, each step's figures kept (the runs are let go after).
-    runs32 = tr.envelope_runs(base, spec, seeds, threads=True)
-    runs16 = tr.bf16_envelope(base, spec, seeds) if bf16 else []
-    drifts32: list[tr.Drift] = []
-    drifts16: list[tr.Drift] = []
-    for step in range(spec.steps):
-        batch = spec.batch(step)
-        given = _tensors(batch)
-        got32 = []
-        for k, run in enumerate(runs32):
-            got32.append(_step(run, spec, step, batch))
-            if k == 0:
-                _still_the_same(run.model, shapes, given, batch, step)
-        drifts32.append(tr.drift(runs32, got32))
-        if runs16:
-            drifts16.append(tr.drift(runs16, [_step(run, spec, step, batch) for run in runs16], anchor=runs32[0]))
-        shown.update()
-    return drifts32, drifts16
+    # The envelope's runs trained side by side, each step's figures kept (the runs are let go after).  Where the run
+    # on another thread count leaves cores idle, a one-ulp run steps beside it (paired.py); a step of the pair that
+    # drew random numbers starts the envelope again, one run at a time.
+    for pairing in (True, False):
+        runs32 = tr.envelope_runs(base, spec, seeds, threads=True)
+        runs16 = tr.bf16_envelope(base, spec, seeds) if bf16 else []
+        pair = paired.pair_of(runs32, base) if pairing else None
+        drifts32: list[tr.Drift] = []
+        drifts16: list[tr.Drift] = []
+        for step in range(spec.steps):
+            batch = spec.batch(step)
+            given = _tensors(batch)
+            both = paired.step_pair(pair, spec, step, batch, _step) if pair is not None else {}
+            if both is None:
+                shown.update(-step)
+                break
+            got32 = []
+            for k, run in enumerate(runs32):
+                got32.append(both[run.name] if run.name in both else _step(run, spec, step, batch))
+                if k == 0:
+                    _still_the_same(run.model, shapes, given, batch, step)
+            drifts32.append(tr.drift(runs32, got32))
+            if runs16:
+                drifts16.append(tr.drift(runs16, [_step(run, spec, step, batch) for run in runs16], anchor=runs32[0]))
+            shown.update()
+        else:
+            return drifts32, drifts16
+        del runs32, runs16, pair
+    raise AssertionError("unreachable: the pass without a pair never breaks")
 
 
 def _tensors(batch: Any) -> list[torch.Tensor]:
