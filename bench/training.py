@@ -87,7 +87,8 @@ def main() -> None:
     import torch
 
     # Torch's own thread count, and one thread: the envelope's run on another thread count takes one fewer (n - 1),
-    # or two where the process runs one; on a 2-core host that is one thread, twice a run's time at torch's default.
+    # or two where the process runs one; on a 2-core host that is one thread at torch's default, and a one-ulp run
+    # steps beside it on the other core (rlx_nb.training.paired).
     counts = [0] + ([1] if torch.get_num_threads() > 1 else [])
     rows, lines = [], []
     for threads in counts:
@@ -120,7 +121,8 @@ def main() -> None:
         f"`training_divergence(..., backends=['optimizer:foreach'])` with the default envelope (K = {K} runs) and "
         "local steps, against the plain loop; each in a fresh process (`python bench/training.py`), at torch's "
         "thread count and on one thread (the envelope's run on another thread count takes one fewer, or two where "
-        "the process runs one: on this 2-core host, one thread at torch's default, twice a run's time).",
+        "the process runs one: on this 2-core host, one thread at torch's default, where a one-ulp run of the "
+        "envelope steps beside it on the other core).",
         "",
         "| figure | measured | target | |",
         "|---|---|---|---|",

@@ -24,6 +24,7 @@ from rlx_nb.backends.eager import float64_default
 from rlx_nb.backends.float64_kernels import float64_kernels
 from rlx_nb.comparison.compare import compare
 from rlx_nb.errors import describe_error, still_interrupted
+from rlx_nb.execution.prepare import trim
 from rlx_nb.execution.results import ERROR, OK, BackendRun, RunResults, to_leaf
 from rlx_nb.report.report import DivergenceReport
 from rlx_nb.training.backends import TrainBackend
@@ -123,6 +124,7 @@ class _nothing:
 
 
 def _run(name: str, go: Any, dtype: str) -> BackendRun:
+    trim()  # (what the run before let go goes back to the system before this one's state is made)
     start = time.perf_counter()
     try:
         outputs = go()
