@@ -184,6 +184,12 @@ def worker(target: Callable[[], None], name: str) -> threading.Thread:
     return thread
 
 
+def finished(thread: threading.Thread, wait_s: float) -> bool:
+    """Whether a thread :func:`worker` made ended within ``wait_s`` seconds (its own event: on Python 3.11 a
+    ``Thread.join`` that Ctrl-C interrupts marks the thread stopped while it runs on)."""
+    return _finished(thread, wait_s)
+
+
 def _finished(thread: threading.Thread, wait_s: float) -> bool:
     # Whether ``thread`` ended within ``wait_s`` seconds.  A worker's own event, not Thread.join: on Python 3.11 a
     # join that Ctrl-C interrupts marks the thread stopped while it runs on (CPython's gh-90882 fix of bpo-45274).
@@ -454,6 +460,7 @@ __all__ = [
     "abandon",
     "abandoned",
     "exclusive",
+    "finished",
     "flipped",
     "hold",
     "raise_in",

@@ -84,7 +84,7 @@ def _wait(thread: Any) -> None:
     interrupted = False
     while True:
         try:
-            if switches._finished(thread, 0.5):
+            if switches.finished(thread, 0.5):
                 break
         except KeyboardInterrupt:
             interrupted = True
