@@ -302,8 +302,10 @@ class _LateNoise(torch.nn.Module):
 
 def test_the_envelopes_run_on_another_thread_count_steps_beside_a_one_ulp_run_and_reads_the_same(monkeypatch):
     # On two threads the run on another thread count runs on one, and a one-ulp run steps beside it on the other
-    # core.  Every figure is the one the runs give one at a time, bit for bit; a step of the pair that drew random
-    # numbers (dropout from the first step, noise from the fourth) starts the envelope again one run at a time.
+    # core, on one thread too.  Stepping them at once changes no bit: every figure is the one the same two runs give
+    # one after the other on the same thread counts.  A step of the pair that drew random numbers (dropout from the
+    # first step, noise from the fourth) starts the envelope again one run at a time: the call reads as unpaired.
+    from rlx_nb._support import switches
     from rlx_nb.training import paired
 
     real_step, real_pair = paired.step_pair, paired.pair_of
@@ -313,29 +315,37 @@ def test_the_envelopes_run_on_another_thread_count_steps_beside_a_one_ulp_run_an
         outcomes.append(real_step(*args))
         return outcomes[-1]
 
-    monkeypatch.setattr(paired, "step_pair", counted)
+    def one_after_the_other(pair, spec, step, batch, step_of):
+        alone, other = pair
+        with switches.flipped(threads=alone.backend.threads):
+            return {alone.name: step_of(alone, spec, step, batch), other.name: step_of(other, spec, step, batch)}
+
+    ways = {"paired": (real_pair, counted), "one after the other": (real_pair, one_after_the_other),
+            "unpaired": (lambda runs, model: None, counted)}  # fmt: skip
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
         for name, make, drew_at in (("plain", _mlp, None), ("dropout", lambda: _mlp(0.1), 0),
                                     ("noise from step 3", lambda: _LateNoise(), 3)):  # fmt: skip
             seen = {}
-            for pairing in (True, False):
-                monkeypatch.setattr(paired, "pair_of", real_pair if pairing else lambda runs, model: None)
+            for way, (pair_of, step_pair) in ways.items():
+                monkeypatch.setattr(paired, "pair_of", pair_of)
+                monkeypatch.setattr(paired, "step_pair", step_pair)
                 outcomes.clear()
                 report = rlx_nb.training_divergence(make(), _data(), _mse, steps=10, progress=False,
                                                     optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
                                                     backends=["optimizer:foreach"])  # fmt: skip
                 assert torch.get_num_threads() == 2
-                seen[pairing] = (report.steps, [o is not None for o in outcomes])
-            assert seen[False][1] == [], name
-            paired_steps, stepped = seen[True]
+                seen[way] = (report.steps, [o is not None for o in outcomes])
+            assert seen["unpaired"][1] == [], name
+            steps, stepped = seen["paired"]
+            assert steps.loss_envelope.max() > 0 and steps.param_envelope.iloc[-1] > 0, name
             if drew_at is None:
                 assert stepped == [True] * 10, name
+                assert steps.equals(seen["one after the other"][0]), name
             else:
                 assert stepped == [True] * drew_at + [False], (name, stepped)
-            assert paired_steps.loss_envelope.max() > 0 and paired_steps.param_envelope.iloc[-1] > 0, name
-            assert paired_steps.equals(seen[False][0]), name
+                assert steps.equals(seen["unpaired"][0]), name
     finally:
         torch.set_num_threads(threads)
 
