@@ -185,14 +185,9 @@ def worker(target: Callable[[], None], name: str) -> threading.Thread:
 
 
 def finished(thread: threading.Thread, wait_s: float) -> bool:
-    """Whether a thread :func:`worker` made ended within ``wait_s`` seconds (its own event: on Python 3.11 a
-    ``Thread.join`` that Ctrl-C interrupts marks the thread stopped while it runs on)."""
-    return _finished(thread, wait_s)
-
-
-def _finished(thread: threading.Thread, wait_s: float) -> bool:
-    # Whether ``thread`` ended within ``wait_s`` seconds.  A worker's own event, not Thread.join: on Python 3.11 a
-    # join that Ctrl-C interrupts marks the thread stopped while it runs on (CPython's gh-90882 fix of bpo-45274).
+    """Whether ``thread`` (one :func:`worker` made) ended within ``wait_s`` seconds.  A worker's own event, not
+    Thread.join: on Python 3.11 a join that Ctrl-C interrupts marks the thread stopped while it runs on (CPython's
+    gh-90882 fix of bpo-45274)."""
     done = getattr(thread, _DONE_ATTR, None)
     if done is None:
         thread.join(wait_s)
@@ -374,17 +369,17 @@ def abandon(thread: threading.Thread, saved: dict[str, Any], *, wait_s: float = 
     with _FLIP_LOCK:
         setattr(thread, _ABANDONED_ATTR, True)
         restore(saved)
-        if not _finished(thread, 0.0):
+        if not finished(thread, 0.0):
             if not _LEFT_RUNNING:
                 atexit.register(_wait_at_exit)
             _LEFT_RUNNING.add(thread)
     quiet.release(thread)
-    if _finished(thread, 0.0):
+    if finished(thread, 0.0):
         _LEFT_RUNNING.discard(thread)
         return True
     _hook_swallowed_stops()
     raise_in(thread.ident, Stopped)
-    if _finished(thread, wait_s):
+    if finished(thread, wait_s):
         _LEFT_RUNNING.discard(thread)
         return True
     return False
@@ -403,13 +398,13 @@ def _wait_at_exit() -> None:
     # A Ctrl-C during this wait does not cut it short: the process would abort instead of exiting.
     deadline = time.monotonic() + EXIT_WAIT_S
     for thread in list(_LEFT_RUNNING):
-        if not _finished(thread, 0.0):
+        if not finished(thread, 0.0):
             print(f"rlx_nb: waiting for the abandoned backend thread {thread.name!r} to stop before exiting",
                   file=sys.stderr, flush=True)  # fmt: skip
             raise_in(thread.ident, Stopped)
             while time.monotonic() < deadline:
                 try:
-                    if _finished(thread, max(0.0, deadline - time.monotonic())):
+                    if finished(thread, max(0.0, deadline - time.monotonic())):
                         break
                 except KeyboardInterrupt:
                     print("rlx_nb: still waiting (up to a minute): exiting now would abort the process",

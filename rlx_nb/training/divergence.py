@@ -194,7 +194,6 @@ def _train(model: torch.nn.Module, spec: Any, chosen: list, *, seeds: int, asked
             if due:  # (judged from the oracle's live state, its own step the trajectory's: _live_judge)
                 shown.set_postfix_str(f"local step {step}")
                 before = set(report.suspects)
-                trim()  # (what the steps before let go goes back to the system before the judge's runs)
                 ref = _live_judge(oracle, spec, step, batch, backends=due, keep=keep, report=report, initial=initial)
                 trim()
                 for b in due:
@@ -242,32 +241,37 @@ def _envelope_pass(base: torch.nn.Module, spec: Any, *, seeds: int, bf16: bool, 
     # The envelope's runs trained side by side, each step's figures kept (the runs are let go after).  Where the run
     # on another thread count leaves cores idle, a one-ulp run steps beside it (paired.py); a step of the pair that
     # drew random numbers starts the envelope again, one run at a time.
-    for pairing in (True, False):
-        runs32 = tr.envelope_runs(base, spec, seeds, threads=True)
-        runs16 = tr.bf16_envelope(base, spec, seeds) if bf16 else []
-        pair = paired.pair_of(runs32, base) if pairing else None
-        drifts32: list[tr.Drift] = []
-        drifts16: list[tr.Drift] = []
-        for step in range(spec.steps):
-            batch = spec.batch(step)
-            given = _tensors(batch)
-            both = paired.step_pair(pair, spec, step, batch, _step) if pair is not None else {}
-            if both is None:
-                shown.update(-step)
-                break
-            got32 = []
-            for k, run in enumerate(runs32):
-                got32.append(both[run.name] if run.name in both else _step(run, spec, step, batch))
-                if k == 0:
-                    _still_the_same(run.model, shapes, given, batch, step)
-            drifts32.append(tr.drift(runs32, got32))
-            if runs16:
-                drifts16.append(tr.drift(runs16, [_step(run, spec, step, batch) for run in runs16], anchor=runs32[0]))
-            shown.update()
-        else:
-            return drifts32, drifts16
-        del runs32, runs16, pair
-    raise AssertionError("unreachable: the pass without a pair never breaks")
+    drifts = _envelope_once(base, spec, seeds=seeds, bf16=bf16, shapes=shapes, shown=shown, pairing=True)
+    if drifts is None:
+        drifts = _envelope_once(base, spec, seeds=seeds, bf16=bf16, shapes=shapes, shown=shown, pairing=False)
+    return drifts
+
+
+def _envelope_once(base: torch.nn.Module, spec: Any, *, seeds: int, bf16: bool, shapes: dict[str, tuple],
+                   shown: Any, pairing: bool) -> tuple[list[tr.Drift], list[tr.Drift]] | None:  # fmt: skip
+    # One pass of the envelope's runs; None where a step of the pair drew random numbers (its progress taken back).
+    runs32 = tr.envelope_runs(base, spec, seeds, threads=True)
+    runs16 = tr.bf16_envelope(base, spec, seeds) if bf16 else []
+    pair = paired.pair_of(runs32, base) if pairing else None
+    drifts32: list[tr.Drift] = []
+    drifts16: list[tr.Drift] = []
+    for step in range(spec.steps):
+        batch = spec.batch(step)
+        given = _tensors(batch)
+        both = paired.step_pair(pair, spec, step, batch, _step) if pair is not None else {}
+        if both is None:
+            shown.update(-step)
+            return None
+        got32 = []
+        for k, run in enumerate(runs32):
+            got32.append(both[run.name] if run.name in both else _step(run, spec, step, batch))
+            if k == 0:
+                _still_the_same(run.model, shapes, given, batch, step)
+        drifts32.append(tr.drift(runs32, got32))
+        if runs16:
+            drifts16.append(tr.drift(runs16, [_step(run, spec, step, batch) for run in runs16], anchor=runs32[0]))
+        shown.update()
+    return drifts32, drifts16
 
 
 def _tensors(batch: Any) -> list[torch.Tensor]:

@@ -124,7 +124,7 @@ class _nothing:
 
 
 def _run(name: str, go: Any, dtype: str) -> BackendRun:
-    trim()  # (what the run before let go goes back to the system before this one's state is made)
+    trim()  # (what the runs and steps before let go goes back to the system before this one's state is made)
     start = time.perf_counter()
     try:
         outputs = go()

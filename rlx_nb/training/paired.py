@@ -37,9 +37,7 @@ def pair_of(runs: list[Run], model: torch.nn.Module) -> tuple[Run, Run] | None:
     other = next((r for r in reversed(runs) if r.backend is None), None)
     if alone is None or other is None or 2 * alone.backend.threads > n:
         return None
-    compiled = isinstance(model, torch._dynamo.eval_frame.OptimizedModule) or any(
-        isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in model.modules()
-    )
+    compiled = any(isinstance(m, torch._dynamo.eval_frame.OptimizedModule) for m in model.modules())  # (itself too)
     if compiled or _modes_entered():
         return None
     return alone, other
