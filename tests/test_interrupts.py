@@ -148,17 +148,22 @@ def test_ctrl_c_as_any_torch_mode_is_entered_leaves_no_mode_on_torchs_stack(tmp_
             assert outcome is not False, f"{name}: the interrupt at mode {n} was swallowed"
 
 
-def test_ctrl_c_during_a_training_divergence_leaves_torch_as_it_was():
+def _small_training(backends: list[str]):
+    # A call of training_divergence on a small MLP, 3 steps (made once: each call trains it again from the same state).
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
     data = [(torch.randn(8, 8), torch.randn(8, 1)) for _ in range(2)]
 
     def call():
         rlx_nb.training_divergence(model, data, lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]),
-                                   optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2), steps=3,
-                                   backends=["optimizer:foreach", "threads"], progress=False)  # fmt: skip
+                                   optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2), steps=3, backends=backends,
+                                   progress=False)  # fmt: skip
 
-    _interrupted_everywhere(call)
+    return call
+
+
+def test_ctrl_c_during_a_training_divergence_leaves_torch_as_it_was():
+    _interrupted_everywhere(_small_training(["optimizer:foreach", "threads"]))
 
 
 def _threads_a_new_thread_gets() -> int:
@@ -173,15 +178,7 @@ def test_ctrl_c_while_two_envelope_runs_step_at_once_leaves_torch_as_it_was():
     # On two threads, the envelope's run on another thread count steps beside a one-ulp run (rlx_nb.training.paired):
     # an interrupt in the caller's thread, anywhere in a pair's step, waits for the other run's step, then gives torch
     # back its thread count.
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-    data = [(torch.randn(8, 8), torch.randn(8, 1)) for _ in range(2)]
-
-    def call():
-        rlx_nb.training_divergence(model, data, lambda m, b: torch.nn.functional.mse_loss(m(b[0]), b[1]),
-                                   optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2), steps=3,
-                                   backends=["optimizer:foreach"], progress=False)  # fmt: skip
-
+    call = _small_training(["optimizer:foreach"])
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
