@@ -512,3 +512,77 @@ def test_a_local_step_whose_float64_reference_fails_reads_error_not_a_tolerances
                                         progress=False)  # fmt: skip
     assert set(report.local.verdict) == {"error"}, report.local.to_string()
     assert all("float64 reference failed: RuntimeError: no float64 here" in r for r in report.local.reason)
+
+
+_OPTIMIZERS = {  # (every elementwise optimizer of torch, with the options that add state or change its arithmetic)
+    "SGD": lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, nesterov=True, weight_decay=0.01),
+    "Adam": lambda p: torch.optim.Adam(p, lr=1e-3, weight_decay=0.01, amsgrad=True),
+    "AdamW": lambda p: torch.optim.AdamW(p, lr=1e-3, maximize=True),
+    "Adamax": lambda p: torch.optim.Adamax(p, weight_decay=0.1),
+    "NAdam": lambda p: torch.optim.NAdam(p, decoupled_weight_decay=True, weight_decay=0.1),
+    "RAdam": lambda p: torch.optim.RAdam(p, decoupled_weight_decay=True, weight_decay=0.1),
+    "RMSprop": lambda p: torch.optim.RMSprop(p, momentum=0.5, centered=True),
+    "Adagrad": lambda p: torch.optim.Adagrad(p, lr_decay=0.01),
+    "Adadelta": lambda p: torch.optim.Adadelta(p, weight_decay=0.1),
+    "ASGD": lambda p: torch.optim.ASGD(p, t0=1),
+    "Rprop": lambda p: torch.optim.Rprop(p),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_OPTIMIZERS))
+def test_the_float64_references_update_a_piece_at_a_time_is_the_whole_updates_bit_for_bit(name):
+    # The local step's float64 reference converts each parameter's optimizer state as its update comes to it, in
+    # pieces of PIECE elements (rlx_nb.training.reference): the parameters after it are those of the update with the
+    # whole state converted first, bit for bit, for a parameter cut in pieces (one of 1.1 PIECEs), a small one and a
+    # 0-d one, from a state three steps in.
+    from rlx_nb.training.local import for_loop
+    from rlx_nb.training.reference import PIECE, PiecewiseUpdate
+    from rlx_nb.training.step import ELEMENTWISE, State, checked_spec
+
+    make = _OPTIMIZERS[name]
+    assert getattr(torch.optim, name) in ELEMENTWISE
+    torch.manual_seed(0)
+    big = torch.nn.Parameter(torch.randn(PIECE // 1000 + 100, 1000) * 0.1)
+    small, scalar = torch.nn.Parameter(torch.randn(7, 3)), torch.nn.Parameter(torch.tensor(0.5))
+    model = torch.nn.ParameterList([big, small, scalar])
+
+    def loss_of(m, x):
+        return (m[0] * x).sin().sum() + (m[1] * x[:7, :3]).square().sum() * m[2]
+
+    x = torch.randn(big.shape)
+    opt = make(list(model.parameters()))
+    for _ in range(3):
+        opt.zero_grad()
+        loss_of(model, x).backward()
+        opt.step()
+    spec = checked_spec(model, [x], loss_of, make, 1)
+    assert spec.elementwise
+    state = State(model, opt.state_dict())
+
+    def update(piecewise: bool) -> list[torch.Tensor]:
+        m, o = state.start(spec, dtype=torch.float64, load=not piecewise)
+        o = PiecewiseUpdate(for_loop(o), state.optimizer) if piecewise else for_loop(o)
+        loss_of(m, x.double()).backward()
+        o.step()
+        return [p.detach() for p in m.parameters()]
+
+    whole, pieces = update(False), update(True)
+    assert all(p.dtype == torch.float64 for p in pieces)
+    assert all(torch.equal(a, b) for a, b in zip(whole, pieces, strict=True)), name
+    assert not torch.equal(pieces[0], big.detach().double())  # (the update moved every piece)
+
+
+def test_an_optimizer_whose_update_is_not_elementwise_has_its_whole_state_converted():
+    from rlx_nb.training.reference import PiecewiseUpdate
+    from rlx_nb.training.step import checked_spec
+
+    class Mine(torch.optim.SGD):  # (a subclass may step otherwise: not taken for elementwise)
+        pass
+
+    for make in (lambda p: Mine(p, lr=0.1), lambda p: torch.optim.Adafactor(p, lr=0.01)):
+        assert not checked_spec(_mlp(), _data(), _mse, make, 1).elementwise
+        with pytest.raises(TypeError, match="not elementwise"):
+            PiecewiseUpdate(make(list(_mlp().parameters())), {})
+    report = rlx_nb.training_divergence(_mlp(), _data(), _mse, optimizer=lambda p: torch.optim.Adafactor(p, lr=0.01),
+                                        steps=3, backends=["optimizer:foreach"], progress=False)  # fmt: skip
+    assert set(report.local.verdict) == {"round-off"}, report.local.to_string()

@@ -28,6 +28,7 @@ from rlx_nb.execution.prepare import trim
 from rlx_nb.execution.results import ERROR, OK, BackendRun, RunResults, to_leaf
 from rlx_nb.report.report import DivergenceReport
 from rlx_nb.training.backends import TrainBackend
+from rlx_nb.training.reference import PiecewiseUpdate
 from rlx_nb.training.step import Spec, State, grad_norm, to_dtype
 from rlx_nb.verdict.types import SUSPECT
 
@@ -152,7 +153,9 @@ def judge_step(state: State, spec: Spec, step: int, batch: Any, *, backends: lis
     def reference() -> dict[str, torch.Tensor]:
         def go(copy_grads: bool) -> tuple:
             with float64_default(), float64_kernels():
-                model, opt = state.start(spec, dtype=torch.float64)
+                model, opt = state.start(spec, dtype=torch.float64, load=not spec.elementwise)
+                if spec.elementwise:  # (each parameter's state converted as the update comes to it)
+                    opt = PiecewiseUpdate(for_loop(opt), state.optimizer)
                 return one_step(model, for_loop(opt), spec, step, to_dtype(batch, torch.float64), copy_grads=copy_grads)
 
         return _retried(go)
@@ -174,10 +177,13 @@ def judge_step(state: State, spec: Spec, step: int, batch: Any, *, backends: lis
 
         return _retried(go)
 
-    # (the float64 reference first, holding nothing else: its step is the largest; the oracle's own step last)
-    exact = _run(REFERENCE, reference, "float64")
-    second = _run("sequential", alternative, "float32")
+    # Each run holds the outputs of the runs before it, so the largest runs go first.  The float64 reference's is the
+    # largest, unless its update runs a piece at a time: then the float32 runs' (their whole optimizer state and the
+    # update's temporaries) are, and it comes after them.  The oracle's own step is always last.
+    exact = None if spec.elementwise else _run(REFERENCE, reference, "float64")
     candidates = {b.name: _run(b.name, lambda b=b: on(b), b.compute_dtype) for b in backends}
+    second = _run("sequential", alternative, "float32")
+    exact = exact or _run(REFERENCE, reference, "float64")
     base = _run(ORACLE, oracle or own, "float32")
     results = RunResults(label=f"{label}, step {step}", oracle=base, reference=exact, candidates=candidates,
                          backward=False, environment={"training_step": step},

@@ -38,6 +38,14 @@ def _loss_of(model: torch.nn.Module, batch: Any) -> torch.Tensor:
     return loss
 
 
+ELEMENTWISE = (torch.optim.SGD, torch.optim.Adam, torch.optim.AdamW, torch.optim.Adamax, torch.optim.NAdam,
+               torch.optim.RAdam, torch.optim.RMSprop, torch.optim.Adagrad, torch.optim.Adadelta, torch.optim.ASGD,
+               torch.optim.Rprop)  # fmt: skip
+"""torch's optimizers whose for-loop update is elementwise: each element of a parameter is updated from that
+element's gradient and state and the parameter's step count alone (exactly these types, not a subclass, which may
+step otherwise; not Adafactor, Muon or L-BFGS, whose update reads a whole parameter or all of them)."""
+
+
 @dataclasses.dataclass
 class Spec:
     """The training a call judges: ``loss(model, batch)``, the optimizer factory and the batch of each step."""
@@ -47,6 +55,9 @@ class Spec:
     batches: Callable[[int], Any]
     steps: int
     seed: int = 0
+    elementwise: bool = False
+    """The optimizer is one of :data:`ELEMENTWISE`: the float64 reference's update runs a piece at a time
+    (:mod:`rlx_nb.training.reference`), and a local step runs the reference after the float32 runs."""
 
     def batch(self, step: int) -> Any:
         return self.batches(step)
@@ -112,7 +123,8 @@ def checked_spec(model: Any, batches: Any, loss_fn: Any, optimizer: Any, steps: 
     probe = optimizer(copy.deepcopy(list(model.parameters())))
     if not isinstance(probe, torch.optim.Optimizer):
         raise InputError(f"optimizer(params) must return a torch.optim.Optimizer; it returned {type(probe).__name__}")
-    return Spec(loss_fn or _loss_of, optimizer, batch_source(batches, steps), steps, seed)
+    elementwise = type(probe) in ELEMENTWISE
+    return Spec(loss_fn or _loss_of, optimizer, batch_source(batches, steps), steps, seed, elementwise)
 
 
 IMPLEMENTATION = ("foreach", "fused", "capturable", "differentiable")
@@ -137,20 +149,28 @@ class State:
         return State(copy.deepcopy(self.model), copy.deepcopy(self.optimizer))
 
     def start(self, spec: Spec, *, dtype: torch.dtype | None = None,
-              make: Callable[[Any], torch.optim.Optimizer] | None = None) -> tuple[torch.nn.Module, Any]:  # fmt: skip
-        """A fresh model and optimizer at this state (in ``dtype`` where given: the float64 reference's)."""
+              make: Callable[[Any], torch.optim.Optimizer] | None = None,
+              load: bool = True) -> tuple[torch.nn.Module, Any]:  # fmt: skip
+        """A fresh model and optimizer at this state (in ``dtype`` where given: the float64 reference's).
+        ``load=False``: the optimizer's options as they were saved but none of its state (the float64 reference's
+        update converts each parameter's own as it comes to it: :mod:`rlx_nb.training.reference`)."""
         model = copy.deepcopy(self.model)
         if dtype is not None:
             model = model.to(dtype)
         opt = (make or spec.optimizer)(list(model.parameters()))
+        saved = self.optimizer if load else {**self.optimizer, "state": {}}
         if dtype is None:
-            state = copy.deepcopy(self.optimizer)  # (loading shares tensors of the right dtype: the run's own copies)
+            state = copy.deepcopy(saved)  # (loading shares tensors of the right dtype: the run's own copies)
         else:  # (converted straight from the kept state, not from a copy of it: the conversion is the copy)
-            state = {"state": {k: {n: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() and n != "step"
-                                   else copy.deepcopy(v) for n, v in s.items()}
-                               for k, s in self.optimizer["state"].items()},
-                     **{k: copy.deepcopy(v) for k, v in self.optimizer.items() if k != "state"}}  # fmt: skip
+            state = {"state": {k: converted(s, dtype) for k, s in saved["state"].items()},
+                     **{k: copy.deepcopy(v) for k, v in saved.items() if k != "state"}}  # fmt: skip
         return model, restored(opt, state)
+
+
+def converted(state: Mapping[str, Any], dtype: torch.dtype) -> dict[str, Any]:
+    """One parameter's optimizer state with its floating tensors in ``dtype`` (its step count as it was), as copies."""
+    return {n: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() and n != "step" else copy.deepcopy(v)
+            for n, v in state.items()}  # fmt: skip
 
 
 def restored(opt: torch.optim.Optimizer, state: dict) -> torch.optim.Optimizer:
@@ -243,11 +263,13 @@ def log_spaced(steps: int, extra: Iterable[int] = ()) -> list[int]:
 
 
 __all__ = [
+    "ELEMENTWISE",
     "IMPLEMENTATION",
     "Spec",
     "State",
     "batch_source",
     "checked_spec",
+    "converted",
     "grad_norm",
     "l2_distance",
     "l2_norm",
