@@ -42,14 +42,9 @@ from rlx_nb.int8.requantization import (
 from rlx_nb.int8.run import _run, int8_results, runtime_outputs
 from rlx_nb.localization.result import Found, Localization
 from rlx_nb.numerics.formats import INT8
+from rlx_nb.report.issue import INT8_NO_REPRO as NO_REPRO
 from rlx_nb.verdict.records import worst_record
 from rlx_nb.verdict.types import SUSPECT
-
-NO_REPRO = (
-    "an int8 culprit is a cut of the converted graph, lowered by the runtime whole, and rlx_nb writes no standalone "
-    "repro of one yet: save the report (report.save) and the converted graph (torch.export.save of "
-    "torch.export.export(graph, inputs)) to share it"
-)
 
 
 def _place(point: torch.fx.Node) -> tuple[str, str]:

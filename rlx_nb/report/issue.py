@@ -20,6 +20,13 @@ from rlx_nb.errors import InputError, writing
 from rlx_nb.execution.environment import packages_of
 from rlx_nb.verdict.types import SUSPECT
 
+INT8_NO_REPRO = (
+    "an int8 culprit is a cut of the converted graph, lowered by the runtime whole, and rlx_nb writes no standalone "
+    "repro of one yet: save the report (report.save) and the converted graph (torch.export.save of "
+    "torch.export.export(graph, inputs)) to share it"
+)
+"""Why an int8 report's culprit has no standalone repro (said before its localization runs)."""
+
 
 def repro_for(report: Any, backend: str, path: str | Path, **kwargs: Any) -> Any:
     """``report.repro``: the standalone repro of ``backend``'s culprit, kept on the report (``report.repros``)."""
@@ -29,6 +36,8 @@ def repro_for(report: Any, backend: str, path: str | Path, **kwargs: Any) -> Any
             f"{backend} is within round-off: no repro written ({record.verdict}, {record.judgement.line:.2g}x the "
             "SUSPECT line): there is no divergence to reproduce"
         )
+    if getattr(report, "int8", None) is not None:  # (said before a localization that could not end in one)
+        raise InputError(f"no culprit to reproduce: {INT8_NO_REPRO}")
     localize = {k: kwargs.pop(k) for k in ("model", "inputs", "params") if k in kwargs}
     loc = report.localize(backend, **localize)
     if loc.culprit is None:
@@ -70,6 +79,8 @@ def issue_for(report: Any, backend: str, path: str | Path, **kwargs: Any) -> Iss
             f"{backend} is within round-off: no issue written ({record.verdict}, {record.judgement.line:.2g}x the "
             "SUSPECT line): there is no divergence to report"
         )
+    if getattr(report, "int8", None) is not None:  # (before any folder is made, or a localization is run)
+        raise InputError(f"no issue written: {INT8_NO_REPRO}")
     path = Path(path)
     if path.suffix.lower() != ".md":
         path = inside(path, f"issue_{file_stem(backend)}.md", "the issue")
