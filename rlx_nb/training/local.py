@@ -183,7 +183,8 @@ def judge_step(state: State, spec: Spec, step: int, batch: Any, *, backends: lis
     exact = None if spec.elementwise else _run(REFERENCE, reference, "float64")
     candidates = {b.name: _run(b.name, lambda b=b: on(b), b.compute_dtype) for b in backends}
     second = _run("sequential", alternative, "float32")
-    exact = exact or _run(REFERENCE, reference, "float64")
+    if exact is None:
+        exact = _run(REFERENCE, reference, "float64")
     base = _run(ORACLE, oracle or own, "float32")
     results = RunResults(label=f"{label}, step {step}", oracle=base, reference=exact, candidates=candidates,
                          backward=False, environment={"training_step": step},
