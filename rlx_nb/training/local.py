@@ -154,9 +154,10 @@ def judge_step(state: State, spec: Spec, step: int, batch: Any, *, backends: lis
         def go(copy_grads: bool) -> tuple:
             with float64_default(), float64_kernels():
                 model, opt = state.start(spec, dtype=torch.float64, load=not spec.elementwise)
+                opt = for_loop(opt)
                 if spec.elementwise:  # (each parameter's state converted as the update comes to it)
-                    opt = PiecewiseUpdate(for_loop(opt), state.optimizer)
-                return one_step(model, for_loop(opt), spec, step, to_dtype(batch, torch.float64), copy_grads=copy_grads)
+                    opt = PiecewiseUpdate(opt, state.optimizer)
+                return one_step(model, opt, spec, step, to_dtype(batch, torch.float64), copy_grads=copy_grads)
 
         return _retried(go)
 

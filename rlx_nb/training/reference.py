@@ -13,7 +13,6 @@ first, as a step from a state otherwise is.
 from __future__ import annotations
 
 from collections.abc import Iterator
-from typing import Any
 
 import torch
 
@@ -23,18 +22,13 @@ PIECE = 1 << 20
 """The elements of a parameter updated at once (a parameter of at most this many is updated whole)."""
 
 
-def piecewise(optimizer: Any) -> bool:
-    """Whether ``optimizer``'s update can run a piece at a time (:data:`~rlx_nb.training.step.ELEMENTWISE`)."""
-    return type(optimizer) in ELEMENTWISE
-
-
 class PiecewiseUpdate:
     """``optimizer`` (float64, for-loop, made without state) stepping from ``saved`` (the float32 state kept, as
     :meth:`torch.optim.Optimizer.state_dict` gives it) a piece at a time; what a step needs of an optimizer
     (``param_groups``, ``zero_grad``, ``step``).  The optimizer keeps no state after its step (the step is the last)."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, saved: dict) -> None:
-        if not piecewise(optimizer):
+        if type(optimizer) not in ELEMENTWISE:
             raise TypeError(f"{type(optimizer).__name__}'s update is not elementwise")
         self.optimizer, self.saved = optimizer, saved
 
@@ -81,4 +75,4 @@ def _pieces(p: torch.Tensor, state: dict) -> Iterator[tuple[torch.Tensor, dict]]
         yield piece, own
 
 
-__all__ = ["PIECE", "PiecewiseUpdate", "piecewise"]
+__all__ = ["PIECE", "PiecewiseUpdate"]
