@@ -329,6 +329,7 @@ EXIT_WAIT_S = 60.0
 
 _HOOK_LOCK = threading.Lock()
 _SWALLOWED: list[int] = []  # threads whose Stopped a destructor swallowed, to be raised into again
+_SWALLOWED_NOW = threading.Event()  # set when one is added: _stopper waits on it (no polling while none is)
 
 
 def _again_where_swallowed(unraisable: Any) -> None:
@@ -339,14 +340,18 @@ def _again_where_swallowed(unraisable: Any) -> None:
     # hook that was there before.
     if unraisable.exc_type is not None and issubclass(unraisable.exc_type, Stopped) and abandoned():
         _SWALLOWED.append(threading.get_ident())
+        _SWALLOWED_NOW.set()
         return
     _again_where_swallowed.previous(unraisable)
 
 
 def _stopper() -> None:
-    # Raises Stopped again into each thread that swallowed one, a moment after (the destructor has returned).
+    # Raises Stopped again into each thread that swallowed one, a moment after (the destructor has returned).  It
+    # sleeps until one is added (it polled every 2 ms: 0.8% of a core in every process that ever abandoned a thread).
     while True:
+        _SWALLOWED_NOW.wait()
         time.sleep(0.002)
+        _SWALLOWED_NOW.clear()  # (one added from here on is raised below, or sets it again for the next turn)
         while _SWALLOWED:
             raise_in(_SWALLOWED.pop(), Stopped)
 

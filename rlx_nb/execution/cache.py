@@ -248,12 +248,14 @@ def fit(budget: int | None) -> None:
         gc.collect()  # compiled graphs and sessions hold reference cycles
 
 
-def drop_oldest() -> bool:
-    """Drop the least recently used preparation (to make room for a phase); False when none is kept."""
+def drop_oldest(count: int = 1) -> bool:
+    """Drop the ``count`` least recently used preparations (to make room for a phase), then collect what they held
+    once; False when none is kept."""
     with _LOCK:
         if not _CACHE:
             return False
-        _CACHE.popitem(last=False)
+        for _ in range(min(count, len(_CACHE))):
+            _CACHE.popitem(last=False)
     gc.collect()
     return True
 

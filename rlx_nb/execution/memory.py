@@ -101,8 +101,9 @@ class Memory:
             return ""  # the oracle must run: the user's model, as it is
         need = self.need(backend, phase, streamed)
         free = self.free()
-        while free is not None and need > free and preparations.drop_oldest():
-            free = self.free()
+        dropped = 1  # (twice as many each time: a full garbage collection a preparation cost seconds in a long session)
+        while free is not None and need > free and preparations.drop_oldest(dropped):
+            free, dropped = self.free(), 2 * dropped
         if free is None or need <= free:
             return ""
         what = {REFERENCE: "the fp64 reference (the weights in float64)"}.get(backend.name, "its run")
