@@ -176,3 +176,30 @@ def test_no_two_distinct_callables_share_a_preparation_key():
     module = OpModule(torch.Tensor.__mul__, template)
     assert model_key(copy.deepcopy(module)) == model_key(module)  # (a deep copy reuses it)
     assert model_key(OpModule(torch.Tensor.__add__, template)) != model_key(module)
+
+
+def test_a_phase_short_of_memory_drops_kept_preparations_oldest_first_in_doubling_batches(monkeypatch):
+    # Each dropped preparation cost a full garbage collection, one after another (48 s over five tests of a long
+    # session): they are dropped 1, 2, 4, ... at a time, oldest first, one collection a batch, until the phase fits.
+    import gc
+
+    from rlx_nb.backends.registry import get_backend
+    from rlx_nb.execution.memory import Memory
+
+    saved = preparations._CACHE.copy()
+    collections = []
+    monkeypatch.setattr(gc, "collect", lambda *a, **k: collections.append(len(preparations._CACHE)) or 0)
+    try:
+        preparations._CACHE.clear()
+        for i in range(10):
+            preparations._CACHE[("kept", i)] = object()
+        memory = Memory(torch.nn.Linear(4, 4), None)
+        memory.activations = 1000  # (what the phase needs)
+        fits_after = iter([100, 100, 100, 10**12])  # (free bytes after each batch: the third batch makes room)
+        monkeypatch.setattr(memory, "free", lambda: next(fits_after))
+        assert memory.shortfall(get_backend("cpu-nomkldnn"), "cpu-nomkldnn") == ""
+        assert collections == [9, 7, 3]  # (1, then 2, then 4 dropped: one collection each)
+        assert list(preparations._CACHE) == [("kept", i) for i in range(7, 10)]  # (the three most recent kept)
+    finally:
+        preparations._CACHE.clear()
+        preparations._CACHE.update(saved)

@@ -418,3 +418,18 @@ def test_an_interrupt_at_any_call_of_a_runs_entry_or_exit_gives_the_run_lock_bac
     other.start()
     other.join(30)
     assert not other.is_alive(), "another thread's run still waits for the lock"
+
+
+def test_the_thread_that_raises_a_swallowed_stop_again_sleeps_until_one_is_swallowed():
+    # It polled every 2 ms for the life of every process that ever abandoned a backend (0.8% of a core, idle or not):
+    # it now waits on an event, set when a destructor swallows a stop (the test above raises one through it).
+    import sys
+
+    switches._hook_swallowed_stops()
+    stopper = next(t for t in threading.enumerate() if t.name == "rlx_nb:stopper")
+    where = set()
+    for _ in range(20):
+        frame = sys._current_frames()[stopper.ident]
+        where.add(frame.f_code.co_name)
+        time.sleep(0.003)
+    assert where == {"wait"}, where  # (Condition.wait, under Event.wait: never in its own loop)
