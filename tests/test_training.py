@@ -586,3 +586,15 @@ def test_an_optimizer_whose_update_is_not_elementwise_has_its_whole_state_conver
     report = rlx_nb.training_divergence(_mlp(), _data(), _mse, optimizer=lambda p: torch.optim.Adafactor(p, lr=0.01),
                                         steps=3, backends=["optimizer:foreach"], progress=False)  # fmt: skip
     assert set(report.local.verdict) == {"round-off"}, report.local.to_string()
+
+
+def test_autocast_bfloat16_trains_as_its_own_backend_and_its_local_steps_are_judged_on_bfloat16s_budget():
+    # #64 item 1: autocast bf16 "with its own budget".  Its trajectory drifts past float32's envelope (as it
+    # should: it rounds to 8 bits); every local step is judged against bfloat16's round-off budget, not float32's.
+    report = rlx_nb.training_divergence(_mlp(), _data(), _mse, optimizer=lambda p: torch.optim.AdamW(p, lr=1e-2),
+                                        steps=12, backends=["cpu-bf16"], progress=False)  # fmt: skip
+    assert report.failed == {} and report.suspects == [], report.local.to_string()
+    local = report.local
+    assert set(local.verdict) == {"round-off"} and len(local) >= 5
+    assert all("bfloat16 round-off budget" in r for r in local.reason), local.reason.tolist()
+    assert local.line.max() > 0.01  # (bfloat16's error, measured: not a run that stayed float32)
