@@ -69,7 +69,7 @@ def _pieces(p: torch.Tensor, state: dict) -> Iterator[tuple[torch.Tensor, dict]]
         for name, v in state.items():  # (a tensor shaped as p is per element; any other, p's own: its step count)
             if torch.is_tensor(v) and v.shape == p.shape:
                 v = v.reshape(-1)[a:b]
-                own[name] = v.to(torch.float64) if v.is_floating_point() else v.clone()
+                own[name] = v.to(torch.float64, copy=True) if v.is_floating_point() else v.clone()
             else:
                 own.update(converted({name: v}, torch.float64))
         yield piece, own

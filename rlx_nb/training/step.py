@@ -168,9 +168,11 @@ class State:
 
 
 def converted(state: Mapping[str, Any], dtype: torch.dtype) -> dict[str, Any]:
-    """One parameter's optimizer state with its floating tensors in ``dtype`` (its step count as it was), as copies."""
-    return {n: v.to(dtype) if torch.is_tensor(v) and v.is_floating_point() and n != "step" else copy.deepcopy(v)
-            for n, v in state.items()}  # fmt: skip
+    """One parameter's optimizer state with its floating tensors in ``dtype`` (its step count as it was), as copies
+    (a copy where the state is in ``dtype`` already: a float64 model's state is the live optimizer's own, which the
+    float64 reference's update would otherwise step in place)."""
+    return {n: v.to(dtype, copy=True) if torch.is_tensor(v) and v.is_floating_point() and n != "step"
+            else copy.deepcopy(v) for n, v in state.items()}  # fmt: skip
 
 
 def restored(opt: torch.optim.Optimizer, state: dict) -> torch.optim.Optimizer:
