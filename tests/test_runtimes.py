@@ -4,6 +4,7 @@ Runtime with its graph optimizations off; faults caught through each; an absent 
 from __future__ import annotations
 
 import importlib.util
+import sys
 
 import pytest
 import torch
@@ -12,8 +13,9 @@ import rlx_nb
 from rlx_nb.backends import executorch_runtime, litert_runtime
 from rlx_nb.backends.exported_faults import fault_through
 from rlx_nb.backends.registry import get_backend
+from rlx_nb.errors import BackendError
 from rlx_nb.models import demo
-from rlx_nb.verdict.types import ROUNDOFF, VERDICT_SKIPPED
+from rlx_nb.verdict.types import ROUNDOFF, VERDICT_ERROR, VERDICT_SKIPPED
 from tests.conftest import fully_masked_row, require_live
 
 pytestmark = pytest.mark.filterwarnings("ignore")
@@ -178,6 +180,36 @@ def test_an_absent_runtime_is_a_skipped_row_with_its_pip_line(monkeypatch):
     row = report.record("executorch-xnnpack")
     assert row.verdict == VERDICT_SKIPPED and "pip install 'rlx_nb[executorch]'" in row.reason
     assert report.judged_nothing()
+
+
+@needs_executorch
+def test_listing_the_live_backends_finds_executorch_without_loading_its_exporter():
+    # Its Python runtime imports the whole exporter (5 s of every command-line run and notebook kernel that listed
+    # the live backends): the probe finds the runtime, and loading it waits for a run.
+    import subprocess
+
+    code = (
+        "import sys, rlx_nb\n"
+        "live = rlx_nb.available_backends(include_optin=True)\n"
+        "print('executorch-xnnpack' in live, 'executorch-portable' in live, 'executorch.exir' in sys.modules)"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.stdout.split() == ["True", "True", "False"], done.stdout + done.stderr[-2000:]
+
+
+@needs_executorch
+def test_a_runtime_that_is_installed_and_does_not_load_is_an_error_row_with_its_pip_line(monkeypatch):
+    # (None in sys.modules: the import fails as a broken install's would)
+    monkeypatch.setitem(sys.modules, "executorch.runtime", None)
+    assert executorch_runtime.executorch_reason() is None  # found: the probe does not load it
+    model = torch.nn.Sequential(torch.nn.Linear(5, 3, dtype=torch.float32))  # (one no earlier test prepared)
+    report = rlx_nb.backend_divergence(model, (torch.randn(2, 5),), backends=["executorch-portable"], progress=False)
+    row = report.record("executorch-portable")
+    assert row.verdict == VERDICT_ERROR, row
+    assert "ExecuTorch's runtime does not load" in row.reason and "pip install 'rlx_nb[executorch]'" in row.reason
+    monkeypatch.setitem(sys.modules, "executorch.backends.xnnpack.quantizer.xnnpack_quantizer", None)
+    with pytest.raises(BackendError, match=r"XNNPACK quantizer, which does not load: .*pip install"):
+        rlx_nb.quantized_divergence(model, (torch.randn(2, 5),), backends=["executorch-xnnpack"], progress=False)
 
 
 def test_the_torch_range_declared_is_the_one_tested():

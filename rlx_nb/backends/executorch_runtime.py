@@ -30,17 +30,37 @@ DELEGATE_CALL = "executorch_call_delegate"
 
 
 def executorch_reason() -> str | None:
-    """None when ExecuTorch's exporter and Python runtime are importable, else why not and the pip line."""
+    """None when ExecuTorch's exporter, its native runtime and torchao are installed, else why not and the pip line.
+
+    Found, not loaded: ExecuTorch's Python runtime imports its whole exporter as it loads (5 s of every process that
+    lists the live backends: each command-line run, each notebook kernel).  An installed runtime that does not load
+    is said when the backend first runs (:func:`runtime`), as its row's error, with the same pip line.
+    """
     missing = [m for m in ("executorch", "torchao") if importlib.util.find_spec(m) is None]
     if missing:
         return f"not installed: {' '.join(missing)} ({PIP})"
     try:
+        native = importlib.util.find_spec(NATIVE)
+    except (ImportError, ValueError):  # (a package above it that does not import)
+        native = None
+    if native is None:
+        return f"installed without its native runtime ({NATIVE}) ({PIP})"
+    return None
+
+
+NATIVE = "executorch.extension.pybindings._C"
+"""ExecuTorch's runtime, compiled: what its Python runtime (``executorch.runtime``) loads programs with."""
+
+
+def runtime() -> Any:
+    """ExecuTorch's ``Runtime`` class, loaded (its exporter too); a clear error with the pip line if it does not load."""
+    try:
         with quiet():  # torchao reports its optional CUDA kernels as it loads
-            import executorch.runtime  # noqa: F401
+            from executorch.runtime import Runtime
     except Exception as exc:
         still_interrupted(exc)
-        return f"ExecuTorch's runtime does not load: {with_root_cause(exc)} ({PIP})"
-    return None
+        raise RuntimeError(f"ExecuTorch's runtime does not load: {with_root_cause(exc)} ({PIP})") from None
+    return Runtime
 
 
 def fallback_ops(edge_program: Any) -> dict[str, int]:
@@ -124,8 +144,7 @@ def _prepare(model: Any, inputs: tuple, *, delegate: bool) -> Any:
     for i, x in enumerate(inputs):
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"ExecuTorch export needs tensor inputs; input {i} is {type(x).__name__}")
-    with quiet():
-        from executorch.runtime import Runtime
+    loaded = runtime()
     # Exported from contiguous examples, as the runner feeds them: an ExecuTorch program keeps the dim order of the
     # inputs it was exported with, and reads memory laid out otherwise as if it were (a channels-last image or a
     # transposed operand, fed contiguous, came out wrong: SUSPECT at 3e6x the line on a plain convolution).
@@ -142,7 +161,7 @@ def _prepare(model: Any, inputs: tuple, *, delegate: bool) -> Any:
     with quiet(), phases.step("executorch: load"):  # (its CPU probe writes to stderr from C++)
         # The method reads its program, and the program the buffer: both kept alive by the runner (a method
         # whose program was collected crashes the process).
-        program = Runtime.get().load_program(buffer)
+        program = loaded.get().load_program(buffer)
         method = program.load_method("forward")
     unflatten = wrapper.rebuild(outputs, label)
 

@@ -22,9 +22,9 @@ import torch
 
 from rlx_nb._support.held import Held
 from rlx_nb._support.quiet import quiet
-from rlx_nb.backends.executorch_runtime import executorch_reason
+from rlx_nb.backends.executorch_runtime import PIP, executorch_reason
 from rlx_nb.backends.onnx import _FlatOutputs
-from rlx_nb.errors import BackendError, InputError, describe_error, still_interrupted
+from rlx_nb.errors import BackendError, InputError, describe_error, still_interrupted, with_root_cause
 from rlx_nb.execution.prepare import KeywordModule, normalize_inputs
 from rlx_nb.int8.requantization import _WRAPPERS, _module_of, _op, attr
 
@@ -40,12 +40,18 @@ def quantize_pt2e(model: torch.nn.Module, inputs: Any, *, calibration: Iterable[
     _check_float_model(model)
     args, keys = normalize_inputs(inputs)
     batches = calibration_batches(args, calibration)
-    with quiet():  # (torchao reports its optional CUDA kernels as it loads)
-        from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (
-            XNNPACKQuantizer,
-            get_symmetric_quantization_config,
-        )
-        from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+    try:
+        with quiet():  # (torchao reports its optional CUDA kernels as it loads)
+            from executorch.backends.xnnpack.quantizer.xnnpack_quantizer import (
+                XNNPACKQuantizer,
+                get_symmetric_quantization_config,
+            )
+            from torchao.quantization.pt2e.quantize_pt2e import convert_pt2e, prepare_pt2e
+    except Exception as exc:  # (installed, found by the probe, and does not load)
+        still_interrupted(exc)
+        raise BackendError(
+            f"int8 quantization needs ExecuTorch's XNNPACK quantizer, which does not load: {with_root_cause(exc)} ({PIP})"
+        ) from None
 
     training = {name: m.training for name, m in model.named_modules()}
     if keys:  # keyword inputs (a Hugging Face model's): positional from here on, as every backend takes them
