@@ -110,6 +110,41 @@ def out_variant(func: Any) -> Any:
     return found
 
 
+def broadcast(shapes: list[torch.Size]) -> tuple[int, ...] | None:
+    """The shape ``shapes`` broadcast to, or None where they do not: ``torch.broadcast_shapes``'s answer without
+    its first call's import of sympy (half a second of a process's first reference).
+
+    >>> broadcast([torch.Size([4, 1]), torch.Size([3])]), broadcast([torch.Size([2]), torch.Size([3])])
+    ((4, 3), None)
+    """
+    out = [1] * max((len(s) for s in shapes), default=0)
+    for shape in shapes:
+        for i, size in enumerate(shape, len(out) - len(shape)):
+            if size != 1:
+                if out[i] not in (1, size):
+                    return None
+                out[i] = size
+    return tuple(out)
+
+
+def _result_dtype(func: Any, args: tuple, kwargs: dict) -> torch.dtype | None:
+    # What the op gives for these operands, from one element of each: its CPU kernel, no other mode seeing it.  (Its
+    # meta kernel is Python, from torch._refs: its first call imports torch._dynamo, 1.5 s of a process's first
+    # reference.)  None for an op that draws random numbers (one more draw would move the stream) or does not run.
+    if torch.Tag.nondeterministic_seeded in getattr(func, "tags", ()):
+        return None
+
+    def one(v: Any) -> Any:
+        return v.new_zeros((1,) * v.dim()) if isinstance(v, torch.Tensor) else v
+
+    try:
+        with torch._C._DisableTorchDispatch(), torch.no_grad():
+            got = func(*map(one, args), **{k: one(v) for k, v in kwargs.items()})
+    except Exception:  # (an op that refuses zeros: run as it is)
+        return None
+    return got.dtype if isinstance(got, torch.Tensor) else None
+
+
 def _huge_result(func: Any, args: tuple, kwargs: dict) -> Any:
     # A large float64 pointwise result written to huge-page memory through the op's out= overload (the same kernel:
     # the same bits), or None where the op is not one (the caller runs it as it is).  The reference's outputs were
@@ -120,22 +155,14 @@ def _huge_result(func: Any, args: tuple, kwargs: dict) -> Any:
     if not tensors or any(t.dtype != torch.float64 or t.device.type != "cpu" or type(t) is not torch.Tensor
                           for t in tensors):  # fmt: skip
         return None
-    try:
-        shape = torch.broadcast_shapes(*(t.shape for t in tensors))
-    except RuntimeError:
-        return None
-    if math.prod(shape) * 8 < HUGE_COPY_BYTES or not all(t.is_contiguous() for t in tensors):
+    shape = broadcast([t.shape for t in tensors])
+    if shape is None or math.prod(shape) * 8 < HUGE_COPY_BYTES or not all(t.is_contiguous() for t in tensors):
         return None
     out = out_variant(func)
-    if out is None:
+    if out is None or _result_dtype(func, args, kwargs) != torch.float64:  # (a comparison gives bool: as it is)
         return None
-    with torch.device("meta"):  # (what the op gives: its shape, dtype and layout, computed without the data)
-        meta = func(*(t.to("meta") if isinstance(t, torch.Tensor) else t for t in args),
-                    **{k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()})  # fmt: skip
-    if not isinstance(meta, torch.Tensor) or meta.dtype != torch.float64 or tuple(meta.shape) != tuple(shape) or \
-            not meta.is_contiguous():  # fmt: skip
-        return None
-    return out(*args, **kwargs, out=huge_empty(tuple(shape), torch.float64))
+    # (A pointwise op over contiguous operands gives a contiguous result of their broadcast shape.)
+    return out(*args, **kwargs, out=huge_empty(shape, torch.float64))
 
 
 class Float64Kernels(QuietDispatchMode):
