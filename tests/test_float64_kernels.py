@@ -187,3 +187,17 @@ def test_large_float64_pointwise_results_take_huge_pages_and_the_same_bits():
         assert torch.equal(grad, w.grad) and any(hit for _, hit in taken)
     finally:
         fk._huge_result = original
+
+
+def test_nested_and_sparse_float64_operands_run_as_torch_runs_them():
+    # (a nested tensor has no one shape: asking for it raised inside the reference, which then did not run)
+    import rlx_nb.backends.float64_kernels as fk
+
+    rows = [torch.randn(600, 1024, dtype=torch.float64), torch.randn(500, 1024, dtype=torch.float64)]
+    nested = torch.nested.nested_tensor(rows)  # (8.9 MB: past HUGE_COPY_BYTES)
+    sparse = torch.randn(1100, 1024, dtype=torch.float64).relu().to_sparse()
+    with fk.Float64Kernels():
+        got_nested = torch.nn.functional.gelu(nested)
+        got_sparse = sparse * 1.5
+    assert all(torch.equal(g, torch.nn.functional.gelu(r)) for g, r in zip(got_nested.unbind(), rows, strict=True))
+    assert torch.equal(got_sparse.to_dense(), (sparse * 1.5).to_dense())

@@ -153,8 +153,8 @@ def _huge_result(func: Any, args: tuple, kwargs: dict) -> Any:
     # kernels come here too.)
     tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
     if not tensors or any(t.dtype != torch.float64 or t.device.type != "cpu" or type(t) is not torch.Tensor
-                          for t in tensors):  # fmt: skip
-        return None
+                          or t.is_nested or t.layout != torch.strided for t in tensors):  # fmt: skip
+        return None  # (a nested tensor has no one shape: its sizes raise)
     shape = broadcast([t.shape for t in tensors])
     if shape is None or math.prod(shape) * 8 < HUGE_COPY_BYTES or not all(t.is_contiguous() for t in tensors):
         return None
