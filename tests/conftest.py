@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -118,6 +119,13 @@ def pytest_collection_modifyitems(config, items):
     if getattr(config.option, "dist", None) == "loadgroup":
         items.sort(key=lambda i: (i.get_closest_marker("xdist_group") is None, i.get_closest_marker("slow") is None))
 
+
+NO_IRI_CHECKER = "rfc3987_syntax"
+"""jsonschema loads this package, where it is installed, for its "iri" format checker, and the package builds a Lark
+parser from its grammar as it is imported: 3.1 s of every process that imports nbformat (each worker, at collection,
+and the browser test's JupyterLab).  No schema the suite validates has that format; without the package jsonschema
+leaves the format unchecked, as where it is not installed.  (None in ``sys.modules``: its import raises ImportError.)"""
+sys.modules.setdefault(NO_IRI_CHECKER, None)
 
 collect_ignore = ["_torchrun_job.py", "_torchrun_diff_job.py"]  # run by torchrun, not imported by pytest
 

@@ -30,7 +30,7 @@ import numpy as np
 import pytest
 
 from rlx_nb.distributed import free_local_port
-from tests.conftest import per_notebook
+from tests.conftest import NO_IRI_CHECKER, per_notebook
 from tests.pixels import near
 
 playwright_api = pytest.importorskip("playwright.sync_api")
@@ -158,8 +158,8 @@ def lab(tmp_path_factory):
     server = subprocess.Popen(
         [
             sys.executable,
-            "-m",
-            "jupyterlab",
+            "-c",  # (`python -m jupyterlab`, without the iri checker's 3 s import: tests/conftest.py NO_IRI_CHECKER)
+            f"import sys; sys.modules[{NO_IRI_CHECKER!r}] = None; from jupyterlab.labapp import main; sys.exit(main())",
             "--no-browser",
             "--ip=127.0.0.1",
             f"--port={port}",

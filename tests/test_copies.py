@@ -108,23 +108,28 @@ class OwnCopy(torch.nn.Linear):
         return new
 
 
-def _models():
-    yield "shares", Shares()
-    yield "compiled-flag", torch.nn.Linear(2, 2)
-    yield "lstm", torch.nn.LSTM(4, 5, num_layers=2)
-    yield "encoder", torch.nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, batch_first=True)
-    yield "demo", demo.transformer()[0]
-    yield "conv", demo.conv()[0]
-    yield "hf-gpt2", demo.gpt2()[0]
-    for name in ("gpt2", "llama"):
-        model, ids = zoo.decoder(name, batch=1, seed=0)
-        yield f"decode-{name}", Decode(model, prompt_len=ids.shape[1], steps=4, oracle_first=True)
-    for name in zoo.MODELS:  # (Mamba: a load hook bound to its module; others: partial activations, configs)
-        yield f"zoo-{name}", zoo.build(name, batch=1)[0]
+def _decoder(name: str) -> torch.nn.Module:
+    model, ids = zoo.decoder(name, batch=1, seed=0)
+    return Decode(model, prompt_len=ids.shape[1], steps=4, oracle_first=True)
 
 
-@pytest.mark.parametrize("name,model", list(_models()), ids=lambda v: v if isinstance(v, str) else "")
-def test_module_copy_is_the_copy_deepcopy_makes(name, model):
+MODELS = {  # (built by the test that takes them: at collection, every worker built all of them, 6 s)
+    "shares": Shares,
+    "compiled-flag": lambda: torch.nn.Linear(2, 2),
+    "lstm": lambda: torch.nn.LSTM(4, 5, num_layers=2),
+    "encoder": lambda: torch.nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, batch_first=True),
+    "demo": lambda: demo.transformer()[0],
+    "conv": lambda: demo.conv()[0],
+    "hf-gpt2": lambda: demo.gpt2()[0],
+    **{f"decode-{name}": functools.partial(_decoder, name) for name in ("gpt2", "llama")},
+    # (Mamba: a load hook bound to its module; others: partial activations, configs)
+    **{f"zoo-{name}": functools.partial(lambda n: zoo.build(n, batch=1)[0], name) for name in zoo.MODELS},
+}
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_module_copy_is_the_copy_deepcopy_makes(name):
+    model = MODELS[name]()
     if name == "compiled-flag":
         model.compile()  # (Module.compile(): nn.Module.__getstate__ leaves its compiled call out of a copy)
     ours, theirs = module_copy(model, {}), copy.deepcopy(model)
