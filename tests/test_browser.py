@@ -56,18 +56,21 @@ def _wait_http(url: str, deadline: float) -> None:
     raise TimeoutError(f"JupyterLab did not answer at {url}")
 
 
-def _interactive_notebook(path: Path) -> None:
+def _write_notebook(path: Path, cells: list[str]) -> None:
+    # A notebook of these code cells, for the Python 3 kernel Lab starts for it.
     nb = nbformat.v4.new_notebook()
     nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nb.cells = [
-        nbformat.v4.new_code_cell("%matplotlib widget"),
-        nbformat.v4.new_code_cell(
-            "import rlx_nb\nfrom rlx_nb.models import demo\nmodel, inputs = demo.mlp()\n"
-            'report = rlx_nb.backend_divergence(model, inputs, backends=["cpu-nomkldnn", "fault:gelu-approx"])\n'
-            "rlx_nb.explore(report)"
-        ),
-    ]
+    nb.cells = [nbformat.v4.new_code_cell(c) for c in cells]
     nbformat.write(nb, path)
+
+
+def _interactive_notebook(path: Path) -> None:
+    _write_notebook(path, [
+        "%matplotlib widget",
+        "import rlx_nb\nfrom rlx_nb.models import demo\nmodel, inputs = demo.mlp()\n"
+        'report = rlx_nb.backend_divergence(model, inputs, backends=["cpu-nomkldnn", "fault:gelu-approx"])\n'
+        "rlx_nb.explore(report)",
+    ])  # fmt: skip
 
 
 STEPS = "explorer_steps.ipynb"
@@ -77,17 +80,12 @@ minute to the suite and nothing to the steps; the walkthrough's executed copy is
 
 
 def _steps_notebook(path: Path) -> None:
-    nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nb.cells = [
-        nbformat.v4.new_code_cell(
-            "import rlx_nb\nfrom rlx_nb.models import demo\nmodel, inputs = demo.transformer()\n"
-            'report = rlx_nb.backend_divergence(model, inputs, backends=["cpu-nomkldnn", "fault:softmax-row"])\n'
-            "report"
-        ),
-        nbformat.v4.new_code_cell("rlx_nb.explore(report)"),
-    ]
-    nbformat.write(nb, path)
+    _write_notebook(path, [
+        "import rlx_nb\nfrom rlx_nb.models import demo\nmodel, inputs = demo.transformer()\n"
+        'report = rlx_nb.backend_divergence(model, inputs, backends=["cpu-nomkldnn", "fault:softmax-row"])\n'
+        "report",
+        "rlx_nb.explore(report)",
+    ])  # fmt: skip
 
 
 CALM = "no_suspect.ipynb"
@@ -95,8 +93,6 @@ CALM = "no_suspect.ipynb"
 
 
 def _calm_notebook(path: Path) -> None:
-    nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
     code = [
         "import pathlib, tempfile\nimport rlx_nb\nfrom rlx_nb.models import demo\nfrom rlx_nb.plot.charts import plot_effective_bits\n"
         "model, inputs = demo.mlp()\n"
@@ -117,8 +113,7 @@ def _calm_notebook(path: Path) -> None:
         "verdicts=dict(zip(legit.setting, legit.verdict)));",
         "rlx_nb.explore(report)",
     ]
-    nb.cells = [nbformat.v4.new_code_cell(c.replace("<!-- ", "# ").replace(" -->", "")) for c in code]
-    nbformat.write(nb, path)
+    _write_notebook(path, [c.replace("<!-- ", "# ").replace(" -->", "") for c in code])
 
 
 @pytest.fixture(scope="session")

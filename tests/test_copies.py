@@ -113,6 +113,10 @@ def _decoder(name: str) -> torch.nn.Module:
     return Decode(model, prompt_len=ids.shape[1], steps=4, oracle_first=True)
 
 
+def _zoo(name: str) -> torch.nn.Module:
+    return zoo.build(name, batch=1)[0]
+
+
 MODELS = {  # (built by the test that takes them: at collection, every worker built all of them, 6 s)
     "shares": Shares,
     "compiled-flag": lambda: torch.nn.Linear(2, 2),
@@ -123,7 +127,7 @@ MODELS = {  # (built by the test that takes them: at collection, every worker bu
     "hf-gpt2": lambda: demo.gpt2()[0],
     **{f"decode-{name}": functools.partial(_decoder, name) for name in ("gpt2", "llama")},
     # (Mamba: a load hook bound to its module; others: partial activations, configs)
-    **{f"zoo-{name}": functools.partial(lambda n: zoo.build(n, batch=1)[0], name) for name in zoo.MODELS},
+    **{f"zoo-{name}": functools.partial(_zoo, name) for name in zoo.MODELS},
 }
 
 

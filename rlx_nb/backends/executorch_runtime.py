@@ -29,6 +29,10 @@ DELEGATE_CALL = "executorch_call_delegate"
 """The edge graph's call into a delegate (what the partitioner took); every other op runs on portable kernels."""
 
 
+NATIVE = "executorch.extension.pybindings._C"
+"""ExecuTorch's runtime, compiled: what its Python runtime (``executorch.runtime``) loads programs with."""
+
+
 def executorch_reason() -> str | None:
     """None when ExecuTorch's exporter, its native runtime and torchao are installed, else why not and the pip line.
 
@@ -46,10 +50,6 @@ def executorch_reason() -> str | None:
     if native is None:
         return f"installed without its native runtime ({NATIVE}) ({PIP})"
     return None
-
-
-NATIVE = "executorch.extension.pybindings._C"
-"""ExecuTorch's runtime, compiled: what its Python runtime (``executorch.runtime``) loads programs with."""
 
 
 def runtime() -> Any:
