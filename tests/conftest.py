@@ -8,6 +8,7 @@ not live here is skipped, never failed.
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import sys
 
@@ -118,6 +119,34 @@ def pytest_collection_modifyitems(config, items):
     # (in collection order the int8 group came late, and one worker ran it alone for its last minute).
     if getattr(config.option, "dist", None) == "loadgroup":
         items.sort(key=lambda i: (i.get_closest_marker("xdist_group") is None, i.get_closest_marker("slow") is None))
+
+
+REFREEZE_MODULES = 200
+"""A worker freezes what it holds again once this many modules were imported since it last did (:func:`_freeze`)."""
+
+_FROZEN = {"modules": 0}
+
+
+def _freeze() -> None:
+    # What a worker has loaded (torch, its exporters and compilers, transformers: 600,000 objects and more) is moved out
+    # of the collector's reach (``gc.freeze``): a full collection walked all of it, 0.6 s and more a time, and rlx_nb
+    # collects on purpose where cycles hold what it lets go (after a training run's envelope, a dropped preparation),
+    # besides the collections allocation starts (a fifth of an ExecuTorch lowering in a loaded worker).  What is
+    # frozen stays alive; what a test makes after it is collected as ever.  Collected first, so no garbage is kept.
+    gc.collect()
+    gc.freeze()
+    _FROZEN["modules"] = len(sys.modules)
+
+
+def pytest_collection_finish(session):
+    _freeze()
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_runtest_teardown(item, nextitem):
+    # Between tests, once a test imported much more (an exporter, a model zoo): frozen too.
+    if len(sys.modules) - _FROZEN["modules"] >= REFREEZE_MODULES:
+        _freeze()
 
 
 NO_IRI_CHECKER = "rfc3987_syntax"
