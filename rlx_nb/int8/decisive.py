@@ -48,6 +48,7 @@ from rlx_nb.int8.requantization import (
     _module_of,
     _op_name,
     _ops,
+    dequantized_once,
     element_reach,
     graph_copy,
     rounded_at_random,
@@ -88,7 +89,7 @@ class _Planned:
 
     def __init__(self, converted: torch.fx.GraphModule, widths: dict[str, float],
                  spreads: dict[str, float] | None = None) -> None:  # fmt: skip
-        self.graph = graph_copy(converted)
+        self.graph = dequantized_once(graph_copy(converted))
         self.widths = widths
         self.spreads = widths if spreads is None else spreads  # (a trial's jitter: requantization.TRIAL_MARGIN)
         self.flips: dict[str, torch.Tensor] = {}

@@ -347,6 +347,30 @@ def graph_copy(converted: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return module_copy(converted, memo)
 
 
+def dequantized_once(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
+    """``graph`` (a :func:`graph_copy`, changed in place) with each dequantization of a constant -- an int8 weight
+    and its scales -- computed once and held as a float32 tensor: a Q/DQ simulation run many times (the decisive
+    search, the trials) dequantized every weight in every run: 4x an MLP's run.  The same values, bit for bit; for
+    simulations only (a runtime lowers the Q/DQ pattern itself)."""
+    for k, node in enumerate(n for n in list(graph.graph.nodes) if _op(n) in _DEQUANTIZE):
+        if not node.all_input_nodes or any(a.op != "get_attr" for a in node.all_input_nodes):
+            continue
+        fetch = lambda a: attr(graph, a.target)  # noqa: E731
+        with torch.no_grad():
+            value = node.target(*torch.fx.node.map_arg(node.args, fetch), **torch.fx.node.map_arg(node.kwargs, fetch))
+        name = f"_rlx_nb_dequantized_{k}"
+        graph.register_buffer(name, value, persistent=False)
+        with graph.graph.inserting_before(node):
+            node.replace_all_uses_with(graph.graph.get_attr(name))
+        inputs = node.all_input_nodes
+        graph.graph.erase_node(node)
+        for a in inputs:  # (the int8 weight and scales, where nothing else reads them; the tensors are kept)
+            if not a.users:
+                graph.graph.erase_node(a)
+    graph.recompile()
+    return graph
+
+
 def _module_of(node: torch.fx.Node, producer: torch.fx.Node | None = None) -> str:
     # The module that computed the value a requantization (its quantize, or the dequantize after it) holds: its
     # producing op's innermost module (``producer``: another op to name the module of).
