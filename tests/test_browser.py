@@ -12,6 +12,7 @@ keeps the screenshots.
 from __future__ import annotations
 
 import base64
+import contextlib
 import io
 import json
 import os
@@ -214,11 +215,63 @@ def _url(base: str, token: str, path: str) -> str:
 def _close(page, base: str, token: str) -> None:
     # Close the page and shut its kernel down, so the next notebook has both cores.
     page.close()
+    _shut_kernels(base, token)
+
+
+def _shut_kernels(base: str, token: str) -> None:
     with urllib.request.urlopen(f"{base}/api/kernels?token={token}", timeout=10) as answer:
         kernels = json.load(answer)
     for kernel in kernels:
         req = urllib.request.Request(f"{base}/api/kernels/{kernel['id']}?token={token}", method="DELETE")
         urllib.request.urlopen(req, timeout=30)
+
+
+def _menu(page, menu: str, item: str) -> None:
+    page.locator(".lm-MenuBar-itemLabel", has_text=menu).first.click()
+    page.locator(".lm-Menu-item:visible", has_text=item).first.click()
+
+
+_KEPT: dict[str, object] = {}
+"""The worker's Lab page that opened the last notebook, kept open for the next (:func:`_notebook_page`)."""
+
+
+@contextlib.contextmanager
+def _notebook_page(lab, path: str):
+    """A Lab page showing the notebook at ``path`` (under Lab's root), nothing else open.
+
+    Lab's shell is loaded once and kept: each later notebook opens in it from the File menu ("Open from Path"), as a
+    reader opens a second notebook, after the one before was closed and its kernel shut down (a fresh page loaded
+    the shell again: 6-8 s a page, 3 s in the kept one).  A page whose test failed is closed, not kept, so a later
+    test starts from a fresh one."""
+    browser, base, token, _ = lab
+    page = _KEPT.pop("page", None)
+    if page is not None:
+        try:
+            _menu(page, "File", "Open from Path")
+            box = page.locator(".jp-Dialog input").first
+            box.fill(path)
+            box.press("Enter")
+        except Exception:
+            page.close()
+            page = None
+    if page is None:
+        page = browser.new_page()
+        page.set_default_timeout(TIMEOUT_MS)
+        page.goto(_url(base, token, path))
+    try:
+        playwright_api.expect(page.locator(".lm-TabBar-tab.jp-mod-current").first).to_contain_text(Path(path).name)
+        yield page
+    except BaseException:
+        _close(page, base, token)
+        raise
+    try:  # (every tab closed: the checks read the whole page, which must hold the next notebook alone)
+        _menu(page, "File", "Close All Tabs")
+        playwright_api.expect(page.locator(".jp-NotebookPanel")).to_have_count(0, timeout=30_000)
+    except Exception:
+        _close(page, base, token)
+        return
+    _shut_kernels(base, token)
+    _KEPT["page"] = page
 
 
 def _open_and_run_all(browser, base: str, token: str, name: str):
@@ -355,12 +408,9 @@ def _shows_widgets(path: Path) -> bool:
 def test_every_notebook_shows_every_figure_whole(lab, executed_notebook, notebook):
     # The notebooks with an explorer, as this tree executes them (those with plain figures only: their PNGs are
     # checked in tests/test_notebooks.py, and their committed copies below, in Lab).
-    browser, base, token, root = lab
+    root = lab[3]
     shutil.copy(executed_notebook(Path(__file__).parent.parent / "notebooks" / notebook), root / "executed" / notebook)
-    page = browser.new_page()
-    page.set_default_timeout(TIMEOUT_MS)
-    try:
-        page.goto(_url(base, token, f"executed/{notebook}"))
+    with _notebook_page(lab, f"executed/{notebook}") as page:
         playwright_api.expect(page.locator(".jp-OutputArea-output img").first).to_be_visible(timeout=TIMEOUT_MS)
         assert _check_figures(page, notebook) >= 1
         _check_layout(page, notebook)
@@ -370,8 +420,6 @@ def test_every_notebook_shows_every_figure_whole(lab, executed_notebook, noteboo
             if select.is_visible():
                 shown = select.evaluate(WHOLE_OPTION)
                 assert shown["needed"] + 16 <= shown["width"], f"{notebook}: a picker cuts its choice: {shown}"
-    finally:
-        _close(page, base, token)
 
 
 def _until_changed(get, before: str, what: str) -> float:
@@ -503,11 +551,7 @@ def test_committed_notebooks_show_pictures_without_running(lab, notebook):
     # Opened as committed, nothing run: every explorer shows its static snapshot, never a raw widget repr,
     # and every figure is drawn.  (GitHub and nbviewer readers see the same outputs.)  Notebook 01's headline
     # heatmap shows its bad row as a band (:func:`_headline_band`).
-    browser, base, token, _ = lab
-    page = browser.new_page()
-    page.set_default_timeout(TIMEOUT_MS)
-    try:
-        page.goto(_url(base, token, f"notebooks/{notebook}"))
+    with _notebook_page(lab, f"notebooks/{notebook}") as page:
         playwright_api.expect(page.locator(".jp-OutputArea-output img").first).to_be_visible(timeout=TIMEOUT_MS)
         assert _check_figures(page, f"committed-{notebook}") >= 1
         _check_layout(page, f"committed-{notebook}")
@@ -540,8 +584,6 @@ def test_committed_notebooks_show_pictures_without_running(lab, notebook):
         _keep(lambda: page.screenshot(full_page=True), f"committed-{notebook.removesuffix('.ipynb')}.png")
         if notebook == HEADLINE:  # (on this page: another page of it took 10 s of the suite)
             _headline_band(page)
-    finally:
-        _close(page, base, token)
 
 
 def _headline_band(page) -> None:
