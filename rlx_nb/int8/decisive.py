@@ -105,7 +105,8 @@ class _Planned:
 
         def quantize(x, scale, zero_point, quant_min, quant_max, dtype):
             v = x * (1.0 / scale)
-            reach = element_reach(v, plan.widths.get(name, 0.0))
+            if plan.record is not None or plan.generator is not None:  # (a plain run reaches nothing: none computed)
+                reach = element_reach(v, plan.widths.get(name, 0.0))
             if plan.record is not None:  # (the candidates: within reach of a boundary)
                 near = (0.5 - (v - torch.round(v)).abs()) < reach
                 index = torch.nonzero(near.reshape(-1)).reshape(-1)
