@@ -923,10 +923,10 @@ def test_a_fault_no_cut_alone_shows_is_localized_by_its_value_spliced_into_the_s
     assert (spliced[spliced["name"].str.contains("layer.1.attention.self.query")]["verdict"] == "SUSPECT").all()
 
 
-def test_the_simulation_dequantizes_each_weight_once_and_computes_the_same_bits():
+def test_the_simulation_dequantizes_each_weight_once_and_computes_the_same_bits(monkeypatch):
     # The decisive search and the trials run the Q/DQ simulation hundreds of times: its int8 weights are dequantized
     # once (an MLP's run 4x faster), bit for bit the values every run computed, in a copy: the model's graph keeps
-    # its Q/DQ weights (what a runtime lowers).
+    # its Q/DQ weights (what a runtime lowers).  At most DEQUANTIZED_BYTES of float32 weights are held.
     from rlx_nb.int8 import decisive
 
     converted, inputs, _, _ = _case("mlp")
@@ -944,3 +944,9 @@ def test_the_simulation_dequantizes_each_weight_once_and_computes_the_same_bits(
     args = inputs if isinstance(inputs, tuple) else (inputs,)
     with torch.no_grad():
         assert torch.equal(planned.run(args), requantization.graph_copy(converted)(*args))
+    first = 4 * requantization.attr(converted, constant_dequantizes(converted)[0].args[0].target).numel()
+    monkeypatch.setattr(requantization, "DEQUANTIZED_BYTES", first)  # (room for the first weight alone)
+    capped = decisive._Planned(converted, {}, None)
+    assert len(constant_dequantizes(capped.graph)) == 1
+    with torch.no_grad():
+        assert torch.equal(capped.run(args), planned.run(args))

@@ -347,15 +347,25 @@ def graph_copy(converted: torch.fx.GraphModule) -> torch.fx.GraphModule:
     return module_copy(converted, memo)
 
 
+DEQUANTIZED_BYTES = 64 * 2**20
+""":func:`dequantized_once` holds at most this much of float32 weights (the copies of a graph share their int8
+weights: a GPT-2's held whole would be 4x its int8 weights, 0.5 GB more)."""
+
+
 def dequantized_once(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
     """``graph`` (a :func:`graph_copy`, changed in place) with each dequantization of a constant -- an int8 weight
-    and its scales -- computed once and held as a float32 tensor: a Q/DQ simulation run many times (the decisive
-    search, the trials) dequantized every weight in every run: 4x an MLP's run.  The same values, bit for bit; for
-    simulations only (a runtime lowers the Q/DQ pattern itself)."""
+    and its scales -- computed once and held as a float32 tensor, in graph order up to :data:`DEQUANTIZED_BYTES`: a
+    Q/DQ simulation run many times (the decisive search, the trials) dequantized every weight in every run: 4x an
+    MLP's run.  The same values, bit for bit; for simulations only (a runtime lowers the Q/DQ pattern itself)."""
+    held = 0
     for k, node in enumerate(n for n in list(graph.graph.nodes) if _op(n) in _DEQUANTIZE):
         if not node.all_input_nodes or any(a.op != "get_attr" for a in node.all_input_nodes):
             continue
         fetch = lambda a: attr(graph, a.target)  # noqa: E731
+        size = 4 * fetch(node.args[0]).numel()  # (float32 out)
+        if held + size > DEQUANTIZED_BYTES:
+            break
+        held += size
         with torch.no_grad():
             value = node.target(*torch.fx.node.map_arg(node.args, fetch), **torch.fx.node.map_arg(node.kwargs, fetch))
         name = f"_rlx_nb_dequantized_{k}"
