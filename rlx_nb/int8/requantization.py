@@ -358,10 +358,10 @@ def dequantized_once(graph: torch.fx.GraphModule) -> torch.fx.GraphModule:
     Q/DQ simulation run many times (the decisive search, the trials) dequantized every weight in every run: 4x an
     MLP's run.  The same values, bit for bit; for simulations only (a runtime lowers the Q/DQ pattern itself)."""
     held = 0
+    fetch = lambda a: attr(graph, a.target)  # noqa: E731  (a get_attr node's tensor)
     for k, node in enumerate(n for n in list(graph.graph.nodes) if _op(n) in _DEQUANTIZE):
         if not node.all_input_nodes or any(a.op != "get_attr" for a in node.all_input_nodes):
             continue
-        fetch = lambda a: attr(graph, a.target)  # noqa: E731
         size = 4 * fetch(node.args[0]).numel()  # (float32 out)
         if held + size > DEQUANTIZED_BYTES:
             break
